@@ -1,0 +1,54 @@
+"""Evaluate a checkpoint: python eval.py --workdir=DIR [--split=validation] [--generate="prompt" ...]
+
+Restores the latest checkpoint of a train.py run with the config it saved, prints loss,
+perplexity, bits per token and bits per character as one JSON line (also written to
+DIR/eval_<split>.json), and optionally samples a continuation of a prompt with the KV cache.
+"""
+
+import json
+import pathlib
+
+from absl import app, flags, logging
+
+flags.DEFINE_string("workdir", None, "Workdir of a train.py run.", required=True)
+flags.DEFINE_string("split", "validation", "Split to evaluate: train or validation.")
+flags.DEFINE_integer("max_batches", None, "Evaluate at most this many batches (default: the whole split).")
+flags.DEFINE_string("generate", None, "Prompt to continue.")
+flags.DEFINE_integer("max_new_tokens", 200, "Tokens to sample.")
+flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
+flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from lmzoo import config as config_lib
+    from lmzoo.train import loop
+
+    logging.set_verbosity(logging.WARNING)
+    config = config_lib.load_saved(FLAGS.workdir)
+    setup = loop.build(config, FLAGS.workdir)
+    restored = setup.checkpointer.restore_latest(setup.abstract_state)
+    if restored is None:
+        raise SystemExit(f"no checkpoint found in {setup.checkpointer.directory}; train first with train.py --workdir={FLAGS.workdir}")
+    step, state, _ = restored
+    if FLAGS.split not in setup.streams:
+        raise SystemExit(f"unknown split {FLAGS.split!r}; choose one of {sorted(setup.streams)}")
+    result = {"step": step, "split": FLAGS.split, **loop.evaluate(setup, state, FLAGS.split, FLAGS.max_batches)}
+    line = json.dumps(result)
+    print(line)
+    (pathlib.Path(FLAGS.workdir) / f"eval_{FLAGS.split}.json").write_text(line + "\n")
+    if FLAGS.generate is not None:
+        text = loop.sample_text(
+            setup, state, FLAGS.generate, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+            top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
+        )  # fmt: skip
+        print(FLAGS.generate + text)
+    setup.checkpointer.close()
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,118 @@
+"""The one config system: ml_collections ConfigDicts with every section and its defaults.
+
+`configs/<experiment>.py` files start from `base_config()` and change what differs. Configs are
+locked, so an override or a field that does not exist is an error (naming the valid keys),
+and `validate` checks the model section against the family's dataclass.
+"""
+
+import json
+import pathlib
+
+import ml_collections
+
+from lmzoo import models
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.model_name = "gpt2"
+    c.model = ml_collections.ConfigDict()
+    c.init_from = ""  # "hf:PATH": start from HuggingFace weights (a folder with config.json + model.safetensors)
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "python_stdlib"  # "local" (path), "python_stdlib", or "tfds" (name, data_dir)
+    c.data.path = ""
+    c.data.text_field = "text"  # field of .jsonl lines / TFDS features holding the text
+    c.data.max_files = 400  # python_stdlib: how many source files to read
+    c.data.name = ""  # tfds dataset name
+    c.data.data_dir = ""  # tfds data_dir
+    c.data.train_split = "train"
+    c.data.validation_split = "validation"
+    c.data.validation_fraction = 0.1  # local/stdlib: held-out tail (characters of one file, else documents)
+    c.data.seq_len = 128
+    c.data.sampler = "random"  # "random" windows (nanoGPT) or "sequential" shuffled non-overlapping windows
+    c.data.tokenizer = ml_collections.ConfigDict({"kind": "byte"})
+
+    c.objective = ml_collections.ConfigDict({"name": "causal_lm"})
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.name = "adamw"
+    c.optim.learning_rate = 1e-3
+    c.optim.min_learning_rate = 1e-4
+    c.optim.warmup_steps = 100
+    c.optim.decay_steps = 2000  # cosine reaches min_learning_rate here
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.99
+    c.optim.eps = 1e-8
+    c.optim.weight_decay = 0.1
+    c.optim.decay_embeddings = False
+    c.optim.grad_clip = 1.0
+
+    c.train = ml_collections.ConfigDict()
+    c.train.seed = 0
+    c.train.steps = 2000
+    c.train.batch_size = 12  # global batch (sequences per optimizer step)
+    c.train.grad_accum_steps = 1
+    c.train.log_every = 50
+    c.train.eval_every = 500
+    c.train.checkpoint_every = 500
+    c.train.keep_checkpoints = 3
+    c.train.async_checkpoints = True
+    c.train.sample_prompt = "\n"
+    c.train.sample_tokens = 200
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.batch_size = 64
+    c.eval.max_batches = ml_collections.FieldReference(None, field_type=int)  # None = the whole split
+
+    c.sharding = ml_collections.ConfigDict()
+    c.sharding.mesh_shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
+    c.sharding.rules = ()  # overrides of lmzoo.sharding.LOGICAL_AXIS_RULES, e.g. (("vocab", None),)
+    return c
+
+
+def model_section(name: str, **fields) -> ml_collections.ConfigDict:
+    """Every field of family `name`'s config dataclass (defaults, then `fields`), so each is overridable."""
+    import dataclasses
+
+    return ml_collections.ConfigDict(dataclasses.asdict(models.make_config(name, fields)))
+
+
+def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Checks the model section against its dataclass; returns the config locked."""
+    models.make_config(config.model_name, config.model.to_dict())
+    config.lock()
+    return config
+
+
+def load_saved(workdir: str) -> ml_collections.ConfigDict:
+    """The config a run saved in `<workdir>/config.json`."""
+    path = pathlib.Path(workdir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: is {workdir!r} the workdir of a train.py run?")
+    return ml_collections.ConfigDict(json.loads(path.read_text()))
+
+
+def check_overrides(argv: list[str], flag: str = "config") -> None:
+    """Fails fast, naming the valid keys, on `--config.a.b=v` overrides of keys the config lacks."""
+    import importlib.util
+
+    spec_arg = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{flag}=")), "configs/default.py")
+    path, _, variant = spec_arg.partition(":")
+    if not pathlib.Path(path).exists():
+        raise FileNotFoundError(f"config file {path!r} not found; pass --{flag}=configs/NAME.py")
+    module_spec = importlib.util.spec_from_file_location("_lmzoo_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    config = module.get_config(variant or None)
+    for arg in argv:
+        if not arg.startswith(f"--{flag}."):
+            continue
+        keys = arg[len(f"--{flag}.") :].split("=", 1)[0].split(".")
+        node, seen = config, []
+        for key in keys:
+            if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+                section = "config" + "".join(f".{k}" for k in seen)
+                valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+                raise ValueError(f"unknown config key {'.'.join(keys)!r} in {arg!r}; valid keys of {section}: {valid}")
+            node, seen = node[key], seen + [key]

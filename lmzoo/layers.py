@@ -1,0 +1,396 @@
+"""Building blocks shared by every family: projections, embeddings, norms, attention, MLP, stacking.
+
+Einsum letters: B batch, T query length, S key length, D emb_dim, N heads, H head_dim, F mlp_dim,
+V vocab. Every parameter declares logical axes (see `lmzoo.sharding`); activations are
+constrained at block boundaries.
+"""
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmzoo import sharding
+
+Initializer = Callable[..., jax.Array]
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "linear": lambda x: x,
+}
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; choose one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class Einsum(nn.Module):
+    """A projection `einsum(eqn, x, kernel) (+ bias)` whose kernel carries logical axis names.
+
+    Attributes:
+        shape: kernel shape, e.g. (D, N, H).
+        axes: one logical name per kernel dimension, e.g. ("embed", "heads", "kv").
+        use_bias: add a bias over the kernel dimensions that appear in the output.
+    """
+
+    shape: Sequence[int]
+    axes: Sequence[str]
+    use_bias: bool = False
+    kernel_init: Initializer = nn.initializers.normal(0.02)
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel", nn.with_logical_partitioning(self.kernel_init, tuple(self.axes)), tuple(self.shape), self.param_dtype
+        )
+        y = jnp.einsum(eqn, x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.use_bias:
+            in_spec, out_spec = eqn.replace(" ", "").split("->")
+            kernel_spec = in_spec.split(",")[1]
+            keep = [i for i, letter in enumerate(kernel_spec) if letter in out_spec]
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, tuple(self.axes[i] for i in keep)),
+                tuple(self.shape[i] for i in keep),
+                self.param_dtype,
+            )
+            y = y + bias.astype(self.dtype)
+        return y
+
+
+class Embed(nn.Module):
+    """Token embedding table [V, D] with `attend` for tied output heads.
+
+    Out-of-range ids give NaN embeddings instead of JAX's silent clamping, so a bad id can never
+    train quietly; data pipelines also check ids on the host with a clear error.
+    """
+
+    num_embeddings: int
+    features: int
+    embedding_init: Initializer = nn.initializers.normal(0.02)
+    axes: tuple[str, str] = ("vocab", "embed")
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        self.embedding = self.param(
+            "embedding",
+            nn.with_logical_partitioning(self.embedding_init, self.axes),
+            (self.num_embeddings, self.features),
+            self.param_dtype,
+        )
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """ids: [B, T] int -> [B, T, D]."""
+        x = jnp.take(self.embedding, ids, axis=0, mode="clip").astype(self.dtype)
+        in_range = (ids >= 0) & (ids < self.num_embeddings)
+        return jnp.where(in_range[..., None], x, jnp.nan)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """x: [B, T, D] -> logits [B, T, V]."""
+        return jnp.einsum("BTD,VD->BTV", x.astype(self.dtype), self.embedding.astype(self.dtype))
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis (`use_bias=False, use_mean=False` gives T5's RMS norm)."""
+
+    epsilon: float = 1e-5
+    use_bias: bool = True
+    use_mean: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        x32 = x.astype(jnp.float32)
+        if self.use_mean:
+            x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (d,), self.param_dtype)
+        y = y * scale
+        if self.use_bias:
+            y = y + self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), (d,), self.param_dtype)
+        return y.astype(self.dtype)
+
+
+def sinusoidal_positions(positions: jax.Array, features: int, max_timescale: float = 10_000.0) -> jax.Array:
+    """Vaswani et al. positions: [..., T] -> [..., T, D], sin in the first half, cos in the second."""
+    half = features // 2
+    inv_freq = jnp.exp(-np.log(max_timescale) * jnp.arange(half, dtype=jnp.float32) / max(half - 1, 1))
+    angles = positions[..., None].astype(jnp.float32) * inv_freq
+    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+def attention_mask(
+    query_segment_ids: jax.Array | None,
+    key_segment_ids: jax.Array | None,
+    *,
+    causal: bool,
+    query_positions: jax.Array | None = None,
+    key_positions: jax.Array | None = None,
+) -> jax.Array | None:
+    """Boolean mask [B, 1, T, S]: keys in the same non-zero segment (and not in the future if causal).
+
+    Segment id 0 marks padding. Returns None when there is nothing to mask beyond a plain causal
+    mask, which the attention kernel then applies without materialising it.
+    """
+    if query_segment_ids is None and key_segment_ids is None and query_positions is None:
+        return None
+    mask = None
+    if query_segment_ids is not None:
+        mask = (query_segment_ids[:, :, None] == key_segment_ids[:, None, :]) & (key_segment_ids[:, None, :] != 0)
+    elif key_segment_ids is not None:
+        mask = jnp.broadcast_to(key_segment_ids[:, None, :] != 0, key_segment_ids.shape[:1] + (1,) + key_segment_ids.shape[1:])
+    if causal and query_positions is not None:
+        future = key_positions[:, None, :] <= query_positions[:, :, None]
+        mask = future if mask is None else mask & future
+    return mask[:, None]
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    is_causal: bool,
+    scale: float | None,
+    dropout_rate: float,
+    dropout_rng: jax.Array | None,
+) -> jax.Array:
+    """q [B, T, N, H], k/v [B, S, N, H] -> [B, T, N, H].
+
+    Without attention dropout this is `jax.nn.dot_product_attention` (the fused kernel on GPUs; a
+    causal mask is generated inside the kernel, not materialised). Attention-probability dropout
+    needs the probabilities, so that case computes them explicitly.
+    """
+    if dropout_rng is None or dropout_rate == 0.0:
+        return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    logits = jnp.einsum("BTNH,BSNH->BNTS", query, key).astype(jnp.float32) * scale
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if is_causal:
+        t, s = logits.shape[-2:]
+        causal = jnp.tril(jnp.ones((t, s), bool), k=s - t)
+        mask = causal if mask is None else mask & causal
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0).astype(value.dtype)
+    return jnp.einsum("BNTS,BSNH->BTNH", probs, value)
+
+
+class Attention(nn.Module):
+    """Multi-head attention: self or cross, causal or bidirectional, optional additive bias, KV cache.
+
+    Attributes:
+        num_heads: N.
+        head_dim: H.
+        causal: mask future keys (decoder self-attention).
+        use_bias: biases on the q/k/v/out projections.
+        scale: logit scale; None means H ** -0.5 (T5 uses 1.0).
+        out_init: initializer of the output projection (GPT-2 scales it by 1/sqrt(2 L)).
+    """
+
+    num_heads: int
+    head_dim: int
+    causal: bool = False
+    use_bias: bool = True
+    scale: float | None = None
+    dropout_rate: float = 0.0
+    kernel_init: Initializer = nn.initializers.normal(0.02)
+    out_init: Initializer = nn.initializers.normal(0.02)
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        context: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        context_segment_ids: jax.Array | None = None,
+        bias: jax.Array | None = None,
+        deterministic: bool,
+        decode: bool = False,
+    ) -> jax.Array:
+        """x: [B, T, D]; context: [B, S, D] for cross-attention (None: self-attention) -> [B, T, D].
+
+        segment_ids [B, T] / context_segment_ids [B, S]: document ids, 0 = padding. In decode mode
+        x is the next chunk of the sequence and keys/values accumulate in the "cache" collection.
+        """
+        d = x.shape[-1]
+        proj = functools.partial(
+            Einsum, use_bias=self.use_bias, kernel_init=self.kernel_init, dtype=self.dtype, param_dtype=self.param_dtype
+        )
+        qkv_shape, qkv_axes = (d, self.num_heads, self.head_dim), ("embed", "heads", "kv")
+        kv_input = x if context is None else context
+        query = proj(qkv_shape, qkv_axes, name="query")("BTD,DNH->BTNH", x)
+        key = proj(qkv_shape, qkv_axes, name="key")("BSD,DNH->BSNH", kv_input)
+        value = proj(qkv_shape, qkv_axes, name="value")("BSD,DNH->BSNH", kv_input)
+        query = sharding.constrain(query, ("act_batch", "act_len", "act_heads", "act_kv"))
+        key = sharding.constrain(key, ("act_batch", "act_len", "act_heads", "act_kv"))
+        value = sharding.constrain(value, ("act_batch", "act_len", "act_heads", "act_kv"))
+
+        is_causal = self.causal
+        if context is not None:
+            mask = attention_mask(segment_ids, context_segment_ids, causal=False)
+        elif decode:
+            key, value, mask = self._update_cache(key, value, segment_ids)
+            is_causal = False
+        else:
+            mask = attention_mask(segment_ids, segment_ids, causal=False)
+
+        dropout_rng = None if deterministic or self.dropout_rate == 0.0 else self.make_rng("dropout")
+        out = dot_product_attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            scale=self.scale,
+            dropout_rate=self.dropout_rate,
+            dropout_rng=dropout_rng,
+        )
+        out = sharding.constrain(out, ("act_batch", "act_len", "act_heads", "act_kv"))
+        return Einsum(
+            (self.num_heads, self.head_dim, d),
+            ("heads", "kv", "embed"),
+            use_bias=self.use_bias,
+            kernel_init=self.out_init,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="out",
+        )("BTNH,NHD->BTD", out)
+
+    def _update_cache(self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None):
+        """Writes a [B, T] chunk at the cache index; returns full-length keys, values and the mask.
+
+        The first call (at init) sizes the cache from the chunk it sees: call `init` with a
+        [B, max_decode_len] batch. Later chunks attend to every earlier valid key and causally
+        within themselves.
+        """
+        batch, chunk = key.shape[:2]
+        initialized = self.has_variable("cache", "cached_key")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        cached_valid = self.variable("cache", "cached_valid", jnp.zeros, key.shape[:2], jnp.bool_)
+        cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        valid = jnp.ones((batch, chunk), jnp.bool_) if segment_ids is None else segment_ids != 0
+        if not initialized:
+            return key, value, attention_mask(None, None, causal=False)
+        index = cache_index.value
+        length = cached_key.value.shape[1]
+        cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, (0, index, 0, 0))
+        cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, (0, index, 0, 0))
+        cached_valid.value = jax.lax.dynamic_update_slice(cached_valid.value, valid, (0, index))
+        cache_index.value = index + chunk
+        query_pos = index + jnp.arange(chunk)
+        causal = jnp.arange(length)[None, :] <= query_pos[:, None]
+        mask = causal[None, None] & cached_valid.value[:, None, None, :]
+        return cached_key.value, cached_value.value, mask
+
+
+class MlpBlock(nn.Module):
+    """Position-wise feed-forward, D -> F -> D. Several activations give a gated unit (T5 v1.1).
+
+    Attributes:
+        mlp_dim: F.
+        activations: one name per input projection, multiplied together (("gelu", "linear") = GeGLU).
+    """
+
+    mlp_dim: int
+    activations: Sequence[str] = ("gelu",)
+    use_bias: bool = True
+    dropout_rate: float = 0.0
+    kernel_init: Initializer = nn.initializers.normal(0.02)
+    out_init: Initializer = nn.initializers.normal(0.02)
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+        """x: [B, T, D] -> [B, T, D]."""
+        d = x.shape[-1]
+        proj = functools.partial(Einsum, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        h = None
+        for i, name in enumerate(self.activations):
+            wi_name = "wi" if len(self.activations) == 1 else f"wi_{i}"
+            a = activation(name)(proj((d, self.mlp_dim), ("embed", "mlp"), kernel_init=self.kernel_init, name=wi_name)("BTD,DF->BTF", x))
+            h = a if h is None else h * a
+        h = sharding.constrain(h, ("act_batch", "act_len", "act_mlp"))
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        return proj((self.mlp_dim, d), ("mlp", "embed"), kernel_init=self.out_init, name="wo")("BTF,FD->BTD", h)
+
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class BlockStack(nn.Module):
+    """`num_layers` copies of `block`, looped in Python or with `nn.scan`, optionally rematerialised.
+
+    The block is called as `block(x, *args, deterministic=..., decode=...)` and returns x. With
+    `scan`, parameters gain a leading "layers" axis and compile time no longer grows with depth.
+
+    Attributes:
+        block: a module instance used as a template (cloned per layer).
+        remat_policy: one of REMAT_POLICIES ("none" keeps every activation).
+    """
+
+    block: nn.Module
+    num_layers: int
+    scan: bool = False
+    remat_policy: str = "none"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *args: Any, deterministic: bool, decode: bool = False) -> jax.Array:
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat_policy {self.remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}")
+        block_cls = type(self.block)
+        attrs = {f.name: getattr(self.block, f.name) for f in self.block.__dataclass_fields__.values() if f.init}
+        attrs.pop("parent", None)
+        attrs.pop("name", None)
+
+        def apply(module, carry, *call_args):
+            return module(carry, *call_args, deterministic=deterministic, decode=decode)
+
+        body = nn.remat(apply, policy=REMAT_POLICIES[self.remat_policy]) if self.remat_policy != "none" else apply
+        if not self.scan:
+            for i in range(self.num_layers):
+                x = body(block_cls(**attrs, name=f"layer_{i}"), x, *args)
+            return x
+
+        def scan_body(module, carry, _):
+            return body(module, carry, *args), None
+
+        scanned = nn.scan(
+            scan_body,
+            variable_axes={"params": 0, "cache": 0},
+            split_rngs={"params": True, "dropout": True},
+            length=self.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, _ = scanned(block_cls(**attrs, name="layers"), x, None)
+        return x

@@ -1,0 +1,35 @@
+"""Model registry: family name -> (config dataclass, module class).
+
+`build_model(name, model_config)` turns the `config.model` section into a Flax module; unknown
+names and unknown or missing fields are errors that list the valid choices.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+
+from lmzoo.models import gpt2
+
+REGISTRY: dict[str, tuple[type, type[nn.Module]]] = {
+    "gpt2": (gpt2.GPT2Config, gpt2.GPT2),
+}
+
+
+def make_config(name: str, fields: Mapping[str, Any]) -> Any:
+    """The family's frozen config dataclass from a mapping; unknown keys name the valid ones."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown model_name {name!r}; registered models: {sorted(REGISTRY)}")
+    config_cls = REGISTRY[name][0]
+    valid = [f.name for f in dataclasses.fields(config_cls)]
+    unknown = sorted(set(fields) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in config.model for {name!r}; valid keys: {valid}")
+    return config_cls(**dict(fields))
+
+
+def build_model(name: str, fields: Mapping[str, Any] | Any) -> nn.Module:
+    """A Flax module of family `name` from config.model fields (a mapping or the config dataclass)."""
+    config = fields if dataclasses.is_dataclass(fields) else make_config(name, fields)
+    return REGISTRY[name][1](config)

@@ -1,0 +1,387 @@
+"""One tokenizer interface for every lmzoo model: char, byte, SentencePiece and HuggingFace `tokenizers`.
+
+`encode` never adds special tokens (no BOS/EOS/[CLS]/[SEP]); callers add the ones their objective needs.
+`decode` drops pad ids and renders every other id, so it never stops early at EOS.
+"""
+
+from __future__ import annotations
+
+import abc
+import io
+import itertools
+import os
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import sentencepiece as spm
+import tokenizers as hf
+
+# Token names that identify each special role, in order of preference. The single source of truth for
+# discovering special ids in a vocabulary (HF files, CharTokenizer/ByteTokenizer specials, SentencePiece symbols).
+SPECIAL_TOKEN_NAMES: dict[str, tuple[str, ...]] = {
+    "eos": ("<|endoftext|>", "</s>", "<eos>"),
+    "bos": ("<s>", "<|endoftext|>", "<bos>"),
+    "pad": ("<pad>", "[PAD]"),
+    "unk": ("<unk>", "[UNK]"),
+    "mask": ("<mask>", "[MASK]"),
+    "cls": ("[CLS]", "<s>", "<cls>"),
+    "sep": ("[SEP]", "</s>", "<sep>"),
+}
+KINDS = ("char", "byte", "sentencepiece", "gpt2", "wordpiece", "hf_json")
+
+
+def _discover_specials(lookup: Callable[[str], int | None]) -> dict[str, int]:
+    """Map each role to the id of its first name in SPECIAL_TOKEN_NAMES that `lookup` finds."""
+    found = {role: [i for i in map(lookup, names) if i is not None] for role, names in SPECIAL_TOKEN_NAMES.items()}
+    return {role: ids[0] for role, ids in found.items() if ids}
+
+
+def _require_files(paths: Sequence[str], expected: str) -> None:
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{expected}; not found: {path}")
+
+
+def _utf8_char_counts(byte_values: np.ndarray) -> np.ndarray:
+    """1 for UTF-8 lead/ASCII bytes, 0 for continuation bytes: sums to the character count of valid UTF-8."""
+    return ((byte_values & 0xC0) != 0x80).astype(np.int32)
+
+
+class Tokenizer(abc.ABC):
+    """Text <-> ids. Special ids are None when the vocabulary has no such token."""
+
+    eos_id: int | None = None
+    pad_id: int | None = None
+    bos_id: int | None = None
+    unk_id: int | None = None
+    mask_id: int | None = None
+    cls_id: int | None = None
+    sep_id: int | None = None
+
+    def _set_specials(self, ids: Mapping[str, int | None]) -> None:
+        for role, i in ids.items():
+            setattr(self, f"{role}_id", i)
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        """Role -> id for every special token this tokenizer has."""
+        ids = {role: getattr(self, f"{role}_id") for role in SPECIAL_TOKEN_NAMES}
+        return {role: i for role, i in ids.items() if i is not None}
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Size of the id space; model embeddings must have at least this many rows."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Ids for `text`, without any special tokens added."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text for `ids`, skipping pad ids."""
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    @abc.abstractmethod
+    def token_char_lengths(self) -> np.ndarray:
+        """[vocab_size] int32: unicode characters each id decodes to (0 for specials), for bits per character."""
+
+    @abc.abstractmethod
+    def save(self, directory: str) -> dict:
+        """Write needed files into `directory`; return a JSON-able spec for `from_spec` (paths relative)."""
+
+
+class CharTokenizer(Tokenizer):
+    """Character vocabulary `chars` (ids 0..len-1) followed by `specials`; unknown characters are an error."""
+
+    def __init__(self, chars: str, specials: Sequence[str] = ("<eos>",)):
+        if len(set(chars)) != len(chars):
+            raise ValueError("CharTokenizer characters must be unique")
+        self.chars = chars
+        self.specials = tuple(specials)
+        self._index = {c: i for i, c in enumerate(chars)}
+        special_index = {name: len(chars) + k for k, name in enumerate(self.specials)}
+        self._set_specials(_discover_specials(special_index.get))
+
+    @classmethod
+    def from_corpus(cls, texts: Iterable[str], specials: Sequence[str] = ("<eos>",)) -> CharTokenizer:
+        """Sorted unique characters of `texts` (nanoGPT shakespeare_char ids), specials after them."""
+        chars: set[str] = set()
+        for text in texts:
+            chars.update(text)
+        return cls("".join(sorted(chars)), specials)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars) + len(self.specials)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self._index[c] for c in text]
+        except KeyError as e:
+            raise ValueError(
+                f"character {e.args[0]!r} is not in the character vocabulary, which was built from the "
+                "training corpus"
+            ) from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        n = len(self.chars)
+        return "".join(self.chars[i] if i < n else self.specials[i - n] for i in ids if i != self.pad_id)
+
+    def token_char_lengths(self) -> np.ndarray:
+        return np.array([1] * len(self.chars) + [0] * len(self.specials), dtype=np.int32)
+
+    def save(self, directory: str) -> dict:
+        return {"kind": "char", "chars": self.chars, "specials": list(self.specials)}
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes 0..255, then <eos>=256 and <pad>=257.
+
+    token_char_lengths counts 1 for ASCII and UTF-8 lead bytes and 0 for continuation bytes, so its sum over
+    the encoding of any text equals the text's character count (true bits per character, not per byte).
+    """
+
+    SPECIALS = ("<eos>", "<pad>")
+
+    def __init__(self) -> None:
+        self._set_specials(_discover_specials({name: 256 + k for k, name in enumerate(self.SPECIALS)}.get))
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.SPECIALS)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        parts = []
+        for is_byte, run in itertools.groupby((i for i in ids if i != self.pad_id), key=lambda i: i < 256):
+            parts.append(bytes(run).decode("utf-8", errors="replace") if is_byte else
+                         "".join(self.SPECIALS[i - 256] for i in run))
+        return "".join(parts)
+
+    def token_char_lengths(self) -> np.ndarray:
+        return np.concatenate([_utf8_char_counts(np.arange(256)), np.zeros(len(self.SPECIALS), np.int32)])
+
+    def save(self, directory: str) -> dict:
+        return {"kind": "byte"}
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model, optionally followed by `extra_ids` T5 sentinels.
+
+    Sentinels sit above the SentencePiece vocabulary in reverse order (`<extra_id_0>` = vocab_size - 1, as in
+    seqio); encode never produces them, decode renders them as `<extra_id_i>`. Control pieces (EOS) decode to
+    "" (SentencePiece behaviour).
+    """
+
+    def __init__(self, model_proto: bytes, extra_ids: int = 0):
+        self.model_proto = model_proto
+        self.extra_ids = extra_ids
+        self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        self._char_lengths: np.ndarray | None = None
+        found = _discover_specials(self._user_piece_id)
+        ids = {"pad": self.sp.pad_id(), "eos": self.sp.eos_id(), "unk": self.sp.unk_id(), "bos": self.sp.bos_id()}
+        self._set_specials({role: (i if i >= 0 else None) for role, i in ids.items()})
+        self._set_specials({role: found.get(role) for role in ("mask", "cls", "sep")})
+
+    def _user_piece_id(self, piece: str) -> int | None:
+        i = self.sp.piece_to_id(piece)
+        ok = self.sp.id_to_piece(i) == piece and not (self.sp.is_control(i) or self.sp.is_unknown(i))
+        return i if ok else None
+
+    @classmethod
+    def load(cls, path: str, extra_ids: int = 0) -> SentencePieceTokenizer:
+        _require_files([path], "SentencePiece needs a trained .model file")
+        with open(path, "rb") as f:
+            return cls(f.read(), extra_ids)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, model_type: str = "bpe",
+              user_defined_symbols: Sequence[str] = (), byte_fallback: bool = True, extra_ids: int = 0,
+              **trainer_kwargs) -> SentencePieceTokenizer:
+        """Train in memory on the non-empty lines of `texts` (a str or strs); `vocab_size` excludes `extra_ids`.
+
+        Defaults are lossless (identity normalization, whitespace kept, no dummy prefix, byte fallback so
+        decode(encode(s)) == s); any SentencePieceTrainer option can be overridden via `trainer_kwargs`.
+        With byte_fallback, vocab_size must cover 256 byte pieces + 3 specials + the corpus characters.
+        """
+        options = dict(
+            vocab_size=vocab_size, model_type=model_type, user_defined_symbols=list(user_defined_symbols),
+            byte_fallback=byte_fallback, pad_id=0, eos_id=1, unk_id=2, bos_id=-1, num_threads=2,
+            character_coverage=0.9995, normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=False, minloglevel=2,
+        )
+        options.update(trainer_kwargs)
+        model = io.BytesIO()
+        texts = [texts] if isinstance(texts, str) else texts
+        lines = (line for text in texts for line in text.splitlines() if line)
+        spm.SentencePieceTrainer.train(sentence_iterator=lines, model_writer=model, **options)
+        return cls(model.getvalue(), extra_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size() + self.extra_ids
+
+    def sentinel_id(self, i: int) -> int:
+        """Id of `<extra_id_{i}>`."""
+        if not 0 <= i < self.extra_ids:
+            raise IndexError(f"sentinel {i} out of range; this tokenizer has extra_ids={self.extra_ids}")
+        return self.vocab_size - 1 - i
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(texts)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        n = self.sp.get_piece_size()
+        parts = []
+        for is_piece, run in itertools.groupby((i for i in ids if i != self.pad_id), key=lambda i: i < n):
+            parts.append(self.sp.decode(list(run)) if is_piece else
+                         "".join(f"<extra_id_{self.vocab_size - 1 - i}>" for i in run))
+        return "".join(parts)
+
+    def token_char_lengths(self) -> np.ndarray:
+        """Byte-fallback pieces count as in ByteTokenizer (exact characters for valid UTF-8)."""
+        if self._char_lengths is None:
+            sp = self.sp
+            lengths = np.zeros(self.vocab_size, np.int32)
+            for i in range(sp.get_piece_size()):
+                piece = sp.id_to_piece(i)
+                if sp.is_byte(i):
+                    lengths[i] = _utf8_char_counts(np.array(int(piece[1:-1], 16)))
+                elif not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)):
+                    lengths[i] = len(piece.replace("\u2581", " "))
+            lengths[list(self.special_ids.values())] = 0
+            lengths.flags.writeable = False
+            self._char_lengths = lengths
+        return self._char_lengths
+
+    def save(self, directory: str) -> dict:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "spm.model"), "wb") as f:
+            f.write(self.model_proto)
+        return {"kind": "sentencepiece", "path": "spm.model", "extra_ids": self.extra_ids}
+
+
+class HFTokenizer(Tokenizer):
+    """A HuggingFace `tokenizers.Tokenizer`; padding and truncation are switched off on the wrapped object.
+
+    Special ids are found by SPECIAL_TOKEN_NAMES unless given. Post-processor templates are not applied:
+    e.g. `wordpiece` encodes plain word pieces and callers add [CLS]/[SEP] themselves.
+    """
+
+    def __init__(self, tokenizer: hf.Tokenizer, special_ids: Mapping[str, int] | None = None):
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        self.tokenizer = tokenizer
+        self._char_lengths: np.ndarray | None = None
+        self._set_specials(_discover_specials(tokenizer.token_to_id) if special_ids is None else special_ids)
+
+    @classmethod
+    def gpt2(cls, vocab_json: str, merges_txt: str) -> HFTokenizer:
+        """GPT-2 byte-level BPE; `<|endoftext|>` (50256) is both eos and bos; no pad."""
+        _require_files([vocab_json, merges_txt], "GPT-2 BPE needs vocab.json and merges.txt")
+        tok = hf.Tokenizer(hf.models.BPE.from_file(vocab_json, merges_txt))
+        tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = hf.decoders.ByteLevel()
+        tok.add_special_tokens(["<|endoftext|>"])
+        return cls(tok)
+
+    @classmethod
+    def wordpiece(cls, vocab_txt: str, lowercase: bool = True) -> HFTokenizer:
+        """BERT WordPiece from vocab.txt; [PAD]/[UNK]/[CLS]/[SEP]/[MASK] are special (and matched in text)."""
+        _require_files([vocab_txt], "BERT WordPiece needs vocab.txt")
+        tok = hf.Tokenizer(hf.models.WordPiece.from_file(vocab_txt, unk_token="[UNK]"))
+        tok.normalizer = hf.normalizers.BertNormalizer(lowercase=lowercase)
+        tok.pre_tokenizer = hf.pre_tokenizers.BertPreTokenizer()
+        tok.decoder = hf.decoders.WordPiece()
+        specials = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+        tok.add_special_tokens([name for name in specials if tok.token_to_id(name) is not None])
+        return cls(tok)
+
+    @classmethod
+    def from_file(cls, tokenizer_json: str, special_ids: Mapping[str, int] | None = None) -> HFTokenizer:
+        _require_files([tokenizer_json], "HF tokenizer needs a tokenizer.json")
+        return cls(hf.Tokenizer.from_file(tokenizer_json), special_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i != self.pad_id], skip_special_tokens=False)
+
+    def token_char_lengths(self) -> np.ndarray:
+        """Length of each id decoded alone. WordPiece drops the `##` prefix and does not count inter-word
+        spaces; byte-level pieces holding part of a multi-byte character count as 1 (U+FFFD)."""
+        if self._char_lengths is None:
+            tok = self.tokenizer
+            pieces = tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+            if isinstance(tok.model, hf.models.WordPiece):
+                pieces = [p.removeprefix(tok.model.continuing_subword_prefix) for p in pieces]
+            lengths = np.array([len(p) for p in pieces], dtype=np.int32)
+            added = [i for i, t in tok.get_added_tokens_decoder().items() if t.special]
+            lengths[added + list(self.special_ids.values())] = 0
+            lengths.flags.writeable = False
+            self._char_lengths = lengths
+        return self._char_lengths
+
+    def save(self, directory: str) -> dict:
+        os.makedirs(directory, exist_ok=True)
+        self.tokenizer.save(os.path.join(directory, "tokenizer.json"))
+        return {"kind": "hf_json", "path": "tokenizer.json", "special_ids": self.special_ids}
+
+
+def from_spec(spec: dict, base_dir: str | None = None) -> Tokenizer:
+    """Rebuild a tokenizer from the dict its `save` returned; relative paths resolve against `base_dir`."""
+    kind = spec["kind"]
+    path = os.path.join(base_dir or "", spec.get("path", ""))
+    if kind == "char":
+        return CharTokenizer(spec["chars"], spec["specials"])
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "sentencepiece":
+        return SentencePieceTokenizer.load(path, extra_ids=spec.get("extra_ids", 0))
+    if kind == "hf_json":
+        return HFTokenizer.from_file(path, special_ids=spec.get("special_ids"))
+    raise ValueError(f"unknown tokenizer spec kind {kind!r}; expected char, byte, sentencepiece or hf_json")
+
+
+def build_tokenizer(kind: str, *, corpus: Iterable[str] | None = None, path: str | None = None,
+                    vocab_size: int | None = None, **kwargs) -> Tokenizer:
+    """Tokenizer from config. kinds: char (corpus), byte, sentencepiece (path to .model, or corpus +
+    vocab_size to train), gpt2 (path = folder with vocab.json + merges.txt), wordpiece (path = vocab.txt),
+    hf_json (path = tokenizer.json). `kwargs` go to the constructor/trainer."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+    if kind == "char":
+        if corpus is None:
+            raise ValueError("tokenizer kind 'char' needs corpus= to build its character vocabulary")
+        return CharTokenizer.from_corpus(corpus, **kwargs)
+    if kind == "byte":
+        return ByteTokenizer(**kwargs)
+    if kind == "sentencepiece" and path is None:
+        if corpus is None or vocab_size is None:
+            raise ValueError("tokenizer kind 'sentencepiece' needs path= (a .model) or corpus= and vocab_size=")
+        return SentencePieceTokenizer.train(corpus, vocab_size, **kwargs)
+    if path is None:
+        raise ValueError(f"tokenizer kind {kind!r} needs path=")
+    if kind == "sentencepiece":
+        return SentencePieceTokenizer.load(path, **kwargs)
+    if kind == "gpt2":
+        return HFTokenizer.gpt2(os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"), **kwargs)
+    if kind == "wordpiece":
+        return HFTokenizer.wordpiece(path, **kwargs)
+    return HFTokenizer.from_file(path, **kwargs)

@@ -1,0 +1,296 @@
+"""`train_and_evaluate(config, workdir)`: data -> sharded jitted steps -> metrics -> checkpoints -> sample.
+
+A run restarted with the same workdir restores the latest good checkpoint (params, optimizer
+state, step, rng, loader position) and continues exactly where it stopped.
+"""
+
+import dataclasses
+import json
+import logging
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from lmzoo import checkpoint, decoding, models, sharding, tokenizers
+from lmzoo.data import pipeline, transforms
+from lmzoo.train import metrics as metrics_lib
+from lmzoo.train import optim, tasks
+from lmzoo.train import step as step_lib
+from lmzoo.train.state import Task, TrainState
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+@dataclasses.dataclass
+class Setup:
+    """What both training and evaluation build from a config and a workdir."""
+
+    config: ml_collections.ConfigDict
+    mesh: jax.sharding.Mesh
+    rules: tuple
+    tokenizer: tokenizers.Tokenizer
+    streams: dict[str, pipeline.TokenStream]
+    model: nn.Module
+    task: Task
+    state_shardings: TrainState
+    abstract_state: TrainState
+    batch_sharding: jax.sharding.NamedSharding
+    checkpointer: checkpoint.Checkpointer
+    init_fn: Callable[[jax.Array], TrainState]
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    eval_step: Callable | None = None
+
+    def context(self):
+        """Mesh and rules context under which every jitted function of the run is traced."""
+        return _Context(self.mesh, self.rules)
+
+
+class _Context:
+    def __init__(self, mesh, rules):
+        self.mesh_cm, self.rules_cm = jax.set_mesh(mesh), nn.logical_axis_rules(rules)
+
+    def __enter__(self):
+        self.mesh_cm.__enter__()
+        self.rules_cm.__enter__()
+
+    def __exit__(self, *exc):
+        self.rules_cm.__exit__(*exc)
+        self.mesh_cm.__exit__(*exc)
+
+
+def _tokenizer(config: ml_collections.ConfigDict, documents: dict[str, list[str]], workdir: pathlib.Path) -> tokenizers.Tokenizer:
+    """The run's tokenizer: reloaded from the workdir when it exists so a resumed run keeps its ids."""
+    saved = workdir / "tokenizer" / "spec.json"
+    if saved.exists():
+        return tokenizers.from_spec(json.loads(saved.read_text()), str(saved.parent))
+    spec = config.data.tokenizer.to_dict()
+    kind = spec.pop("kind")
+    corpus = documents["train"] + documents["validation"] if kind in ("char", "sentencepiece") and not spec.get("path") else None
+    tokenizer = tokenizers.build_tokenizer(kind, corpus=corpus, **spec)
+    if jax.process_index() == 0:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(tokenizer.save(str(saved.parent))))
+    return tokenizer
+
+
+def _sample_batch(config: ml_collections.ConfigDict) -> dict[str, jax.ShapeDtypeStruct]:
+    shape = (config.train.batch_size, config.data.seq_len)
+    int_spec = jax.ShapeDtypeStruct(shape, jnp.int32)
+    return {"inputs": int_spec, "targets": int_spec, "weights": jax.ShapeDtypeStruct(shape, jnp.float32),
+            "segment_ids": int_spec, "positions": int_spec}  # fmt: skip
+
+
+def build(config: ml_collections.ConfigDict, workdir: str) -> Setup:
+    """Tokenizer, token streams, model, task, abstract sharded state and checkpointer for a config."""
+    workdir_path = pathlib.Path(workdir)
+    workdir_path.mkdir(parents=True, exist_ok=True)
+    mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape))
+    rules = sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))
+    documents = pipeline.load_documents(config.data)
+    tokenizer = _tokenizer(config, documents, workdir_path)
+    if config.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}); set --config.model.vocab_size={tokenizer.vocab_size} (or larger)"
+        )
+    max_len = config.model.get("max_len")
+    if max_len is not None and config.data.seq_len > max_len:
+        raise ValueError(
+            f"config.data.seq_len={config.data.seq_len} is longer than the model's positions "
+            f"(config.model.max_len={max_len}); shorten seq_len or raise max_len"
+        )
+    streams = {split: pipeline.TokenStream.from_documents(docs, tokenizer) for split, docs in documents.items()}
+    for split, stream in streams.items():
+        transforms.check_token_ids(stream.tokens, config.model.vocab_size, where=f"{split} split")
+    model = models.build_model(config.model_name, config.model.to_dict())
+    task = tasks.build_task(config)
+    tx, schedule = optim.make_optimizer(config.optim)
+
+    def init_state(rng):
+        params_rng, state_rng = jax.random.split(rng)
+        batch = {k: jnp.zeros(v.shape, v.dtype) for k, v in _sample_batch(config).items()}
+        params, frozen, carry = task.init(params_rng, batch)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+            rng=jax.random.key_data(state_rng), frozen=frozen, carry=carry,
+        )  # fmt: skip
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        boxed = jax.eval_shape(init_state, jax.random.key(config.train.seed))
+        state_shardings = sharding.logical_to_sharding(boxed, mesh, rules)
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), state_shardings
+    )
+    setup = Setup(
+        config=config, mesh=mesh, rules=rules, tokenizer=tokenizer, streams=streams, model=model, task=task,
+        state_shardings=state_shardings, abstract_state=abstract_state,
+        batch_sharding=sharding.batch_sharding(mesh, rules),
+        checkpointer=checkpoint.Checkpointer(
+            str(workdir_path / "checkpoints"), max_to_keep=config.train.keep_checkpoints,
+            async_save=config.train.async_checkpoints,
+        ),
+        init_fn=jax.jit(lambda rng: nn.unbox(init_state(rng)), out_shardings=state_shardings),
+        tx=tx, schedule=schedule,
+    )  # fmt: skip
+    return setup
+
+
+def restore_or_init(setup: Setup) -> tuple[TrainState, dict]:
+    """The latest good checkpoint, or a fresh state (optionally with weights from config.init_from)."""
+    restored = setup.checkpointer.restore_latest(setup.abstract_state)
+    if restored is not None:
+        step, state, data_state = restored
+        if jax.process_index() == 0:
+            print(f"resumed from {setup.checkpointer.directory / str(step)}")
+        return state, data_state
+    with setup.context():
+        state = setup.init_fn(jax.random.key(setup.config.train.seed))
+    if setup.config.get("init_from"):
+        from lmzoo.convert import hf
+
+        params = hf.load_pretrained(setup.config.init_from, setup.config.model_name, setup.abstract_state.params)
+        state = state.replace(params=jax.device_put(params, setup.state_shardings.params))
+        state = state.replace(opt_state=jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(state.params))
+    return state, {"step": 0}
+
+
+def evaluate(setup: Setup, state: TrainState, split: str = "validation", max_batches: int | None = None) -> dict[str, float]:
+    """Loss over a whole split (each target once), plus perplexity, bits per token and per character."""
+    cfg = setup.config
+    if setup.eval_step is None:
+        with setup.context():
+            setup.eval_step = jax.jit(
+                step_lib.make_eval_step(setup.task), in_shardings=(setup.state_shardings, setup.batch_sharding),
+                out_shardings=sharding.replicated(setup.mesh),
+            )  # fmt: skip
+    eval_step = setup.eval_step
+    char_lengths = setup.tokenizer.token_char_lengths()
+    total, num_chars = None, 0.0
+    batches = pipeline.eval_batches(
+        setup.streams[split], cfg.eval.batch_size, cfg.data.seq_len, jax.process_index(), jax.process_count()
+    )
+    for i, batch in enumerate(batches):
+        if max_batches is not None and i >= max_batches:
+            break
+        num_chars += float(np.sum(char_lengths[batch["targets"]] * batch["weights"]))
+        with setup.context():
+            total = metrics_lib.accumulate(total, eval_step(state, sharding.put_batch(batch, setup.batch_sharding)))
+    summary = metrics_lib.summarize(total)
+    loss_sum = float(jax.device_get(total["loss"][0]))
+    num_chars = float(np.sum(jax.device_get(_allsum(num_chars))))
+    summary["bits_per_char"] = loss_sum / np.log(2) / max(num_chars, 1.0)
+    summary["tokens"] = float(jax.device_get(total["loss"][1]))
+    return summary
+
+
+def _allsum(value: float):
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return np.sum(multihost_utils.process_allgather(np.asarray(value)))
+
+
+def sample_text(setup: Setup, state: TrainState, prompt: str, *, max_new_tokens: int, temperature: float,
+                top_k: int, top_p: float, seed: int) -> str:  # fmt: skip
+    """Decodes a continuation of `prompt` with the KV cache."""
+    tokenizer = setup.tokenizer
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    max_len = setup.config.model.get("max_len")
+    if max_len is not None:
+        max_new_tokens = min(max_new_tokens, max_len - len(ids))
+        if max_new_tokens <= 0:
+            raise ValueError(f"the prompt is {len(ids)} tokens, the model's max_len is {max_len}; shorten the prompt")
+    params = jax.device_get(state.params)
+    new = decoding.generate(
+        setup.model, params, np.asarray([ids]), rng=jax.random.key(seed), max_new_tokens=max_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0,
+    )  # fmt: skip
+    out = [int(t) for t in np.asarray(new[0])]
+    if tokenizer.eos_id in out:
+        out = out[: out.index(tokenizer.eos_id)]
+    return tokenizer.decode(out)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """Trains `config.train.steps` steps; returns the final validation metrics."""
+    setup = build(config, workdir)
+    is_main = jax.process_index() == 0
+    if is_main:
+        (pathlib.Path(workdir) / "config.json").write_text(config.to_json_best_effort(indent=2))
+    state, data_state = restore_or_init(setup)
+    loader = pipeline.LMLoader(
+        setup.streams["train"], config.train.batch_size, config.data.seq_len, seed=config.train.seed,
+        sampler=config.data.sampler, process_index=jax.process_index(), process_count=jax.process_count(),
+    )  # fmt: skip
+    train_step = step_lib.make_train_step(setup.task, setup.tx, setup.schedule, grad_accum_steps=config.train.grad_accum_steps)
+    with setup.context():
+        train_step = jax.jit(
+            train_step, in_shardings=(setup.state_shardings, setup.batch_sharding),
+            out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)), donate_argnums=0,
+        )  # fmt: skip
+    writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+    start = int(data_state["step"])
+    last_good = start
+    total, window_start, window_step = None, time.time(), start
+    tokens_per_step = config.train.batch_size * config.data.seq_len
+    progress = tqdm(
+        total=config.train.steps, initial=start, disable=not is_main, desc="train",
+        mininterval=0.5 if sys.stderr.isatty() else 30.0,
+    )  # fmt: skip
+    summary: dict[str, float] = {}
+    for step in range(start, config.train.steps):
+        batch = sharding.put_batch(loader.batch(step), setup.batch_sharding)
+        with setup.context():
+            state, step_metrics = train_step(state, batch)
+        total = metrics_lib.accumulate(total, step_metrics)
+        done = step + 1
+        at_log = done % config.train.log_every == 0 or done == config.train.steps
+        at_ckpt = done % config.train.checkpoint_every == 0 or done == config.train.steps
+        if at_log or at_ckpt:
+            summary = metrics_lib.summarize(total)
+            if not metrics_lib.all_finite(summary):
+                setup.checkpointer.wait()
+                raise NonFiniteLossError(
+                    f"non-finite training metrics between steps {window_step} and {done}: {summary}. "
+                    f"Training stopped; the last good checkpoint (step {last_good}) is kept in {workdir}/checkpoints. "
+                    "Lower config.optim.learning_rate or check the data."
+                )
+            summary["tokens_per_sec"] = tokens_per_step * (done - window_step) / max(time.time() - window_start, 1e-9)
+            writer.write(done, summary, "train")
+            progress.set_postfix(loss=f"{summary['loss']:.4f}", lr=f"{summary['learning_rate']:.2e}")
+            total, window_start, window_step = None, time.time(), done
+        if done % config.train.eval_every == 0 or done == config.train.steps:
+            eval_summary = evaluate(setup, state, max_batches=config.eval.max_batches)
+            writer.write(done, eval_summary, "validation")
+            progress.write(f"step {done}: validation loss {eval_summary['loss']:.4f} ppl {eval_summary['perplexity']:.2f}")
+            summary = {**summary, **{f"val_{k}": v for k, v in eval_summary.items()}}
+        if at_ckpt:
+            setup.checkpointer.save(done, state, {"step": done})
+            last_good = done
+        progress.update(1)
+    progress.close()
+    setup.checkpointer.wait()
+    final = evaluate(setup, state, max_batches=config.eval.max_batches)
+    if is_main and config.train.sample_tokens > 0:
+        text = sample_text(setup, state, config.train.sample_prompt, max_new_tokens=config.train.sample_tokens,
+                           temperature=0.8, top_k=0, top_p=0.95, seed=config.train.seed)  # fmt: skip
+        (pathlib.Path(workdir) / "sample.txt").write_text(config.train.sample_prompt + text)
+        print(f"--- sample (step {int(state.step)}) ---\n{config.train.sample_prompt}{text}\n---")
+    writer.close()
+    setup.checkpointer.close()
+    return final

@@ -1,0 +1,53 @@
+"""Metric reduction and writers (TensorBoard via tensorboardX, plus a JSON-lines file)."""
+
+import json
+import math
+import pathlib
+
+import jax
+import numpy as np
+
+
+def accumulate(total: dict | None, metrics: dict) -> dict:
+    """Adds (sum, count) metric pairs; works on device arrays without a host sync."""
+    return metrics if total is None else jax.tree.map(lambda a, b: a + b, total, metrics)
+
+
+def summarize(total: dict) -> dict[str, float]:
+    """(sum, count) pairs -> means on the host; adds perplexity and bits per token for "loss"."""
+    host = jax.device_get(total)
+    out = {name: float(s) / max(float(c), 1e-12) for name, (s, c) in host.items()}
+    if "loss" in out:
+        out["perplexity"] = math.exp(min(out["loss"], 50.0))
+        out["bits_per_token"] = out["loss"] / math.log(2)
+    return out
+
+
+def all_finite(summary: dict[str, float]) -> bool:
+    return all(np.isfinite(v) for v in summary.values())
+
+
+class MetricWriter:
+    """Writes scalars to TensorBoard (`<workdir>/tb`) and `<workdir>/metrics.jsonl`; process 0 only."""
+
+    def __init__(self, workdir: str, *, enabled: bool = True):
+        self.enabled = enabled
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(pathlib.Path(workdir) / "tb"))
+            self.jsonl = open(pathlib.Path(workdir) / "metrics.jsonl", "a")
+
+    def write(self, step: int, scalars: dict[str, float], prefix: str) -> None:
+        if not self.enabled:
+            return
+        for name, value in scalars.items():
+            self.tb.add_scalar(f"{prefix}/{name}", value, step)
+        self.jsonl.write(json.dumps({"step": step, "split": prefix, **scalars}) + "\n")
+        self.jsonl.flush()
+        self.tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.close()
+            self.jsonl.close()

@@ -1,0 +1,95 @@
+import numpy as np
+import pytest
+
+from lmzoo import tokenizers
+from lmzoo.data import pipeline, tfds_text, transforms
+
+
+def _stream():
+    tokens, doc_ids = transforms.concat_documents([[5, 6, 7], [8, 9], [10, 11, 12, 13]], eos_id=1)
+    return pipeline.TokenStream(tokens, doc_ids)
+
+
+def test_lm_windows_segments_positions_and_weights():
+    stream = _stream()  # 5 6 7 1 | 8 9 1 | 10 11 12 13 1
+    batch = transforms.lm_windows(stream.tokens, stream.doc_ids, np.array([2]), 6)
+    np.testing.assert_array_equal(batch["inputs"], [[7, 1, 8, 9, 1, 10]])
+    np.testing.assert_array_equal(batch["targets"], [[1, 8, 9, 1, 10, 11]])
+    np.testing.assert_array_equal(batch["weights"], [[1, 0, 1, 1, 0, 1]])
+    np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 2, 2, 2, 3]])
+    np.testing.assert_array_equal(batch["positions"], [[0, 1, 0, 1, 2, 0]])
+
+
+def test_window_past_the_end_is_padding():
+    stream = _stream()
+    batch = transforms.lm_windows(stream.tokens, stream.doc_ids, np.array([8]), 6)  # 11 12 13 1 | end
+    np.testing.assert_array_equal(batch["weights"], [[1, 1, 1, 0, 0, 0]])
+    np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 1, 1, 0, 0]])
+
+
+@pytest.mark.parametrize("sampler", ["random", "sequential"])
+def test_loader_is_deterministic_random_access_and_sharded(sampler):
+    stream = pipeline.TokenStream(np.arange(1000, dtype=np.int32) % 50, np.zeros(1000, np.int32))
+    loader = pipeline.LMLoader(stream, batch_size=8, seq_len=16, seed=3, sampler=sampler)
+    again = pipeline.LMLoader(stream, batch_size=8, seq_len=16, seed=3, sampler=sampler)
+    for step in (0, 5, 100):
+        for k, v in loader.batch(step).items():
+            np.testing.assert_array_equal(v, again.batch(step)[k])
+    assert not np.array_equal(loader.batch(0)["inputs"], loader.batch(1)["inputs"])
+    halves = [pipeline.LMLoader(stream, 8, 16, seed=3, sampler=sampler, process_index=i, process_count=2).batch(7) for i in range(2)]
+    np.testing.assert_array_equal(np.concatenate([h["inputs"] for h in halves]), loader.batch(7)["inputs"])
+
+
+def test_sequential_sampler_visits_every_window_once_per_epoch():
+    stream = pipeline.TokenStream(np.arange(161, dtype=np.int32), np.zeros(161, np.int32))
+    loader = pipeline.LMLoader(stream, batch_size=2, seq_len=16, seed=0, sampler="sequential")
+    starts = sorted(int(loader.batch(s)["inputs"][r, 0]) for s in range(5) for r in range(2))
+    assert starts == list(range(0, 160, 16))
+
+
+def test_eval_batches_cover_every_target_once():
+    stream = pipeline.TokenStream(np.arange(100, dtype=np.int32), np.zeros(100, np.int32))
+    batches = list(pipeline.eval_batches(stream, batch_size=4, seq_len=16))
+    targets = np.concatenate([b["targets"][b["weights"] > 0] for b in batches])
+    np.testing.assert_array_equal(np.sort(targets), np.arange(1, 100))
+
+
+def test_check_token_ids():
+    transforms.check_token_ids(np.array([0, 31]), 32, where="x")
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        transforms.check_token_ids(np.array([0, 32]), 32, where="train split")
+
+
+def test_local_text_sources(tmp_path):
+    (tmp_path / "a.txt").write_text("first document")
+    (tmp_path / "b.jsonl").write_text('{"text": "second"}\n{"text": "third"}\n')
+    assert pipeline.read_local_text(str(tmp_path)) == ["first document", "second", "third"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        pipeline.read_local_text(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no text found"):
+        pipeline.read_local_text(str(tmp_path / "empty"))
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match="has no field 'text'"):
+        pipeline.read_local_text(str(tmp_path / "bad.jsonl"))
+
+
+def test_split_by_characters_for_one_document_else_by_documents():
+    train, val = pipeline.split_documents(["abcdefghij"], 0.1)
+    assert (train, val) == (["abcdefghi"], ["j"])
+    train, val = pipeline.split_documents([str(i) for i in range(10)], 0.2)
+    assert len(train) == 8 and val == ["8", "9"]
+
+
+def test_loader_rejects_too_little_data():
+    with pytest.raises(ValueError, match="fewer than seq_len"):
+        pipeline.LMLoader(pipeline.TokenStream(np.zeros(10, np.int32), np.zeros(10, np.int32)), 2, 16, seed=0)
+
+
+def test_tfds_source_built_locally(tmp_path):
+    name = tfds_text.prepare_text_dataset(str(tmp_path), {"train": ["hello world", "abc"], "validation": ["xyz"]})
+    assert pipeline.read_tfds(name, "train", str(tmp_path), "text") == ["hello world", "abc"]
+    stream = pipeline.TokenStream.from_documents(pipeline.read_tfds(name, "validation", str(tmp_path), "text"), tokenizers.ByteTokenizer())
+    assert stream.tokens.tolist() == list(b"xyz") + [256]
+    with pytest.raises(FileNotFoundError, match="not prepared"):
+        pipeline.read_tfds("lmzoo_text", "train", str(tmp_path / "nowhere"), "text")

@@ -1,0 +1,117 @@
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from lmzoo import checkpoint, config as config_lib
+from lmzoo.train import loop
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _tiny_config(**train):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("default_config", ROOT / "configs" / "default.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("tiny")
+    config.train.update(train)
+    return config
+
+
+def _params(workdir):
+    setup = loop.build(config_lib.load_saved(workdir), workdir)
+    step, state, data_state = setup.checkpointer.restore_latest(setup.abstract_state)
+    setup.checkpointer.close()
+    return step, jax.device_get(state), data_state
+
+
+def test_train_writes_checkpoints_logs_sample_and_eval(tmp_path):
+    final = loop.train_and_evaluate(_tiny_config(), str(tmp_path))
+    assert np.isfinite(final["loss"]) and final["loss"] < np.log(258)
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss", "perplexity", "learning_rate", "grad_norm", "tokens_per_sec"} <= set(rows[0])
+    assert any(p.name.startswith("events") for p in (tmp_path / "tb").iterdir())
+    assert (tmp_path / "sample.txt").read_text().startswith("def ")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", "--generate=def", "--max_new_tokens=5", "--max_batches=2"],
+        capture_output=True, text=True, cwd=ROOT, check=True,
+    )  # fmt: skip
+    line = json.loads(result.stdout.splitlines()[0])
+    assert line["step"] == 4 and abs(line["loss"] - final["loss"]) < 1e-4
+    assert {"perplexity", "bits_per_token", "bits_per_char"} <= set(line)
+
+
+def test_resume_is_exact(tmp_path):
+    """2 steps, stop, restart to 4 == 4 steps uninterrupted (params, optimizer state, rng, loader)."""
+    loop.train_and_evaluate(_tiny_config(), str(tmp_path / "straight"))
+    loop.train_and_evaluate(_tiny_config(steps=2), str(tmp_path / "resumed"))
+    loop.train_and_evaluate(_tiny_config(), str(tmp_path / "resumed"))
+    step_a, state_a, data_a = _params(str(tmp_path / "straight"))
+    step_b, state_b, data_b = _params(str(tmp_path / "resumed"))
+    assert step_a == step_b == 4 and data_a == data_b == {"step": 4}
+    jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
+
+
+def test_grad_accumulation_matches_full_batch(tmp_path):
+    a = loop.train_and_evaluate(_tiny_config(grad_accum_steps=1), str(tmp_path / "a"))
+    b = loop.train_and_evaluate(_tiny_config(grad_accum_steps=2), str(tmp_path / "b"))
+    _, state_a, _ = _params(str(tmp_path / "a"))
+    _, state_b, _ = _params(str(tmp_path / "b"))
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=2e-5), state_a.params, state_b.params)
+    assert abs(a["loss"] - b["loss"]) < 1e-4
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    config = _tiny_config(steps=6)
+    config.optim.learning_rate = 1e30
+    config.optim.grad_clip = 0.0
+    config.optim.warmup_steps = 0
+    with pytest.raises(loop.NonFiniteLossError, match="last good checkpoint"):
+        loop.train_and_evaluate(config, str(tmp_path))
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert all(s < 6 for s in steps)
+    if steps:
+        _, state, _ = _params(str(tmp_path))
+        assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
+
+
+def test_incompatible_checkpoint_names_parameters(tmp_path):
+    loop.train_and_evaluate(_tiny_config(), str(tmp_path))
+    config = _tiny_config(steps=6)
+    config.model.mlp_dim = 48
+    with pytest.raises(checkpoint.IncompatibleCheckpointError, match=r"mlp/wi/kernel: checkpoint \(32, 64\) vs model \(32, 48\)"):
+        loop.train_and_evaluate(config, str(tmp_path))
+
+
+def test_corrupt_latest_checkpoint_falls_back(tmp_path):
+    loop.train_and_evaluate(_tiny_config(), str(tmp_path))
+    for f in (tmp_path / "checkpoints" / "4" / "state" / "d").iterdir():
+        f.write_bytes(b"broken")
+    step, _, data_state = _params(str(tmp_path))
+    assert step == 2 and data_state == {"step": 2}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--config.model.emb_dimm=3", "valid keys of config.model"),
+        ("--config.data.seq_len=64", "longer than the model's positions"),
+        ("--config.model.vocab_size=100", "smaller than the tokenizer's vocabulary"),
+        ("--config.data.source=local", "config.data.path is empty"),
+        ("--config.data.source=local --config.data.path=/nonexistent", "does not exist"),
+    ],
+)
+def test_bad_config_errors(tmp_path, override, message):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--config=configs/default.py:tiny", f"--workdir={tmp_path}", *override.split()],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert message in result.stderr

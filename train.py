@@ -1,0 +1,34 @@
+"""Train a model: python train.py [--config=configs/NAME.py[:arg]] [--workdir=DIR] [--config.a.b=value ...]
+
+Restarting with the same --workdir resumes from its latest checkpoint.
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", "configs/default.py", "Experiment config file (configs/*.py).", lock_config=True)
+flags.DEFINE_string("workdir", "runs/default", "Directory for checkpoints, logs and samples.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from lmzoo import config as config_lib
+    from lmzoo.train import loop
+
+    logging.set_verbosity(logging.WARNING)
+    config = config_lib.validate(flags.FLAGS.config)
+    final = loop.train_and_evaluate(config, flags.FLAGS.workdir)
+    print("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+
+
+if __name__ == "__main__":
+    import sys
+
+    from lmzoo.config import check_overrides
+
+    try:
+        check_overrides(sys.argv[1:])
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    app.run(main)

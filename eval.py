@@ -43,7 +43,7 @@ def main(argv):
     (pathlib.Path(FLAGS.workdir) / f"eval_{FLAGS.split}.json").write_text(line + "\n")
     if FLAGS.generate is not None:
         text = loop.sample_text(
-            setup, state, FLAGS.generate, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+            setup, loop.host_params(setup, state), FLAGS.generate, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
             top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
         )  # fmt: skip
         print(FLAGS.generate + text)

@@ -14,12 +14,19 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from lmzoo import config as config_lib
+    from lmzoo import sharding
     from lmzoo.train import loop
 
     logging.set_verbosity(logging.WARNING)
     config = config_lib.validate(flags.FLAGS.config)
+    if config.distributed.cpu_devices_per_process:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", config.distributed.cpu_devices_per_process)
+    sharding.initialize_distributed(**{k: config.distributed[k] for k in ("coordinator_address", "num_processes", "process_id")})
     final = loop.train_and_evaluate(config, flags.FLAGS.workdir)
-    print("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+    if final is not None:
+        print("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
 
 
 if __name__ == "__main__":

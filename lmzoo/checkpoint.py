@@ -16,6 +16,16 @@ import orbax.checkpoint as ocp
 log = logging.getLogger(__name__)
 
 
+def reached_preemption(step: int) -> bool:
+    """JAX's multi-host preemption sync point (every process agrees on the step); False without the service."""
+    from jax.experimental import multihost_utils
+
+    try:
+        return multihost_utils.reached_preemption_sync_point(step)
+    except RuntimeError:
+        return False
+
+
 class IncompatibleCheckpointError(ValueError):
     pass
 

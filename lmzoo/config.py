@@ -68,6 +68,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.sharding = ml_collections.ConfigDict()
     c.sharding.mesh_shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
     c.sharding.rules = ()  # overrides of lmzoo.sharding.LOGICAL_AXIS_RULES, e.g. (("vocab", None),)
+
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator_address = ""  # "" single process; "auto" (TPU pods, SLURM); or "host:port"
+    c.distributed.num_processes = 1
+    c.distributed.process_id = 0
+    c.distributed.cpu_devices_per_process = 0  # >0: simulated CPU devices per process (testing)
     return c
 
 

@@ -49,6 +49,22 @@ def axis_rules(overrides: Sequence[tuple[str, Any]] = ()) -> tuple[tuple[str, An
     return tuple((name, replaced.get(name, axis)) for name, axis in LOGICAL_AXIS_RULES)
 
 
+def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Joins JAX's multi-controller runtime; must run before anything touches the devices.
+
+    coordinator_address "" = single process; "auto" = let JAX detect the cluster (TPU pods,
+    SLURM, ...); "host:port" with num_processes/process_id for explicit launches (GPU hosts, tests).
+    """
+    if not coordinator_address:
+        return
+    if coordinator_address == "auto":
+        jax.distributed.initialize()
+        return
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id {process_id} must be in [0, num_processes={num_processes})")
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
+
+
 def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, fsdp, tensor) mesh; one -1 entry takes all remaining devices.
 

@@ -9,6 +9,8 @@ import json
 import logging
 import pathlib
 import sys
+import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -82,8 +84,10 @@ def _tokenizer(config: ml_collections.ConfigDict, documents: dict[str, list[str]
     corpus = documents["train"] + documents["validation"] if kind in ("char", "sentencepiece") and not spec.get("path") else None
     tokenizer = tokenizers.build_tokenizer(kind, corpus=corpus, **spec)
     if jax.process_index() == 0:
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(tokenizer.save(str(saved.parent))))
+        staging = workdir / "tokenizer.tmp"
+        staging.mkdir(parents=True, exist_ok=True)
+        (staging / "spec.json").write_text(json.dumps(tokenizer.save(str(staging))))
+        staging.rename(saved.parent)
     return tokenizer
 
 
@@ -205,9 +209,16 @@ def _allsum(value: float):
     return np.sum(multihost_utils.process_allgather(np.asarray(value)))
 
 
-def sample_text(setup: Setup, state: TrainState, prompt: str, *, max_new_tokens: int, temperature: float,
+def host_params(setup: Setup, state: TrainState):
+    """Params as host numpy arrays; every process must call this (it gathers across hosts)."""
+    with setup.context():
+        gathered = jax.jit(lambda p: p, out_shardings=sharding.replicated(setup.mesh))(state.params)
+    return jax.device_get(gathered)
+
+
+def sample_text(setup: Setup, params, prompt: str, *, max_new_tokens: int, temperature: float,
                 top_k: int, top_p: float, seed: int) -> str:  # fmt: skip
-    """Decodes a continuation of `prompt` with the KV cache."""
+    """Decodes a continuation of `prompt` with the KV cache; params from `host_params`."""
     tokenizer = setup.tokenizer
     ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
     max_len = setup.config.model.get("max_len")
@@ -215,7 +226,6 @@ def sample_text(setup: Setup, state: TrainState, prompt: str, *, max_new_tokens:
         max_new_tokens = min(max_new_tokens, max_len - len(ids))
         if max_new_tokens <= 0:
             raise ValueError(f"the prompt is {len(ids)} tokens, the model's max_len is {max_len}; shorten the prompt")
-    params = jax.device_get(state.params)
     new = decoding.generate(
         setup.model, params, np.asarray([ids]), rng=jax.random.key(seed), max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0,
@@ -226,8 +236,31 @@ def sample_text(setup: Setup, state: TrainState, prompt: str, *, max_new_tokens:
     return tokenizer.decode(out)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-    """Trains `config.train.steps` steps; returns the final validation metrics."""
+class PreemptionWatch:
+    """True once the run should checkpoint and stop: SIGTERM (single process), or JAX's
+    multi-host preemption sync point, which every process reaches at the same step."""
+
+    def __init__(self):
+        self.signalled = False
+        self.multi_host = jax.process_count() > 1
+        if not self.multi_host and threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self.signalled = True
+
+    def __call__(self, step: int) -> bool:
+        if self.multi_host:
+            return checkpoint.reached_preemption(step)
+        return self.signalled
+
+    def close(self):
+        if hasattr(self, "previous"):
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
+    """Trains to `config.train.steps`; returns the final validation metrics (None if preempted)."""
     setup = build(config, workdir)
     is_main = jax.process_index() == 0
     if is_main:
@@ -244,6 +277,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)), donate_argnums=0,
         )  # fmt: skip
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+    preempted = PreemptionWatch()
     start = int(data_state["step"])
     last_good = start
     total, window_start, window_step = None, time.time(), start
@@ -252,45 +286,54 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         total=config.train.steps, initial=start, disable=not is_main, desc="train",
         mininterval=0.5 if sys.stderr.isatty() else 30.0,
     )  # fmt: skip
-    summary: dict[str, float] = {}
-    for step in range(start, config.train.steps):
-        batch = sharding.put_batch(loader.batch(step), setup.batch_sharding)
-        with setup.context():
-            state, step_metrics = train_step(state, batch)
-        total = metrics_lib.accumulate(total, step_metrics)
-        done = step + 1
-        at_log = done % config.train.log_every == 0 or done == config.train.steps
-        at_ckpt = done % config.train.checkpoint_every == 0 or done == config.train.steps
-        if at_log or at_ckpt:
-            summary = metrics_lib.summarize(total)
-            if not metrics_lib.all_finite(summary):
+    final = None
+    try:
+        for step in range(start, config.train.steps):
+            batch = sharding.put_batch(loader.batch(step), setup.batch_sharding)
+            with setup.context():
+                state, step_metrics = train_step(state, batch)
+            total = metrics_lib.accumulate(total, step_metrics)
+            done = step + 1
+            at_log = done % config.train.log_every == 0 or done == config.train.steps
+            at_ckpt = done % config.train.checkpoint_every == 0 or done == config.train.steps
+            stop = preempted(done)
+            if at_log or at_ckpt or stop:
+                summary = metrics_lib.summarize(total)
+                if not metrics_lib.all_finite(summary):
+                    raise NonFiniteLossError(
+                        f"non-finite training metrics between steps {window_step} and {done}: {summary}. "
+                        f"Training stopped; the last good checkpoint (step {last_good}) is kept in {workdir}/checkpoints. "
+                        "Lower config.optim.learning_rate or check the data."
+                    )
+                summary["tokens_per_sec"] = tokens_per_step * (done - window_step) / max(time.time() - window_start, 1e-9)
+                writer.write(done, summary, "train")
+                progress.set_postfix(loss=f"{summary['loss']:.4f}", lr=f"{summary['learning_rate']:.2e}")
+                total, window_start, window_step = None, time.time(), done
+            if done % config.train.eval_every == 0 or done == config.train.steps:
+                final = evaluate(setup, state, max_batches=config.eval.max_batches)
+                writer.write(done, final, "validation")
+                progress.write(f"step {done}: validation loss {final['loss']:.4f} ppl {final['perplexity']:.2f}")
+            if at_ckpt or stop:
+                setup.checkpointer.save(done, state, {"step": done}, force=stop)
+                last_good = done
+            progress.update(1)
+            if stop:
                 setup.checkpointer.wait()
-                raise NonFiniteLossError(
-                    f"non-finite training metrics between steps {window_step} and {done}: {summary}. "
-                    f"Training stopped; the last good checkpoint (step {last_good}) is kept in {workdir}/checkpoints. "
-                    "Lower config.optim.learning_rate or check the data."
-                )
-            summary["tokens_per_sec"] = tokens_per_step * (done - window_step) / max(time.time() - window_start, 1e-9)
-            writer.write(done, summary, "train")
-            progress.set_postfix(loss=f"{summary['loss']:.4f}", lr=f"{summary['learning_rate']:.2e}")
-            total, window_start, window_step = None, time.time(), done
-        if done % config.train.eval_every == 0 or done == config.train.steps:
-            eval_summary = evaluate(setup, state, max_batches=config.eval.max_batches)
-            writer.write(done, eval_summary, "validation")
-            progress.write(f"step {done}: validation loss {eval_summary['loss']:.4f} ppl {eval_summary['perplexity']:.2f}")
-            summary = {**summary, **{f"val_{k}": v for k, v in eval_summary.items()}}
-        if at_ckpt:
-            setup.checkpointer.save(done, state, {"step": done})
-            last_good = done
-        progress.update(1)
-    progress.close()
-    setup.checkpointer.wait()
-    final = evaluate(setup, state, max_batches=config.eval.max_batches)
-    if is_main and config.train.sample_tokens > 0:
-        text = sample_text(setup, state, config.train.sample_prompt, max_new_tokens=config.train.sample_tokens,
-                           temperature=0.8, top_k=0, top_p=0.95, seed=config.train.seed)  # fmt: skip
-        (pathlib.Path(workdir) / "sample.txt").write_text(config.train.sample_prompt + text)
-        print(f"--- sample (step {int(state.step)}) ---\n{config.train.sample_prompt}{text}\n---")
-    writer.close()
-    setup.checkpointer.close()
-    return final
+                progress.write(f"preempted: saved checkpoint {done} in {setup.checkpointer.directory}; rerun the same command to resume")
+                return None
+        progress.close()
+        setup.checkpointer.wait()
+        if final is None:
+            final = evaluate(setup, state, max_batches=config.eval.max_batches)
+        params = host_params(setup, state) if config.train.sample_tokens > 0 else None
+        if is_main and params is not None:
+            text = sample_text(setup, params, config.train.sample_prompt, max_new_tokens=config.train.sample_tokens,
+                               temperature=0.8, top_k=0, top_p=0.95, seed=config.train.seed)  # fmt: skip
+            (pathlib.Path(workdir) / "sample.txt").write_text(config.train.sample_prompt + text)
+            print(f"--- sample (step {int(state.step)}) ---\n{config.train.sample_prompt}{text}\n---")
+        return final
+    finally:
+        setup.checkpointer.wait()
+        preempted.close()
+        writer.close()
+        setup.checkpointer.close()

@@ -35,8 +35,8 @@ def main(argv):
     if restored is None:
         raise SystemExit(f"no checkpoint found in {setup.checkpointer.directory}; train first with train.py --workdir={FLAGS.workdir}")
     step, state, _ = restored
-    if FLAGS.split not in setup.streams:
-        raise SystemExit(f"unknown split {FLAGS.split!r}; choose one of {sorted(setup.streams)}")
+    if FLAGS.split not in ("train", "validation"):
+        raise SystemExit(f"unknown split {FLAGS.split!r}; choose train or validation")
     result = {"step": step, "split": FLAGS.split, **loop.evaluate(setup, state, FLAGS.split, FLAGS.max_batches)}
     line = json.dumps(result)
     print(line)

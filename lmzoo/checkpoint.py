@@ -2,8 +2,9 @@
 
 Layout: `<workdir>/checkpoints/<step>/{state,data}`. Restore targets carry shardings, so a
 checkpoint written on one mesh restores onto another. A latest checkpoint that is truncated or
-corrupt is reported and skipped in favour of the previous good one; a checkpoint whose shapes
-do not match the model names the mismatching parameters.
+corrupt is reported and skipped in favour of the previous good one, and replaced once the
+resumed run saves that step again; a checkpoint whose shapes do not match the model names the
+mismatching parameters.
 """
 
 import logging
@@ -46,6 +47,10 @@ class Checkpointer:
         )
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
+        # Steps >= `step` can only be unreadable checkpoints a resumed run fell back past; orbax would
+        # skip (or, forced, refuse) every save up to the newest of them, so they are dropped first.
+        for stale in [s for s in self.steps() if s >= step]:
+            self.manager.delete(stale)
         return self.manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),

@@ -22,6 +22,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict()
     c.data.source = "python_stdlib"  # "local" (path), "python_stdlib", or "tfds" (name, data_dir)
     c.data.path = ""
+    c.data.document_unit = "file"  # local .txt files: one document per "file", "paragraph" or "line"
     c.data.text_field = "text"  # field of .jsonl lines / TFDS features holding the text
     c.data.max_files = 400  # python_stdlib: how many source files to read
     c.data.name = ""  # tfds dataset name
@@ -33,7 +34,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.sampler = "random"  # "random" windows (nanoGPT) or "sequential" shuffled non-overlapping windows
     c.data.tokenizer = ml_collections.ConfigDict({"kind": "byte"})
 
-    c.objective = ml_collections.ConfigDict({"name": "causal_lm"})
+    c.objective = ml_collections.ConfigDict()
+    c.objective.name = "causal_lm"  # causal_lm | mlm (full-sentence windows) | mlm_nsp (BERT) | mlm_sop (ALBERT)
+    c.objective.mask_rate = 0.15
+    c.objective.static_masking = False  # True: BERT (one mask per example); False: RoBERTa (fresh each epoch)
+    c.objective.num_pair_examples = 100_000  # mlm_nsp / mlm_sop: sentence pairs drawn once from the seed
+    c.objective.num_eval_pairs = 2_000
+    c.objective.sentence_loss_weight = 1.0
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"

@@ -340,6 +340,59 @@ class MlpBlock(nn.Module):
         return proj((self.mlp_dim, d), ("mlp", "embed"), kernel_init=self.out_init, name="wo")("BTF,FD->BTD", h)
 
 
+class TransformerBlock(nn.Module):
+    """Self-attention + MLP with residuals, pre-norm (GPT-2) or post-norm (GPT, BERT). [B, T, D] -> [B, T, D].
+
+    Attributes:
+        causal: decoder self-attention.
+        pre_norm: x + f(LN(x)) if True, else LN(x + f(x)).
+        residual_init_std: std of the output projections (GPT-2 scales it by 1/sqrt(2 L)).
+    """
+
+    num_heads: int
+    head_dim: int
+    mlp_dim: int
+    causal: bool = False
+    pre_norm: bool = True
+    activation: str = "gelu"
+    use_bias: bool = True
+    layer_norm_epsilon: float = 1e-5
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    init_std: float = 0.02
+    residual_init_std: float = 0.02
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None, *, deterministic: bool, decode: bool = False) -> jax.Array:
+        norm = functools.partial(
+            LayerNorm, epsilon=self.layer_norm_epsilon, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype
+        )
+        dropout = nn.Dropout(self.dropout_rate)
+        attention = Attention(
+            num_heads=self.num_heads, head_dim=self.head_dim, causal=self.causal, use_bias=self.use_bias,
+            dropout_rate=self.attention_dropout_rate, kernel_init=nn.initializers.normal(self.init_std),
+            out_init=nn.initializers.normal(self.residual_init_std), dtype=self.dtype, param_dtype=self.param_dtype,
+            name="attn",
+        )  # fmt: skip
+        mlp = MlpBlock(
+            mlp_dim=self.mlp_dim, activations=(self.activation,), use_bias=self.use_bias,
+            kernel_init=nn.initializers.normal(self.init_std), out_init=nn.initializers.normal(self.residual_init_std),
+            dtype=self.dtype, param_dtype=self.param_dtype, name="mlp",
+        )  # fmt: skip
+        x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
+        if self.pre_norm:
+            h = attention(norm(name="ln_attn")(x), segment_ids=segment_ids, deterministic=deterministic, decode=decode)
+            x = x + dropout(h, deterministic=deterministic)
+            h = mlp(norm(name="ln_mlp")(x), deterministic=deterministic)
+            return x + dropout(h, deterministic=deterministic)
+        h = attention(x, segment_ids=segment_ids, deterministic=deterministic, decode=decode)
+        x = norm(name="ln_attn")(x + dropout(h, deterministic=deterministic))
+        h = mlp(x, deterministic=deterministic)
+        return norm(name="ln_mlp")(x + dropout(h, deterministic=deterministic))
+
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -353,6 +406,7 @@ class BlockStack(nn.Module):
 
     The block is called as `block(x, *args, deterministic=..., decode=...)` and returns x. With
     `scan`, parameters gain a leading "layers" axis and compile time no longer grows with depth.
+    With `share_params` (ALBERT) one block's parameters are applied num_layers times.
 
     Attributes:
         block: a module instance used as a template (cloned per layer).
@@ -363,6 +417,7 @@ class BlockStack(nn.Module):
     num_layers: int
     scan: bool = False
     remat_policy: str = "none"
+    share_params: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, *args: Any, deterministic: bool, decode: bool = False) -> jax.Array:
@@ -377,6 +432,11 @@ class BlockStack(nn.Module):
             return module(carry, *call_args, deterministic=deterministic, decode=decode)
 
         body = nn.remat(apply, policy=REMAT_POLICIES[self.remat_policy]) if self.remat_policy != "none" else apply
+        if self.share_params:
+            shared = block_cls(**attrs, name="shared")
+            for _ in range(self.num_layers):
+                x = body(shared, x, *args)
+            return x
         if not self.scan:
             for i in range(self.num_layers):
                 x = body(block_cls(**attrs, name=f"layer_{i}"), x, *args)

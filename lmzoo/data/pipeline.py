@@ -8,9 +8,11 @@ uninterrupted run would have seen. Each process materialises only its rows of th
 import dataclasses
 import gzip
 import json
+import re
 import pathlib
 import sysconfig
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import ml_collections
 import numpy as np
@@ -21,7 +23,20 @@ from lmzoo.data import transforms
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".py", ".md")
 
 
-def _read_file(path: pathlib.Path, text_field: str) -> list[str]:
+DOCUMENT_UNITS = ("file", "paragraph", "line")
+
+
+def _split_units(text: str, unit: str) -> list[str]:
+    if unit == "file":
+        return [text]
+    if unit == "line":
+        return [line for line in text.splitlines() if line.strip()]
+    if unit == "paragraph":
+        return [p.strip("\n") for p in re.split(r"\n\s*\n", text) if p.strip()]
+    raise ValueError(f"unknown config.data.document_unit {unit!r}; choose one of {DOCUMENT_UNITS}")
+
+
+def _read_file(path: pathlib.Path, text_field: str, unit: str) -> list[str]:
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         opener = gzip.open if path.name.endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8") as f:
@@ -30,18 +45,19 @@ def _read_file(path: pathlib.Path, text_field: str) -> list[str]:
         if missing:
             raise ValueError(f"{path}: line {missing[0] + 1} has no field {text_field!r}; set config.data.text_field")
         return [row[text_field] for row in rows]
-    return [path.read_text(encoding="utf-8", errors="replace")]
+    return _split_units(path.read_text(encoding="utf-8", errors="replace"), unit)
 
 
-def read_local_text(path: str, text_field: str = "text") -> list[str]:
-    """Documents from a file or a folder (recursively, sorted): one per .txt/.py/.md file, one per .jsonl line."""
+def read_local_text(path: str, text_field: str = "text", unit: str = "file") -> list[str]:
+    """Documents from a file or a folder (recursively, sorted): one per .jsonl line; .txt/.py/.md files
+    give one document per file, paragraph (blank-line separated) or line, by `unit`."""
     if not path:
         raise ValueError("config.data.path is empty; set it to a text file or folder (data.source='local')")
     root = pathlib.Path(path).expanduser()
     if not root.exists():
         raise FileNotFoundError(f"data path {str(root)!r} does not exist; set config.data.path to a text file or folder")
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES))
-    docs = [d for f in files for d in _read_file(f, text_field) if d]
+    docs = [d for f in files for d in _read_file(f, text_field, unit) if d]
     if not docs:
         raise ValueError(f"no text found in {str(root)!r} (looked for {', '.join(TEXT_SUFFIXES)} files); check config.data.path")
     return docs
@@ -89,7 +105,7 @@ def load_documents(data: ml_collections.ConfigDict) -> dict[str, list[str]]:
             for split in ("train", "validation")
         }
     if data.source == "local":
-        docs = read_local_text(data.path, data.text_field)
+        docs = read_local_text(data.path, data.text_field, data.document_unit)
     elif data.source == "python_stdlib":
         docs = read_python_stdlib(data.max_files)
     else:
@@ -114,6 +130,16 @@ class TokenStream:
         return len(self.tokens)
 
 
+def epoch_permutation(flat_index: np.ndarray, num_examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Position i of an endless stream of epochs, each a fresh permutation from (seed, epoch) -> (epochs, example ids)."""
+    epochs, offsets = np.divmod(flat_index, num_examples)
+    ids = np.empty_like(flat_index)
+    for epoch in np.unique(epochs):
+        order = np.random.default_rng([seed, int(epoch)]).permutation(num_examples)
+        ids[epochs == epoch] = order[offsets[epochs == epoch]]
+    return epochs, ids
+
+
 @dataclasses.dataclass(frozen=True)
 class LMLoader:
     """Batches of packed next-token windows; `batch(step)` is deterministic and random-access.
@@ -129,6 +155,7 @@ class LMLoader:
     sampler: str = "random"
     process_index: int = 0
     process_count: int = 1
+    transform: Callable[..., dict[str, np.ndarray]] | None = None  # (batch, example_ids [b], epochs [b]) -> batch
 
     def __post_init__(self):
         if self.sampler not in ("random", "sequential"):
@@ -145,29 +172,32 @@ class LMLoader:
     def local_batch_size(self) -> int:
         return self.batch_size // self.process_count
 
-    def _starts(self, step: int) -> np.ndarray:
+    def _starts(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Window starts [B] of global batch `step` and the epoch of each (random sampler: the step)."""
         if self.sampler == "random":
             rng = np.random.default_rng([self.seed, step])
-            return transforms.random_window_starts(rng, len(self.stream), self.seq_len, self.batch_size)
-        num_windows = (len(self.stream) - 1) // self.seq_len
+            starts = transforms.random_window_starts(rng, len(self.stream), self.seq_len, self.batch_size)
+            return starts, np.full(self.batch_size, step)
         flat = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
-        epochs, offsets = np.divmod(flat, num_windows)
-        starts = np.empty(self.batch_size, dtype=np.int64)
-        for epoch in np.unique(epochs):
-            order = np.random.default_rng([self.seed, int(epoch)]).permutation(num_windows)
-            starts[epochs == epoch] = order[offsets[epochs == epoch]] * self.seq_len
-        return starts
+        epochs, order = epoch_permutation(flat, (len(self.stream) - 1) // self.seq_len, self.seed)
+        return order * self.seq_len, epochs
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows [local_batch, seq_len] of global batch `step`."""
+        """This process's rows [local_batch, ...] of global batch `step`."""
         rows = slice(self.process_index * self.local_batch_size, (self.process_index + 1) * self.local_batch_size)
-        return transforms.lm_windows(self.stream.tokens, self.stream.doc_ids, self._starts(step)[rows], self.seq_len)
+        starts, epochs = self._starts(step)
+        batch = transforms.lm_windows(self.stream.tokens, self.stream.doc_ids, starts[rows], self.seq_len)
+        return batch if self.transform is None else self.transform(batch, starts[rows], epochs[rows])
 
 
 def eval_batches(
-    stream: TokenStream, batch_size: int, seq_len: int, process_index: int = 0, process_count: int = 1
-) -> Iterator[dict[str, np.ndarray]]:
-    """Every target of the split exactly once: consecutive windows, the last batch padded with weight 0."""
+    stream: TokenStream, batch_size: int, seq_len: int, process_index: int = 0, process_count: int = 1,
+    transform: Callable[..., dict[str, np.ndarray]] | None = None,
+) -> Iterator[dict[str, np.ndarray]]:  # fmt: skip
+    """Every target of the split exactly once: consecutive windows, the last batch padded with weight 0.
+
+    `transform` (as in LMLoader) sees each window's start as its example id and epoch 0.
+    """
     num_windows = -(-(len(stream) - 1) // seq_len)
     if num_windows <= 0:
         raise ValueError("the validation split is empty; use more data or a smaller config.data.validation_fraction")
@@ -176,4 +206,102 @@ def eval_batches(
     for first in range(0, num_windows, batch_size):
         chunk = starts[first : first + batch_size]
         padded = np.concatenate([chunk, np.full(batch_size - len(chunk), len(stream), dtype=chunk.dtype)])
-        yield transforms.lm_windows(stream.tokens, stream.doc_ids, padded[process_index * local : (process_index + 1) * local], seq_len)
+        mine = padded[process_index * local : (process_index + 1) * local]
+        batch = transforms.lm_windows(stream.tokens, stream.doc_ids, mine, seq_len)
+        yield batch if transform is None else transform(batch, mine, np.zeros_like(mine))
+
+
+def make_pair_examples(
+    docs: list[str], tokenizer: tokenizers.Tokenizer, *, kind: str, count: int, max_len: int, seed: int
+) -> dict[str, np.ndarray]:
+    """NSP ("nsp") or sentence-order ("sop") examples, drawn once from `seed`:
+    tokens, token_types, segment_ids [count, max_len] and sentence_labels [count] (HF conventions)."""
+    sentences = [tokenizer.encode_batch(transforms.split_sentences(d, wrapped=True)) for d in docs]
+    sentences = [[s for s in doc if s] for doc in sentences]
+    sentences = [doc for doc in sentences if doc]
+    make = {"nsp": transforms.nsp_pairs, "sop": transforms.sop_pairs}[kind]
+    pairs = make(sentences, rng=np.random.default_rng([seed, 1]), count=count)
+    if not pairs:
+        raise ValueError(f"no sentence pairs could be built for {kind}; the corpus needs documents with 2+ sentences")
+    rows = [
+        transforms.pair_example(a, b, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, max_len=max_len, pad_id=tokenizer.pad_id)
+        for a, b, _ in pairs
+    ]
+    out = {"tokens": np.stack([r["tokens"] for r in rows]), "token_types": np.stack([r["token_type_ids"] for r in rows]),
+           "segment_ids": np.stack([r["segment_ids"] for r in rows])}  # fmt: skip
+    return {**out, "sentence_labels": np.array([label for _, _, label in pairs], np.int32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PairLoader:
+    """Batches of fixed sentence-pair examples, reshuffled every epoch, masked by `mask` (see mask_rows)."""
+
+    examples: dict[str, np.ndarray]
+    batch_size: int
+    seed: int
+    mask: Callable[..., dict[str, np.ndarray]]
+    process_index: int = 0
+    process_count: int = 1
+
+    def _rows(self, ids: np.ndarray, epochs: np.ndarray) -> dict[str, np.ndarray]:
+        masked = self.mask(self.examples["tokens"][ids], ids, epochs)
+        keep = ("segment_ids", "token_types", "sentence_labels")
+        return {**masked, **{k: self.examples[k][ids] for k in keep}}
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        local = self.batch_size // self.process_count
+        flat = np.arange(step * self.batch_size, (step + 1) * self.batch_size)[self.process_index * local : (self.process_index + 1) * local]
+        epochs, ids = epoch_permutation(flat, len(self.examples["tokens"]), self.seed)
+        return self._rows(ids, epochs)
+
+    def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
+        """Each example once, in order, with its static (epoch 0) mask; a short last batch is padded with weight 0."""
+        n, local = len(self.examples["tokens"]), self.batch_size // self.process_count
+        for first in range(0, n, self.batch_size):
+            ids = np.arange(first, first + self.batch_size)[self.process_index * local : (self.process_index + 1) * local]
+            batch = self._rows(np.minimum(ids, n - 1), np.zeros_like(ids))
+            batch["weights"] = batch["weights"] * (ids < n)[:, None]
+            batch["sentence_weights"] = (ids < n).astype(np.float32)
+            yield batch
+
+
+OBJECTIVE_DATA = ("causal_lm", "mlm", "mlm_nsp", "mlm_sop")
+
+
+def make_loaders(config: ml_collections.ConfigDict, documents: dict[str, list[str]], tokenizer: tokenizers.Tokenizer,
+                 process_index: int = 0, process_count: int = 1):  # fmt: skip
+    """(train loader with .batch(step), eval(split) -> iterator of batches) for config.objective.name."""
+    objective, seed = config.objective.name, config.train.seed
+    if objective not in OBJECTIVE_DATA:
+        raise ValueError(f"unknown config.objective.name {objective!r}; choose one of {OBJECTIVE_DATA}")
+    streams = {split: TokenStream.from_documents(docs, tokenizer) for split, docs in documents.items()}
+    for split, stream in streams.items():
+        transforms.check_token_ids(stream.tokens, config.model.vocab_size, where=f"{split} split")
+    shard = {"process_index": process_index, "process_count": process_count}
+    if objective == "causal_lm":
+        loader = LMLoader(streams["train"], config.train.batch_size, config.data.seq_len, seed=seed, sampler=config.data.sampler, **shard)
+        return loader, lambda split: eval_batches(streams[split], config.eval.batch_size, config.data.seq_len, **shard)
+    missing = [name for name in ("cls_id", "sep_id", "mask_id", "pad_id") if getattr(tokenizer, name) is None]
+    if missing:
+        raise ValueError(f"masked-LM objectives need a tokenizer with [CLS]/[SEP]/[MASK]/[PAD]; this one lacks {missing} "
+                         "(use data.tokenizer.kind='wordpiece', or sentencepiece with user_defined_symbols)")  # fmt: skip
+    specials = sorted({i for i in tokenizer.special_ids.values() if i is not None})
+    mask_kwargs = dict(mask_id=tokenizer.mask_id, vocab_size=tokenizer.vocab_size, special_ids=specials, rate=config.objective.mask_rate)
+    mask = functools.partial(transforms.mask_rows, seed=seed, static=config.objective.static_masking, **mask_kwargs)
+    if objective == "mlm":
+        window = functools.partial(
+            transforms.mlm_from_windows, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id,
+            seed=seed, static=config.objective.static_masking, **mask_kwargs,
+        )  # fmt: skip
+        inner = config.data.seq_len - 2
+        loader = LMLoader(streams["train"], config.train.batch_size, inner, seed=seed, sampler=config.data.sampler, transform=window, **shard)
+        return loader, lambda split: eval_batches(streams[split], config.eval.batch_size, inner, transform=window, **shard)
+    kind = objective.split("_")[1]
+    pairs = {
+        split: make_pair_examples(docs, tokenizer, kind=kind, max_len=config.data.seq_len, seed=seed + i,
+                                  count=config.objective.num_pair_examples if split == "train" else config.objective.num_eval_pairs)
+        for i, (split, docs) in enumerate(documents.items())
+    }  # fmt: skip
+    loaders = {split: PairLoader(p, config.train.batch_size if split == "train" else config.eval.batch_size, seed=seed, mask=mask, **shard)
+               for split, p in pairs.items()}  # fmt: skip
+    return loaders["train"], lambda split: loaders[split].eval_batches()

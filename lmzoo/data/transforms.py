@@ -7,7 +7,13 @@ each followed by EOS. A window of T+1 tokens becomes a packed example:
     weights     [B, T]  1 where input and target belong to the same document
     segment_ids [B, T]  1, 2, ... per document piece inside the row (attention never crosses them)
     positions   [B, T]  position inside the document piece, restarting at 0
+
+Masked-LM transforms (BERT/RoBERTa/ALBERT) build sentence pairs ([CLS] A [SEP] B [SEP]) with NSP or SOP
+labels and corrupt them with `mask_tokens`; their randomness comes from `masking_rng`.
 """
+
+import re
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -68,3 +74,216 @@ def lm_windows(tokens: np.ndarray, doc_ids: np.ndarray, starts: np.ndarray, leng
 def random_window_starts(rng: np.random.Generator, num_tokens: int, length: int, count: int) -> np.ndarray:
     """Uniform window starts (nanoGPT's sampler): [count] ints in [0, num_tokens - length - 1)."""
     return rng.integers(0, num_tokens - length - 1, size=count)
+
+
+def masking_rng(seed: int, example_index: np.ndarray | int, *, epoch: int | None) -> np.random.Generator:
+    """Generator for `mask_tokens`: static masking when `epoch` is None, dynamic (new mask each epoch) otherwise.
+
+    The same (seed, example_index, epoch) always gives the same generator, so masks survive restarts. An array
+    `example_index` [B] seeds one generator for the whole batch: its masks are static only while the batch keeps
+    the same examples in the same order; for per-example static masks, mask each example with its own index.
+    """
+    entropy = [seed, *(int(i) for i in np.ravel(example_index))]
+    return np.random.default_rng(np.random.SeedSequence(entropy, spawn_key=() if epoch is None else (epoch,)))
+
+
+def mask_tokens(
+    tokens: np.ndarray,
+    *,
+    rng: np.random.Generator,
+    mask_id: int,
+    vocab_size: int,
+    special_ids: Sequence[int],
+    rate: float = 0.15,
+    mask_fraction: float = 0.8,
+    random_fraction: float = 0.1,
+    word_starts: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """BERT masking: tokens [B, T] -> "inputs", "targets" (= tokens), "weights" (1.0 where selected) [B, T].
+
+    Candidates are positions whose token is not in `special_ids` (pass pad, cls, sep, mask, ...). Each row
+    selects exactly round(rate * candidates) of them (half to even, as Python's round in Google's
+    create_pretraining_data), at least 1 when it has any, by taking a uniformly random permutation of the
+    candidates and keeping its head. Of the selected tokens, `mask_fraction` become `mask_id`,
+    `random_fraction` a uniform id from [0, vocab_size) minus `special_ids`, and the rest stay unchanged
+    (a per-token draw, so the fractions hold in expectation).
+
+    Whole-word masking when `word_starts` [B, T] bool is given: a word is a start position plus the following
+    non-start candidates (a candidate after a special token always starts a word). Words are taken in random
+    order until the row's budget of tokens is reached, so the last word may overshoot it by less than its own
+    length (Google/HF instead skip words that would overshoot); every piece of a taken word is selected.
+
+    Static vs dynamic masking is the caller's choice of `rng` (see `masking_rng`): dynamic (RoBERTa) draws a
+    fresh mask each time an example is seen, from an rng derived from (seed, step) or (seed, epoch, index);
+    static (BERT) fixes the rng once from (seed, example index) (BERT's `dupe_factor` duplicates each example
+    with different masks: use epoch % dupe_factor as the dynamic epoch).
+    """
+    b, t = tokens.shape
+    candidate = ~np.isin(tokens, special_ids)
+    count = candidate.sum(axis=1)
+    budget = np.where(count > 0, np.maximum(np.round(rate * count), 1), 0)
+
+    if word_starts is None:
+        starts = candidate  # every candidate is a word of its own
+    else:
+        after_candidate = np.zeros_like(candidate)
+        after_candidate[:, 1:] = candidate[:, :-1]
+        starts = candidate & (word_starts | ~after_candidate)
+    # Word index of each candidate within its row; positions before a row's first word map to 0, unused.
+    word = np.maximum(np.cumsum(starts, axis=1) - 1, 0)
+    rows = np.arange(b)[:, None]
+    lengths = np.bincount((rows * t + word)[candidate], minlength=b * t).reshape(b, t)  # [B, words]
+    # Words in random order (missing words have length 0 and are never taken); take while under budget.
+    order = np.argsort(rng.random((b, t)), axis=1)
+    sorted_lengths = np.take_along_axis(lengths, order, axis=1)
+    taken_before = np.cumsum(sorted_lengths, axis=1) - sorted_lengths
+    chosen = np.zeros((b, t), dtype=bool)
+    np.put_along_axis(chosen, order, (sorted_lengths > 0) & (taken_before < budget[:, None]), axis=1)
+    selected = candidate & np.take_along_axis(chosen, word, axis=1)
+
+    action = rng.random((b, t))
+    allowed = np.setdiff1d(np.arange(vocab_size), special_ids)
+    random_tokens = allowed[rng.integers(0, len(allowed), size=(b, t))].astype(tokens.dtype)
+    inputs = np.where(action < mask_fraction + random_fraction, random_tokens, tokens)
+    inputs = np.where(action < mask_fraction, mask_id, inputs)
+    return {
+        "inputs": np.where(selected, inputs, tokens).astype(tokens.dtype),
+        "targets": tokens.copy(),
+        "weights": selected.astype(np.float32),
+    }
+
+
+def continuation_mask_from_vocab(vocab: list[str]) -> np.ndarray:
+    """WordPiece vocabulary (vocab.txt lines, in id order) -> [vocab] bool, True for "##" continuation pieces."""
+    return np.array([piece.startswith("##") for piece in vocab], dtype=bool)
+
+
+def wordpiece_word_starts(tokens: np.ndarray, continuation_mask: np.ndarray) -> np.ndarray:
+    """tokens [B, T] -> word_starts [B, T] bool: True where the token is not a "##" continuation piece."""
+    return ~continuation_mask[tokens]
+
+
+def pair_example(
+    first: list[int], second: list[int], *, cls_id: int, sep_id: int, max_len: int, pad_id: int
+) -> dict[str, np.ndarray]:
+    """[CLS] A [SEP] B [SEP], padded to max_len: "tokens", "token_type_ids", "segment_ids" [max_len] int32.
+
+    token_type_ids are 0 for [CLS] A [SEP] (and padding), 1 for B [SEP]; segment_ids are the attention mask,
+    1 for real tokens and 0 for padding. When too long, the longer side loses its last token until the pair
+    fits (B on ties), as in BERT's truncate_seq_pair.
+    """
+    if max_len < 3:
+        raise ValueError(f"pair_example needs max_len >= 3 for [CLS] and two [SEP]; got {max_len}")
+    len_a, len_b = len(first), len(second)
+    while len_a + len_b > max_len - 3:
+        if len_a > len_b:
+            len_a -= 1
+        else:
+            len_b -= 1
+    real = [cls_id, *first[:len_a], sep_id, *second[:len_b], sep_id]
+    pad = max_len - len(real)
+    return {
+        "tokens": np.array(real + [pad_id] * pad, dtype=np.int32),
+        "token_type_ids": np.array([0] * (len_a + 2) + [1] * (len_b + 1) + [0] * pad, dtype=np.int32),
+        "segment_ids": np.array([1] * len(real) + [0] * pad, dtype=np.int32),
+    }
+
+
+def _consecutive_positions(sentences_by_doc: list[list[list[int]]]) -> list[tuple[int, int]]:
+    """Every (document, sentence) that has a next sentence in its document."""
+    positions = [(d, i) for d, doc in enumerate(sentences_by_doc) for i in range(len(doc) - 1)]
+    if not positions:
+        raise ValueError("sentence pairs need at least one document with two or more sentences")
+    return positions
+
+
+def nsp_pairs(
+    sentences_by_doc: list[list[list[int]]], *, rng: np.random.Generator, count: int
+) -> list[tuple[list[int], list[int], int]]:
+    """Next-sentence-prediction pairs (a, b, label) with HF BertForPreTraining's `next_sentence_label`.
+
+    a is a uniformly drawn sentence that has a successor in its document. Label 0: b is that successor
+    (is next); label 1: b is a random sentence of a different document (probability 1/2 each).
+    """
+    positions = _consecutive_positions(sentences_by_doc)
+    nonempty = [d for d, doc in enumerate(sentences_by_doc) if doc]
+    if len(nonempty) < 2:
+        raise ValueError("NSP needs at least two non-empty documents to draw random next sentences from")
+    rank = {d: k for k, d in enumerate(nonempty)}
+    pairs = []
+    for k, random_next in zip(rng.integers(len(positions), size=count), rng.random(count) < 0.5):
+        d, i = positions[k]
+        if random_next:
+            other = int(rng.integers(len(nonempty) - 1))
+            doc = sentences_by_doc[nonempty[other + (other >= rank[d])]]
+            pairs.append((sentences_by_doc[d][i], doc[rng.integers(len(doc))], 1))
+        else:
+            pairs.append((sentences_by_doc[d][i], sentences_by_doc[d][i + 1], 0))
+    return pairs
+
+
+def sop_pairs(
+    sentences_by_doc: list[list[list[int]]], *, rng: np.random.Generator, count: int
+) -> list[tuple[list[int], list[int], int]]:
+    """ALBERT sentence-order pairs (a, b, label) with HF AlbertForPreTraining's `sentence_order_label`.
+
+    Two consecutive segments of one document (each inner list is a segment: a sentence, or sentences the
+    caller grouped). Label 0: original order; label 1: swapped, b precedes a (probability 1/2 each).
+    """
+    positions = _consecutive_positions(sentences_by_doc)
+    pairs = []
+    for k, swap in zip(rng.integers(len(positions), size=count), rng.random(count) < 0.5):
+        d, i = positions[k]
+        first, second = sentences_by_doc[d][i], sentences_by_doc[d][i + 1]
+        pairs.append((second, first, 1) if swap else (first, second, 0))
+    return pairs
+
+
+# A sentence ends at . ! or ? (optionally followed by a closing quote or bracket), then whitespace, then an
+# upper-case letter, digit or opening quote/bracket. A period after a single letter (initials, "e.g.", "U.S.")
+# or after Mr/Mrs/Ms/Dr/St/Mt/Jr/Sr/vs does not end a sentence.
+_SENTENCE_END = re.compile(
+    r"""(?:(?<=[.!?])|(?<=[.!?]["')\]]))(?<!\b[A-Za-z]\.)(?<!\b(?:Mr|Ms|Dr|St|Mt|Jr|Sr|vs)\.)(?<!\bMrs\.)"""
+    r"""\s+(?=["'(\[]?[A-Z0-9])"""
+)
+
+
+def split_sentences(text: str, *, wrapped: bool = False) -> list[str]:
+    """Non-empty sentences of English prose, whitespace collapsed; see _SENTENCE_END for the rule.
+
+    Line breaks are boundaries too: every line break by default (one gloss per line, as in
+    wordnet30_glosses.txt), only blank lines when `wrapped` (hard-wrapped paragraphs, as in kjv.txt, where
+    single line breaks fall mid-sentence). Other abbreviations ("etc.", "Gen.") end sentences; verse
+    numbers and other markup stay in the text.
+    """
+    blocks = re.split(r"\n\s*\n", text) if wrapped else text.splitlines()
+    return [s for block in blocks for s in _SENTENCE_END.split(" ".join(block.split())) if s]
+
+
+def mask_rows(
+    tokens: np.ndarray, example_ids: np.ndarray, epochs: np.ndarray, *, seed: int, static: bool, **mask_kwargs
+) -> dict[str, np.ndarray]:
+    """`mask_tokens` row by row, row i with `masking_rng(seed, example_ids[i])`: the same mask every
+    epoch if `static` (BERT), a fresh one per epoch otherwise (RoBERTa). tokens [B, T] -> inputs/targets/weights."""
+    rows = [
+        mask_tokens(tokens[i : i + 1], rng=masking_rng(seed, int(example_ids[i]), epoch=None if static else int(epochs[i])), **mask_kwargs)
+        for i in range(tokens.shape[0])
+    ]
+    return {k: np.concatenate([r[k] for r in rows]) for k in ("inputs", "targets", "weights")}
+
+
+def mlm_from_windows(
+    batch: dict[str, np.ndarray], example_ids: np.ndarray, epochs: np.ndarray, *, cls_id: int, sep_id: int, pad_id: int,
+    **mask_kwargs,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """Packed LM windows -> masked-LM examples `[CLS] window [SEP]` (RoBERTa's full-sentences input).
+
+    batch["inputs"], batch["segment_ids"] [B, T-2] -> inputs, targets, weights, segment_ids [B, T];
+    padding (segment 0) becomes pad_id. mask_kwargs go to `mask_rows`.
+    """
+    b = batch["inputs"].shape[0]
+    segments = batch["segment_ids"]
+    segment_ids = np.concatenate([segments[:, :1], segments, segments[:, -1:]], axis=1).astype(np.int32)
+    tokens = np.concatenate([np.full((b, 1), cls_id), batch["inputs"], np.full((b, 1), sep_id)], axis=1)
+    tokens = np.where(segment_ids == 0, pad_id, tokens).astype(np.int32)
+    return {**mask_rows(tokens, example_ids, epochs, **mask_kwargs), "segment_ids": segment_ids}

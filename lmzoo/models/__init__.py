@@ -10,10 +10,11 @@ from typing import Any
 
 import flax.linen as nn
 
-from lmzoo.models import gpt2
+from lmzoo.models import bert, gpt2
 
 REGISTRY: dict[str, tuple[type, type[nn.Module]]] = {
     "gpt2": (gpt2.GPT2Config, gpt2.GPT2),
+    "bert": (bert.BertConfig, bert.Bert),
 }
 
 

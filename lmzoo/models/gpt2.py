@@ -9,7 +9,6 @@ Load HuggingFace GPT-2 weights with `lmzoo.convert.hf`.
 """
 
 import dataclasses
-import functools
 from typing import Any
 
 import flax.linen as nn
@@ -52,54 +51,6 @@ class GPT2Config:
         return self.emb_dim // self.num_heads
 
 
-class DecoderBlock(nn.Module):
-    """One transformer block; pre- or post-norm. [B, T, D] -> [B, T, D]."""
-
-    config: GPT2Config
-
-    @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None, *, deterministic: bool, decode: bool) -> jax.Array:
-        cfg = self.config
-        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        residual_std = 0.02 / (2 * cfg.num_layers) ** 0.5 if cfg.scale_residual_init else 0.02
-        norm = functools.partial(
-            layers.LayerNorm, epsilon=cfg.layer_norm_epsilon, use_bias=cfg.use_bias, dtype=dtype, param_dtype=param_dtype
-        )
-        dropout = nn.Dropout(cfg.dropout_rate)
-        attention = layers.Attention(
-            num_heads=cfg.num_heads,
-            head_dim=cfg.head_dim,
-            causal=True,
-            use_bias=cfg.use_bias,
-            dropout_rate=cfg.attention_dropout_rate,
-            out_init=nn.initializers.normal(residual_std),
-            dtype=dtype,
-            param_dtype=param_dtype,
-            name="attn",
-        )
-        mlp = layers.MlpBlock(
-            mlp_dim=cfg.mlp_dim,
-            activations=(cfg.activation,),
-            use_bias=cfg.use_bias,
-            out_init=nn.initializers.normal(residual_std),
-            dtype=dtype,
-            param_dtype=param_dtype,
-            name="mlp",
-        )
-        x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
-        if cfg.pre_norm:
-            h = attention(norm(name="ln_attn")(x), segment_ids=segment_ids, deterministic=deterministic, decode=decode)
-            x = x + dropout(h, deterministic=deterministic)
-            h = mlp(norm(name="ln_mlp")(x), deterministic=deterministic)
-            x = x + dropout(h, deterministic=deterministic)
-        else:
-            h = attention(x, segment_ids=segment_ids, deterministic=deterministic, decode=decode)
-            x = norm(name="ln_attn")(x + dropout(h, deterministic=deterministic))
-            h = mlp(x, deterministic=deterministic)
-            x = norm(name="ln_mlp")(x + dropout(h, deterministic=deterministic))
-        return x
-
-
 class GPT2(nn.Module):
     """Causal decoder LM.
 
@@ -136,8 +87,15 @@ class GPT2(nn.Module):
         )  # fmt: skip
         x = wte(tokens) + wpe(positions)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        block = layers.TransformerBlock(
+            num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim, causal=True, pre_norm=cfg.pre_norm,
+            activation=cfg.activation, use_bias=cfg.use_bias, layer_norm_epsilon=cfg.layer_norm_epsilon,
+            dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
+            residual_init_std=0.02 / (2 * cfg.num_layers) ** 0.5 if cfg.scale_residual_init else 0.02,
+            dtype=dtype, param_dtype=param_dtype,
+        )  # fmt: skip
         x = layers.BlockStack(
-            DecoderBlock(cfg), cfg.num_layers, scan=cfg.scan_layers, remat_policy=cfg.remat_policy, name="blocks"
+            block, cfg.num_layers, scan=cfg.scan_layers, remat_policy=cfg.remat_policy, name="blocks"
         )(x, segment_ids, deterministic=deterministic, decode=decode)
         if cfg.pre_norm:
             x = layers.LayerNorm(
@@ -152,3 +110,16 @@ class GPT2(nn.Module):
             )
         logits = sharding.constrain(logits, ("act_batch", "act_len", "act_vocab"))
         return (logits, x) if return_hidden else logits
+
+    def encode(
+        self, tokens: jax.Array, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+        deterministic: bool = True, token_types: jax.Array | None = None,
+    ) -> tuple[jax.Array, None]:  # fmt: skip
+        """Final hidden states [B, T, D] (and no pooled output), the interface heads use.
+
+        token_types is accepted for interface compatibility with encoders and must be None.
+        """
+        if token_types is not None:
+            raise ValueError("GPT-2 has no token-type embeddings; encode pairs with delimiter tokens instead")
+        _, hidden = self(tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True)
+        return hidden, None

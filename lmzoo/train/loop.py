@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -23,7 +24,7 @@ import optax
 from tqdm import tqdm
 
 from lmzoo import checkpoint, decoding, models, sharding, tokenizers
-from lmzoo.data import pipeline, transforms
+from lmzoo.data import pipeline
 from lmzoo.train import metrics as metrics_lib
 from lmzoo.train import optim, tasks
 from lmzoo.train import step as step_lib
@@ -44,7 +45,8 @@ class Setup:
     mesh: jax.sharding.Mesh
     rules: tuple
     tokenizer: tokenizers.Tokenizer
-    streams: dict[str, pipeline.TokenStream]
+    loader: Any
+    eval_batches: Callable[[str], Any]
     model: nn.Module
     task: Task
     state_shardings: TrainState
@@ -91,15 +93,8 @@ def _tokenizer(config: ml_collections.ConfigDict, documents: dict[str, list[str]
     return tokenizer
 
 
-def _sample_batch(config: ml_collections.ConfigDict) -> dict[str, jax.ShapeDtypeStruct]:
-    shape = (config.train.batch_size, config.data.seq_len)
-    int_spec = jax.ShapeDtypeStruct(shape, jnp.int32)
-    return {"inputs": int_spec, "targets": int_spec, "weights": jax.ShapeDtypeStruct(shape, jnp.float32),
-            "segment_ids": int_spec, "positions": int_spec}  # fmt: skip
-
-
 def build(config: ml_collections.ConfigDict, workdir: str) -> Setup:
-    """Tokenizer, token streams, model, task, abstract sharded state and checkpointer for a config."""
+    """Tokenizer, data loaders, model, task, abstract sharded state and checkpointer for a config."""
     workdir_path = pathlib.Path(workdir)
     workdir_path.mkdir(parents=True, exist_ok=True)
     mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape))
@@ -111,23 +106,22 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Setup:
             f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size}); set --config.model.vocab_size={tokenizer.vocab_size} (or larger)"
         )
-    max_len = config.model.get("max_len")
-    if max_len is not None and config.data.seq_len > max_len:
+    max_len, offset = config.model.get("max_len"), config.model.get("position_offset", 0)
+    if max_len is not None and config.data.seq_len + offset > max_len:
         raise ValueError(
-            f"config.data.seq_len={config.data.seq_len} is longer than the model's positions "
-            f"(config.model.max_len={max_len}); shorten seq_len or raise max_len"
+            f"config.data.seq_len={config.data.seq_len} (+ position_offset {offset}) is longer than the model's "
+            f"positions (config.model.max_len={max_len}); shorten seq_len or raise max_len"
         )
-    streams = {split: pipeline.TokenStream.from_documents(docs, tokenizer) for split, docs in documents.items()}
-    for split, stream in streams.items():
-        transforms.check_token_ids(stream.tokens, config.model.vocab_size, where=f"{split} split")
+    loader, eval_batches = pipeline.make_loaders(config, documents, tokenizer, jax.process_index(), jax.process_count())
+    local = loader.batch(0)
+    sample_batch = {k: np.zeros((config.train.batch_size,) + v.shape[1:], v.dtype) for k, v in local.items()}
     model = models.build_model(config.model_name, config.model.to_dict())
     task = tasks.build_task(config)
     tx, schedule = optim.make_optimizer(config.optim)
 
     def init_state(rng):
         params_rng, state_rng = jax.random.split(rng)
-        batch = {k: jnp.zeros(v.shape, v.dtype) for k, v in _sample_batch(config).items()}
-        params, frozen, carry = task.init(params_rng, batch)
+        params, frozen, carry = task.init(params_rng, sample_batch)
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
             rng=jax.random.key_data(state_rng), frozen=frozen, carry=carry,
@@ -140,7 +134,8 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Setup:
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), state_shardings
     )
     setup = Setup(
-        config=config, mesh=mesh, rules=rules, tokenizer=tokenizer, streams=streams, model=model, task=task,
+        config=config, mesh=mesh, rules=rules, tokenizer=tokenizer, loader=loader, eval_batches=eval_batches,
+        model=model, task=task,
         state_shardings=state_shardings, abstract_state=abstract_state,
         batch_sharding=sharding.batch_sharding(mesh, rules),
         checkpointer=checkpoint.Checkpointer(
@@ -174,7 +169,6 @@ def restore_or_init(setup: Setup) -> tuple[TrainState, dict]:
 
 def evaluate(setup: Setup, state: TrainState, split: str = "validation", max_batches: int | None = None) -> dict[str, float]:
     """Loss over a whole split (each target once), plus perplexity, bits per token and per character."""
-    cfg = setup.config
     if setup.eval_step is None:
         with setup.context():
             setup.eval_step = jax.jit(
@@ -184,10 +178,7 @@ def evaluate(setup: Setup, state: TrainState, split: str = "validation", max_bat
     eval_step = setup.eval_step
     char_lengths = setup.tokenizer.token_char_lengths()
     total, num_chars = None, 0.0
-    batches = pipeline.eval_batches(
-        setup.streams[split], cfg.eval.batch_size, cfg.data.seq_len, jax.process_index(), jax.process_count()
-    )
-    for i, batch in enumerate(batches):
+    for i, batch in enumerate(setup.eval_batches(split)):
         if max_batches is not None and i >= max_batches:
             break
         num_chars += float(np.sum(char_lengths[batch["targets"]] * batch["weights"]))
@@ -266,10 +257,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if is_main:
         (pathlib.Path(workdir) / "config.json").write_text(config.to_json_best_effort(indent=2))
     state, data_state = restore_or_init(setup)
-    loader = pipeline.LMLoader(
-        setup.streams["train"], config.train.batch_size, config.data.seq_len, seed=config.train.seed,
-        sampler=config.data.sampler, process_index=jax.process_index(), process_count=jax.process_count(),
-    )  # fmt: skip
+    loader = setup.loader
     train_step = step_lib.make_train_step(setup.task, setup.tx, setup.schedule, grad_accum_steps=config.train.grad_accum_steps)
     with setup.context():
         train_step = jax.jit(

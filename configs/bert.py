@@ -1,0 +1,59 @@
+"""A small BERT pretrained with MLM (+ NSP) on the King James Bible, WordPiece bert-base-uncased vocabulary.
+
+    python train.py --config=configs/bert.py --workdir=runs/bert                  # MLM + NSP (BERT)
+    python train.py --config=configs/bert.py:roberta --workdir=runs/roberta       # dynamic-masking MLM on windows
+    python train.py --config=configs/bert.py:albert --workdir=runs/albert         # factorized + shared, MLM + SOP
+
+Documents are chapters (blank-line separated paragraphs of kjv.txt). Needs ../shared/data
+(kjv_bible/kjv.txt, tokenizers/bert_uncased/vocab.txt). `:tiny` shrinks it for tests.
+"""
+
+import pathlib
+
+from lmzoo.config import base_config, model_section
+
+DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def get_config(arg: str | None = None):
+    variant = (arg or "bert").split(",")
+    c = base_config()
+    c.model_name = "bert"
+    model = dict(
+        vocab_size=30522, max_len=128, emb_dim=256, num_heads=4, num_layers=4, mlp_dim=1024,
+        dropout_rate=0.1, attention_dropout_rate=0.1,
+    )  # fmt: skip
+    c.objective.name = "mlm_nsp"
+    c.objective.static_masking = True
+    if "roberta" in variant:
+        model.update(type_vocab_size=1, position_offset=2, pooler=False, sentence_head=False, max_len=130)
+        c.objective.name, c.objective.static_masking = "mlm", False
+    if "albert" in variant:
+        model.update(embedding_dim=64, share_layers=True, activation="gelu_tanh")
+        c.objective.name = "mlm_sop"
+    c.data.source = "local"
+    c.data.path = str(DATA / "kjv_bible" / "kjv.txt")
+    c.data.document_unit = "paragraph"
+    c.data.tokenizer = {"kind": "wordpiece", "path": str(DATA / "tokenizers" / "bert_uncased" / "vocab.txt")}
+    c.data.seq_len = 128
+    c.data.sampler = "sequential"
+    c.optim.learning_rate = 5e-4
+    c.optim.min_learning_rate = 5e-5
+    c.optim.b2 = 0.999
+    c.optim.weight_decay = 0.01
+    c.optim.warmup_steps = 200
+    c.train.batch_size = 32
+    c.train.steps = c.optim.decay_steps = 3000
+    c.train.eval_every = c.train.checkpoint_every = 500
+    c.train.sample_tokens = 0
+    c.eval.batch_size = 64
+    c.eval.max_batches = 20
+    if "tiny" in variant:
+        model.update(emb_dim=32, num_heads=2, num_layers=2, mlp_dim=64, max_len=model["max_len"] - 96)
+        if "albert" in variant:
+            model.update(embedding_dim=16)
+        c.data.seq_len, c.train.batch_size, c.train.steps, c.train.log_every = 32, 4, 4, 2
+        c.train.eval_every = c.train.checkpoint_every = 2
+        c.objective.num_pair_examples, c.objective.num_eval_pairs, c.eval.max_batches = 64, 16, 2
+    c.model = model_section("bert", **model)
+    return c

@@ -1,0 +1,105 @@
+"""Task heads on any backbone with `encode(tokens, ...) -> (hidden [B, T, D], pooled [B, D] | None)`.
+
+    SequenceClassifier  one label per sequence from the first token ([CLS]: BERT & co.), the last
+                        real token (the GPT classifier on `[START] a [DELIM] b [EXTRACT]`), or the mean.
+    TokenClassifier     one label per token (tagging).
+    SpanExtractor       start/end logits over tokens (extractive QA).
+
+Head styles of the HF checkpoints: "pooler" (BERT, ALBERT: the backbone's tanh pooler, then a
+linear layer), "dense_tanh" (RoBERTa), "dense_relu" (DistilBERT), "linear" (GPT).
+"""
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from lmzoo import layers
+
+HEAD_STYLES = ("pooler", "dense_tanh", "dense_relu", "linear")
+POOLINGS = ("first", "last", "mean")
+
+
+def pool(hidden: jax.Array, segment_ids: jax.Array | None, how: str) -> jax.Array:
+    """hidden [B, T, D] -> [B, D]; "last" and "mean" skip padding (segment id 0)."""
+    if how == "first":
+        return hidden[:, 0]
+    valid = jnp.ones(hidden.shape[:2], bool) if segment_ids is None else segment_ids != 0
+    if how == "last":
+        last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
+        return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    if how == "mean":
+        weights = valid[..., None].astype(hidden.dtype)
+        return jnp.sum(hidden * weights, axis=1) / jnp.maximum(jnp.sum(weights, axis=1), 1.0)
+    raise ValueError(f"unknown pooling {how!r}; choose one of {POOLINGS}")
+
+
+class SequenceClassifier(nn.Module):
+    """tokens [B, T] -> logits [B, num_classes].
+
+    Attributes:
+        backbone: an encoder or decoder module (lmzoo.models.*).
+        head: one of HEAD_STYLES.
+        pooling: one of POOLINGS (ignored by head="pooler", which uses the backbone's pooler).
+    """
+
+    backbone: nn.Module
+    num_classes: int
+    head: str = "pooler"
+    pooling: str = "first"
+    dropout_rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, tokens, *, token_types=None, segment_ids=None, positions=None, deterministic: bool = True):
+        if self.head not in HEAD_STYLES:
+            raise ValueError(f"unknown head {self.head!r}; choose one of {HEAD_STYLES}")
+        hidden, pooled = self.backbone.encode(
+            tokens, token_types=token_types, segment_ids=segment_ids, positions=positions, deterministic=deterministic
+        )
+        d = hidden.shape[-1]
+        if self.head == "pooler":
+            if pooled is None:
+                raise ValueError("head='pooler' needs a backbone with a pooler (BERT/ALBERT with pooler=True)")
+            x = pooled
+        else:
+            x = pool(hidden, segment_ids, self.pooling)
+        dropout = nn.Dropout(self.dropout_rate)
+        if self.head in ("dense_tanh", "dense_relu"):
+            x = dropout(x, deterministic=deterministic)
+            x = layers.Einsum((d, d), ("embed", "mlp"), use_bias=True, name="head_dense")("BD,DK->BK", x)
+            x = jnp.tanh(x) if self.head == "dense_tanh" else jax.nn.relu(x)
+        x = dropout(x, deterministic=deterministic)
+        return layers.Einsum((d, self.num_classes), ("embed", "classes"), use_bias=True, name="classifier")("BD,DC->BC", x)
+
+
+class TokenClassifier(nn.Module):
+    """tokens [B, T] -> logits [B, T, num_labels]."""
+
+    backbone: nn.Module
+    num_labels: int
+    dropout_rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, tokens, *, token_types=None, segment_ids=None, positions=None, deterministic: bool = True):
+        hidden, _ = self.backbone.encode(
+            tokens, token_types=token_types, segment_ids=segment_ids, positions=positions, deterministic=deterministic
+        )
+        hidden = nn.Dropout(self.dropout_rate)(hidden, deterministic=deterministic)
+        d = hidden.shape[-1]
+        return layers.Einsum((d, self.num_labels), ("embed", "classes"), use_bias=True, name="classifier")("BTD,DC->BTC", hidden)
+
+
+class SpanExtractor(nn.Module):
+    """tokens [B, T] -> (start_logits [B, T], end_logits [B, T]); padding gets -inf."""
+
+    backbone: nn.Module
+
+    @nn.compact
+    def __call__(self, tokens, *, token_types=None, segment_ids=None, positions=None, deterministic: bool = True):
+        hidden, _ = self.backbone.encode(
+            tokens, token_types=token_types, segment_ids=segment_ids, positions=positions, deterministic=deterministic
+        )
+        d = hidden.shape[-1]
+        logits = layers.Einsum((d, 2), ("embed", "classes"), use_bias=True, name="span")("BTD,DC->BTC", hidden)
+        if segment_ids is not None:
+            logits = jnp.where((segment_ids != 0)[..., None], logits, -jnp.inf)
+        return logits[..., 0], logits[..., 1]

@@ -20,13 +20,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.init_from = ""  # "hf:PATH": start from HuggingFace weights (a folder with config.json + model.safetensors)
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = "python_stdlib"  # "local" (path), "python_stdlib", or "tfds" (name, data_dir)
+    c.data.source = "python_stdlib"  # "local" (path), "python_stdlib", "tfds" (name, data_dir), "tsv" (labelled)
     c.data.path = ""
     c.data.document_unit = "file"  # local .txt files: one document per "file", "paragraph" or "line"
     c.data.text_field = "text"  # field of .jsonl lines / TFDS features holding the text
     c.data.max_files = 400  # python_stdlib: how many source files to read
     c.data.name = ""  # tfds dataset name
     c.data.data_dir = ""  # tfds data_dir
+    c.data.train_path = ""  # tsv: labelled train file (GLUE format, header row)
+    c.data.validation_path = ""
+    c.data.text_fields = ("sentence",)  # tsv: one column, or two for sentence pairs
+    c.data.label_field = "label"
     c.data.train_split = "train"
     c.data.validation_split = "validation"
     c.data.validation_fraction = 0.1  # local/stdlib: held-out tail (characters of one file, else documents)
@@ -41,6 +45,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective.num_pair_examples = 100_000  # mlm_nsp / mlm_sop: sentence pairs drawn once from the seed
     c.objective.num_eval_pairs = 2_000
     c.objective.sentence_loss_weight = 1.0
+    c.objective.num_classes = 2  # classify
+    c.objective.head = "pooler"  # classify: pooler (BERT/ALBERT) | dense_tanh (RoBERTa) | dense_relu (DistilBERT) | linear
+    c.objective.pooling = "first"  # classify with a non-pooler head: first | last | mean
+    c.objective.head_dropout_rate = 0.1
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"

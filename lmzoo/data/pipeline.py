@@ -104,12 +104,15 @@ def load_documents(data: ml_collections.ConfigDict) -> dict[str, list[str]]:
             split: read_tfds(data.name, getattr(data, f"{split}_split"), data.get("data_dir"), data.text_field)
             for split in ("train", "validation")
         }
+    if data.source == "tsv":
+        return {split: [" ".join(t) for t in read_labelled_tsv(data[f"{split}_path"], tuple(data.text_fields), data.label_field)[0]]
+                for split in ("train", "validation")}  # fmt: skip
     if data.source == "local":
         docs = read_local_text(data.path, data.text_field, data.document_unit)
     elif data.source == "python_stdlib":
         docs = read_python_stdlib(data.max_files)
     else:
-        raise ValueError(f"unknown config.data.source {data.source!r}; choose 'local', 'python_stdlib' or 'tfds'")
+        raise ValueError(f"unknown config.data.source {data.source!r}; choose 'local', 'python_stdlib', 'tfds' or 'tsv'")
     train, validation = split_documents(docs, data.validation_fraction)
     return {"train": train, "validation": validation}
 
@@ -233,39 +236,89 @@ def make_pair_examples(
 
 
 @dataclasses.dataclass(frozen=True)
-class PairLoader:
-    """Batches of fixed sentence-pair examples, reshuffled every epoch, masked by `mask` (see mask_rows)."""
+class ExampleLoader:
+    """Batches of fixed examples (arrays [N, ...]), reshuffled every epoch from (seed, epoch).
+
+    `transform(rows, example_ids, epochs) -> batch` turns the selected rows into model inputs
+    (e.g. masks them); it is pure, so a batch is a function of (seed, step) and resumes exactly.
+    """
 
     examples: dict[str, np.ndarray]
     batch_size: int
     seed: int
-    mask: Callable[..., dict[str, np.ndarray]]
+    transform: Callable[..., dict[str, np.ndarray]]
     process_index: int = 0
     process_count: int = 1
 
-    def _rows(self, ids: np.ndarray, epochs: np.ndarray) -> dict[str, np.ndarray]:
-        masked = self.mask(self.examples["tokens"][ids], ids, epochs)
-        keep = ("segment_ids", "token_types", "sentence_labels")
-        return {**masked, **{k: self.examples[k][ids] for k in keep}}
+    def __post_init__(self):
+        if not len(next(iter(self.examples.values()))):
+            raise ValueError("the dataset has no examples; check config.data")
+
+    @property
+    def num_examples(self) -> int:
+        return len(next(iter(self.examples.values())))
+
+    def _local(self, flat: np.ndarray) -> np.ndarray:
+        local = self.batch_size // self.process_count
+        return flat[self.process_index * local : (self.process_index + 1) * local]
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        local = self.batch_size // self.process_count
-        flat = np.arange(step * self.batch_size, (step + 1) * self.batch_size)[self.process_index * local : (self.process_index + 1) * local]
-        epochs, ids = epoch_permutation(flat, len(self.examples["tokens"]), self.seed)
-        return self._rows(ids, epochs)
+        flat = self._local(np.arange(step * self.batch_size, (step + 1) * self.batch_size))
+        epochs, ids = epoch_permutation(flat, self.num_examples, self.seed)
+        return self.transform({k: v[ids] for k, v in self.examples.items()}, ids, epochs)
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-        """Each example once, in order, with its static (epoch 0) mask; a short last batch is padded with weight 0."""
-        n, local = len(self.examples["tokens"]), self.batch_size // self.process_count
+        """Each example once, in order, epoch 0; rows padding the last batch get example_weights 0."""
+        n = self.num_examples
         for first in range(0, n, self.batch_size):
-            ids = np.arange(first, first + self.batch_size)[self.process_index * local : (self.process_index + 1) * local]
-            batch = self._rows(np.minimum(ids, n - 1), np.zeros_like(ids))
-            batch["weights"] = batch["weights"] * (ids < n)[:, None]
-            batch["sentence_weights"] = (ids < n).astype(np.float32)
+            ids = self._local(np.arange(first, first + self.batch_size))
+            batch = self.transform({k: v[np.minimum(ids, n - 1)] for k, v in self.examples.items()}, ids, np.zeros_like(ids))
+            batch["example_weights"] = (ids < n).astype(np.float32)
+            if "weights" in batch:
+                batch["weights"] = batch["weights"] * batch["example_weights"][:, None]
             yield batch
 
 
-OBJECTIVE_DATA = ("causal_lm", "mlm", "mlm_nsp", "mlm_sop")
+def masked_pairs(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np.ndarray, *, mask) -> dict[str, np.ndarray]:
+    """ExampleLoader transform for NSP/SOP pairs: masks "tokens", keeps the rest."""
+    return {**mask(rows["tokens"], ids, epochs), **{k: v for k, v in rows.items() if k != "tokens"}}
+
+
+def classification_rows(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np.ndarray) -> dict[str, np.ndarray]:
+    """ExampleLoader transform for labelled text: "tokens" become "inputs"."""
+    return {"inputs": rows["tokens"], **{k: v for k, v in rows.items() if k != "tokens"}}
+
+
+def read_labelled_tsv(path: str, text_fields: tuple[str, ...], label_field: str) -> tuple[list[tuple[str, ...]], np.ndarray]:
+    """(texts, labels) from a TSV with a header row (GLUE format)."""
+    file = pathlib.Path(path)
+    if not file.exists():
+        raise FileNotFoundError(f"labelled data file {path!r} does not exist; check config.data.{{train,validation}}_path")
+    lines = file.read_text(encoding="utf-8").splitlines()
+    if len(lines) < 2:
+        raise ValueError(f"{path} has no examples (needs a header row and at least one row)")
+    header = lines[0].split("\t")
+    missing = [f for f in (*text_fields, label_field) if f not in header]
+    if missing:
+        raise ValueError(f"{path}: columns {missing} not in the header {header}; set config.data.text_fields / label_field")
+    rows = [line.split("\t") for line in lines[1:] if line.strip()]
+    texts = [tuple(r[header.index(f)].strip() for f in text_fields) for r in rows]
+    return texts, np.array([int(r[header.index(label_field)]) for r in rows], np.int32)
+
+
+def classification_examples(texts: list[tuple[str, ...]], labels: np.ndarray, tokenizer: tokenizers.Tokenizer, max_len: int) -> dict[str, np.ndarray]:
+    """[CLS] a [SEP] (b [SEP]) examples, truncated to max_len: tokens, token_types, segment_ids [N, T]; labels [N]."""
+    encoded = [tokenizer.encode_batch(list(column)) for column in zip(*texts, strict=True)]
+    rows = [
+        transforms.pair_example(parts[0], parts[1] if len(parts) > 1 else None, cls_id=tokenizer.cls_id,
+                                sep_id=tokenizer.sep_id, max_len=max_len, pad_id=tokenizer.pad_id)
+        for parts in zip(*encoded, strict=True)
+    ]  # fmt: skip
+    return {"tokens": np.stack([r["tokens"] for r in rows]), "token_types": np.stack([r["token_type_ids"] for r in rows]),
+            "segment_ids": np.stack([r["segment_ids"] for r in rows]), "labels": labels}  # fmt: skip
+
+
+OBJECTIVE_DATA = ("causal_lm", "mlm", "mlm_nsp", "mlm_sop", "classify")
 
 
 def make_loaders(config: ml_collections.ConfigDict, documents: dict[str, list[str]], tokenizer: tokenizers.Tokenizer,
@@ -274,10 +327,21 @@ def make_loaders(config: ml_collections.ConfigDict, documents: dict[str, list[st
     objective, seed = config.objective.name, config.train.seed
     if objective not in OBJECTIVE_DATA:
         raise ValueError(f"unknown config.objective.name {objective!r}; choose one of {OBJECTIVE_DATA}")
+    shard = {"process_index": process_index, "process_count": process_count}
+    if objective == "classify":
+        loaders = {}
+        for split in ("train", "validation"):
+            texts, labels = read_labelled_tsv(config.data[f"{split}_path"], tuple(config.data.text_fields), config.data.label_field)
+            if labels.size and (labels.min() < 0 or labels.max() >= config.objective.num_classes):
+                raise ValueError(f"{split} labels span [{labels.min()}, {labels.max()}] but config.objective.num_classes={config.objective.num_classes}")
+            examples = classification_examples(texts, labels, tokenizer, config.data.seq_len)
+            transforms.check_token_ids(examples["tokens"], config.model.vocab_size, where=f"{split} split")
+            batch_size = config.train.batch_size if split == "train" else config.eval.batch_size
+            loaders[split] = ExampleLoader(examples, batch_size, seed=seed, transform=classification_rows, **shard)
+        return loaders["train"], lambda split: loaders[split].eval_batches()
     streams = {split: TokenStream.from_documents(docs, tokenizer) for split, docs in documents.items()}
     for split, stream in streams.items():
         transforms.check_token_ids(stream.tokens, config.model.vocab_size, where=f"{split} split")
-    shard = {"process_index": process_index, "process_count": process_count}
     if objective == "causal_lm":
         loader = LMLoader(streams["train"], config.train.batch_size, config.data.seq_len, seed=seed, sampler=config.data.sampler, **shard)
         return loader, lambda split: eval_batches(streams[split], config.eval.batch_size, config.data.seq_len, **shard)
@@ -302,6 +366,7 @@ def make_loaders(config: ml_collections.ConfigDict, documents: dict[str, list[st
                                   count=config.objective.num_pair_examples if split == "train" else config.objective.num_eval_pairs)
         for i, (split, docs) in enumerate(documents.items())
     }  # fmt: skip
-    loaders = {split: PairLoader(p, config.train.batch_size if split == "train" else config.eval.batch_size, seed=seed, mask=mask, **shard)
-               for split, p in pairs.items()}  # fmt: skip
+    transform = functools.partial(masked_pairs, mask=mask)
+    loaders = {split: ExampleLoader(p, config.train.batch_size if split == "train" else config.eval.batch_size, seed=seed,
+                                    transform=transform, **shard) for split, p in pairs.items()}  # fmt: skip
     return loaders["train"], lambda split: loaders[split].eval_batches()

@@ -164,27 +164,31 @@ def wordpiece_word_starts(tokens: np.ndarray, continuation_mask: np.ndarray) -> 
 
 
 def pair_example(
-    first: list[int], second: list[int], *, cls_id: int, sep_id: int, max_len: int, pad_id: int
+    first: list[int], second: list[int] | None, *, cls_id: int, sep_id: int, max_len: int, pad_id: int
 ) -> dict[str, np.ndarray]:
-    """[CLS] A [SEP] B [SEP], padded to max_len: "tokens", "token_type_ids", "segment_ids" [max_len] int32.
+    """[CLS] A [SEP] B [SEP] (or [CLS] A [SEP] when second is None), padded to max_len:
+    "tokens", "token_type_ids", "segment_ids" [max_len] int32.
 
     token_type_ids are 0 for [CLS] A [SEP] (and padding), 1 for B [SEP]; segment_ids are the attention mask,
     1 for real tokens and 0 for padding. When too long, the longer side loses its last token until the pair
     fits (B on ties), as in BERT's truncate_seq_pair.
     """
-    if max_len < 3:
-        raise ValueError(f"pair_example needs max_len >= 3 for [CLS] and two [SEP]; got {max_len}")
-    len_a, len_b = len(first), len(second)
-    while len_a + len_b > max_len - 3:
+    specials = 2 if second is None else 3
+    if max_len < specials:
+        raise ValueError(f"pair_example needs max_len >= {specials} for [CLS] and [SEP]s; got {max_len}")
+    second_part = second or []
+    len_a, len_b = len(first), len(second_part)
+    while len_a + len_b > max_len - specials:
         if len_a > len_b:
             len_a -= 1
         else:
             len_b -= 1
-    real = [cls_id, *first[:len_a], sep_id, *second[:len_b], sep_id]
+    tail = [] if second is None else [*second_part[:len_b], sep_id]
+    real = [cls_id, *first[:len_a], sep_id, *tail]
     pad = max_len - len(real)
     return {
         "tokens": np.array(real + [pad_id] * pad, dtype=np.int32),
-        "token_type_ids": np.array([0] * (len_a + 2) + [1] * (len_b + 1) + [0] * pad, dtype=np.int32),
+        "token_type_ids": np.array([0] * (len_a + 2) + [1] * len(tail) + [0] * pad, dtype=np.int32),
         "segment_ids": np.array([1] * len(real) + [0] * pad, dtype=np.int32),
     }
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -23,7 +24,8 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from lmzoo import checkpoint, decoding, models, sharding, tokenizers
+from lmzoo import checkpoint, decoding, sharding, tokenizers
+from lmzoo import config as config_lib
 from lmzoo.data import pipeline
 from lmzoo.train import metrics as metrics_lib
 from lmzoo.train import optim, tasks
@@ -115,8 +117,8 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Setup:
     loader, eval_batches = pipeline.make_loaders(config, documents, tokenizer, jax.process_index(), jax.process_count())
     local = loader.batch(0)
     sample_batch = {k: np.zeros((config.train.batch_size,) + v.shape[1:], v.dtype) for k, v in local.items()}
-    model = models.build_model(config.model_name, config.model.to_dict())
-    task = tasks.build_task(config)
+    model = tasks.build_model(config)
+    task = tasks.build_task(config, model)
     tx, schedule = optim.make_optimizer(config.optim)
 
     def init_state(rng):
@@ -159,16 +161,51 @@ def restore_or_init(setup: Setup) -> tuple[TrainState, dict]:
     with setup.context():
         state = setup.init_fn(jax.random.key(setup.config.train.seed))
     if setup.config.get("init_from"):
-        from lmzoo.convert import hf
-
-        params = hf.load_pretrained(setup.config.init_from, setup.config.model_name, setup.abstract_state.params)
+        params = pretrained_params(setup, jax.device_get(state.params))
         state = state.replace(params=jax.device_put(params, setup.state_shardings.params))
         state = state.replace(opt_state=jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(state.params))
     return state, {"step": 0}
 
 
+def pretrained_params(setup: Setup, fresh):
+    """`fresh` params with every parameter that config.init_from provides replaced.
+
+    "hf:PATH" (HuggingFace safetensors folder) or "ckpt:WORKDIR" (another lmzoo run's latest
+    checkpoint). A classifier takes the pretrained weights into its backbone and keeps its new
+    head; pretraining heads the target lacks are dropped. A shape mismatch is an error.
+    """
+    spec = setup.config.init_from
+    target = fresh["backbone"] if "backbone" in fresh else fresh
+    if spec.startswith("hf:"):
+        from lmzoo.convert import hf
+
+        source = hf.convert_pretrained(spec, setup.config.model_name, target)
+    elif spec.startswith("ckpt:"):
+        other = build(config_lib.load_saved(spec.removeprefix("ckpt:")), spec.removeprefix("ckpt:"))
+        restored = other.checkpointer.restore_latest(other.abstract_state)
+        other.checkpointer.close()
+        if restored is None:
+            raise FileNotFoundError(f"init_from {spec!r}: no checkpoint in {other.checkpointer.directory}")
+        source = jax.device_get(restored[1].params)
+        source = source.get("backbone", source)
+    else:
+        raise ValueError(f"config.init_from {spec!r} must be 'hf:PATH' or 'ckpt:WORKDIR'")
+    flat_target, flat_source = traverse_util.flatten_dict(target, sep="/"), traverse_util.flatten_dict(source, sep="/")
+    mismatched = [f"{k}: {flat_source[k].shape} vs model {v.shape}" for k, v in flat_target.items()
+                  if k in flat_source and flat_source[k].shape != v.shape]  # fmt: skip
+    if mismatched:
+        raise ValueError(f"init_from {spec!r} does not fit the configured model:\n  " + "\n  ".join(mismatched))
+    loaded = {k: np.asarray(flat_source[k], dtype=v.dtype) if k in flat_source else v for k, v in flat_target.items()}
+    fresh_keys = sorted(set(flat_target) - set(flat_source))
+    if jax.process_index() == 0:
+        print(f"init_from {spec}: loaded {len(flat_target) - len(fresh_keys)} parameters; newly initialised: {fresh_keys or 'none'}")
+    merged = traverse_util.unflatten_dict(loaded, sep="/")
+    return {**fresh, "backbone": merged} if "backbone" in fresh else merged
+
+
 def evaluate(setup: Setup, state: TrainState, split: str = "validation", max_batches: int | None = None) -> dict[str, float]:
-    """Loss over a whole split (each target once), plus perplexity, bits per token and per character."""
+    """Metrics over a whole split (each target once); token-level objectives add perplexity, bits per
+    token and per character."""
     if setup.eval_step is None:
         with setup.context():
             setup.eval_step = jax.jit(
@@ -181,14 +218,17 @@ def evaluate(setup: Setup, state: TrainState, split: str = "validation", max_bat
     for i, batch in enumerate(setup.eval_batches(split)):
         if max_batches is not None and i >= max_batches:
             break
-        num_chars += float(np.sum(char_lengths[batch["targets"]] * batch["weights"]))
+        if "targets" in batch:
+            num_chars += float(np.sum(char_lengths[batch["targets"]] * batch["weights"]))
         with setup.context():
             total = metrics_lib.accumulate(total, eval_step(state, sharding.put_batch(batch, setup.batch_sharding)))
+    if total is None:
+        raise ValueError(f"the {split} split produced no evaluation batches; check config.data and config.eval")
     summary = metrics_lib.summarize(total)
-    loss_sum = float(jax.device_get(total["loss"][0]))
-    num_chars = float(np.sum(jax.device_get(_allsum(num_chars))))
-    summary["bits_per_char"] = loss_sum / np.log(2) / max(num_chars, 1.0)
-    summary["tokens"] = float(jax.device_get(total["loss"][1]))
+    summary["examples" if "targets" not in batch else "tokens"] = float(jax.device_get(total["loss"][1]))
+    if "targets" in batch:
+        num_chars = float(np.sum(jax.device_get(_allsum(num_chars))))
+        summary["bits_per_char"] = float(jax.device_get(total["loss"][0])) / np.log(2) / max(num_chars, 1.0)
     return summary
 
 

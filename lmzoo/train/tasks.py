@@ -1,8 +1,11 @@
 """Tasks (see `lmzoo.train.state.Task`) built from a config: which model, which objective."""
 
+import flax.linen as nn
+import jax.numpy as jnp
 import ml_collections
 
 from lmzoo import models
+from lmzoo.models import heads
 from lmzoo.objectives import causal_lm, mlm
 from lmzoo.train.state import Task
 
@@ -58,16 +61,46 @@ def masked_lm_task(model, sentence_loss_weight: float = 1.0) -> Task:
     return Task(init=init, loss=loss)
 
 
+def classification_task(model) -> Task:
+    """Sequence classification: model(tokens, token_types, segment_ids) -> logits [B, C]; batch["labels"] [B]."""
+
+    def init(rng, batch):
+        params = model.init({"params": rng, "dropout": rng}, batch["inputs"], token_types=batch.get("token_types"),
+                            segment_ids=batch.get("segment_ids"))["params"]  # fmt: skip
+        return params, {}, {}
+
+    def loss(params, frozen, carry, batch, rng, *, train):
+        logits = model.apply(
+            {"params": params}, batch["inputs"], token_types=batch.get("token_types"), segment_ids=batch.get("segment_ids"),
+            deterministic=not train, rngs={"dropout": rng},
+        )  # fmt: skip
+        weights = batch.get("example_weights", jnp.ones(batch["labels"].shape, jnp.float32))
+        total, count = causal_lm.cross_entropy(logits, batch["labels"], weights)
+        correct = jnp.sum((jnp.argmax(logits, axis=-1) == batch["labels"]) * weights).astype(jnp.float32)
+        return total / jnp.maximum(count, 1.0), ({"loss": (total, count), "accuracy": (correct, count)}, carry)
+
+    return Task(init=init, loss=loss)
+
+
+def build_model(config: ml_collections.ConfigDict) -> nn.Module:
+    """The network the objective trains: the family's model, wrapped in a head for classification."""
+    model = models.build_model(config.model_name, config.model.to_dict())
+    if config.objective.name == "classify":
+        o = config.objective
+        model = heads.SequenceClassifier(model, o.num_classes, head=o.head, pooling=o.pooling, dropout_rate=o.head_dropout_rate)
+    return model
+
+
 OBJECTIVES = {
     "causal_lm": lambda model, objective: causal_lm_task(model),
     "mlm": lambda model, objective: masked_lm_task(model, objective.sentence_loss_weight),
     "mlm_nsp": lambda model, objective: masked_lm_task(model, objective.sentence_loss_weight),
     "mlm_sop": lambda model, objective: masked_lm_task(model, objective.sentence_loss_weight),
+    "classify": lambda model, objective: classification_task(model),
 }
 
 
-def build_task(config: ml_collections.ConfigDict) -> Task:
+def build_task(config: ml_collections.ConfigDict, model: nn.Module) -> Task:
     if config.objective.name not in OBJECTIVES:
         raise ValueError(f"unknown config.objective.name {config.objective.name!r}; choose one of {sorted(OBJECTIVES)}")
-    model = models.build_model(config.model_name, config.model.to_dict())
     return OBJECTIVES[config.objective.name](model, config.objective)

@@ -2,40 +2,45 @@
 
 Each family has a config map (HF config.json <-> config.model fields) and a weight map (HF state
 dict <-> lmzoo parameter tree), registered in `CONVERTERS` for `load_pretrained("hf:PATH", ...)`.
+The "bert" family reads HF BERT, RoBERTa, ALBERT and DistilBERT (by config.json model_type);
+`classifier_from_hf` reads their *ForSequenceClassification checkpoints.
 
 Layouts: Flax kernels are [in, out]. HF GPT-2 uses `Conv1D`, whose weights are already [in, out]
 and copy directly: c_attn [D, 3D] splits into query, key, value, each reshaped to (D, N, H), and
 attn.c_proj [D, D] reshapes to (N, H, D). HF `nn.Linear` (BERT, T5, BART, ..., and GPT-2's untied
-lm_head [V, D]) stores [out, in] and needs a transpose.
+lm_head [V, D]) stores [out, in] and needs a transpose; BERT's query/key/value then reshape to
+(D, N, H) and the attention output dense to (N, H, D).
 
 Weights are read only from safetensors files: pickled `pytorch_model.bin` checkpoints are refused,
 because unpickling can run arbitrary code.
 """
 
+import dataclasses
 import json
 import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import numpy as np
 from safetensors.numpy import load_file
 
 from lmzoo.models import make_config
+from lmzoo.models.bert import BertConfig
 from lmzoo.models.gpt2 import GPT2Config
 
 Params = dict[str, Any]
 
-_GPT2_ACTIVATION_FROM_HF = {
+_ACTIVATION_FROM_HF = {
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu": "gelu",
     "relu": "relu",
     "silu": "silu",
 }
-_GPT2_ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+_ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
 # HF GPT-2 switches that lmzoo's decoder does not implement, with the only supported value.
 _GPT2_FIXED_HF_OPTIONS = {
     "add_cross_attention": False,
@@ -58,10 +63,10 @@ def gpt2_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         if hf_config.get(key, supported) != supported:
             raise ValueError(f"HF GPT-2 config has {key}={hf_config[key]!r}; lmzoo's gpt2 supports only {supported!r}")
     hf_activation = hf_config.get("activation_function", "gelu_new")
-    if hf_activation not in _GPT2_ACTIVATION_FROM_HF:
+    if hf_activation not in _ACTIVATION_FROM_HF:
         raise ValueError(
             f"HF activation_function {hf_activation!r} has no lmzoo equivalent; "
-            f"supported: {sorted(_GPT2_ACTIVATION_FROM_HF)}"
+            f"supported: {sorted(_ACTIVATION_FROM_HF)}"
         )
     n_embd, n_inner = int(hf_config["n_embd"]), hf_config.get("n_inner")
     return {
@@ -75,7 +80,7 @@ def gpt2_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         "attention_dropout_rate": float(hf_config.get("attn_pdrop", 0.1)),
         "pre_norm": True,
         "tie_embeddings": bool(hf_config.get("tie_word_embeddings", True)),
-        "activation": _GPT2_ACTIVATION_FROM_HF[hf_activation],
+        "activation": _ACTIVATION_FROM_HF[hf_activation],
         "layer_norm_epsilon": float(hf_config.get("layer_norm_epsilon", 1e-5)),
     }
 
@@ -84,9 +89,9 @@ def gpt2_config_to_hf(cfg: GPT2Config) -> dict[str, Any]:
     """An HF GPT-2 config.json dict for a "gpt2" config (pre-norm only: HF has no post-norm GPT)."""
     if not cfg.pre_norm:
         raise ValueError("HF GPT-2 is pre-norm; a pre_norm=False (original GPT) model has no HF GPT-2 equivalent")
-    if cfg.activation not in _GPT2_ACTIVATION_TO_HF:
+    if cfg.activation not in _ACTIVATION_TO_HF:
         raise ValueError(
-            f"activation {cfg.activation!r} has no HF GPT-2 equivalent; supported: {sorted(_GPT2_ACTIVATION_TO_HF)}"
+            f"activation {cfg.activation!r} has no HF GPT-2 equivalent; supported: {sorted(_ACTIVATION_TO_HF)}"
         )
     return {
         "model_type": "gpt2",
@@ -97,7 +102,7 @@ def gpt2_config_to_hf(cfg: GPT2Config) -> dict[str, Any]:
         "n_head": cfg.num_heads,
         "n_layer": cfg.num_layers,
         "n_inner": cfg.mlp_dim,
-        "activation_function": _GPT2_ACTIVATION_TO_HF[cfg.activation],
+        "activation_function": _ACTIVATION_TO_HF[cfg.activation],
         "resid_pdrop": cfg.dropout_rate,
         "embd_pdrop": cfg.dropout_rate,
         "attn_pdrop": cfg.attention_dropout_rate,
@@ -246,9 +251,438 @@ def gpt2_to_hf(params: Params, cfg: GPT2Config) -> dict[str, np.ndarray]:
     return sd
 
 
-# model_name -> (HF config.json dict -> config.model fields, (HF state dict, config) -> params).
-CONVERTERS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[..., Params]]] = {
-    "gpt2": (gpt2_config_from_hf, gpt2_from_hf),
+# BERT family: HF BERT, RoBERTa, ALBERT and DistilBERT are four naming schemes of lmzoo's one "bert" model.
+
+# config.model field -> (HF config.json key, HF class default; None = required).
+_BERT_COMMON_KEYS = {
+    "vocab_size": ("vocab_size", None),
+    "max_len": ("max_position_embeddings", None),
+    "emb_dim": ("hidden_size", None),
+    "num_heads": ("num_attention_heads", None),
+    "num_layers": ("num_hidden_layers", None),
+    "mlp_dim": ("intermediate_size", None),
+    "type_vocab_size": ("type_vocab_size", 2),
+    "activation": ("hidden_act", "gelu"),
+    "layer_norm_epsilon": ("layer_norm_eps", 1e-12),
+    "dropout_rate": ("hidden_dropout_prob", 0.1),
+    "attention_dropout_rate": ("attention_probs_dropout_prob", 0.1),
+}
+_BERT_HF_KEYS = {
+    "bert": _BERT_COMMON_KEYS,
+    "roberta": _BERT_COMMON_KEYS,
+    "albert": _BERT_COMMON_KEYS | {
+        "embedding_dim": ("embedding_size", 128),
+        "activation": ("hidden_act", "gelu_new"),
+        "dropout_rate": ("hidden_dropout_prob", 0.0),
+        "attention_dropout_rate": ("attention_probs_dropout_prob", 0.0),
+    },
+    "distilbert": {
+        "vocab_size": ("vocab_size", None),
+        "max_len": ("max_position_embeddings", None),
+        "emb_dim": ("dim", None),
+        "num_heads": ("n_heads", None),
+        "num_layers": ("n_layers", None),
+        "mlp_dim": ("hidden_dim", None),
+        "activation": ("activation", "gelu"),
+        "dropout_rate": ("dropout", 0.1),
+        "attention_dropout_rate": ("attention_dropout", 0.1),
+    },
+}
+_BERT_ENCODER_OPTIONS = {"is_decoder": False, "add_cross_attention": False, "position_embedding_type": "absolute"}
+# HF switches that lmzoo's encoder does not implement, with the only supported value.
+_BERT_FIXED_HF_OPTIONS = {
+    "bert": _BERT_ENCODER_OPTIONS | {"tie_word_embeddings": True},
+    "roberta": _BERT_ENCODER_OPTIONS | {"tie_word_embeddings": True},
+    "albert": {
+        "num_hidden_groups": 1,
+        "inner_group_num": 1,
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": True,
+    },
+    "distilbert": {"tie_word_embeddings": True},
+}
+_BERT_CLASS_PREFIX = {"bert": "Bert", "roberta": "Roberta", "albert": "Albert", "distilbert": "DistilBert"}
+_BERT_MODULES_BERT = {
+    "layer": "encoder.layer.{i}.",
+    "query": "attention.self.query",
+    "key": "attention.self.key",
+    "value": "attention.self.value",
+    "out": "attention.output.dense",
+    "ln_attn": "attention.output.LayerNorm",
+    "wi": "intermediate.dense",
+    "wo": "output.dense",
+    "ln_mlp": "output.LayerNorm",
+    "embed_projection": None,
+    "pooler": "pooler.dense",
+    "sentence_classifier": "cls.seq_relationship",
+    "mlm_dense": "cls.predictions.transform.dense",
+    "mlm_norm": "cls.predictions.transform.LayerNorm",
+    "mlm_bias": "cls.predictions.bias",
+    "decoder": "cls.predictions.decoder",
+}
+# model_type -> lmzoo module -> HF module name without the "{model_type}." prefix ("{i}": layer index; None: absent).
+_BERT_MODULES = {
+    "bert": _BERT_MODULES_BERT,
+    "roberta": _BERT_MODULES_BERT | {
+        "sentence_classifier": None,
+        "mlm_dense": "lm_head.dense",
+        "mlm_norm": "lm_head.layer_norm",
+        "mlm_bias": "lm_head.bias",
+        "decoder": "lm_head.decoder",
+    },
+    "albert": {
+        "layer": "encoder.albert_layer_groups.0.albert_layers.0.",
+        "query": "attention.query",
+        "key": "attention.key",
+        "value": "attention.value",
+        "out": "attention.dense",
+        "ln_attn": "attention.LayerNorm",
+        "wi": "ffn",
+        "wo": "ffn_output",
+        "ln_mlp": "full_layer_layer_norm",
+        "embed_projection": "encoder.embedding_hidden_mapping_in",
+        "pooler": "pooler",
+        "sentence_classifier": "sop_classifier.classifier",
+        "mlm_dense": "predictions.dense",
+        "mlm_norm": "predictions.LayerNorm",
+        "mlm_bias": "predictions.bias",
+        "decoder": "predictions.decoder",
+    },
+    "distilbert": {
+        "layer": "transformer.layer.{i}.",
+        "query": "attention.q_lin",
+        "key": "attention.k_lin",
+        "value": "attention.v_lin",
+        "out": "attention.out_lin",
+        "ln_attn": "sa_layer_norm",
+        "wi": "ffn.lin1",
+        "wo": "ffn.lin2",
+        "ln_mlp": "output_layer_norm",
+        "embed_projection": None,
+        "pooler": None,
+        "sentence_classifier": None,
+        "mlm_dense": "vocab_transform",
+        "mlm_norm": "vocab_layer_norm",
+        "mlm_bias": "vocab_projector.bias",
+        "decoder": "vocab_projector",
+    },
+}
+# model_type -> HF *ForSequenceClassification head modules: lmzoo SequenceClassifier param -> HF module.
+_CLASSIFIER_MODULES = {
+    "bert": {"classifier": "classifier"},
+    "roberta": {"head_dense": "classifier.dense", "classifier": "classifier.out_proj"},
+    "albert": {"classifier": "classifier"},
+    "distilbert": {"head_dense": "pre_classifier", "classifier": "classifier"},
+}
+# model_type -> `heads.SequenceClassifier(head=...)` of its HF *ForSequenceClassification.
+CLASSIFIER_HEADS = {"bert": "pooler", "roberta": "dense_tanh", "albert": "pooler", "distilbert": "dense_relu"}
+# Non-parameter buffers of HF embeddings (position ids 0..P-1, zero token types).
+_BERT_BUFFER = re.compile(r"embeddings\.(position_ids|token_type_ids)")
+
+
+class _Entry(NamedTuple):
+    """One HF tensor <-> one lmzoo leaf: leaf = (tensor.T if transpose else tensor).reshape(shape)."""
+
+    group: str  # "encoder", "pooler", "sentence_classifier", "mlm" or "classifier"
+    hf: str  # HF name without the "{model_type}." prefix
+    path: tuple[str, ...]
+    hf_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    transpose: bool
+
+
+def _linear(
+    group: str, module: str, path: tuple[str, ...], n_in: int, n_out: int, in_shape=None, out_shape=None
+) -> list[_Entry]:
+    """nn.Linear weight [out, in] and bias -> Einsum kernel (*in_shape, *out_shape) and bias out_shape."""
+    in_shape, out_shape = in_shape or (n_in,), out_shape or (n_out,)
+    return [
+        _Entry(group, f"{module}.weight", (*path, "kernel"), (n_out, n_in), (*in_shape, *out_shape), True),
+        _Entry(group, f"{module}.bias", (*path, "bias"), (n_out,), out_shape, False),
+    ]
+
+
+def _norm(group: str, module: str, path: tuple[str, ...], d: int) -> list[_Entry]:
+    return [
+        _Entry(group, f"{module}.weight", (*path, "scale"), (d,), (d,), False),
+        _Entry(group, f"{module}.bias", (*path, "bias"), (d,), (d,), False),
+    ]
+
+
+def _bert_entries(cfg: BertConfig, model_type: str) -> list[_Entry]:
+    """Every tensor of the HF model of `cfg`: encoder, pooler and sentence head as cfg enables, MLM head."""
+    names = _BERT_MODULES[model_type]
+    h, e, f, v = cfg.emb_dim, cfg.embed_dim, cfg.mlp_dim, cfg.vocab_size
+    tables = {"word_embeddings": v, "position_embeddings": cfg.max_len}
+    if cfg.type_vocab_size:
+        tables["token_type_embeddings"] = cfg.type_vocab_size
+    entries = [
+        _Entry("encoder", f"embeddings.{name}.weight", (name, "embedding"), (rows, e), (rows, e), False)
+        for name, rows in tables.items()
+    ]
+    entries += _norm("encoder", "embeddings.LayerNorm", ("ln_embed",), e)
+    if e != h:
+        entries += _linear("encoder", names["embed_projection"], ("embed_projection",), e, h)
+    blocks = {"shared": 0} if cfg.share_layers else {f"layer_{i}": i for i in range(cfg.num_layers)}
+    heads = (cfg.num_heads, cfg.head_dim)
+    for block, i in blocks.items():
+        prefix, path = names["layer"].format(i=i), ("blocks", block)
+        for qkv in ("query", "key", "value"):
+            entries += _linear("encoder", prefix + names[qkv], (*path, "attn", qkv), h, h, out_shape=heads)
+        entries += _linear("encoder", prefix + names["out"], (*path, "attn", "out"), h, h, in_shape=heads)
+        entries += _norm("encoder", prefix + names["ln_attn"], (*path, "ln_attn"), h)
+        entries += _linear("encoder", prefix + names["wi"], (*path, "mlp", "wi"), h, f)
+        entries += _linear("encoder", prefix + names["wo"], (*path, "mlp", "wo"), f, h)
+        entries += _norm("encoder", prefix + names["ln_mlp"], (*path, "ln_mlp"), h)
+    if cfg.pooler:
+        entries += _linear("pooler", names["pooler"], ("pooler",), h, h)
+    if cfg.sentence_head:
+        entries += _linear("sentence_classifier", names["sentence_classifier"], ("sentence_classifier",), h, 2)
+    entries += _linear("mlm", names["mlm_dense"], ("mlm_dense",), h, e)
+    entries += _norm("mlm", names["mlm_norm"], ("mlm_norm",), e)
+    return entries + [_Entry("mlm", names["mlm_bias"], ("mlm_bias",), (v,), (v,), False)]
+
+
+def _bert_tied(model_type: str) -> dict[str, str]:
+    """HF copies -> the tensor they are tied to: the MLM decoder's weight (word embeddings) and bias."""
+    names = _BERT_MODULES[model_type]
+    tied = {
+        f"{names['decoder']}.weight": "embeddings.word_embeddings.weight",
+        f"{names['decoder']}.bias": names["mlm_bias"],
+    }
+    return {copy: source for copy, source in tied.items() if copy != source}
+
+
+def _check_bert_family(cfg: BertConfig, model_type: str) -> None:
+    """Raises unless `cfg` describes a model that HF `model_type` can express."""
+    if model_type not in _BERT_MODULES:
+        raise ValueError(f"model_type {model_type!r} is not a BERT-family HF model; supported: {sorted(_BERT_MODULES)}")
+    names = _BERT_MODULES[model_type]
+    rules = {
+        "share_layers exactly for ALBERT (one shared layer)": cfg.share_layers == (model_type == "albert"),
+        "embedding_dim != emb_dim exactly for ALBERT (its E -> H projection always exists)":
+            (cfg.embed_dim != cfg.emb_dim) == (model_type == "albert"),
+        "type_vocab_size 0 exactly for DistilBERT": (cfg.type_vocab_size == 0) == (model_type == "distilbert"),
+        "position_offset > 0 exactly for RoBERTa": (cfg.position_offset > 0) == (model_type == "roberta"),
+        "activation 'gelu' for RoBERTa (its MLM head hard-codes exact GELU)":
+            model_type != "roberta" or cfg.activation == "gelu",
+        "layer_norm_epsilon 1e-12 for DistilBERT (hard-coded)":
+            model_type != "distilbert" or cfg.layer_norm_epsilon == 1e-12,
+        f"pooler False ({model_type} has none)": not cfg.pooler or names["pooler"] is not None,
+        f"sentence_head False ({model_type} has no NSP/SOP head)":
+            not cfg.sentence_head or names["sentence_classifier"] is not None,
+    }  # fmt: skip
+    broken = [rule for rule, ok in rules.items() if not ok]
+    if broken:
+        raise ValueError(f"the config has no HF {model_type} equivalent; it needs: " + "; ".join(broken))
+
+
+def bert_config_from_hf(
+    hf_config: Mapping[str, Any], *, pooler: bool | None = None, sentence_head: bool | None = None
+) -> dict[str, Any]:
+    """config.model fields of the "bert" family from an HF BERT/RoBERTa/ALBERT/DistilBERT config.json dict.
+
+    pooler / sentence_head: whether the checkpoint has a pooler and an NSP/SOP head (config.json does
+    not say). None takes the family's pretraining layout: BERT and ALBERT have both, RoBERTa and
+    DistilBERT neither; sentence_head=None follows pooler. *ForMaskedLM checkpoints need pooler=False.
+    """
+    model_type = hf_config.get("model_type")
+    if model_type not in _BERT_HF_KEYS:
+        raise ValueError(f"HF config has model_type={model_type!r}; the bert converter reads {sorted(_BERT_HF_KEYS)}")
+    keys = _BERT_HF_KEYS[model_type]
+    missing = [key for key, default in keys.values() if default is None and key not in hf_config]
+    if missing:
+        raise ValueError(f"HF {model_type} config lacks {missing}")
+    for key, supported in _BERT_FIXED_HF_OPTIONS[model_type].items():
+        if hf_config.get(key, supported) != supported:
+            raise ValueError(
+                f"HF {model_type} config has {key}={hf_config[key]!r}; lmzoo's bert supports only {supported!r}"
+            )
+    hf_activation = hf_config.get(*keys["activation"])
+    if hf_activation not in _ACTIVATION_FROM_HF:
+        raise ValueError(
+            f"HF activation {hf_activation!r} has no lmzoo equivalent; supported: {sorted(_ACTIVATION_FROM_HF)}"
+        )
+    # Each value takes the type of the BertConfig default (int, float).
+    fields = {
+        field: type(getattr(BertConfig, field))(hf_config.get(key, default)) for field, (key, default) in keys.items()
+    }
+    pooler = model_type in ("bert", "albert") if pooler is None else pooler
+    fields |= {
+        "embedding_dim": fields.get("embedding_dim", 0),
+        "type_vocab_size": fields.get("type_vocab_size", 0),
+        "position_offset": int(hf_config.get("pad_token_id", 1)) + 1 if model_type == "roberta" else 0,
+        "share_layers": model_type == "albert",
+        "pooler": pooler,
+        "sentence_head": (pooler and model_type in ("bert", "albert")) if sentence_head is None else sentence_head,
+        "activation": _ACTIVATION_FROM_HF[hf_activation],
+        "layer_norm_epsilon": fields.get("layer_norm_epsilon", 1e-12),
+    }
+    _check_bert_family(make_config("bert", fields), model_type)
+    return fields
+
+
+def bert_config_to_hf(cfg: BertConfig, *, model_type: str) -> dict[str, Any]:
+    """An HF `model_type` config.json dict for a "bert" config; "architectures" names the heads
+    (*ForPreTraining with a sentence head, else *ForMaskedLM)."""
+    _check_bert_family(cfg, model_type)
+    if cfg.activation not in _ACTIVATION_TO_HF:
+        raise ValueError(f"activation {cfg.activation!r} has no HF equivalent; supported: {sorted(_ACTIVATION_TO_HF)}")
+    values = dataclasses.asdict(cfg) | {"embedding_dim": cfg.embed_dim, "activation": _ACTIVATION_TO_HF[cfg.activation]}
+    head = "ForPreTraining" if cfg.sentence_head else "ForMaskedLM"
+    hf_config = {"model_type": model_type, "architectures": [_BERT_CLASS_PREFIX[model_type] + head]}
+    hf_config |= {key: values[field] for field, (key, _) in _BERT_HF_KEYS[model_type].items()}
+    if model_type == "roberta":
+        hf_config["pad_token_id"] = cfg.position_offset - 1
+    return hf_config | _BERT_FIXED_HF_OPTIONS[model_type]
+
+
+def _bert_read(
+    state_dict: Mapping[str, Any], model_type: str, entries: list[_Entry], optional: tuple[str, ...]
+) -> tuple[dict[str, np.ndarray], list[_Entry]]:
+    """(unprefixed float32 tensors, the entries the checkpoint has); groups in `optional` may be absent as
+    a whole. Buffers are skipped and tied copies checked; one error lists unexpected and missing keys."""
+    tensors, unexpected = {}, []
+    for key, value in state_dict.items():
+        name = key.removeprefix(f"{model_type}.")
+        if _BERT_BUFFER.fullmatch(name):
+            continue
+        if name in tensors:
+            unexpected.append(key)
+        tensors[name] = np.array(value, dtype=np.float32)
+    for copy, source in _bert_tied(model_type).items():
+        if copy not in tensors:
+            continue
+        value = tensors.pop(copy)
+        if source not in tensors:
+            tensors[source] = value
+        elif not np.array_equal(value, tensors[source]):
+            raise ValueError(f"checkpoint has {copy} different from {source}; lmzoo's bert ties them")
+    absent = {group for group in optional if not any(entry.hf in tensors for entry in entries if entry.group == group)}
+    present = [entry for entry in entries if entry.group not in absent]
+    unexpected += sorted(set(tensors) - {entry.hf for entry in present})
+    missing = [entry.hf for entry in present if entry.hf not in tensors]
+    if unexpected or missing:
+        raise ValueError(
+            f"HF {model_type} state dict does not match the config: unexpected keys {unexpected}, missing keys "
+            f"{missing} (names shown without the optional '{model_type}.' prefix; pooler and sentence_head of "
+            "the config say whether the checkpoint has a pooler and an NSP/SOP head)"
+        )
+    misshapen = [
+        f"{entry.hf}: {tensors[entry.hf].shape} (expected {entry.hf_shape})"
+        for entry in present
+        if tensors[entry.hf].shape != entry.hf_shape
+    ]
+    if misshapen:
+        raise ValueError(f"HF {model_type} tensors with unexpected shapes: " + "; ".join(misshapen))
+    return tensors, present
+
+
+def _bert_params(tensors: Mapping[str, np.ndarray], entries: list[_Entry]) -> Params:
+    """Nested lmzoo params from the HF tensors of `entries`."""
+    params: Params = {}
+    for entry in entries:
+        *parents, leaf = entry.path
+        node = params
+        for name in parents:
+            node = node.setdefault(name, {})
+        tensor = tensors[entry.hf]
+        node[leaf] = (tensor.T if entry.transpose else tensor).reshape(entry.shape)
+    return params
+
+
+def bert_from_hf(state_dict: Mapping[str, np.ndarray], cfg: BertConfig, *, model_type: str) -> Params:
+    """HF BERT/RoBERTa/ALBERT/DistilBERT state dict -> lmzoo "bert" params (per-layer or shared, float32 numpy).
+
+    Reads *ForMaskedLM, *ForPreTraining (NSP `cls.seq_relationship`, SOP `sop_classifier`) and the bare
+    *Model, with or without the `{model_type}.` prefix; cfg.pooler / cfg.sentence_head must say whether
+    the checkpoint has a pooler / sentence head. Buffers are ignored; tied decoder copies must equal
+    the word embeddings and MLM bias. A checkpoint without an MLM head (bare *Model) gives no
+    mlm_dense / mlm_norm and mlm_bias zeros (its init value; `Bert.setup` declares it even for
+    `encode`): the params then fit `encode` and task heads, and `load_pretrained` into an MLM model
+    lists the missing head.
+    """
+    _check_bert_family(cfg, model_type)
+    params = _bert_params(*_bert_read(state_dict, model_type, _bert_entries(cfg, model_type), optional=("mlm",)))
+    params.setdefault("mlm_bias", np.zeros(cfg.vocab_size, np.float32))
+    return params
+
+
+def classifier_from_hf(state_dict: Mapping[str, np.ndarray], cfg: BertConfig, *, model_type: str) -> Params:
+    """HF *ForSequenceClassification state dict -> params of
+    `heads.SequenceClassifier(Bert(cfg), num_labels, head=CLASSIFIER_HEADS[model_type])`.
+
+    cfg.pooler must match the checkpoint (BERT, ALBERT: True; RoBERTa, DistilBERT: False); cfg.sentence_head
+    is ignored. The backbone's mlm_bias is zeros, as in `bert_from_hf` for a bare model.
+    """
+    cfg = dataclasses.replace(cfg, sentence_head=False)
+    _check_bert_family(cfg, model_type)
+    modules = _CLASSIFIER_MODULES[model_type]
+    out_weight = f"{modules['classifier']}.weight"
+    num_labels = np.shape(state_dict[out_weight])[0] if out_weight in state_dict else 0
+    entries = [entry for entry in _bert_entries(cfg, model_type) if entry.group != "mlm"]
+    for name, module in modules.items():
+        n_out = num_labels if name == "classifier" else cfg.emb_dim
+        entries += _linear("classifier", module, (name,), cfg.emb_dim, n_out)
+    tensors, entries = _bert_read(state_dict, model_type, entries, optional=())
+    backbone = _bert_params(tensors, [entry for entry in entries if entry.group != "classifier"])
+    backbone["mlm_bias"] = np.zeros(cfg.vocab_size, np.float32)
+    return {"backbone": backbone, **_bert_params(tensors, [entry for entry in entries if entry.group == "classifier"])}
+
+
+def bert_to_hf(params: Params, cfg: BertConfig, *, model_type: str) -> dict[str, np.ndarray]:
+    """lmzoo "bert" params (per-layer, scanned or shared) -> HF state dict of float32 numpy arrays.
+
+    With an MLM head (mlm_dense) the keys are those of *ForMaskedLM, or *ForPreTraining with a sentence
+    head, tied decoder copies included; without one, those of the bare *Model (no prefix, no mlm_bias).
+    """
+    _check_bert_family(cfg, model_type)
+    if "layers" in params["blocks"]:
+        params = _unstack_layers(params)
+    with_mlm = "mlm_dense" in params
+    prefix = f"{model_type}." if with_mlm or cfg.sentence_head else ""
+    keys, sd = {}, {}
+    for entry in _bert_entries(cfg, model_type):
+        if entry.group == "mlm" and not with_mlm:
+            continue
+        leaf = params
+        for name in entry.path:
+            leaf = leaf[name]
+        tensor = np.asarray(leaf, dtype=np.float32).reshape(entry.hf_shape[::-1] if entry.transpose else entry.hf_shape)
+        keys[entry.hf] = prefix + entry.hf if entry.group in ("encoder", "pooler") else entry.hf
+        sd[keys[entry.hf]] = np.ascontiguousarray(tensor.T if entry.transpose else tensor)
+    if with_mlm:
+        for copy, source in _bert_tied(model_type).items():
+            sd[copy] = sd[keys[source]].copy()
+    return sd
+
+
+def _gpt2_checkpoint(
+    hf_config: Mapping[str, Any], state_dict: Mapping[str, np.ndarray]
+) -> tuple[dict[str, Any], Params]:
+    fields = gpt2_config_from_hf(hf_config)
+    return fields, gpt2_from_hf(state_dict, make_config("gpt2", fields))
+
+
+def _bert_checkpoint(
+    hf_config: Mapping[str, Any], state_dict: Mapping[str, np.ndarray]
+) -> tuple[dict[str, Any], Params]:
+    """Fields and params of any BERT-family checkpoint (by config.json model_type), pooler and NSP/SOP
+    head as the checkpoint has them."""
+    fields = bert_config_from_hf(hf_config)
+    model_type = hf_config["model_type"]
+    names = _BERT_MODULES[model_type]
+    keys = {key.removeprefix(f"{model_type}.") for key in state_dict}
+    modules = (names["pooler"], names["sentence_classifier"])
+    pooler, sentence = (module is not None and f"{module}.weight" in keys for module in modules)
+    fields |= {"pooler": pooler, "sentence_head": sentence}
+    return fields, bert_from_hf(state_dict, make_config("bert", fields), model_type=model_type)
+
+
+# model_name -> (HF config.json dict, HF state dict) -> (config.model fields, params).
+CONVERTERS: dict[str, Callable[[Mapping[str, Any], Mapping[str, np.ndarray]], tuple[dict[str, Any], Params]]] = {
+    "gpt2": _gpt2_checkpoint,
+    "bert": _bert_checkpoint,
 }
 
 
@@ -345,6 +779,23 @@ def _cast_like(tree: Any, target: Any) -> Any:
     return np.asarray(tree, dtype=target.dtype)
 
 
+def _read_pretrained(spec: str, model_name: str) -> tuple[dict[str, Any], Params]:
+    if not spec.startswith("hf:") or spec == "hf:":
+        raise ValueError(
+            f"unsupported pretrained spec {spec!r}; expected 'hf:PATH' (a folder with config.json and safetensors)"
+        )
+    if model_name not in CONVERTERS:
+        raise ValueError(f"no HF converter for model_name {model_name!r}; available: {sorted(CONVERTERS)}")
+    hf_config, state_dict = read_safetensors_dir(spec.removeprefix("hf:"))
+    return CONVERTERS[model_name](hf_config, state_dict)
+
+
+def convert_pretrained(spec: str, model_name: str, target_params: Any) -> Params:
+    """Every parameter the checkpoint "hf:PATH" has, in the layer layout of `target_params` (unchecked:
+    callers that take a subset, such as a classifier's backbone, compare shapes themselves)."""
+    return _to_layout(_read_pretrained(spec, model_name)[1], nn.unbox(target_params))
+
+
 def load_pretrained(spec: str, model_name: str, target_params: Any) -> Params:
     """Params of `model_name` from spec "hf:PATH", in the layout and dtypes of `target_params`.
 
@@ -352,17 +803,9 @@ def load_pretrained(spec: str, model_name: str, target_params: Any) -> Params:
     Every parameter's shape must match; otherwise the error lists each mismatch and the config.model
     values that describe the checkpoint.
     """
-    if not spec.startswith("hf:") or spec == "hf:":
-        raise ValueError(
-            f"unsupported pretrained spec {spec!r}; expected 'hf:PATH' (a folder with config.json and safetensors)"
-        )
-    if model_name not in CONVERTERS:
-        raise ValueError(f"no HF converter for model_name {model_name!r}; available: {sorted(CONVERTERS)}")
-    config_from_hf, from_hf = CONVERTERS[model_name]
-    hf_config, state_dict = read_safetensors_dir(spec.removeprefix("hf:"))
-    fields = config_from_hf(hf_config)
+    fields, params = _read_pretrained(spec, model_name)
     target_params = nn.unbox(target_params)
-    params = _to_layout(from_hf(state_dict, make_config(model_name, fields)), target_params)
+    params = _to_layout(params, target_params)
     got, want = _flatten(params), _flatten(target_params)
     problems = []
     for name in sorted(got.keys() | want.keys()):

@@ -142,6 +142,23 @@ class Bert(nn.Module):
         logits = self.word_embeddings.attend(self.mlm_norm(x)) + self.mlm_bias
         return sharding.constrain(logits, ("act_batch", "act_len", "act_vocab"))
 
+    def pretraining_logits(
+        self,
+        tokens: jax.Array,
+        prediction_positions: jax.Array,
+        *,
+        token_types: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        deterministic: bool = True,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """MLM logits only at prediction_positions [B, M] -> [B, M, V] (the vocabulary projection is
+        the costliest matmul, so pretraining computes it for the ~15% masked positions only), and
+        NSP/SOP logits [B, 2] (None without a sentence head)."""
+        hidden, pooled = self.encode(tokens, token_types=token_types, segment_ids=segment_ids, deterministic=deterministic)
+        gathered = jnp.take_along_axis(hidden, prediction_positions[..., None], axis=1)
+        sentence = self.sentence_logits(pooled) if self.config.sentence_head else None
+        return self.mlm_logits(gathered), sentence
+
     def sentence_logits(self, pooled: jax.Array) -> jax.Array:
         """pooled [B, H] -> NSP/SOP logits [B, 2]."""
         return self.sentence_classifier("BH,HC->BC", pooled)

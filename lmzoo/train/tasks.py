@@ -1,6 +1,9 @@
 """Tasks (see `lmzoo.train.state.Task`) built from a config: which model, which objective."""
 
+import math
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import ml_collections
 
@@ -34,26 +37,31 @@ def causal_lm_task(model) -> Task:
     return Task(init=init, loss=loss)
 
 
-def masked_lm_task(model, sentence_loss_weight: float = 1.0) -> Task:
-    """MLM for encoders taking (tokens, token_types, segment_ids); adds NSP/SOP when the batch has
-    sentence labels and the model a sentence head."""
+def masked_lm_task(model, *, mask_rate: float, sentence_loss_weight: float = 1.0) -> Task:
+    """MLM for encoders with `pretraining_logits`; adds NSP/SOP when the batch has sentence labels.
 
-    def apply(params, batch, rng, train):
-        return model.apply(
-            {"params": params}, batch["inputs"], token_types=batch.get("token_types"), segment_ids=batch.get("segment_ids"),
-            deterministic=not train, rngs={"dropout": rng},
-        )  # fmt: skip
+    Logits are computed at the M = ceil(mask_rate * T) + 1 highest-weight positions of each row,
+    which hold every masked position (masking selects round(mask_rate * candidates) <= M).
+    """
 
     def init(rng, batch):
         params = model.init({"params": rng, "dropout": rng}, batch["inputs"], token_types=batch.get("token_types"))["params"]
         return params, {}, {}
 
     def loss(params, frozen, carry, batch, rng, *, train):
-        outputs = apply(params, batch, rng, train)
-        logits, sentence_logits = outputs if isinstance(outputs, tuple) else (outputs, None)
-        value, metrics = mlm.loss(logits, batch)
+        num_predictions = min(batch["inputs"].shape[1], math.ceil(mask_rate * batch["inputs"].shape[1]) + 1)
+        positions = jax.lax.top_k(batch["weights"], num_predictions)[1]
+        logits, sentence_logits = model.apply(
+            {"params": params}, batch["inputs"], positions, token_types=batch.get("token_types"),
+            segment_ids=batch.get("segment_ids"), deterministic=not train, rngs={"dropout": rng},
+            method=model.pretraining_logits,
+        )  # fmt: skip
+        gathered = {k: jnp.take_along_axis(batch[k], positions, axis=1) for k in ("targets", "weights")}
+        value, metrics = mlm.loss(logits, gathered)
         if sentence_logits is not None and "sentence_labels" in batch:
-            sentence_value, sentence_metrics = mlm.sentence_loss(sentence_logits, batch["sentence_labels"], batch.get("sentence_weights"))
+            sentence_value, sentence_metrics = mlm.sentence_loss(
+                sentence_logits, batch["sentence_labels"], batch.get("example_weights")
+            )
             value = value + sentence_loss_weight * sentence_value
             metrics = {**metrics, **sentence_metrics}
         return value, (metrics, carry)
@@ -93,9 +101,9 @@ def build_model(config: ml_collections.ConfigDict) -> nn.Module:
 
 OBJECTIVES = {
     "causal_lm": lambda model, objective: causal_lm_task(model),
-    "mlm": lambda model, objective: masked_lm_task(model, objective.sentence_loss_weight),
-    "mlm_nsp": lambda model, objective: masked_lm_task(model, objective.sentence_loss_weight),
-    "mlm_sop": lambda model, objective: masked_lm_task(model, objective.sentence_loss_weight),
+    "mlm": lambda model, o: masked_lm_task(model, mask_rate=o.mask_rate, sentence_loss_weight=o.sentence_loss_weight),
+    "mlm_nsp": lambda model, o: masked_lm_task(model, mask_rate=o.mask_rate, sentence_loss_weight=o.sentence_loss_weight),
+    "mlm_sop": lambda model, o: masked_lm_task(model, mask_rate=o.mask_rate, sentence_loss_weight=o.sentence_loss_weight),
     "classify": lambda model, objective: classification_task(model),
 }
 

@@ -1,0 +1,36 @@
+"""End-to-end smoke tests of the encoder objectives through train_and_evaluate (real data in ../shared/data)."""
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+from lmzoo.train import loop
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SHARED = ROOT.parent / "shared" / "data"
+pytestmark = pytest.mark.skipif(not SHARED.exists(), reason="needs ../shared/data (KJV, SST-2, bert vocab)")
+
+
+def _config(name: str, arg: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny,roberta", "tiny,albert"])
+def test_masked_lm_pretraining_runs(tmp_path, variant):
+    final = loop.train_and_evaluate(_config("bert", variant), str(tmp_path))
+    assert np.isfinite(final["loss"]) and final["tokens"] > 0
+    if variant != "tiny,roberta":
+        assert 0.0 <= final["sentence_accuracy"] <= 1.0
+
+
+def test_classifier_fine_tunes_from_a_pretraining_checkpoint(tmp_path):
+    loop.train_and_evaluate(_config("bert", "tiny"), str(tmp_path / "pretrain"))
+    config = _config("sst2", "tiny")
+    config.init_from = f"ckpt:{tmp_path / 'pretrain'}"
+    final = loop.train_and_evaluate(config, str(tmp_path / "finetune"))
+    assert 0.0 <= final["accuracy"] <= 1.0 and final["examples"] == 256

@@ -39,7 +39,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.tokenizer = ml_collections.ConfigDict({"kind": "byte"})
 
     c.objective = ml_collections.ConfigDict()
-    c.objective.name = "causal_lm"  # causal_lm | mlm (full-sentence windows) | mlm_nsp (BERT) | mlm_sop (ALBERT)
+    c.objective.name = "causal_lm"  # causal_lm | mlm (windows) | mlm_nsp (BERT) | mlm_sop (ALBERT) | distill | classify
     c.objective.mask_rate = 0.15
     c.objective.static_masking = False  # True: BERT (one mask per example); False: RoBERTa (fresh each epoch)
     c.objective.num_pair_examples = 100_000  # mlm_nsp / mlm_sop: sentence pairs drawn once from the seed
@@ -49,6 +49,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective.head = "pooler"  # classify: pooler (BERT/ALBERT) | dense_tanh (RoBERTa) | dense_relu (DistilBERT) | linear
     c.objective.pooling = "first"  # classify with a non-pooler head: first | last | mean
     c.objective.head_dropout_rate = 0.1
+    c.objective.teacher = ""  # distill: "ckpt:WORKDIR" or "hf:PATH" of the teacher
+    c.objective.teacher_model = ml_collections.ConfigDict()  # distill: the teacher's model section (model_section)
+    c.objective.init_student_from_teacher = True  # distill: student layer i <- teacher layer 2i
+    c.objective.temperature = 2.0  # distill: DistilBERT's defaults below
+    c.objective.alpha_ce = 5.0
+    c.objective.alpha_mlm = 2.0
+    c.objective.alpha_cos = 1.0
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"

@@ -318,7 +318,7 @@ def classification_examples(texts: list[tuple[str, ...]], labels: np.ndarray, to
             "segment_ids": np.stack([r["segment_ids"] for r in rows]), "labels": labels}  # fmt: skip
 
 
-OBJECTIVE_DATA = ("causal_lm", "mlm", "mlm_nsp", "mlm_sop", "classify")
+OBJECTIVE_DATA = ("causal_lm", "mlm", "mlm_nsp", "mlm_sop", "classify", "distill")
 
 
 def make_loaders(config: ml_collections.ConfigDict, documents: dict[str, list[str]], tokenizer: tokenizers.Tokenizer,
@@ -352,7 +352,7 @@ def make_loaders(config: ml_collections.ConfigDict, documents: dict[str, list[st
     specials = sorted({i for i in tokenizer.special_ids.values() if i is not None})
     mask_kwargs = dict(mask_id=tokenizer.mask_id, vocab_size=tokenizer.vocab_size, special_ids=specials, rate=config.objective.mask_rate)
     mask = functools.partial(transforms.mask_rows, seed=seed, static=config.objective.static_masking, **mask_kwargs)
-    if objective == "mlm":
+    if objective in ("mlm", "distill"):
         window = functools.partial(
             transforms.mlm_from_windows, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id,
             seed=seed, static=config.objective.static_masking, **mask_kwargs,

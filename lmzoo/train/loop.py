@@ -27,6 +27,7 @@ from tqdm import tqdm
 from lmzoo import checkpoint, decoding, sharding, tokenizers
 from lmzoo import config as config_lib
 from lmzoo.data import pipeline
+from lmzoo.models import bert
 from lmzoo.train import metrics as metrics_lib
 from lmzoo.train import optim, tasks
 from lmzoo.train import step as step_lib
@@ -151,54 +152,70 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Setup:
 
 
 def restore_or_init(setup: Setup) -> tuple[TrainState, dict]:
-    """The latest good checkpoint, or a fresh state (optionally with weights from config.init_from)."""
+    """The latest good checkpoint, or a fresh state: weights from config.init_from, and for
+    distillation the teacher from config.objective.teacher (the student from its every other layer)."""
     restored = setup.checkpointer.restore_latest(setup.abstract_state)
     if restored is not None:
         step, state, data_state = restored
         if jax.process_index() == 0:
             print(f"resumed from {setup.checkpointer.directory / str(step)}")
         return state, data_state
+    cfg = setup.config
     with setup.context():
-        state = setup.init_fn(jax.random.key(setup.config.train.seed))
-    if setup.config.get("init_from"):
-        params = pretrained_params(setup, jax.device_get(state.params))
+        state = setup.init_fn(jax.random.key(cfg.train.seed))
+    params = jax.device_get(state.params)
+    if cfg.objective.name == "distill":
+        teacher = merge_pretrained(jax.device_get(state.frozen["teacher"]), cfg.objective.teacher, cfg.model_name)
+        state = state.replace(frozen=jax.device_put({"teacher": teacher}, setup.state_shardings.frozen))
+        if cfg.objective.init_student_from_teacher:
+            student = bert.distilbert_student_params(teacher, cfg.objective.teacher_model.num_layers)
+            params = merge_pretrained(params, student, cfg.model_name, name="teacher layers")
+    if cfg.get("init_from"):
+        params = merge_pretrained(params, cfg.init_from, cfg.model_name)
+    if cfg.get("init_from") or cfg.objective.name == "distill":
         state = state.replace(params=jax.device_put(params, setup.state_shardings.params))
         state = state.replace(opt_state=jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(state.params))
     return state, {"step": 0}
 
 
-def pretrained_params(setup: Setup, fresh):
-    """`fresh` params with every parameter that config.init_from provides replaced.
-
-    "hf:PATH" (HuggingFace safetensors folder) or "ckpt:WORKDIR" (another lmzoo run's latest
-    checkpoint). A classifier takes the pretrained weights into its backbone and keeps its new
-    head; pretraining heads the target lacks are dropped. A shape mismatch is an error.
-    """
-    spec = setup.config.init_from
-    target = fresh["backbone"] if "backbone" in fresh else fresh
+def read_params(spec: str, model_name: str, target):
+    """Params from "hf:PATH" (HuggingFace safetensors folder) or "ckpt:WORKDIR" (another lmzoo run's
+    latest checkpoint; a classifier run gives its backbone)."""
     if spec.startswith("hf:"):
         from lmzoo.convert import hf
 
-        source = hf.convert_pretrained(spec, setup.config.model_name, target)
-    elif spec.startswith("ckpt:"):
-        other = build(config_lib.load_saved(spec.removeprefix("ckpt:")), spec.removeprefix("ckpt:"))
+        return hf.convert_pretrained(spec, model_name, target)
+    if spec.startswith("ckpt:"):
+        workdir = spec.removeprefix("ckpt:")
+        other = build(config_lib.load_saved(workdir), workdir)
         restored = other.checkpointer.restore_latest(other.abstract_state)
         other.checkpointer.close()
         if restored is None:
-            raise FileNotFoundError(f"init_from {spec!r}: no checkpoint in {other.checkpointer.directory}")
+            raise FileNotFoundError(f"{spec!r}: no checkpoint in {other.checkpointer.directory}")
         source = jax.device_get(restored[1].params)
-        source = source.get("backbone", source)
-    else:
-        raise ValueError(f"config.init_from {spec!r} must be 'hf:PATH' or 'ckpt:WORKDIR'")
+        return source.get("backbone", source)
+    raise ValueError(f"pretrained weights spec {spec!r} must be 'hf:PATH' or 'ckpt:WORKDIR'")
+
+
+def merge_pretrained(fresh, source, model_name: str, *, name: str | None = None):
+    """`fresh` params with every parameter `source` (params, or a read_params spec) provides replaced.
+
+    A classifier takes the weights into its backbone and keeps its new head; pretraining heads the
+    target lacks are dropped. A shape mismatch is an error.
+    """
+    name = name or str(source)
+    target = fresh["backbone"] if "backbone" in fresh else fresh
+    if isinstance(source, str):
+        source = read_params(source, model_name, target)
     flat_target, flat_source = traverse_util.flatten_dict(target, sep="/"), traverse_util.flatten_dict(source, sep="/")
     mismatched = [f"{k}: {flat_source[k].shape} vs model {v.shape}" for k, v in flat_target.items()
                   if k in flat_source and flat_source[k].shape != v.shape]  # fmt: skip
     if mismatched:
-        raise ValueError(f"init_from {spec!r} does not fit the configured model:\n  " + "\n  ".join(mismatched))
+        raise ValueError(f"weights from {name} do not fit the configured model:\n  " + "\n  ".join(mismatched))
     loaded = {k: np.asarray(flat_source[k], dtype=v.dtype) if k in flat_source else v for k, v in flat_target.items()}
     fresh_keys = sorted(set(flat_target) - set(flat_source))
     if jax.process_index() == 0:
-        print(f"init_from {spec}: loaded {len(flat_target) - len(fresh_keys)} parameters; newly initialised: {fresh_keys or 'none'}")
+        print(f"{name}: loaded {len(flat_target) - len(fresh_keys)} parameters; newly initialised: {fresh_keys or 'none'}")
     merged = traverse_util.unflatten_dict(loaded, sep="/")
     return {**fresh, "backbone": merged} if "backbone" in fresh else merged
 

@@ -9,7 +9,7 @@ import ml_collections
 
 from lmzoo import models
 from lmzoo.models import heads
-from lmzoo.objectives import causal_lm, mlm
+from lmzoo.objectives import causal_lm, distillation, mlm
 from lmzoo.train.state import Task
 
 
@@ -69,6 +69,42 @@ def masked_lm_task(model, *, mask_rate: float, sentence_loss_weight: float = 1.0
     return Task(init=init, loss=loss)
 
 
+def distillation_task(student, teacher, objective: ml_collections.ConfigDict) -> Task:
+    """DistilBERT: alpha_ce * soft cross-entropy against the frozen teacher at temperature T (x T²)
+    + alpha_mlm * MLM + alpha_cos * (1 - cos) between final hidden states. The teacher lives in
+    state.frozen, so both models run inside the same jitted step and only the student is updated."""
+
+    def init(rng, batch):
+        student_rng, teacher_rng = jax.random.split(rng)
+        student_params = student.init({"params": student_rng, "dropout": rng}, batch["inputs"])["params"]
+        teacher_params = teacher.init({"params": teacher_rng, "dropout": rng}, batch["inputs"])["params"]
+        return student_params, {"teacher": teacher_params}, {}
+
+    def forward(model, params, batch, positions, rng, train):
+        hidden, _ = model.apply(
+            {"params": params}, batch["inputs"], token_types=batch.get("token_types"), segment_ids=batch.get("segment_ids"),
+            deterministic=not train, rngs={"dropout": rng}, method=model.encode,
+        )  # fmt: skip
+        gathered = jnp.take_along_axis(hidden, positions[..., None], axis=1)
+        return hidden, model.apply({"params": params}, gathered, method=model.mlm_logits)
+
+    def loss(params, frozen, carry, batch, rng, *, train):
+        num_predictions = min(batch["inputs"].shape[1], math.ceil(objective.mask_rate * batch["inputs"].shape[1]) + 1)
+        positions = jax.lax.top_k(batch["weights"], num_predictions)[1]
+        teacher_hidden, teacher_logits = jax.lax.stop_gradient(forward(teacher, frozen["teacher"], batch, positions, rng, False))
+        student_hidden, student_logits = forward(student, params, batch, positions, rng, train)
+        gathered = {k: jnp.take_along_axis(batch[k], positions, axis=1) for k in ("targets", "weights")}
+        mlm_value, metrics = mlm.loss(student_logits, gathered)
+        soft_sum, soft_count = distillation.soft_cross_entropy(student_logits, teacher_logits, gathered["weights"], objective.temperature)
+        real = jnp.ones(batch["inputs"].shape) if batch.get("segment_ids") is None else (batch["segment_ids"] != 0)
+        cos_sum, cos_count = distillation.cosine_loss(student_hidden, teacher_hidden, real)
+        value = (objective.alpha_ce * soft_sum / jnp.maximum(soft_count, 1.0) + objective.alpha_mlm * mlm_value
+                 + objective.alpha_cos * cos_sum / jnp.maximum(cos_count, 1.0))  # fmt: skip
+        return value, ({**metrics, "distill_loss": (soft_sum, soft_count), "cosine_loss": (cos_sum, cos_count)}, carry)
+
+    return Task(init=init, loss=loss)
+
+
 def classification_task(model) -> Task:
     """Sequence classification: model(tokens, token_types, segment_ids) -> logits [B, C]; batch["labels"] [B]."""
 
@@ -105,6 +141,7 @@ OBJECTIVES = {
     "mlm_nsp": lambda model, o: masked_lm_task(model, mask_rate=o.mask_rate, sentence_loss_weight=o.sentence_loss_weight),
     "mlm_sop": lambda model, o: masked_lm_task(model, mask_rate=o.mask_rate, sentence_loss_weight=o.sentence_loss_weight),
     "classify": lambda model, objective: classification_task(model),
+    "distill": lambda model, o: distillation_task(model, models.build_model("bert", o.teacher_model.to_dict()), o),
 }
 
 

@@ -3,6 +3,7 @@
 import importlib.util
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -34,3 +35,18 @@ def test_classifier_fine_tunes_from_a_pretraining_checkpoint(tmp_path):
     config.init_from = f"ckpt:{tmp_path / 'pretrain'}"
     final = loop.train_and_evaluate(config, str(tmp_path / "finetune"))
     assert 0.0 <= final["accuracy"] <= 1.0 and final["examples"] == 256
+
+
+def test_distillation_trains_student_against_frozen_teacher(tmp_path):
+    loop.train_and_evaluate(_config("bert", "tiny"), str(tmp_path / "teacher"))
+    config = _config("distilbert", "tiny")
+    config.objective.teacher = f"ckpt:{tmp_path / 'teacher'}"
+    final = loop.train_and_evaluate(config, str(tmp_path / "student"))
+    assert np.isfinite(final["distill_loss"]) and 0.0 <= final["cosine_loss"] <= 2.0
+    setup = loop.build(loop.config_lib.load_saved(str(tmp_path / "student")), str(tmp_path / "student"))
+    _, state, _ = setup.checkpointer.restore_latest(setup.abstract_state)
+    teacher_setup = loop.build(loop.config_lib.load_saved(str(tmp_path / "teacher")), str(tmp_path / "teacher"))
+    _, teacher_state, _ = teacher_setup.checkpointer.restore_latest(teacher_setup.abstract_state)
+    for a, b in zip(jax.tree.leaves(state.frozen["teacher"]), jax.tree.leaves(teacher_state.params), strict=True):
+        np.testing.assert_array_equal(a, b)  # the teacher never changes
+    assert len(state.params["blocks"]) == 1

@@ -114,11 +114,14 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def load_saved(workdir: str) -> ml_collections.ConfigDict:
-    """The config a run saved in `<workdir>/config.json`."""
+    """The config a run saved in `<workdir>/config.json`, over today's defaults (so runs saved before
+    a field existed still load)."""
     path = pathlib.Path(workdir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: is {workdir!r} the workdir of a train.py run?")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+    config = base_config()
+    config.update(json.loads(path.read_text()))
+    return config
 
 
 def check_overrides(argv: list[str], flag: str = "config") -> None:

@@ -341,11 +341,16 @@ class MlpBlock(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Self-attention + MLP with residuals, pre-norm (GPT-2) or post-norm (GPT, BERT). [B, T, D] -> [B, T, D].
+    """Self-attention (+ cross-attention) + MLP with residuals; pre-norm (GPT-2, T5) or post-norm (GPT,
+    BERT, BART). [B, T, D] -> [B, T, D].
 
     Attributes:
         causal: decoder self-attention.
-        pre_norm: x + f(LN(x)) if True, else LN(x + f(x)).
+        cross_attention: attend to `context` (encoder-decoder decoders).
+        pre_norm: x + f(N(x)) if True, else N(x + f(x)).
+        norm: "layer" (LayerNorm) or "rms" (T5: no mean, no bias).
+        activations: of the MLP; two give a gated unit (T5 v1.1 gated GELU).
+        attention_scale: logit scale (None: head_dim ** -0.5; T5 uses 1.0).
         residual_init_std: std of the output projections (GPT-2 scales it by 1/sqrt(2 L)).
     """
 
@@ -353,9 +358,12 @@ class TransformerBlock(nn.Module):
     head_dim: int
     mlp_dim: int
     causal: bool = False
+    cross_attention: bool = False
     pre_norm: bool = True
-    activation: str = "gelu"
+    norm: str = "layer"
+    activations: Sequence[str] = ("gelu",)
     use_bias: bool = True
+    attention_scale: float | None = None
     layer_norm_epsilon: float = 1e-5
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
@@ -365,32 +373,53 @@ class TransformerBlock(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None, *, deterministic: bool, decode: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        segment_ids: jax.Array | None = None,
+        bias: jax.Array | None = None,
+        context: jax.Array | None = None,
+        context_segment_ids: jax.Array | None = None,
+        *,
+        deterministic: bool,
+        decode: bool = False,
+    ) -> jax.Array:
+        """x [B, T, D]; bias [1|B, N, T, T] added to self-attention logits (T5 relative positions);
+        context [B, S, D] with context_segment_ids [B, S] for cross-attention."""
+        if self.norm not in ("layer", "rms"):
+            raise ValueError(f"unknown norm {self.norm!r}; choose 'layer' or 'rms'")
+        rms = self.norm == "rms"
         norm = functools.partial(
-            LayerNorm, epsilon=self.layer_norm_epsilon, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype
-        )
-        dropout = nn.Dropout(self.dropout_rate)
-        attention = Attention(
-            num_heads=self.num_heads, head_dim=self.head_dim, causal=self.causal, use_bias=self.use_bias,
+            LayerNorm, epsilon=self.layer_norm_epsilon, use_bias=self.use_bias and not rms, use_mean=not rms,
+            dtype=self.dtype, param_dtype=self.param_dtype,
+        )  # fmt: skip
+        attention = functools.partial(
+            Attention, num_heads=self.num_heads, head_dim=self.head_dim, use_bias=self.use_bias, scale=self.attention_scale,
             dropout_rate=self.attention_dropout_rate, kernel_init=nn.initializers.normal(self.init_std),
             out_init=nn.initializers.normal(self.residual_init_std), dtype=self.dtype, param_dtype=self.param_dtype,
-            name="attn",
         )  # fmt: skip
         mlp = MlpBlock(
-            mlp_dim=self.mlp_dim, activations=(self.activation,), use_bias=self.use_bias,
+            mlp_dim=self.mlp_dim, activations=tuple(self.activations), use_bias=self.use_bias,
             kernel_init=nn.initializers.normal(self.init_std), out_init=nn.initializers.normal(self.residual_init_std),
             dtype=self.dtype, param_dtype=self.param_dtype, name="mlp",
         )  # fmt: skip
+        dropout = nn.Dropout(self.dropout_rate)
+
+        def residual(x, norm_name, fn):
+            if self.pre_norm:
+                return x + dropout(fn(norm(name=norm_name)(x)), deterministic=deterministic)
+            return norm(name=norm_name)(x + dropout(fn(x), deterministic=deterministic))
+
         x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
-        if self.pre_norm:
-            h = attention(norm(name="ln_attn")(x), segment_ids=segment_ids, deterministic=deterministic, decode=decode)
-            x = x + dropout(h, deterministic=deterministic)
-            h = mlp(norm(name="ln_mlp")(x), deterministic=deterministic)
-            return x + dropout(h, deterministic=deterministic)
-        h = attention(x, segment_ids=segment_ids, deterministic=deterministic, decode=decode)
-        x = norm(name="ln_attn")(x + dropout(h, deterministic=deterministic))
-        h = mlp(x, deterministic=deterministic)
-        return norm(name="ln_mlp")(x + dropout(h, deterministic=deterministic))
+        self_attention = attention(causal=self.causal, name="attn")
+        x = residual(x, "ln_attn", lambda h: self_attention(h, segment_ids=segment_ids, bias=bias, deterministic=deterministic, decode=decode))
+        if self.cross_attention:
+            cross = attention(name="cross_attn")
+            x = residual(
+                x, "ln_cross",
+                lambda h: cross(h, context, segment_ids=segment_ids, context_segment_ids=context_segment_ids, deterministic=deterministic),
+            )  # fmt: skip
+        return residual(x, "ln_mlp", lambda h: mlp(h, deterministic=deterministic))
 
 
 REMAT_POLICIES = {

@@ -88,7 +88,7 @@ class Bert(nn.Module):
             self.embed_projection = dense((e, h), ("embed", "mlp"))
         block = layers.TransformerBlock(
             num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim, causal=False, pre_norm=False,
-            activation=cfg.activation, layer_norm_epsilon=cfg.layer_norm_epsilon, dropout_rate=cfg.dropout_rate,
+            activations=(cfg.activation,), layer_norm_epsilon=cfg.layer_norm_epsilon, dropout_rate=cfg.dropout_rate,
             attention_dropout_rate=cfg.attention_dropout_rate, dtype=dtype, param_dtype=param_dtype,
         )  # fmt: skip
         self.blocks = layers.BlockStack(

@@ -89,7 +89,7 @@ class GPT2(nn.Module):
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         block = layers.TransformerBlock(
             num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim, causal=True, pre_norm=cfg.pre_norm,
-            activation=cfg.activation, use_bias=cfg.use_bias, layer_norm_epsilon=cfg.layer_norm_epsilon,
+            activations=(cfg.activation,), use_bias=cfg.use_bias, layer_norm_epsilon=cfg.layer_norm_epsilon,
             dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
             residual_init_std=0.02 / (2 * cfg.num_layers) ** 0.5 if cfg.scale_residual_init else 0.02,
             dtype=dtype, param_dtype=param_dtype,

@@ -28,6 +28,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("position", None),
     ("norm", None),
     ("classes", None),
+    ("relpos_buckets", None),
     # Activations.
     ("act_batch", ("data", "fsdp")),
     ("act_len", None),

@@ -1,0 +1,236 @@
+"""Encoder-decoders: T5 (v1.0, v1.1), BART and the original Transformer as switches of one module.
+
+    T5 v1.0     relative position bias (bucketed; bidirectional in the encoder, causal in the decoder;
+                one table per stack, shared by its layers), pre-norm RMS norm without bias, no absolute
+                positions, unscaled attention logits, ReLU MLP, head tied to the embedding with the
+                decoder output scaled by emb_dim ** -0.5.
+    T5 v1.1     as v1.0 with gated GELU (activations ("gelu_tanh", "linear")) and an untied head.
+    BART        learned positions offset by 2, post-LN with an embedding LayerNorm, GELU, biases,
+                tied head plus final_logits_bias.
+    Transformer Vaswani et al.: sinusoidal positions, embeddings scaled by sqrt(emb_dim), post-LN, ReLU.
+
+Entry points: `encode(inputs)` -> [B, S, D]; `decode(decoder_inputs, encoded)` -> logits [B, T, V]
+(with `decode=True` one chunk at a time against the KV cache); `__call__` does both.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmzoo import layers, sharding
+
+POSITIONS = ("relative", "learned", "sinusoidal")
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq2SeqConfig:
+    """Encoder-decoder hyper-parameters; the field names are exactly the keys of `config.model`."""
+
+    vocab_size: int = 32128
+    emb_dim: int = 512
+    num_heads: int = 8
+    head_dim: int = 64
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    mlp_dim: int = 2048
+    activations: Sequence[str] = ("relu",)
+    positions: str = "relative"
+    max_len: int = 512  # learned / sinusoidal position table size
+    position_offset: int = 0  # BART: 2
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    pre_norm: bool = True
+    norm: str = "rms"
+    use_bias: bool = False
+    embedding_norm: bool = False  # BART's layernorm_embedding
+    scale_embeddings: bool = False  # multiply embeddings by sqrt(emb_dim)
+    embedding_init_std: float = 1.0  # T5 1.0; BART / Transformer 0.02
+    tie_embeddings: bool = True
+    scale_tied_logits: bool = True  # T5: decoder output * emb_dim ** -0.5 before the tied head
+    final_logits_bias: bool = False  # BART
+    attention_scale: float = 1.0  # T5 1.0; 0 means head_dim ** -0.5
+    layer_norm_epsilon: float = 1e-6
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.0
+    decoder_start_id: int = 0  # T5: pad; BART: eos (</s>)
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    scan_layers: bool = False
+    remat_policy: str = "none"
+
+    def __post_init__(self):
+        object.__setattr__(self, "activations", tuple(self.activations))
+        if self.positions not in POSITIONS:
+            raise ValueError(f"unknown positions {self.positions!r}; choose one of {POSITIONS}")
+        for name in self.activations:
+            layers.activation(name)
+
+
+def relative_position_bucket(relative_position: jax.Array, *, bidirectional: bool, num_buckets: int, max_distance: int) -> jax.Array:
+    """T5's bucketing of key - query offsets: exact for small distances, logarithmic up to max_distance."""
+    buckets = jnp.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).astype(jnp.int32) * num_buckets
+        distance = jnp.abs(relative_position)
+    else:
+        distance = -jnp.minimum(relative_position, 0)
+    max_exact = num_buckets // 2
+    # Clamp before the log: distance 0 would be log(0); those entries take the exact branch anyway.
+    scaled = jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / max_exact) / np.log(max_distance / max_exact)
+    large = jnp.minimum(max_exact + (scaled * (num_buckets - max_exact)).astype(jnp.int32), num_buckets - 1)
+    return buckets + jnp.where(distance < max_exact, distance, large)
+
+
+class RelativePositionBias(nn.Module):
+    """Learned per-head bias of bucketed offsets: (query [B, T], key [S] positions) -> [B, N, T, S]."""
+
+    num_heads: int
+    num_buckets: int
+    max_distance: int
+    bidirectional: bool
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
+        table = self.param(
+            "embedding", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("relpos_buckets", "heads")),
+            (self.num_buckets, self.num_heads), self.param_dtype,
+        )  # fmt: skip
+        offsets = key_positions[None, None, :] - query_positions[:, :, None]
+        buckets = relative_position_bucket(
+            offsets, bidirectional=self.bidirectional, num_buckets=self.num_buckets, max_distance=self.max_distance
+        )
+        return jnp.transpose(table[buckets], (0, 3, 1, 2))
+
+
+class Seq2Seq(nn.Module):
+    """Encoder-decoder LM. config: Seq2SeqConfig."""
+
+    config: Seq2SeqConfig
+
+    def setup(self):
+        cfg = self.config
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        self.embed = layers.Embed(cfg.vocab_size, cfg.emb_dim, embedding_init=nn.initializers.normal(cfg.embedding_init_std), dtype=dtype, param_dtype=param_dtype)
+        norm = functools.partial(
+            layers.LayerNorm, epsilon=cfg.layer_norm_epsilon, use_bias=cfg.norm == "layer" and cfg.use_bias,
+            use_mean=cfg.norm == "layer", dtype=dtype, param_dtype=param_dtype,
+        )  # fmt: skip
+        block = functools.partial(
+            layers.TransformerBlock, num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim,
+            pre_norm=cfg.pre_norm, norm=cfg.norm, activations=cfg.activations, use_bias=cfg.use_bias,
+            attention_scale=cfg.attention_scale or None, layer_norm_epsilon=cfg.layer_norm_epsilon,
+            dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate, dtype=dtype,
+            param_dtype=param_dtype,
+        )  # fmt: skip
+        stack = functools.partial(layers.BlockStack, scan=cfg.scan_layers, remat_policy=cfg.remat_policy)
+        self.encoder = stack(block(), cfg.num_encoder_layers)
+        self.decoder = stack(block(causal=True, cross_attention=True), cfg.num_decoder_layers)
+        if cfg.positions == "relative":
+            relpos = functools.partial(
+                RelativePositionBias, cfg.num_heads, cfg.relative_buckets, cfg.relative_max_distance, param_dtype=param_dtype
+            )
+            self.encoder_relpos = relpos(bidirectional=True)
+            self.decoder_relpos = relpos(bidirectional=False)
+        elif cfg.positions == "learned":
+            table = functools.partial(layers.Embed, cfg.max_len, cfg.emb_dim, axes=("position", "embed"), dtype=dtype, param_dtype=param_dtype)
+            self.encoder_positions, self.decoder_positions = table(), table()
+        if cfg.embedding_norm:
+            self.encoder_embed_norm, self.decoder_embed_norm = norm(), norm()
+        if cfg.pre_norm:
+            self.encoder_final_norm, self.decoder_final_norm = norm(), norm()
+        if not cfg.tie_embeddings:
+            self.lm_head = layers.Einsum((cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), dtype=dtype, param_dtype=param_dtype)
+        if cfg.final_logits_bias:
+            self.logits_bias = self.param("final_logits_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,))
+        self.dropout = nn.Dropout(cfg.dropout_rate)
+
+    def _embed(self, tokens: jax.Array, positions: jax.Array, which: str, *, deterministic: bool) -> jax.Array:
+        cfg = self.config
+        x = self.embed(tokens)
+        if cfg.scale_embeddings:
+            x = x * np.sqrt(cfg.emb_dim)
+        if cfg.positions == "learned":
+            x = x + getattr(self, f"{which}_positions")(positions + cfg.position_offset)
+        elif cfg.positions == "sinusoidal":
+            x = x + layers.sinusoidal_positions(positions, cfg.emb_dim).astype(x.dtype)
+        if cfg.embedding_norm:
+            x = getattr(self, f"{which}_embed_norm")(x)
+        return self.dropout(x, deterministic=deterministic)
+
+    def encode(self, inputs: jax.Array, *, segment_ids: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
+        """inputs [B, S] int (segment_ids [B, S], 0 = padding) -> encoded [B, S, D]."""
+        positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+        x = self._embed(inputs, positions, "encoder", deterministic=deterministic)
+        bias = self.encoder_relpos(positions[:1], positions[0]) if self.config.positions == "relative" else None
+        x = self.encoder(x, segment_ids, bias, deterministic=deterministic)
+        if self.config.pre_norm:
+            x = self.dropout(self.encoder_final_norm(x), deterministic=deterministic)
+        return sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
+
+    def decode(
+        self,
+        decoder_inputs: jax.Array,
+        encoded: jax.Array,
+        *,
+        encoder_segment_ids: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+        max_decode_len: int | None = None,
+    ) -> jax.Array:
+        """decoder_inputs [B, T] (targets shifted right), encoded [B, S, D] -> logits [B, T, V].
+
+        decode=True: the chunk at `positions` [B, T] against the KV cache, whose length is
+        max_decode_len (needed for the relative bias of T5).
+        """
+        cfg = self.config
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(decoder_inputs.shape[1]), decoder_inputs.shape)
+        x = self._embed(decoder_inputs, positions, "decoder", deterministic=deterministic)
+        bias = None
+        if cfg.positions == "relative":
+            keys = jnp.arange(max_decode_len if decode else decoder_inputs.shape[1])
+            bias = self.decoder_relpos(positions, keys)
+        if encoder_segment_ids is not None and segment_ids is None:
+            segment_ids = jnp.ones(decoder_inputs.shape, jnp.int32)
+        x = self.decoder(x, segment_ids, bias, encoded, encoder_segment_ids, deterministic=deterministic, decode=decode)
+        if cfg.pre_norm:
+            x = self.dropout(self.decoder_final_norm(x), deterministic=deterministic)
+        if cfg.tie_embeddings:
+            if cfg.scale_tied_logits:
+                x = x * cfg.emb_dim**-0.5
+            logits = self.embed.attend(x)
+        else:
+            logits = self.lm_head("BTD,DV->BTV", x)
+        if cfg.final_logits_bias:
+            logits = logits + self.logits_bias
+        return sharding.constrain(logits, ("act_batch", "act_len", "act_vocab"))
+
+    def __call__(
+        self,
+        inputs: jax.Array,
+        decoder_inputs: jax.Array,
+        *,
+        encoder_segment_ids: jax.Array | None = None,
+        decoder_segment_ids: jax.Array | None = None,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """inputs [B, S], decoder_inputs [B, T] -> logits [B, T, V]."""
+        encoded = self.encode(inputs, segment_ids=encoder_segment_ids, deterministic=deterministic)
+        return self.decode(
+            decoder_inputs, encoded, encoder_segment_ids=encoder_segment_ids, segment_ids=decoder_segment_ids,
+            deterministic=deterministic,
+        )  # fmt: skip
+
+
+def shift_right(targets: jax.Array, start_id: int) -> jax.Array:
+    """Decoder inputs: targets [B, T] shifted one step right with `start_id` first."""
+    return jnp.concatenate([jnp.full(targets.shape[:1] + (1,), start_id, targets.dtype), targets[:, :-1]], axis=1)

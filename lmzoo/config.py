@@ -39,7 +39,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.tokenizer = ml_collections.ConfigDict({"kind": "byte"})
 
     c.objective = ml_collections.ConfigDict()
-    c.objective.name = "causal_lm"  # causal_lm | mlm (windows) | mlm_nsp (BERT) | mlm_sop (ALBERT) | distill | classify
+    c.objective.name = "causal_lm"  # causal_lm | mlm (windows) | mlm_nsp (BERT) | mlm_sop (ALBERT) | distill | classify | span_corruption | denoising
     c.objective.mask_rate = 0.15
     c.objective.static_masking = False  # True: BERT (one mask per example); False: RoBERTa (fresh each epoch)
     c.objective.num_pair_examples = 100_000  # mlm_nsp / mlm_sop: sentence pairs drawn once from the seed
@@ -56,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective.alpha_ce = 5.0
     c.objective.alpha_mlm = 2.0
     c.objective.alpha_cos = 1.0
+    c.objective.noise_density = 0.15  # span_corruption (T5)
+    c.objective.mean_noise_span_length = 3.0
+    c.objective.noising = (("text_infilling", {"mask_ratio": 0.3, "poisson_lambda": 3.0}),)  # denoising (BART), applied in order
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"

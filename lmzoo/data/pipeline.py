@@ -7,6 +7,7 @@ uninterrupted run would have seen. Each process materialises only its rows of th
 
 import dataclasses
 import gzip
+import inspect
 import json
 import re
 import pathlib
@@ -18,7 +19,7 @@ import ml_collections
 import numpy as np
 
 from lmzoo import tokenizers
-from lmzoo.data import transforms
+from lmzoo.data import noising, transforms
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".py", ".md")
 
@@ -318,7 +319,51 @@ def classification_examples(texts: list[tuple[str, ...]], labels: np.ndarray, to
             "segment_ids": np.stack([r["segment_ids"] for r in rows]), "labels": labels}  # fmt: skip
 
 
-OBJECTIVE_DATA = ("causal_lm", "mlm", "mlm_nsp", "mlm_sop", "classify", "distill")
+OBJECTIVE_DATA = ("causal_lm", "mlm", "mlm_nsp", "mlm_sop", "classify", "distill", "span_corruption", "denoising")
+
+
+def sentence_end_ids(tokenizer: tokenizers.Tokenizer) -> list[int]:
+    """Ids whose text ends a sentence (".", "!", "?", with or without a leading space marker)."""
+    return [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]).strip() in (".", "!", "?")]
+
+
+def _seq2seq_window_transform(config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer) -> tuple[int, Callable]:
+    """(window length, LMLoader transform) of the T5 span-corruption or BART denoising objective."""
+    o, seq_len = config.objective, config.data.seq_len
+    eos = tokenizer.eos_id
+    if o.name == "span_corruption":
+        if not getattr(tokenizer, "extra_ids", 0):
+            raise ValueError("span_corruption needs sentinel tokens: use a sentencepiece tokenizer with extra_ids (e.g. 100)")
+        window, targets_length = noising.span_corruption_lengths(seq_len, o.noise_density, o.mean_noise_span_length)
+        sentinels = [tokenizer.sentinel_id(i) for i in range(tokenizer.extra_ids)]
+        noise = lambda tokens, rng: noising.span_corruption(  # noqa: E731
+            tokens, rng=rng, sentinel_ids=sentinels, noise_density=o.noise_density,
+            mean_noise_span_length=o.mean_noise_span_length, eos_id=eos,
+        )  # fmt: skip
+        window -= 1  # span_corruption_lengths counts the EOS that span_corruption appends
+    else:
+        if tokenizer.mask_id is None:
+            raise ValueError("BART denoising needs a mask token: e.g. sentencepiece with user_defined_symbols=['[MASK]']")
+        window, targets_length = seq_len - 1, seq_len
+        steps = [(name, dict(kwargs)) for name, kwargs in o.noising]
+        specials = [i for i in tokenizer.special_ids.values() if i is not None]
+        for name, kwargs in steps:
+            accepted = inspect.signature(noising.NOISING[name]).parameters if name in noising.NOISING else {}
+            if "mask_id" in accepted:
+                kwargs.setdefault("mask_id", tokenizer.mask_id)
+            if "special_ids" in accepted:
+                kwargs.setdefault("special_ids", specials)
+            if kwargs.get("sentence_end_ids") == "auto":
+                kwargs["sentence_end_ids"] = sentence_end_ids(tokenizer)
+        noise = lambda tokens, rng: {  # noqa: E731
+            "inputs": np.append(noising.apply_noising(tokens, steps, rng=rng), eos),
+            "targets": np.append(tokens, eos),
+        }
+    transform = functools.partial(
+        transforms.seq2seq_from_windows, noise=noise, seed=config.train.seed, inputs_length=seq_len,
+        targets_length=targets_length, pad_id=tokenizer.pad_id, decoder_start_id=config.model.decoder_start_id,
+    )  # fmt: skip
+    return window, transform
 
 
 def make_loaders(config: ml_collections.ConfigDict, documents: dict[str, list[str]], tokenizer: tokenizers.Tokenizer,
@@ -342,6 +387,10 @@ def make_loaders(config: ml_collections.ConfigDict, documents: dict[str, list[st
     streams = {split: TokenStream.from_documents(docs, tokenizer) for split, docs in documents.items()}
     for split, stream in streams.items():
         transforms.check_token_ids(stream.tokens, config.model.vocab_size, where=f"{split} split")
+    if objective in ("span_corruption", "denoising"):
+        window, transform = _seq2seq_window_transform(config, tokenizer)
+        loader = LMLoader(streams["train"], config.train.batch_size, window, seed=seed, sampler=config.data.sampler, transform=transform, **shard)
+        return loader, lambda split: eval_batches(streams[split], config.eval.batch_size, window, transform=transform, **shard)
     if objective == "causal_lm":
         loader = LMLoader(streams["train"], config.train.batch_size, config.data.seq_len, seed=seed, sampler=config.data.sampler, **shard)
         return loader, lambda split: eval_batches(streams[split], config.eval.batch_size, config.data.seq_len, **shard)

@@ -291,3 +291,31 @@ def mlm_from_windows(
     tokens = np.concatenate([np.full((b, 1), cls_id), batch["inputs"], np.full((b, 1), sep_id)], axis=1)
     tokens = np.where(segment_ids == 0, pad_id, tokens).astype(np.int32)
     return {**mask_rows(tokens, example_ids, epochs, **mask_kwargs), "segment_ids": segment_ids}
+
+
+def seq2seq_from_windows(
+    batch: dict[str, np.ndarray], example_ids: np.ndarray, epochs: np.ndarray, *, noise, seed: int, inputs_length: int,
+    targets_length: int, pad_id: int, decoder_start_id: int,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """Token windows -> denoising examples, row by row with `masking_rng(seed, id, epoch)`.
+
+    batch["inputs"] [B, W] (padding where segment_ids is 0); noise(tokens [w], rng) -> {"inputs", "targets"}
+    (span corruption or BART noising). Returns inputs / encoder_segment_ids [B, inputs_length] and
+    targets / decoder_inputs (targets shifted right after decoder_start_id) / weights [B, targets_length].
+    """
+    b = batch["inputs"].shape[0]
+    out = {
+        "inputs": np.full((b, inputs_length), pad_id, np.int32),
+        "targets": np.full((b, targets_length), pad_id, np.int32),
+    }
+    for i in range(b):
+        tokens = batch["inputs"][i][batch["segment_ids"][i] != 0]
+        example = noise(tokens, masking_rng(seed, int(example_ids[i]), epoch=int(epochs[i])))
+        for key, length in (("inputs", inputs_length), ("targets", targets_length)):
+            if len(example[key]) > length:
+                raise ValueError(f"noised {key} have {len(example[key])} tokens, more than the configured {length}")
+            out[key][i, : len(example[key])] = example[key]
+    out["encoder_segment_ids"] = (out["inputs"] != pad_id).astype(np.int32)
+    out["weights"] = (out["targets"] != pad_id).astype(np.float32)
+    out["decoder_inputs"] = np.concatenate([np.full((b, 1), decoder_start_id, np.int32), out["targets"][:, :-1]], axis=1)
+    return out

@@ -126,6 +126,24 @@ def classification_task(model) -> Task:
     return Task(init=init, loss=loss)
 
 
+def seq2seq_task(model) -> Task:
+    """Encoder-decoder next-token loss on the targets (span corruption, denoising, translation)."""
+
+    def init(rng, batch):
+        params = model.init({"params": rng, "dropout": rng}, batch["inputs"], batch["decoder_inputs"])["params"]
+        return params, {}, {}
+
+    def loss(params, frozen, carry, batch, rng, *, train):
+        logits = model.apply(
+            {"params": params}, batch["inputs"], batch["decoder_inputs"], encoder_segment_ids=batch.get("encoder_segment_ids"),
+            deterministic=not train, rngs={"dropout": rng},
+        )  # fmt: skip
+        value, metrics = causal_lm.loss(logits, batch)
+        return value, (metrics, carry)
+
+    return Task(init=init, loss=loss)
+
+
 def build_model(config: ml_collections.ConfigDict) -> nn.Module:
     """The network the objective trains: the family's model, wrapped in a head for classification."""
     model = models.build_model(config.model_name, config.model.to_dict())
@@ -141,6 +159,8 @@ OBJECTIVES = {
     "mlm_nsp": lambda model, o: masked_lm_task(model, mask_rate=o.mask_rate, sentence_loss_weight=o.sentence_loss_weight),
     "mlm_sop": lambda model, o: masked_lm_task(model, mask_rate=o.mask_rate, sentence_loss_weight=o.sentence_loss_weight),
     "classify": lambda model, objective: classification_task(model),
+    "span_corruption": lambda model, objective: seq2seq_task(model),
+    "denoising": lambda model, objective: seq2seq_task(model),
     "distill": lambda model, o: distillation_task(model, models.build_model("bert", o.teacher_model.to_dict()), o),
 }
 

@@ -50,3 +50,9 @@ def test_distillation_trains_student_against_frozen_teacher(tmp_path):
     for a, b in zip(jax.tree.leaves(state.frozen["teacher"]), jax.tree.leaves(teacher_state.params), strict=True):
         np.testing.assert_array_equal(a, b)  # the teacher never changes
     assert len(state.params["blocks"]) == 1
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_denoising_pretraining_runs(tmp_path, name):
+    final = loop.train_and_evaluate(_config(name, "tiny,test"), str(tmp_path))
+    assert np.isfinite(final["loss"]) and final["tokens"] > 0

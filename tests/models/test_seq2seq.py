@@ -1,0 +1,80 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from lmzoo import models, testing
+from lmzoo.models import seq2seq
+
+TINY = dict(vocab_size=32, emb_dim=16, num_heads=2, head_dim=8, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=32,
+            dropout_rate=0.0, relative_buckets=8, relative_max_distance=16, max_len=24)  # fmt: skip
+VARIANTS = {
+    "t5_v1_0": {},
+    "t5_v1_1": dict(activations=("gelu_tanh", "linear"), tie_embeddings=False),
+    "bart": dict(positions="learned", position_offset=2, pre_norm=False, norm="layer", use_bias=True, embedding_norm=True,
+                 activations=("gelu",), attention_scale=0.0, scale_tied_logits=False, final_logits_bias=True, embedding_init_std=0.02),
+    "transformer": dict(positions="sinusoidal", pre_norm=False, norm="layer", use_bias=True, scale_embeddings=True,
+                        attention_scale=0.0, scale_tied_logits=False, embedding_init_std=0.02),
+}  # fmt: skip
+
+
+def _init(variant):
+    model = models.build_model("seq2seq", {**TINY, **VARIANTS[variant]})
+    params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((2, 7), jnp.int32), jnp.zeros((2, 5), jnp.int32))["params"])
+    return model, params
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_shapes_causality_and_cached_decoding(variant):
+    model, params = _init(variant)
+    inputs, targets = testing.random_tokens((2, 7), seed=1), testing.random_tokens((2, 6), seed=2)
+    logits = model.apply({"params": params}, inputs, targets)
+    chex.assert_shape(logits, (2, 6, 32))
+    changed = targets.copy()
+    changed[:, 4:] = (changed[:, 4:] + 3) % 32
+    np.testing.assert_allclose(model.apply({"params": params}, inputs, changed)[:, :4], logits[:, :4], atol=1e-5)
+
+    encoded = model.apply({"params": params}, inputs, method=model.encode)
+    cache = model.init(jax.random.key(0), inputs, targets, method=_decode_init(model, 6))["cache"]
+    steps = []
+    for t in range(6):
+        out, variables = model.apply(
+            {"params": params, "cache": cache}, targets[:, t : t + 1], encoded, positions=np.full((2, 1), t),
+            decode=True, max_decode_len=6, mutable=["cache"], method=model.decode,
+        )  # fmt: skip
+        cache = variables["cache"]
+        steps.append(out)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), logits, atol=1e-5)
+
+
+def _decode_init(model, length):
+    def init(module, inputs, targets):
+        encoded = module.encode(inputs)
+        return module.decode(jnp.zeros((inputs.shape[0], length), jnp.int32), encoded, decode=True, max_decode_len=length)
+
+    return init
+
+
+def test_encoder_padding_is_ignored():
+    model, params = _init("t5_v1_0")
+    inputs, targets = testing.random_tokens((1, 5), seed=3), testing.random_tokens((1, 4), seed=4)
+    padded = np.concatenate([inputs, np.zeros((1, 3), np.int32)], axis=1)
+    mask = np.array([[1] * 5 + [0] * 3])
+    a = model.apply({"params": params}, inputs, targets, encoder_segment_ids=np.ones((1, 5), np.int32))
+    b = model.apply({"params": params}, padded, targets, encoder_segment_ids=mask)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_relative_position_buckets_match_t5():
+    offsets = jnp.array([-200, -20, -8, -1, 0, 1, 7, 8, 20, 200])
+    bi = seq2seq.relative_position_bucket(offsets, bidirectional=True, num_buckets=32, max_distance=128)
+    uni = seq2seq.relative_position_bucket(offsets, bidirectional=False, num_buckets=32, max_distance=128)
+    # Values printed by transformers' T5Attention._relative_position_bucket for the same offsets.
+    np.testing.assert_array_equal(bi, [15, 10, 8, 1, 0, 17, 23, 24, 26, 31])
+    np.testing.assert_array_equal(uni, [31, 17, 8, 1, 0, 0, 0, 0, 0, 0])
+
+
+def test_shift_right():
+    np.testing.assert_array_equal(seq2seq.shift_right(jnp.array([[5, 6, 7]]), 0), [[0, 5, 6]])

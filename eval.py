@@ -19,18 +19,28 @@ flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_string("mesh_shape", None, "(data,fsdp,tensor) mesh for evaluation, e.g. '-1,1,1'; default: the run's "
+                    "mesh if this machine has enough devices, else all devices data-parallel.")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    import jax
+    import numpy as np
+
     from lmzoo import config as config_lib
     from lmzoo.train import loop
 
     logging.set_verbosity(logging.WARNING)
     config = config_lib.load_saved(FLAGS.workdir)
-    setup = loop.build(config, FLAGS.workdir)
+    if FLAGS.mesh_shape:
+        config.sharding.mesh_shape = tuple(int(x) for x in FLAGS.mesh_shape.strip("()").split(","))
+    elif int(np.prod([abs(x) for x in config.sharding.mesh_shape])) > jax.device_count():
+        print(f"the run's mesh {tuple(config.sharding.mesh_shape)} needs more than the {jax.device_count()} devices here; "
+              "evaluating with mesh (-1, 1, 1) (checkpoints reshard on restore)")
+        config.sharding.mesh_shape = (-1, 1, 1)    setup = loop.build(config, FLAGS.workdir)
     restored = setup.checkpointer.restore_latest(setup.abstract_state)
     if restored is None:
         raise SystemExit(f"no checkpoint found in {setup.checkpointer.directory}; train first with train.py --workdir={FLAGS.workdir}")

@@ -40,7 +40,8 @@ def main(argv):
     elif int(np.prod([abs(x) for x in config.sharding.mesh_shape])) > jax.device_count():
         print(f"the run's mesh {tuple(config.sharding.mesh_shape)} needs more than the {jax.device_count()} devices here; "
               "evaluating with mesh (-1, 1, 1) (checkpoints reshard on restore)")
-        config.sharding.mesh_shape = (-1, 1, 1)    setup = loop.build(config, FLAGS.workdir)
+        config.sharding.mesh_shape = (-1, 1, 1)
+    setup = loop.build(config, FLAGS.workdir)
     restored = setup.checkpointer.restore_latest(setup.abstract_state)
     if restored is None:
         raise SystemExit(f"no checkpoint found in {setup.checkpointer.directory}; train first with train.py --workdir={FLAGS.workdir}")

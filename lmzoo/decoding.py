@@ -1,9 +1,12 @@
-"""Autoregressive sampling for decoders: greedy, temperature, top-k, top-p, EOS stop, KV cache.
+"""Autoregressive decoding: greedy, temperature, top-k, top-p, EOS stop and KV cache for decoders
+(`generate`) and encoder-decoders (`generate_seq2seq`), and beam search for encoder-decoders.
 
-Prompts are left-padded to a common length P (`prompt_mask` marks real tokens), so every row's
-last prompt token sits at column P-1 and new tokens are written in lockstep. The whole loop is
-one jitted `lax.while_loop`; with `use_cache=False` each step recomputes the full forward pass
-(the reference the KV-cache path is tested and benchmarked against).
+Decoder-only prompts are left-padded to a common length P (`prompt_mask` marks real tokens), so
+every row's last prompt token sits at column P-1 and new tokens are written in lockstep. Every
+loop is one jitted `lax.while_loop`; with `use_cache=False` each step recomputes the full forward
+pass (the reference the KV-cache path is tested and benchmarked against). Encoder-decoders run the
+encoder once and feed the decoder one token per step against its KV cache, starting from
+`model.config.decoder_start_id`.
 """
 
 import functools
@@ -11,6 +14,15 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def _check_ids(model: nn.Module, tokens: jax.Array, what: str) -> None:
+    vocab_size = getattr(model.config, "vocab_size", None)
+    if vocab_size is not None and (int(tokens.max()) >= vocab_size or int(tokens.min()) < 0):
+        raise ValueError(
+            f"{what} contains token ids outside [0, {vocab_size}); was it encoded with this model's tokenizer?"
+        )
 
 
 def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -31,10 +43,10 @@ def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float, top_
     return jax.random.categorical(rng, logits, axis=-1)
 
 
-def _init_cache(model: nn.Module, batch: int, length: int):
-    shapes = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), jnp.zeros((batch, length), jnp.int32), decode=True)["cache"]
-    )
+def _init_cache(model: nn.Module, batch: int, length: int, *args, **kwargs):
+    """A zero KV cache for [batch, length] tokens; extra arguments go to `model.init` after the tokens."""
+    tokens = jnp.zeros((batch, length), jnp.int32)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, *args, decode=True, **kwargs)["cache"])
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
@@ -122,13 +134,231 @@ def generate(
             f"prompt length {prompts.shape[1]} + max_new_tokens {max_new_tokens} exceeds the model's "
             f"max_len {max_len}; shorten the prompt or ask for fewer tokens"
         )
-    vocab_size = getattr(model.config, "vocab_size", None)
-    if vocab_size is not None and (int(prompts.max()) >= vocab_size or int(prompts.min()) < 0):
-        raise ValueError(f"prompt contains token ids outside [0, {vocab_size}); was it encoded with this model's tokenizer?")
+    _check_ids(model, prompts, "prompt")
     if prompt_mask is None:
         prompt_mask = jnp.ones_like(prompts)
     return _generate(
         model, params, prompts, jnp.asarray(prompt_mask, jnp.int32), rng,
         max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
         eos_id=eos_id, pad_id=int(pad_id), use_cache=use_cache,
+    )  # fmt: skip
+
+
+def _check_seq2seq_inputs(model: nn.Module, inputs: jax.Array, max_new_tokens: int) -> jax.Array:
+    """inputs as int32 [B, S]; raises on bad shapes, ids outside the vocabulary or positions beyond a learned table."""
+    inputs = jnp.asarray(inputs, jnp.int32)
+    if inputs.ndim != 2 or inputs.shape[1] == 0:
+        raise ValueError(f"inputs must be [batch, length>0] token ids, got shape {inputs.shape}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    cfg = model.config
+    if cfg.positions == "learned":
+        limit = cfg.max_len - cfg.position_offset
+        for what, length in (("input length", inputs.shape[1]), ("max_new_tokens", max_new_tokens)):
+            if length > limit:
+                raise ValueError(
+                    f"{what} {length} exceeds the {limit} positions of the model's learned position table "
+                    f"(max_len {cfg.max_len} - position_offset {cfg.position_offset})"
+                )
+    _check_ids(model, inputs, "inputs")
+    return inputs
+
+
+def _encode(model, params, inputs, encoder_segment_ids):
+    return model.apply({"params": params}, inputs, segment_ids=encoder_segment_ids, method="encode")
+
+
+def _decoder_step(model, params, cache, tokens, step, encoded, encoder_segment_ids, max_decode_len):
+    """tokens [N] at decoder position `step` (cache of max_decode_len positions) -> (logits [N, V] float32, cache)."""
+    logits, variables = model.apply(
+        {"params": params, "cache": cache}, tokens[:, None], encoded, encoder_segment_ids=encoder_segment_ids,
+        positions=jnp.full((tokens.shape[0], 1), step), decode=True, max_decode_len=max_decode_len,
+        mutable=["cache"], method="decode",
+    )  # fmt: skip
+    return logits[:, 0].astype(jnp.float32), variables["cache"]
+
+
+def _init_decoder_cache(model, encoded, max_decode_len):
+    return _init_cache(model, encoded.shape[0], max_decode_len, encoded, max_decode_len=max_decode_len, method="decode")
+
+
+@functools.partial(
+    jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id", "pad_id")
+)
+def _generate_seq2seq(
+    model, params, inputs, encoder_segment_ids, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id
+):
+    batch = inputs.shape[0]
+    encoded = _encode(model, params, inputs, encoder_segment_ids)
+    step = functools.partial(
+        _decoder_step, model, params, encoded=encoded, encoder_segment_ids=encoder_segment_ids,
+        max_decode_len=max_new_tokens,
+    )  # fmt: skip
+    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def cond(carry):
+        i, _, _, _, done, _ = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        i, tokens, last, cache, done, rng = carry
+        logits, cache = step(cache, last, i)
+        rng, step_rng = jax.random.split(rng)
+        token = jnp.where(done, pad_id, sample(step_rng, logits)).astype(jnp.int32)
+        if eos_id is not None:
+            done = done | (token == eos_id)
+        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
+        return i + 1, tokens, token, cache, done, rng
+
+    tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
+    start = jnp.full((batch,), model.config.decoder_start_id, jnp.int32)
+    cache = _init_decoder_cache(model, encoded, max_new_tokens)
+    done = jnp.zeros((batch,), bool)
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), tokens, start, cache, done, rng))[1]
+
+
+def generate_seq2seq(
+    model: nn.Module,
+    params,
+    inputs: jax.Array,
+    *,
+    rng: jax.Array,
+    max_new_tokens: int,
+    encoder_segment_ids: jax.Array | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+) -> jax.Array:
+    """Encoder-decoder sampling: inputs [B, S] (encoder_segment_ids [B, S]: 1 real token, 0 padding) ->
+    new tokens [B, max_new_tokens], the decoder start token excluded.
+
+    temperature 0 is greedy (see `sample_logits`). Rows that produced `eos_id` continue with `pad_id`;
+    the loop ends early when all rows are done.
+    """
+    inputs = _check_seq2seq_inputs(model, inputs, max_new_tokens)
+    segments = None if encoder_segment_ids is None else jnp.asarray(encoder_segment_ids, jnp.int32)
+    return _generate_seq2seq(
+        model, params, inputs, segments, rng, max_new_tokens=max_new_tokens, temperature=float(temperature),
+        top_k=int(top_k), top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id),
+    )  # fmt: skip
+
+
+def _reorder_cache(cache, rows: jax.Array, batch_axis: int):
+    """Every cache leaf with rows [B*K] gathered by `rows` [B*K] along its batch axis (cache_index has none)."""
+
+    def take(path, leaf):
+        is_index = getattr(path[-1], "key", None) == "cache_index"
+        return leaf if is_index else jnp.take(leaf, rows, axis=batch_axis)
+
+    return jax.tree_util.tree_map_with_path(take, cache)
+
+
+_NEG = -1.0e9  # HF's score of excluded candidates and empty pool slots
+
+
+@functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens", "pad_id"))
+def _beam_search(
+    model, params, inputs, encoder_segment_ids, eos_id, penalties, best_penalties, stop_when_full, *, beam_size,
+    max_new_tokens, pad_id,
+):  # fmt: skip
+    """penalties [T]: length ** length_penalty for lengths 1..T; best_penalties [T]: that of the length at which
+    a live beam's best possible score is estimated after step t; stop_when_full: early_stopping is True."""
+    batch, k, steps = inputs.shape[0], beam_size, max_new_tokens
+    # Rows [B*K, ...] hold example b's beams at b*K .. b*K+K-1.
+    encoded = jnp.repeat(_encode(model, params, inputs, encoder_segment_ids), k, axis=0)
+    if encoder_segment_ids is not None:
+        encoder_segment_ids = jnp.repeat(encoder_segment_ids, k, axis=0)
+    step = functools.partial(
+        _decoder_step, model, params, encoded=encoded, encoder_segment_ids=encoder_segment_ids, max_decode_len=steps
+    )
+    batch_axis = 1 if model.config.scan_layers else 0  # scanned caches are [layers, B*K, ...]
+    top_beams = jnp.arange(2 * k) < k
+
+    def cond(carry):
+        i, *_, pool_finished, open_rows = carry
+        pool_full = stop_when_full & jnp.all(pool_finished)
+        return (i < steps) & jnp.any(open_rows) & ~pool_full
+
+    def body(carry):
+        i, last, cache, run_tokens, run_scores, pool_tokens, pool_scores, pool_finished, open_rows = carry
+        logits, cache = step(cache, last, i)
+        vocab = logits.shape[-1]
+        scores = jax.nn.log_softmax(logits).reshape(batch, k, vocab) + run_scores[:, :, None]
+        # 2K best continuations over all beams: at least K of them do not end in EOS.
+        cand_scores, flat_index = jax.lax.top_k(scores.reshape(batch, k * vocab), 2 * k)  # [B, 2K]
+        parents, cand_ids = flat_index // vocab, flat_index % vocab
+        cand_tokens = jnp.take_along_axis(run_tokens, parents[:, :, None], axis=1).at[:, :, i].set(cand_ids)
+        finished = (cand_ids == eos_id) | (i + 1 == steps)
+        # Live beams: the K best candidates that did not finish.
+        run_scores, live = jax.lax.top_k(cand_scores + finished * _NEG, k)
+        run_tokens = jnp.take_along_axis(cand_tokens, live[:, :, None], axis=1)
+        rows = (jnp.arange(batch)[:, None] * k + jnp.take_along_axis(parents, live, axis=1)).reshape(-1)
+        cache = _reorder_cache(cache, rows, batch_axis)
+        # Pool: finished candidates among the top K enter with their length-penalised score, unless the row is
+        # closed (or, with early_stopping=True, already full); the pool keeps its K best.
+        new_finished = finished & top_beams
+        hyp_scores = cand_scores / penalties[i]
+        hyp_scores += (stop_when_full & jnp.all(pool_finished, axis=1, keepdims=True)) * _NEG
+        hyp_scores += ~open_rows[:, None] * _NEG
+        hyp_scores += ~new_finished * _NEG
+        merged = jax.lax.top_k(jnp.concatenate([pool_scores, hyp_scores], axis=1), k)[1]
+        pool_tokens = jnp.take_along_axis(jnp.concatenate([pool_tokens, cand_tokens], 1), merged[:, :, None], axis=1)
+        pool_scores = jnp.take_along_axis(jnp.concatenate([pool_scores, hyp_scores], 1), merged, axis=1)
+        pool_finished = jnp.take_along_axis(jnp.concatenate([pool_finished, new_finished], 1), merged, axis=1)
+        # A row closes once its pool is full and the best live beam cannot beat the pool's worst.
+        worst = jnp.where(pool_finished, jnp.min(pool_scores, axis=1, keepdims=True), _NEG)
+        open_rows &= jnp.any(run_scores[:, :1] / best_penalties[i] > worst, axis=1)
+        last = run_tokens[:, :, i].reshape(-1)
+        return i + 1, last, cache, run_tokens, run_scores, pool_tokens, pool_scores, pool_finished, open_rows
+
+    start = jnp.full((batch * k,), model.config.decoder_start_id, jnp.int32)
+    tokens = jnp.full((batch, k, steps), pad_id, jnp.int32)
+    run_scores = jnp.zeros((batch, k)).at[:, 1:].set(_NEG)  # only the first beam expands at step 0
+    pool_scores = jnp.full((batch, k), _NEG)
+    carry = (
+        jnp.int32(0), start, _init_decoder_cache(model, encoded, steps), tokens, run_scores, tokens, pool_scores,
+        jnp.zeros((batch, k), bool), jnp.ones((batch,), bool),
+    )  # fmt: skip
+    _, _, _, _, _, pool_tokens, pool_scores, _, _ = jax.lax.while_loop(cond, body, carry)
+    return pool_tokens[:, 0], pool_scores[:, 0]
+
+
+def beam_search(
+    model: nn.Module,
+    params,
+    inputs: jax.Array,
+    *,
+    beam_size: int,
+    max_new_tokens: int,
+    eos_id: int,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = True,
+    pad_id: int = 0,
+    encoder_segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Encoder-decoder beam search: inputs [B, S] (encoder_segment_ids [B, S]: 1 real token, 0 padding) ->
+    (best tokens [B, max_new_tokens], EOS included and `pad_id` after; its score [B]).
+
+    HF `generate(num_beams=beam_size, do_sample=False)` semantics: each step keeps the 2K best
+    continuations of the K live beams; those ending in `eos_id` among the top K (and every candidate at
+    max_new_tokens) enter a per-example pool of K finished hypotheses scored sum(log p) / length **
+    length_penalty (length counts the generated tokens, EOS included). early_stopping=True closes an
+    example when its pool is full; False (or "never") when also no live beam can beat the pool's worst,
+    estimated at the current length (at max_new_tokens for "never" with length_penalty > 0).
+    """
+    if early_stopping not in (True, False, "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be at least 1, got {beam_size}")
+    inputs = _check_seq2seq_inputs(model, inputs, max_new_tokens)
+    segments = None if encoder_segment_ids is None else jnp.asarray(encoder_segment_ids, jnp.int32)
+    # Float64 powers rounded to float32, like HF's Python-float length penalties.
+    penalties = np.arange(1, max_new_tokens + 1, dtype=np.float64) ** float(length_penalty)
+    best = np.full_like(penalties, penalties[-1]) if early_stopping == "never" and length_penalty > 0 else penalties
+    return _beam_search(
+        model, params, inputs, segments, jnp.int32(eos_id), jnp.asarray(penalties, jnp.float32),
+        jnp.asarray(best, jnp.float32), jnp.asarray(early_stopping is True), beam_size=int(beam_size),
+        max_new_tokens=int(max_new_tokens), pad_id=int(pad_id),
     )  # fmt: skip

@@ -10,7 +10,7 @@ import abc
 import io
 import itertools
 import os
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import sentencepiece as spm

@@ -3,7 +3,8 @@
 Each family has a config map (HF config.json <-> config.model fields) and a weight map (HF state
 dict <-> lmzoo parameter tree), registered in `CONVERTERS` for `load_pretrained("hf:PATH", ...)`.
 The "bert" family reads HF BERT, RoBERTa, ALBERT and DistilBERT (by config.json model_type);
-`classifier_from_hf` reads their *ForSequenceClassification checkpoints.
+`classifier_from_hf` reads their *ForSequenceClassification checkpoints. The "seq2seq" family reads
+HF T5 (v1.0 and v1.1) and BART *ForConditionalGeneration checkpoints.
 
 Layouts: Flax kernels are [in, out]. HF GPT-2 uses `Conv1D`, whose weights are already [in, out]
 and copy directly: c_attn [D, 3D] splits into query, key, value, each reshaped to (D, N, H), and
@@ -30,6 +31,7 @@ from safetensors.numpy import load_file
 from lmzoo.models import make_config
 from lmzoo.models.bert import BertConfig
 from lmzoo.models.gpt2 import GPT2Config
+from lmzoo.models.seq2seq import Seq2SeqConfig
 
 Params = dict[str, Any]
 
@@ -392,21 +394,21 @@ class _Entry(NamedTuple):
 
 
 def _linear(
-    group: str, module: str, path: tuple[str, ...], n_in: int, n_out: int, in_shape=None, out_shape=None
+    group: str, module: str, path: tuple[str, ...], n_in: int, n_out: int, in_shape=None, out_shape=None, bias=True
 ) -> list[_Entry]:
-    """nn.Linear weight [out, in] and bias -> Einsum kernel (*in_shape, *out_shape) and bias out_shape."""
+    """nn.Linear weight [out, in] (and bias) -> Einsum kernel (*in_shape, *out_shape) (and bias out_shape)."""
     in_shape, out_shape = in_shape or (n_in,), out_shape or (n_out,)
-    return [
-        _Entry(group, f"{module}.weight", (*path, "kernel"), (n_out, n_in), (*in_shape, *out_shape), True),
-        _Entry(group, f"{module}.bias", (*path, "bias"), (n_out,), out_shape, False),
-    ]
+    entries = [_Entry(group, f"{module}.weight", (*path, "kernel"), (n_out, n_in), (*in_shape, *out_shape), True)]
+    if bias:
+        entries.append(_Entry(group, f"{module}.bias", (*path, "bias"), (n_out,), out_shape, False))
+    return entries
 
 
-def _norm(group: str, module: str, path: tuple[str, ...], d: int) -> list[_Entry]:
-    return [
-        _Entry(group, f"{module}.weight", (*path, "scale"), (d,), (d,), False),
-        _Entry(group, f"{module}.bias", (*path, "bias"), (d,), (d,), False),
-    ]
+def _norm(group: str, module: str, path: tuple[str, ...], d: int, bias: bool = True) -> list[_Entry]:
+    entries = [_Entry(group, f"{module}.weight", (*path, "scale"), (d,), (d,), False)]
+    if bias:
+        entries.append(_Entry(group, f"{module}.bias", (*path, "bias"), (d,), (d,), False))
+    return entries
 
 
 def _bert_entries(cfg: BertConfig, model_type: str) -> list[_Entry]:
@@ -578,7 +580,16 @@ def _bert_read(
     return tensors, present
 
 
-def _bert_params(tensors: Mapping[str, np.ndarray], entries: list[_Entry]) -> Params:
+def _entry_to_hf(params: Params, entry: _Entry) -> np.ndarray:
+    """The HF tensor of `entry` (float32, contiguous) from the lmzoo leaf at entry.path."""
+    leaf = params
+    for name in entry.path:
+        leaf = leaf[name]
+    tensor = np.asarray(leaf, dtype=np.float32).reshape(entry.hf_shape[::-1] if entry.transpose else entry.hf_shape)
+    return np.ascontiguousarray(tensor.T if entry.transpose else tensor)
+
+
+def _to_params(tensors: Mapping[str, np.ndarray], entries: list[_Entry]) -> Params:
     """Nested lmzoo params from the HF tensors of `entries`."""
     params: Params = {}
     for entry in entries:
@@ -603,7 +614,7 @@ def bert_from_hf(state_dict: Mapping[str, np.ndarray], cfg: BertConfig, *, model
     lists the missing head.
     """
     _check_bert_family(cfg, model_type)
-    params = _bert_params(*_bert_read(state_dict, model_type, _bert_entries(cfg, model_type), optional=("mlm",)))
+    params = _to_params(*_bert_read(state_dict, model_type, _bert_entries(cfg, model_type), optional=("mlm",)))
     params.setdefault("mlm_bias", np.zeros(cfg.vocab_size, np.float32))
     return params
 
@@ -625,9 +636,9 @@ def classifier_from_hf(state_dict: Mapping[str, np.ndarray], cfg: BertConfig, *,
         n_out = num_labels if name == "classifier" else cfg.emb_dim
         entries += _linear("classifier", module, (name,), cfg.emb_dim, n_out)
     tensors, entries = _bert_read(state_dict, model_type, entries, optional=())
-    backbone = _bert_params(tensors, [entry for entry in entries if entry.group != "classifier"])
+    backbone = _to_params(tensors, [entry for entry in entries if entry.group != "classifier"])
     backbone["mlm_bias"] = np.zeros(cfg.vocab_size, np.float32)
-    return {"backbone": backbone, **_bert_params(tensors, [entry for entry in entries if entry.group == "classifier"])}
+    return {"backbone": backbone, **_to_params(tensors, [entry for entry in entries if entry.group == "classifier"])}
 
 
 def bert_to_hf(params: Params, cfg: BertConfig, *, model_type: str) -> dict[str, np.ndarray]:
@@ -645,16 +656,364 @@ def bert_to_hf(params: Params, cfg: BertConfig, *, model_type: str) -> dict[str,
     for entry in _bert_entries(cfg, model_type):
         if entry.group == "mlm" and not with_mlm:
             continue
-        leaf = params
-        for name in entry.path:
-            leaf = leaf[name]
-        tensor = np.asarray(leaf, dtype=np.float32).reshape(entry.hf_shape[::-1] if entry.transpose else entry.hf_shape)
         keys[entry.hf] = prefix + entry.hf if entry.group in ("encoder", "pooler") else entry.hf
-        sd[keys[entry.hf]] = np.ascontiguousarray(tensor.T if entry.transpose else tensor)
+        sd[keys[entry.hf]] = _entry_to_hf(params, entry)
     if with_mlm:
         for copy, source in _bert_tied(model_type).items():
             sd[copy] = sd[keys[source]].copy()
     return sd
+
+
+# Encoder-decoders: HF T5 (v1.0, v1.1) and BART are two naming schemes of lmzoo's one "seq2seq" model.
+
+# config.model field -> (HF config.json key, HF class default; None = required).
+_T5_HF_KEYS = {
+    "vocab_size": ("vocab_size", None),
+    "emb_dim": ("d_model", None),
+    "head_dim": ("d_kv", None),
+    "mlp_dim": ("d_ff", None),
+    "num_heads": ("num_heads", None),
+    "num_encoder_layers": ("num_layers", None),
+    "relative_buckets": ("relative_attention_num_buckets", 32),
+    "relative_max_distance": ("relative_attention_max_distance", 128),
+    "dropout_rate": ("dropout_rate", 0.1),
+    "layer_norm_epsilon": ("layer_norm_epsilon", 1e-6),
+    "embedding_init_std": ("initializer_factor", 1.0),
+}
+_BART_HF_KEYS = {
+    "vocab_size": ("vocab_size", None),
+    "emb_dim": ("d_model", None),
+    "num_heads": ("encoder_attention_heads", None),
+    "num_encoder_layers": ("encoder_layers", None),
+    "num_decoder_layers": ("decoder_layers", None),
+    "mlp_dim": ("encoder_ffn_dim", None),
+    "dropout_rate": ("dropout", 0.1),
+    "attention_dropout_rate": ("attention_dropout", 0.0),
+    "embedding_init_std": ("init_std", 0.02),
+    "scale_embeddings": ("scale_embedding", False),
+    "decoder_start_id": ("decoder_start_token_id", 2),
+}
+# config.model fields that HF T5 / BART hard-code.
+_T5_FIXED = {
+    "positions": "relative", "pre_norm": True, "norm": "rms", "use_bias": False, "embedding_norm": False,
+    "scale_embeddings": False, "final_logits_bias": False, "attention_scale": 1.0,
+}  # fmt: skip
+_BART_FIXED = {
+    "positions": "learned", "position_offset": 2, "pre_norm": False, "norm": "layer", "use_bias": True,
+    "embedding_norm": True, "tie_embeddings": True, "scale_tied_logits": False, "final_logits_bias": True,
+    "attention_scale": 0.0, "layer_norm_epsilon": 1e-5,
+}  # fmt: skip
+# Gated MLPs (activation, "linear") -> HF T5 feed_forward_proj; HF reads "gated-gelu" as tanh GELU.
+_T5_GATED_TO_HF = {"gelu_tanh": "gated-gelu", "relu": "gated-relu", "silu": "gated-silu"}
+# model_type -> (prefix of the model body's keys in *ForConditionalGeneration, keys HF skips when loading).
+_SEQ2SEQ_LAYOUT = {
+    "t5": ("", {"decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"}),
+    "bart": ("model.", {"encoder.version", "decoder.version"}),
+}
+_SEQ2SEQ_HEAD_KEYS = ("lm_head.weight", "final_logits_bias")  # BART keys outside the "model." body
+
+
+def _t5_activations(feed_forward_proj: str) -> tuple[str, ...]:
+    """HF T5 feed_forward_proj ("relu", "gated-gelu", ...) -> MLP activations of the "seq2seq" family."""
+    *gate, name = feed_forward_proj.split("-")
+    if feed_forward_proj == "gated-gelu":
+        name = "gelu_new"  # HF's backward-compatible reading
+    if gate not in ([], ["gated"]) or name not in _ACTIVATION_FROM_HF:
+        raise ValueError(
+            f"HF T5 feed_forward_proj {feed_forward_proj!r} has no lmzoo equivalent; use ACT or gated-ACT with ACT "
+            f"one of {sorted(_ACTIVATION_FROM_HF)}"
+        )
+    return (_ACTIVATION_FROM_HF[name], "linear") if gate else (_ACTIVATION_FROM_HF[name],)
+
+
+def _t5_feed_forward_proj(activations: tuple[str, ...]) -> str | None:
+    """Inverse of `_t5_activations`; None when HF T5 cannot express the activations."""
+    if len(activations) == 1:
+        return _ACTIVATION_TO_HF.get(activations[0])
+    if len(activations) == 2 and activations[1] == "linear":
+        return _T5_GATED_TO_HF.get(activations[0])
+    return None
+
+
+def _check_seq2seq(cfg: Seq2SeqConfig, model_type: str) -> None:
+    """Raises unless `cfg` describes a model that HF `model_type` ("t5" or "bart") can express."""
+    fixed = {"t5": _T5_FIXED, "bart": _BART_FIXED}[model_type]
+    broken = [f"{key}={value!r}" for key, value in fixed.items() if getattr(cfg, key) != value]
+    if model_type == "t5":
+        rules = {
+            "tie_embeddings == scale_tied_logits (HF T5 scales the decoder output exactly when the head is tied)":
+                cfg.tie_embeddings == cfg.scale_tied_logits,
+            f"activations (ACT,) with ACT in {sorted(_ACTIVATION_TO_HF)} or (ACT, 'linear') with ACT in "
+            f"{sorted(_T5_GATED_TO_HF)}": _t5_feed_forward_proj(cfg.activations) is not None,
+        }  # fmt: skip
+    else:
+        rules = {
+            "head_dim * num_heads == emb_dim": cfg.head_dim * cfg.num_heads == cfg.emb_dim,
+            f"one activation in {sorted(_ACTIVATION_TO_HF)}":
+                len(cfg.activations) == 1 and cfg.activations[0] in _ACTIVATION_TO_HF,
+        }  # fmt: skip
+    broken += [rule for rule, ok in rules.items() if not ok]
+    if broken:
+        raise ValueError(f"the config has no HF {model_type} equivalent; it needs: " + "; ".join(broken))
+
+
+def _seq2seq_fields(
+    hf_config: Mapping[str, Any], model_type: str, keys: Mapping[str, tuple[str, Any]]
+) -> dict[str, Any]:
+    """The fields of `keys` from an HF config dict (None values take the HF default), typed like Seq2SeqConfig."""
+    if hf_config.get("model_type", model_type) != model_type:
+        raise ValueError(f"HF config has model_type={hf_config['model_type']!r}; expected {model_type!r}")
+    missing = [key for key, default in keys.values() if default is None and hf_config.get(key) is None]
+    if missing:
+        raise ValueError(f"HF {model_type} config lacks {missing}")
+    fields = {}
+    for field, (key, default) in keys.items():
+        value = hf_config.get(key)
+        fields[field] = type(getattr(Seq2SeqConfig, field))(default if value is None else value)
+    return fields
+
+
+def t5_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """config.model fields of the "seq2seq" family from an HF T5 config.json dict.
+
+    v1.0 (feed_forward_proj "relu") has a tied head on the decoder output scaled by d_model ** -0.5;
+    v1.1 ("gated-gelu") an untied, unscaled head. transformers >= 5 always sets tie_word_embeddings and
+    keeps the v1.0/v1.1 switch in scale_decoder_outputs, which is read first. HF T5 applies dropout_rate
+    to attention probabilities too. The decoder starts from decoder_start_token_id, else pad_token_id.
+    """
+    fields = _seq2seq_fields(hf_config, "t5", _T5_HF_KEYS)
+    tied = bool(hf_config.get("scale_decoder_outputs", hf_config.get("tie_word_embeddings", True)))
+    decoder_layers = hf_config.get("num_decoder_layers")
+    start = next(
+        (hf_config[key] for key in ("decoder_start_token_id", "pad_token_id") if hf_config.get(key) is not None), 0
+    )
+    return fields | _T5_FIXED | {
+        "num_decoder_layers": fields["num_encoder_layers"] if decoder_layers is None else int(decoder_layers),
+        "activations": _t5_activations(hf_config.get("feed_forward_proj", "relu")),
+        "attention_dropout_rate": fields["dropout_rate"],
+        "tie_embeddings": tied,
+        "scale_tied_logits": tied,
+        "decoder_start_id": int(start),
+    }
+
+
+def t5_config_to_hf(cfg: Seq2SeqConfig) -> dict[str, Any]:
+    """An HF T5 config.json dict for a "seq2seq" config (attention_dropout_rate is not kept: HF T5 applies
+    dropout_rate to attention probabilities)."""
+    _check_seq2seq(cfg, "t5")
+    return {
+        "model_type": "t5",
+        "architectures": ["T5ForConditionalGeneration"],
+        **{key: getattr(cfg, field) for field, (key, _) in _T5_HF_KEYS.items()},
+        "num_decoder_layers": cfg.num_decoder_layers,
+        "feed_forward_proj": _t5_feed_forward_proj(cfg.activations),
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "decoder_start_token_id": cfg.decoder_start_id,
+        "is_encoder_decoder": True,
+    }
+
+
+def bart_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """config.model fields of the "seq2seq" family from an HF BART config.json dict.
+
+    Encoder and decoder must agree on heads and FFN size, and the head must be tied. HF's
+    activation_dropout and layerdrop (training only) have no lmzoo equivalent and are not read.
+    """
+    fields = _seq2seq_fields(hf_config, "bart", _BART_HF_KEYS | {"max_len": ("max_position_embeddings", None)})
+    for key, same in (("decoder_attention_heads", "encoder_attention_heads"), ("decoder_ffn_dim", "encoder_ffn_dim")):
+        if hf_config.get(key, hf_config[same]) != hf_config[same]:
+            raise ValueError(
+                f"HF bart config has {key}={hf_config[key]} != {same}={hf_config[same]}; lmzoo's seq2seq uses one value"
+            )
+    if not hf_config.get("tie_word_embeddings", True):
+        raise ValueError("HF bart config has tie_word_embeddings=False; lmzoo reads BART with its head tied")
+    activation = hf_config.get("activation_function", "gelu")
+    if activation not in _ACTIVATION_FROM_HF:
+        raise ValueError(
+            f"HF activation {activation!r} has no lmzoo equivalent; supported: {sorted(_ACTIVATION_FROM_HF)}"
+        )
+    return fields | _BART_FIXED | {
+        "head_dim": fields["emb_dim"] // fields["num_heads"],
+        "max_len": fields["max_len"] + _BART_FIXED["position_offset"],  # HF adds the offset rows itself
+        "activations": (_ACTIVATION_FROM_HF[activation],),
+    }
+
+
+def bart_config_to_hf(cfg: Seq2SeqConfig) -> dict[str, Any]:
+    """An HF BART config.json dict for a "seq2seq" config."""
+    _check_seq2seq(cfg, "bart")
+    return {
+        "model_type": "bart",
+        "architectures": ["BartForConditionalGeneration"],
+        **{key: getattr(cfg, field) for field, (key, _) in _BART_HF_KEYS.items()},
+        "decoder_attention_heads": cfg.num_heads,
+        "decoder_ffn_dim": cfg.mlp_dim,
+        "max_position_embeddings": cfg.max_len - cfg.position_offset,
+        "activation_function": _ACTIVATION_TO_HF[cfg.activations[0]],
+        "activation_dropout": 0.0,
+        "tie_word_embeddings": True,
+        "is_encoder_decoder": True,
+    }
+
+
+def _attention_entries(
+    module: str, path: tuple[str, ...], cfg: Seq2SeqConfig, names: tuple[str, str, str, str]
+) -> list[_Entry]:
+    """The query, key, value and output nn.Linear (`names` within `module`) of one HF attention."""
+    d, heads, bias = cfg.emb_dim, (cfg.num_heads, cfg.head_dim), cfg.use_bias
+    n = cfg.num_heads * cfg.head_dim
+    entries = []
+    for name, hf_name in zip(("query", "key", "value"), names[:3], strict=True):
+        entries += _linear("seq2seq", f"{module}.{hf_name}", (*path, name), d, n, out_shape=heads, bias=bias)
+    return entries + _linear("seq2seq", f"{module}.{names[3]}", (*path, "out"), n, d, in_shape=heads, bias=bias)
+
+
+def _t5_entries(cfg: Seq2SeqConfig) -> list[_Entry]:
+    """Every tensor of HF T5ForConditionalGeneration for `cfg`, tied copies excluded."""
+    d, f, v = cfg.emb_dim, cfg.mlp_dim, cfg.vocab_size
+    wis = ("wi",) if len(cfg.activations) == 1 else ("wi_0", "wi_1")
+    qkvo = ("q", "k", "v", "o")
+    entries = [_Entry("seq2seq", "shared.weight", ("embed", "embedding"), (v, d), (v, d), False)]
+    for stack, num_layers in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
+        relpos_shape = (cfg.relative_buckets, cfg.num_heads)
+        relpos = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        entries.append(_Entry("seq2seq", relpos, (f"{stack}_relpos", "embedding"), relpos_shape, relpos_shape, False))
+        for i in range(num_layers):
+            prefix, path = f"{stack}.block.{i}.layer.", (stack, f"layer_{i}")
+            entries += _attention_entries(prefix + "0.SelfAttention", (*path, "attn"), cfg, qkvo)
+            entries += _norm("seq2seq", prefix + "0.layer_norm", (*path, "ln_attn"), d, bias=False)
+            mlp = prefix + "1."
+            if stack == "decoder":
+                entries += _attention_entries(prefix + "1.EncDecAttention", (*path, "cross_attn"), cfg, qkvo)
+                entries += _norm("seq2seq", prefix + "1.layer_norm", (*path, "ln_cross"), d, bias=False)
+                mlp = prefix + "2."
+            for wi in wis:
+                entries += _linear("seq2seq", f"{mlp}DenseReluDense.{wi}", (*path, "mlp", wi), d, f, bias=False)
+            entries += _linear("seq2seq", f"{mlp}DenseReluDense.wo", (*path, "mlp", "wo"), f, d, bias=False)
+            entries += _norm("seq2seq", mlp + "layer_norm", (*path, "ln_mlp"), d, bias=False)
+        entries += _norm("seq2seq", f"{stack}.final_layer_norm", (f"{stack}_final_norm",), d, bias=False)
+    if not cfg.tie_embeddings:
+        entries += _linear("seq2seq", "lm_head", ("lm_head",), d, v, bias=False)
+    return entries
+
+
+def _bart_entries(cfg: Seq2SeqConfig) -> list[_Entry]:
+    """Every tensor of HF BartForConditionalGeneration for `cfg` (without the "model." prefix), tied copies excluded."""
+    d, f, v = cfg.emb_dim, cfg.mlp_dim, cfg.vocab_size
+    entries = [_Entry("seq2seq", "shared.weight", ("embed", "embedding"), (v, d), (v, d), False)]
+    for stack, num_layers in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
+        positions = (cfg.max_len, d)
+        table = f"{stack}.embed_positions.weight"
+        entries.append(_Entry("seq2seq", table, (f"{stack}_positions", "embedding"), positions, positions, False))
+        entries += _norm("seq2seq", f"{stack}.layernorm_embedding", (f"{stack}_embed_norm",), d)
+        for i in range(num_layers):
+            prefix, path = f"{stack}.layers.{i}.", (stack, f"layer_{i}")
+            projections = ("q_proj", "k_proj", "v_proj", "out_proj")
+            entries += _attention_entries(prefix + "self_attn", (*path, "attn"), cfg, projections)
+            entries += _norm("seq2seq", prefix + "self_attn_layer_norm", (*path, "ln_attn"), d)
+            if stack == "decoder":
+                entries += _attention_entries(prefix + "encoder_attn", (*path, "cross_attn"), cfg, projections)
+                entries += _norm("seq2seq", prefix + "encoder_attn_layer_norm", (*path, "ln_cross"), d)
+            entries += _linear("seq2seq", prefix + "fc1", (*path, "mlp", "wi"), d, f)
+            entries += _linear("seq2seq", prefix + "fc2", (*path, "mlp", "wo"), f, d)
+            entries += _norm("seq2seq", prefix + "final_layer_norm", (*path, "ln_mlp"), d)
+    return entries + [_Entry("seq2seq", "final_logits_bias", ("final_logits_bias",), (1, v), (v,), False)]
+
+
+def _seq2seq_entries(cfg: Seq2SeqConfig, model_type: str) -> list[_Entry]:
+    return _t5_entries(cfg) if model_type == "t5" else _bart_entries(cfg)
+
+
+def _seq2seq_tied(cfg: Seq2SeqConfig) -> dict[str, str]:
+    """HF copies (without prefix) -> the shared embedding they are tied to: embed_tokens, and lm_head when tied."""
+    copies = ["encoder.embed_tokens.weight", "decoder.embed_tokens.weight"] + ["lm_head.weight"] * cfg.tie_embeddings
+    return dict.fromkeys(copies, "shared.weight")
+
+
+def _seq2seq_read(state_dict: Mapping[str, Any], cfg: Seq2SeqConfig, model_type: str) -> dict[str, np.ndarray]:
+    """Unprefixed float32 tensors of every entry; tied copies checked, keys HF skips ignored, one error lists
+    unexpected and missing keys."""
+    prefix, ignored = _SEQ2SEQ_LAYOUT[model_type]
+    tensors, unexpected = {}, []
+    for key, value in state_dict.items():
+        name = key.removeprefix(prefix)
+        if name in ignored:
+            continue
+        if name in tensors:
+            unexpected.append(key)
+        tensors[name] = np.array(value, dtype=np.float32)
+    for copy, source in _seq2seq_tied(cfg).items():
+        if copy not in tensors:
+            continue
+        value = tensors.pop(copy)
+        if source not in tensors:
+            tensors[source] = value
+        elif not np.array_equal(value, tensors[source]):
+            hint = "; set tie_embeddings and scale_tied_logits False (T5 v1.1)" if copy == "lm_head.weight" else ""
+            raise ValueError(f"checkpoint has {copy} different from {source} but lmzoo ties them{hint}")
+    if model_type == "bart":  # as in HF, a checkpoint without final_logits_bias (a bare BartModel) has zeros
+        tensors.setdefault("final_logits_bias", np.zeros((1, cfg.vocab_size), np.float32))
+    expected = {entry.hf: entry.hf_shape for entry in _seq2seq_entries(cfg, model_type)}
+    unexpected += sorted(set(tensors) - set(expected))
+    missing = [name for name in expected if name not in tensors]
+    if unexpected or missing:
+        raise ValueError(
+            f"HF {model_type} state dict does not match the config: unexpected keys {unexpected}, missing keys "
+            f"{missing}" + (f" (names shown without the optional '{prefix}' prefix)" if prefix else "")
+        )
+    misshapen = [
+        f"{name}: {tensors[name].shape} (expected {shape})"
+        for name, shape in expected.items()
+        if tensors[name].shape != shape
+    ]
+    if misshapen:
+        raise ValueError(f"HF {model_type} tensors with unexpected shapes: " + "; ".join(misshapen))
+    return tensors
+
+
+def _seq2seq_from_hf(state_dict: Mapping[str, Any], cfg: Seq2SeqConfig, model_type: str) -> Params:
+    _check_seq2seq(cfg, model_type)
+    return _to_params(_seq2seq_read(state_dict, cfg, model_type), _seq2seq_entries(cfg, model_type))
+
+
+def _seq2seq_to_hf(params: Params, cfg: Seq2SeqConfig, model_type: str) -> dict[str, np.ndarray]:
+    _check_seq2seq(cfg, model_type)
+    for stack in ("encoder", "decoder"):
+        if "layers" in params[stack]:
+            params = _unstack_layers(params, stack)
+    prefix = _SEQ2SEQ_LAYOUT[model_type][0]
+
+    def key(name: str) -> str:
+        return name if name in _SEQ2SEQ_HEAD_KEYS else prefix + name
+
+    sd = {key(entry.hf): _entry_to_hf(params, entry) for entry in _seq2seq_entries(cfg, model_type)}
+    for copy, source in _seq2seq_tied(cfg).items():
+        sd[key(copy)] = sd[key(source)].copy()
+    return sd
+
+
+def t5_from_hf(state_dict: Mapping[str, np.ndarray], cfg: Seq2SeqConfig) -> Params:
+    """HF T5ForConditionalGeneration (or T5Model with a tied head) state dict -> lmzoo "seq2seq" params
+    (per-layer, float32 numpy). embed_tokens copies, and lm_head when cfg ties the head, must equal shared."""
+    return _seq2seq_from_hf(state_dict, cfg, "t5")
+
+
+def t5_to_hf(params: Params, cfg: Seq2SeqConfig) -> dict[str, np.ndarray]:
+    """lmzoo "seq2seq" params (per-layer or scanned) -> HF T5ForConditionalGeneration state dict (float32
+    numpy), tied copies included."""
+    return _seq2seq_to_hf(params, cfg, "t5")
+
+
+def bart_from_hf(state_dict: Mapping[str, np.ndarray], cfg: Seq2SeqConfig) -> Params:
+    """HF BartForConditionalGeneration (or BartModel: no "model." prefix, final_logits_bias zeros) state dict
+    -> lmzoo "seq2seq" params (per-layer, float32 numpy). Tied copies must equal model.shared."""
+    return _seq2seq_from_hf(state_dict, cfg, "bart")
+
+
+def bart_to_hf(params: Params, cfg: Seq2SeqConfig) -> dict[str, np.ndarray]:
+    """lmzoo "seq2seq" params (per-layer or scanned) -> HF BartForConditionalGeneration state dict (float32
+    numpy), tied copies included."""
+    return _seq2seq_to_hf(params, cfg, "bart")
 
 
 def _gpt2_checkpoint(
@@ -679,10 +1038,28 @@ def _bert_checkpoint(
     return fields, bert_from_hf(state_dict, make_config("bert", fields), model_type=model_type)
 
 
+_SEQ2SEQ_FAMILIES = {"t5": (t5_config_from_hf, t5_from_hf), "bart": (bart_config_from_hf, bart_from_hf)}
+
+
+def _seq2seq_checkpoint(
+    hf_config: Mapping[str, Any], state_dict: Mapping[str, np.ndarray]
+) -> tuple[dict[str, Any], Params]:
+    """Fields and params of an HF T5 or BART checkpoint (by config.json model_type)."""
+    model_type = hf_config.get("model_type")
+    if model_type not in _SEQ2SEQ_FAMILIES:
+        raise ValueError(
+            f"HF config has model_type={model_type!r}; the seq2seq converter reads {sorted(_SEQ2SEQ_FAMILIES)}"
+        )
+    config_from_hf, from_hf = _SEQ2SEQ_FAMILIES[model_type]
+    fields = config_from_hf(hf_config)
+    return fields, from_hf(state_dict, make_config("seq2seq", fields))
+
+
 # model_name -> (HF config.json dict, HF state dict) -> (config.model fields, params).
 CONVERTERS: dict[str, Callable[[Mapping[str, Any], Mapping[str, np.ndarray]], tuple[dict[str, Any], Params]]] = {
     "gpt2": _gpt2_checkpoint,
     "bert": _bert_checkpoint,
+    "seq2seq": _seq2seq_checkpoint,
 }
 
 
@@ -735,9 +1112,9 @@ def _stack_layers(blocks: Mapping[str, Any]) -> Params:
     return {"layers": stack(*layers)}
 
 
-def _unstack_layers(params: Params) -> Params:
-    """Inverse of `_stack_layers` on params["blocks"]."""
-    stacked = params["blocks"]["layers"]
+def _unstack_layers(params: Params, key: str = "blocks") -> Params:
+    """Inverse of `_stack_layers` on params[key]."""
+    stacked = params[key]["layers"]
 
     def take(tree: Any, i: int) -> Any:
         if isinstance(tree, Mapping):
@@ -745,7 +1122,7 @@ def _unstack_layers(params: Params) -> Params:
         return np.asarray(tree[i])
 
     num_layers = len(next(iter(_flatten(stacked).values())))
-    return {**params, "blocks": {f"layer_{i}": take(stacked, i) for i in range(num_layers)}}
+    return {**params, key: {f"layer_{i}": take(stacked, i) for i in range(num_layers)}}
 
 
 def _is_per_layer(tree: Mapping[str, Any]) -> bool:

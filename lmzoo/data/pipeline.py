@@ -6,13 +6,13 @@ uninterrupted run would have seen. Each process materialises only its rows of th
 """
 
 import dataclasses
+import functools
 import gzip
 import inspect
 import json
-import re
 import pathlib
+import re
 import sysconfig
-import functools
 from collections.abc import Callable, Iterator
 
 import ml_collections

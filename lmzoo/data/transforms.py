@@ -215,7 +215,7 @@ def nsp_pairs(
         raise ValueError("NSP needs at least two non-empty documents to draw random next sentences from")
     rank = {d: k for k, d in enumerate(nonempty)}
     pairs = []
-    for k, random_next in zip(rng.integers(len(positions), size=count), rng.random(count) < 0.5):
+    for k, random_next in zip(rng.integers(len(positions), size=count), rng.random(count) < 0.5, strict=True):
         d, i = positions[k]
         if random_next:
             other = int(rng.integers(len(nonempty) - 1))
@@ -236,7 +236,7 @@ def sop_pairs(
     """
     positions = _consecutive_positions(sentences_by_doc)
     pairs = []
-    for k, swap in zip(rng.integers(len(positions), size=count), rng.random(count) < 0.5):
+    for k, swap in zip(rng.integers(len(positions), size=count), rng.random(count) < 0.5, strict=True):
         d, i = positions[k]
         first, second = sentences_by_doc[d][i], sentences_by_doc[d][i + 1]
         pairs.append((second, first, 1) if swap else (first, second, 0))

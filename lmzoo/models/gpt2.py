@@ -9,7 +9,6 @@ Load HuggingFace GPT-2 weights with `lmzoo.convert.hf`.
 """
 
 import dataclasses
-from typing import Any
 
 import flax.linen as nn
 import jax

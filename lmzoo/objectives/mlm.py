@@ -3,13 +3,13 @@
 import jax
 import jax.numpy as jnp
 
-from lmzoo.objectives.causal_lm import Metrics, cross_entropy
+from lmzoo.objectives.causal_lm import Metrics, cross_entropy, top1_correct
 
 
 def loss(logits: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
     """logits [B, T, V]; batch["targets"], batch["weights"] [B, T] (1 at masked positions only)."""
     total, count = cross_entropy(logits, batch["targets"], batch["weights"])
-    correct = jnp.sum((jnp.argmax(logits, axis=-1) == batch["targets"]) * batch["weights"])
+    correct = jnp.sum(top1_correct(logits, batch["targets"]) * batch["weights"])
     return total / jnp.maximum(count, 1.0), {"loss": (total, count), "accuracy": (correct.astype(jnp.float32), count)}
 
 

@@ -8,20 +8,19 @@ import dataclasses
 import json
 import logging
 import pathlib
-import sys
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
-from flax import traverse_util
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from flax import traverse_util
 from tqdm import tqdm
 
 from lmzoo import checkpoint, decoding, sharding, tokenizers
@@ -45,38 +44,22 @@ class Setup:
     """What both training and evaluation build from a config and a workdir."""
 
     config: ml_collections.ConfigDict
-    mesh: jax.sharding.Mesh
-    rules: tuple
     tokenizer: tokenizers.Tokenizer
     loader: Any
     eval_batches: Callable[[str], Any]
     model: nn.Module
     task: Task
-    state_shardings: TrainState
-    abstract_state: TrainState
-    batch_sharding: jax.sharding.NamedSharding
+    compiled: step_lib.CompiledTask
     checkpointer: checkpoint.Checkpointer
-    init_fn: Callable[[jax.Array], TrainState]
     tx: optax.GradientTransformation
-    schedule: optax.Schedule
-    eval_step: Callable | None = None
+
+    @property
+    def abstract_state(self) -> TrainState:
+        return self.compiled.abstract_state
 
     def context(self):
-        """Mesh and rules context under which every jitted function of the run is traced."""
-        return _Context(self.mesh, self.rules)
-
-
-class _Context:
-    def __init__(self, mesh, rules):
-        self.mesh_cm, self.rules_cm = jax.set_mesh(mesh), nn.logical_axis_rules(rules)
-
-    def __enter__(self):
-        self.mesh_cm.__enter__()
-        self.rules_cm.__enter__()
-
-    def __exit__(self, *exc):
-        self.rules_cm.__exit__(*exc)
-        self.mesh_cm.__exit__(*exc)
+        """Mesh and rules context under which every jitted function of the run is traced and called."""
+        return self.compiled.context()
 
 
 def _tokenizer(config: ml_collections.ConfigDict, documents: dict[str, list[str]], workdir: pathlib.Path) -> tokenizers.Tokenizer:
@@ -121,34 +104,17 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Setup:
     model = tasks.build_model(config)
     task = tasks.build_task(config, model)
     tx, schedule = optim.make_optimizer(config.optim)
-
-    def init_state(rng):
-        params_rng, state_rng = jax.random.split(rng)
-        params, frozen, carry = task.init(params_rng, sample_batch)
-        return TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-            rng=jax.random.key_data(state_rng), frozen=frozen, carry=carry,
-        )  # fmt: skip
-
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        boxed = jax.eval_shape(init_state, jax.random.key(config.train.seed))
-        state_shardings = sharding.logical_to_sharding(boxed, mesh, rules)
-    abstract_state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), state_shardings
-    )
-    setup = Setup(
-        config=config, mesh=mesh, rules=rules, tokenizer=tokenizer, loader=loader, eval_batches=eval_batches,
-        model=model, task=task,
-        state_shardings=state_shardings, abstract_state=abstract_state,
-        batch_sharding=sharding.batch_sharding(mesh, rules),
-        checkpointer=checkpoint.Checkpointer(
-            str(workdir_path / "checkpoints"), max_to_keep=config.train.keep_checkpoints,
-            async_save=config.train.async_checkpoints,
-        ),
-        init_fn=jax.jit(lambda rng: nn.unbox(init_state(rng)), out_shardings=state_shardings),
-        tx=tx, schedule=schedule,
+    compiled = step_lib.compile_task(
+        task, tx, schedule, sample_batch, mesh=mesh, rules=rules, seed=config.train.seed,
+        grad_accum_steps=config.train.grad_accum_steps,
     )  # fmt: skip
-    return setup
+    checkpointer = checkpoint.Checkpointer(
+        str(workdir_path / "checkpoints"), max_to_keep=config.train.keep_checkpoints, async_save=config.train.async_checkpoints
+    )
+    return Setup(
+        config=config, tokenizer=tokenizer, loader=loader, eval_batches=eval_batches, model=model, task=task,
+        compiled=compiled, checkpointer=checkpointer, tx=tx,
+    )  # fmt: skip
 
 
 def restore_or_init(setup: Setup) -> tuple[TrainState, dict]:
@@ -162,19 +128,19 @@ def restore_or_init(setup: Setup) -> tuple[TrainState, dict]:
         return state, data_state
     cfg = setup.config
     with setup.context():
-        state = setup.init_fn(jax.random.key(cfg.train.seed))
+        state = setup.compiled.init(jax.random.key(cfg.train.seed))
     params = jax.device_get(state.params)
     if cfg.objective.name == "distill":
         teacher = merge_pretrained(jax.device_get(state.frozen["teacher"]), cfg.objective.teacher, cfg.model_name)
-        state = state.replace(frozen=jax.device_put({"teacher": teacher}, setup.state_shardings.frozen))
+        state = state.replace(frozen=jax.device_put({"teacher": teacher}, setup.compiled.state_shardings.frozen))
         if cfg.objective.init_student_from_teacher:
             student = bert.distilbert_student_params(teacher, cfg.objective.teacher_model.num_layers)
             params = merge_pretrained(params, student, cfg.model_name, name="teacher layers")
     if cfg.get("init_from"):
         params = merge_pretrained(params, cfg.init_from, cfg.model_name)
     if cfg.get("init_from") or cfg.objective.name == "distill":
-        state = state.replace(params=jax.device_put(params, setup.state_shardings.params))
-        state = state.replace(opt_state=jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(state.params))
+        state = state.replace(params=jax.device_put(params, setup.compiled.state_shardings.params))
+        state = state.replace(opt_state=jax.jit(setup.tx.init, out_shardings=setup.compiled.state_shardings.opt_state)(state.params))
     return state, {"step": 0}
 
 
@@ -223,13 +189,6 @@ def merge_pretrained(fresh, source, model_name: str, *, name: str | None = None)
 def evaluate(setup: Setup, state: TrainState, split: str = "validation", max_batches: int | None = None) -> dict[str, float]:
     """Metrics over a whole split (each target once); token-level objectives add perplexity, bits per
     token and per character."""
-    if setup.eval_step is None:
-        with setup.context():
-            setup.eval_step = jax.jit(
-                step_lib.make_eval_step(setup.task), in_shardings=(setup.state_shardings, setup.batch_sharding),
-                out_shardings=sharding.replicated(setup.mesh),
-            )  # fmt: skip
-    eval_step = setup.eval_step
     char_lengths = setup.tokenizer.token_char_lengths()
     total, num_chars = None, 0.0
     for i, batch in enumerate(setup.eval_batches(split)):
@@ -238,7 +197,7 @@ def evaluate(setup: Setup, state: TrainState, split: str = "validation", max_bat
         if "targets" in batch:
             num_chars += float(np.sum(char_lengths[batch["targets"]] * batch["weights"]))
         with setup.context():
-            total = metrics_lib.accumulate(total, eval_step(state, sharding.put_batch(batch, setup.batch_sharding)))
+            total = metrics_lib.accumulate(total, setup.compiled.eval_step(state, sharding.put_batch(batch, setup.compiled.batch_sharding)))
     if total is None:
         raise ValueError(f"the {split} split produced no evaluation batches; check config.data and config.eval")
     summary = metrics_lib.summarize(total)
@@ -260,7 +219,7 @@ def _allsum(value: float):
 def host_params(setup: Setup, state: TrainState):
     """Params as host numpy arrays; every process must call this (it gathers across hosts)."""
     with setup.context():
-        gathered = jax.jit(lambda p: p, out_shardings=sharding.replicated(setup.mesh))(state.params)
+        gathered = jax.jit(lambda p: p, out_shardings=sharding.replicated(setup.compiled.mesh))(state.params)
     return jax.device_get(gathered)
 
 
@@ -315,12 +274,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         (pathlib.Path(workdir) / "config.json").write_text(config.to_json_best_effort(indent=2))
     state, data_state = restore_or_init(setup)
     loader = setup.loader
-    train_step = step_lib.make_train_step(setup.task, setup.tx, setup.schedule, grad_accum_steps=config.train.grad_accum_steps)
-    with setup.context():
-        train_step = jax.jit(
-            train_step, in_shardings=(setup.state_shardings, setup.batch_sharding),
-            out_shardings=(setup.state_shardings, sharding.replicated(setup.mesh)), donate_argnums=0,
-        )  # fmt: skip
+    train_step = setup.compiled.train_step
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
     preempted = PreemptionWatch()
     start = int(data_state["step"])
@@ -334,7 +288,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     final = None
     try:
         for step in range(start, config.train.steps):
-            batch = sharding.put_batch(loader.batch(step), setup.batch_sharding)
+            batch = sharding.put_batch(loader.batch(step), setup.compiled.batch_sharding)
             with setup.context():
                 state, step_metrics = train_step(state, batch)
             total = metrics_lib.accumulate(total, step_metrics)

@@ -6,10 +6,15 @@ accumulation scans over microbatches (the scalar loss of each microbatch is aver
 are exact (sum, count) pairs).
 """
 
+import contextlib
+import dataclasses
 import functools
+from collections.abc import Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lmzoo import sharding
@@ -76,3 +81,73 @@ def make_eval_step(task: Task):
         return metrics
 
     return eval_step
+
+
+@dataclasses.dataclass
+class CompiledTask:
+    """A task's train state and steps, jitted over a mesh with shardings from the logical-axis rules.
+
+    init(rng) -> TrainState; train_step(state, batch) -> (state, metrics) donates the old state;
+    eval_step(state, batch) -> metrics. Call them inside `context()`.
+    """
+
+    mesh: jax.sharding.Mesh
+    rules: tuple
+    abstract_state: TrainState  # ShapeDtypeStructs carrying the shardings (orbax restore targets)
+    state_shardings: TrainState
+    batch_sharding: jax.sharding.NamedSharding
+    init: Callable[[jax.Array], TrainState]
+    train_step: Callable
+    eval_step: Callable
+
+    @contextlib.contextmanager
+    def context(self):
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+            yield
+
+
+def compile_task(
+    task: Task,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    sample_batch: dict[str, np.ndarray],
+    *,
+    mesh: jax.sharding.Mesh,
+    rules: tuple,
+    seed: int,
+    grad_accum_steps: int = 1,
+) -> CompiledTask:
+    """Shardings for the state (from the params' logical axes; optimizer state follows its params)
+    and the batch (batch axis over data and fsdp), and the jitted init/train/eval functions.
+
+    sample_batch: arrays of the global batch shape (values unused).
+    """
+
+    def init_state(rng):
+        params_rng, state_rng = jax.random.split(rng)
+        params, frozen, carry = task.init(params_rng, sample_batch)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+            rng=jax.random.key_data(state_rng), frozen=frozen, carry=carry,
+        )  # fmt: skip
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        boxed = jax.eval_shape(init_state, jax.random.key(seed))
+        state_shardings = sharding.logical_to_sharding(boxed, mesh, rules)
+    # Unboxed outside the mesh context: inside it, unboxing would attach sharding constraints.
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), state_shardings
+    )
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        batch_sharding = sharding.batch_sharding(mesh, rules)
+        replicated = sharding.replicated(mesh)
+        return CompiledTask(
+            mesh=mesh, rules=rules, abstract_state=abstract_state, state_shardings=state_shardings,
+            batch_sharding=batch_sharding,
+            init=jax.jit(lambda rng: nn.unbox(init_state(rng)), out_shardings=state_shardings),
+            train_step=jax.jit(
+                make_train_step(task, tx, schedule, grad_accum_steps=grad_accum_steps),
+                in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated), donate_argnums=0,
+            ),
+            eval_step=jax.jit(make_eval_step(task), in_shardings=(state_shardings, batch_sharding), out_shardings=replicated),
+        )  # fmt: skip

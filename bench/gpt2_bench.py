@@ -1,0 +1,256 @@
+"""GPT-2 benchmark: lmzoo's production train step vs HuggingFace GPT-2 + torch AdamW, MFU, KV-cache decode.
+
+    python bench/gpt2_bench.py [--rounds 3] [--quick]
+
+Measures (1) the f32 matmul peak, (2) train tokens/s of the same model in lmzoo (the step that
+`lmzoo.train.loop` jits: same step builder, shardings and donation) and in torch eager, in
+interleaved rounds because the machine's speed drifts, (3) lmzoo's MFU against the peak measured
+in the same round and (4) greedy decode tokens/s with and without the KV cache. Targets are
+printed as PASS/MISS, never asserted; the last line is one JSON record of every number.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
+from lmzoo import config as config_lib  # noqa: E402
+from lmzoo import decoding, models, sharding  # noqa: E402
+from lmzoo.train import optim, tasks  # noqa: E402
+from lmzoo.train import step as step_lib  # noqa: E402
+
+TARGETS = {"train_ratio": 1.25, "mfu": 0.65, "decode_speedup": 5.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    vocab_size: int
+    emb_dim: int
+    num_heads: int
+    num_layers: int
+    mlp_dim: int
+    seq_len: int
+    batch_size: int
+    steps_per_round: int
+    prompt_len: int
+    new_tokens: int
+
+    def model_fields(self, max_len: int) -> dict:
+        return dict(
+            vocab_size=self.vocab_size, max_len=max_len, emb_dim=self.emb_dim, num_heads=self.num_heads,
+            num_layers=self.num_layers, mlp_dim=self.mlp_dim, dropout_rate=0.0, attention_dropout_rate=0.0,
+        )  # fmt: skip
+
+    def flops_per_token(self) -> float:
+        """6 * N_matmul + 12 * L * T * D, N_matmul = block kernels + the tied head (V * D)."""
+        d, f, layers = self.emb_dim, self.mlp_dim, self.num_layers
+        n_matmul = layers * (4 * d * d + 2 * d * f) + self.vocab_size * d
+        return 6 * n_matmul + 12 * layers * self.seq_len * d
+
+
+MATMUL_BOUND = Spec(8192, 256, 4, 4, 1024, seq_len=256, batch_size=16, steps_per_round=6, prompt_len=16, new_tokens=256)
+QUICK = Spec(512, 64, 2, 2, 256, seq_len=64, batch_size=4, steps_per_round=3, prompt_len=8, new_tokens=32)
+
+
+class LmzooTrainer:
+    """The production train step: `lmzoo.train.step.compile_task`, exactly what `lmzoo.train.loop` runs."""
+
+    def __init__(self, spec: Spec, tokens: np.ndarray):
+        model = models.build_model("gpt2", spec.model_fields(max_len=spec.seq_len))
+        tx, schedule = optim.make_optimizer(config_lib.base_config().optim)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones(tokens[:, 1:].shape, np.float32)}
+        batch = {k: np.ascontiguousarray(v) for k, v in batch.items()}
+        self.compiled = step_lib.compile_task(
+            tasks.causal_lm_task(model), tx, schedule, batch, mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0
+        )
+        with self.compiled.context():
+            self.state = self.compiled.init(jax.random.key(0))
+        self.batch = sharding.put_batch(batch, self.compiled.batch_sharding)
+        self.loss = None
+
+    def run(self, steps: int) -> None:
+        with self.compiled.context():
+            for _ in range(steps):
+                self.state, metrics = self.compiled.train_step(self.state, self.batch)
+        loss_sum, count = jax.device_get(metrics["loss"])
+        self.loss = float(loss_sum / count)
+
+
+class TorchTrainer:
+    """HF GPT2LMHeadModel (sdpa attention) + torch AdamW with lmzoo's hyper-parameters, schedule, clipping, decay mask."""
+
+    def __init__(self, spec: Spec, tokens: np.ndarray):
+        torch.manual_seed(0)
+        hf_config = transformers.GPT2Config(
+            vocab_size=spec.vocab_size, n_positions=spec.seq_len, n_embd=spec.emb_dim, n_layer=spec.num_layers,
+            n_head=spec.num_heads, n_inner=spec.mlp_dim, activation_function="gelu_new", resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        self.model = transformers.GPT2LMHeadModel._from_config(hf_config, attn_implementation="sdpa").train()
+        optim_config = config_lib.base_config().optim
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            is_kernel = param.ndim == 2 and not name.startswith(("transformer.wte", "transformer.wpe"))
+            (decay if is_kernel else no_decay).append(param)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim_config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=optim_config.learning_rate, betas=(optim_config.b1, optim_config.b2), eps=optim_config.eps,
+        )  # fmt: skip
+        _, schedule = optim.make_optimizer(optim_config)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: float(schedule(step)) / optim_config.learning_rate
+        )
+        self.grad_clip = optim_config.grad_clip
+        tokens = torch.from_numpy(tokens.astype(np.int64))
+        # T inputs, loss over the same T next tokens as lmzoo (shift_labels stops HF's internal shift).
+        self.inputs, self.shift_labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        self.loss = None
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            loss = self.model(input_ids=self.inputs, labels=self.inputs, shift_labels=self.shift_labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.loss = loss.item()
+
+
+def bench_train(spec: Spec, rounds: int) -> dict:
+    tokens = np.random.default_rng(0).integers(0, spec.vocab_size, (spec.batch_size, spec.seq_len + 1), dtype=np.int32)
+    tokens_per_step = spec.batch_size * spec.seq_len
+    trainers = {"lmzoo": LmzooTrainer(spec, tokens), "torch": TorchTrainer(spec, tokens)}
+    compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
+    for trainer in trainers.values():
+        trainer.run(1)
+    initial_loss = {name: t.loss for name, t in trainers.items()}
+    per_round = []
+    for r in range(rounds):
+        order = list(trainers) if r % 2 == 0 else list(trainers)[::-1]
+        row = {}
+        for name in order:
+            seconds = common.timed(lambda t=trainers[name]: t.run(spec.steps_per_round))
+            row[name] = tokens_per_step * spec.steps_per_round / seconds
+        row["peak_gflops"] = max(common.matmul_peak(repeats=3).values())
+        row["ratio"] = row["lmzoo"] / row["torch"]
+        row["mfu"] = spec.flops_per_token() * row["lmzoo"] / (row["peak_gflops"] * 1e9)
+        row["torch_mfu"] = spec.flops_per_token() * row["torch"] / (row["peak_gflops"] * 1e9)
+        per_round.append(row)
+        print(f"  train round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+    return {
+        "rounds": per_round,
+        "compile_s": compile_s,
+        "loss_after_warmup": initial_loss,
+        "flops_per_token": spec.flops_per_token(),
+        **{f"median_{k}": common.median(row[k] for row in per_round) for k in per_round[0]},
+    }
+
+
+def bench_decode(spec: Spec, rounds: int) -> dict:
+    model = models.build_model("gpt2", spec.model_fields(max_len=spec.prompt_len + spec.new_tokens))
+    prompt = np.random.default_rng(1).integers(0, spec.vocab_size, (1, spec.prompt_len), dtype=np.int32)
+    params = jax.jit(model.init)(jax.random.key(0), jnp.asarray(prompt))["params"]
+
+    def decode(use_cache):
+        return np.asarray(decoding.generate(
+            model, params, prompt, rng=jax.random.key(0), max_new_tokens=spec.new_tokens, temperature=0.0, use_cache=use_cache
+        ))  # fmt: skip
+
+    modes = {"cache": True, "recompute": False}
+    outputs = {name: decode(use_cache) for name, use_cache in modes.items()}
+    per_round = []
+    for r in range(rounds):
+        order = list(modes) if r % 2 == 0 else list(modes)[::-1]
+        row = {name: spec.new_tokens / common.timed(lambda c=modes[name]: decode(c)) for name in order}
+        row["speedup"] = row["cache"] / row["recompute"]
+        per_round.append(row)
+        print(f"  decode round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+    return {
+        "rounds": per_round,
+        "greedy_tokens_agree": float(np.mean(outputs["cache"] == outputs["recompute"])),
+        **{f"median_{k}": common.median(row[k] for row in per_round) for k in per_round[0]},
+    }
+
+
+TRAIN_COLUMNS = [
+    ("lmzoo tok/s", "lmzoo", "{:.0f}"), ("torch tok/s", "torch", "{:.0f}"), ("lmzoo/torch", "ratio", "{:.3f}"),
+    ("peak GFLOP/s", "peak_gflops", "{:.1f}"), ("lmzoo MFU", "mfu", "{:.1%}"), ("torch MFU", "torch_mfu", "{:.1%}"),
+]  # fmt: skip
+DECODE_COLUMNS = [("cache tok/s", "cache", "{:.1f}"), ("recompute tok/s", "recompute", "{:.1f}"), ("speedup", "speedup", "{:.2f}")]
+
+
+def print_table(result: dict, columns: list[tuple[str, str, str]]) -> None:
+    """One line per round and a median line; columns are (header, key, format)."""
+    rows = [(str(i + 1), row) for i, row in enumerate(result["rounds"])]
+    rows.append(("median", {key: result[f"median_{key}"] for _, key, _ in columns}))
+    widths = [max(len(header), 8) for header, _, _ in columns]
+    print(f"{'round':>6} " + " ".join(f"{header:>{w}}" for (header, _, _), w in zip(columns, widths, strict=True)))
+    for label, row in rows:
+        print(f"{label:>6} " + " ".join(f"{fmt.format(row[key]):>{w}}" for (_, key, fmt), w in zip(columns, widths, strict=True)))
+
+
+def verdict(value: float, target: float) -> str:
+    return "PASS" if value >= target else "MISS"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny config, 1 round (smoke test)")
+    args = parser.parse_args()
+    spec, rounds = (QUICK, 1) if args.quick else (MATMUL_BOUND, args.rounds)
+    torch.set_num_threads(2)
+    transformers.logging.set_verbosity_error()
+    print(f"gpt2 bench: {'quick' if args.quick else 'matmul-bound'} {spec}, {rounds} round(s), "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__}", flush=True)  # fmt: skip
+    load = {"start": os.getloadavg()[0]}
+    print(f"load average at start: {load['start']:.2f} on {os.cpu_count()} cores")
+    if load["start"] > 1.0:
+        print("WARNING: other processes compete for the cores; torch's 2 OpenMP threads slow down far more than XLA "
+              "under contention, so lmzoo/torch is inflated and the per-round peak (hence MFU) is noisy")  # fmt: skip
+
+    peak = common.matmul_peak(sizes=(1024,) if args.quick else (1024, 2048))
+    print("matmul peak (f32, best of 5): " + ", ".join(f"{n}: {g:.1f} GFLOP/s" for n, g in peak.items()), flush=True)
+    train = bench_train(spec, rounds)
+    decode = bench_decode(spec, rounds)
+    load["end"] = os.getloadavg()[0]
+
+    compile_s, loss = train["compile_s"], train["loss_after_warmup"]
+    print(f"\ntrain: B={spec.batch_size} T={spec.seq_len} ({spec.batch_size * spec.seq_len} tokens/step), "
+          f"{spec.steps_per_round} steps/round, {train['flops_per_token'] / 1e6:.1f} MFLOP/token; "
+          f"compile+1st step s: lmzoo {compile_s['lmzoo']:.1f}, torch {compile_s['torch']:.1f}; "
+          f"loss after warm-up: lmzoo {loss['lmzoo']:.3f}, torch {loss['torch']:.3f}")  # fmt: skip
+    print_table(train, TRAIN_COLUMNS)
+    print(f"\ndecode: batch 1, prompt {spec.prompt_len}, {spec.new_tokens} new tokens, greedy; "
+          f"cache/recompute tokens agree: {decode['greedy_tokens_agree']:.1%}")  # fmt: skip
+    print_table(decode, DECODE_COLUMNS)
+
+    results = {
+        "train_ratio": train["median_ratio"], "mfu": train["median_mfu"], "decode_speedup": decode["median_speedup"],
+    }  # fmt: skip
+    print(f"\nload average (1 min) at start {load['start']:.2f}, at end {load['end']:.2f}")
+    print("targets (medians):")
+    for name, target in TARGETS.items():
+        print(f"  {name:<15} {results[name]:>8.3f}  target >= {target:<5}  {verdict(results[name], target)}")
+    record = {
+        "bench": "gpt2", "config": "quick" if args.quick else "matmul-bound", "spec": dataclasses.asdict(spec),
+        "matmul_peak_gflops": {str(n): g for n, g in peak.items()}, "train": train, "decode": decode, "load_average": load,
+        "targets": {name: {"value": results[name], "target": t, "pass": results[name] >= t} for name, t in TARGETS.items()},
+    }  # fmt: skip
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

@@ -27,7 +27,7 @@ def weight_decay_mask(params, *, decay_embeddings: bool):
 
     def decays(path) -> bool:
         name = path[-1]
-        if name in NO_DECAY_NAMES:
+        if name in NO_DECAY_NAMES or name.endswith("_bias"):  # mlm_bias, final_logits_bias
             return False
         if name == "embedding":
             return decay_embeddings

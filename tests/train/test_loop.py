@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from lmzoo import checkpoint, config as config_lib
+from lmzoo import checkpoint
+from lmzoo import config as config_lib
 from lmzoo.train import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -115,3 +116,12 @@ def test_bad_config_errors(tmp_path, override, message):
     )  # fmt: skip
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def test_weight_decay_mask_spares_biases_norms_and_embeddings():
+    from lmzoo.train import optim
+
+    params = {"wte": {"embedding": 1}, "mlp": {"wi": {"kernel": 1, "bias": 1}}, "ln": {"scale": 1}, "mlm_bias": 1}
+    mask = optim.weight_decay_mask(params, decay_embeddings=False)
+    assert mask == {"wte": {"embedding": False}, "mlp": {"wi": {"kernel": True, "bias": False}}, "ln": {"scale": False}, "mlm_bias": False}
+    assert optim.weight_decay_mask(params, decay_embeddings=True)["wte"]["embedding"] is True

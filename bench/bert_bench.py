@@ -1,0 +1,276 @@
+"""BERT benchmark: lmzoo's production masked-LM train step vs HuggingFace BertForMaskedLM + torch AdamW, and the
+host masking pipeline against the step's consumption.
+
+    python bench/bert_bench.py [--rounds 3] [--quick]
+
+Measures, in interleaved rounds because the machine's speed drifts: (1) MLM train tokens/s of the same encoder
+in lmzoo (`compile_task` + `masked_lm_task`, the step `lmzoo.train.loop` runs, with MLM logits only at the
+M = ceil(0.15 T) + 1 highest-weight positions), in lmzoo with full [B, T, V] logits (as HF computes them) and in
+torch eager, all on one batch masked by `mask_rows`; (2) examples/s of the real data path of configs/bert.py
+(KJV, bert-base-uncased WordPiece, `make_loaders`: mlm_nsp sentence pairs through ExampleLoader + masked_pairs,
+and its :roberta variant's mlm windows through LMLoader + mlm_from_windows) against the examples/s the lmzoo
+step consumes. No targets: ratios are printed; the last line is one JSON record of every number.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+import torch
+import transformers
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
+from bench.gpt2_bench import print_table  # noqa: E402
+from configs import bert as bert_configs  # noqa: E402
+from lmzoo import models, sharding, tokenizers  # noqa: E402
+from lmzoo.data import pipeline, transforms  # noqa: E402
+from lmzoo.objectives import mlm  # noqa: E402
+from lmzoo.train import optim, tasks  # noqa: E402
+from lmzoo.train import step as step_lib  # noqa: E402
+from lmzoo.train.state import Task  # noqa: E402
+
+MASK_RATE = 0.15
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    vocab_size: int
+    emb_dim: int
+    num_heads: int
+    num_layers: int
+    mlp_dim: int
+    seq_len: int
+    batch_size: int
+    steps_per_round: int
+    batches_per_round: int  # data pipeline batches timed per loader and round
+    num_pair_examples: int
+    max_documents: int  # KJV paragraphs per split; 0 = all
+
+    def model_fields(self) -> dict:
+        return dict(
+            vocab_size=self.vocab_size, max_len=self.seq_len, emb_dim=self.emb_dim, num_heads=self.num_heads,
+            num_layers=self.num_layers, mlp_dim=self.mlp_dim, dropout_rate=0.0, attention_dropout_rate=0.0,
+            pooler=False, sentence_head=False,
+        )  # fmt: skip
+
+
+FULL = Spec(30522, 256, 4, 4, 1024, seq_len=128, batch_size=16, steps_per_round=4, batches_per_round=20,
+            num_pair_examples=100_000, max_documents=0)  # fmt: skip
+QUICK = Spec(512, 64, 2, 2, 256, seq_len=32, batch_size=4, steps_per_round=2, batches_per_round=5,
+             num_pair_examples=256, max_documents=200)  # fmt: skip
+
+
+def full_logits_task(model) -> Task:
+    """masked_lm_task with the vocabulary projection at all T positions (`Bert.__call__`), as HF computes it."""
+
+    def loss(params, frozen, carry, batch, rng, *, train):
+        logits = model.apply({"params": params}, batch["inputs"], deterministic=not train, rngs={"dropout": rng})
+        value, metrics = mlm.loss(logits, batch)
+        return value, (metrics, carry)
+
+    return dataclasses.replace(tasks.masked_lm_task(model, mask_rate=MASK_RATE), loss=loss)
+
+
+class LmzooTrainer:
+    """The production train step: `lmzoo.train.step.compile_task`, exactly what `lmzoo.train.loop` runs."""
+
+    def __init__(self, task: Task, batch: dict[str, np.ndarray], optim_config):
+        tx, schedule = optim.make_optimizer(optim_config)
+        self.compiled = step_lib.compile_task(
+            task, tx, schedule, batch, mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0
+        )
+        with self.compiled.context():
+            self.state = self.compiled.init(jax.random.key(0))
+        self.batch = sharding.put_batch(batch, self.compiled.batch_sharding)
+        self.loss = None
+
+    def run(self, steps: int) -> None:
+        with self.compiled.context():
+            for _ in range(steps):
+                self.state, metrics = self.compiled.train_step(self.state, self.batch)
+        loss_sum, count = jax.device_get(metrics["loss"])
+        self.loss = float(loss_sum / count)
+
+
+class TorchTrainer:
+    """HF BertForMaskedLM (sdpa attention, labels -100 at unmasked positions) + torch AdamW with lmzoo's
+    hyper-parameters, schedule, clipping and decay mask."""
+
+    def __init__(self, spec: Spec, batch: dict[str, np.ndarray], optim_config):
+        torch.manual_seed(0)
+        hf_config = transformers.BertConfig(
+            vocab_size=spec.vocab_size, hidden_size=spec.emb_dim, num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads, intermediate_size=spec.mlp_dim, hidden_act="gelu",
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=spec.seq_len,
+            type_vocab_size=2, layer_norm_eps=1e-12, tie_word_embeddings=True,
+        )  # fmt: skip
+        self.model = transformers.BertForMaskedLM._from_config(hf_config, attn_implementation="sdpa").train()
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            (decay if param.ndim == 2 and "embeddings" not in name else no_decay).append(param)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim_config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=optim_config.learning_rate, betas=(optim_config.b1, optim_config.b2), eps=optim_config.eps,
+        )  # fmt: skip
+        _, schedule = optim.make_optimizer(optim_config)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: float(schedule(step)) / optim_config.learning_rate
+        )
+        self.grad_clip = optim_config.grad_clip
+        self.inputs = torch.from_numpy(batch["inputs"].astype(np.int64))
+        self.labels = torch.from_numpy(np.where(batch["weights"] > 0, batch["targets"], -100).astype(np.int64))
+        self.loss = None
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            loss = self.model(input_ids=self.inputs, labels=self.labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.loss = loss.item()
+
+
+def masked_batch(spec: Spec, tokenizer: tokenizers.Tokenizer) -> dict[str, np.ndarray]:
+    """[CLS] random word pieces [SEP] rows, 15% masked by `mask_rows` (static, example ids 0..B-1)."""
+    rng = np.random.default_rng(0)
+    words = rng.integers(tokenizer.mask_id + 1, spec.vocab_size, (spec.batch_size, spec.seq_len - 2), dtype=np.int32)
+    column = lambda i: np.full((spec.batch_size, 1), i, np.int32)  # noqa: E731
+    tokens = np.concatenate([column(tokenizer.cls_id), words, column(tokenizer.sep_id)], axis=1)
+    ids = np.arange(spec.batch_size)
+    return transforms.mask_rows(
+        tokens, ids, np.zeros_like(ids), seed=0, static=True, mask_id=tokenizer.mask_id, vocab_size=spec.vocab_size,
+        special_ids=sorted(tokenizer.special_ids.values()), rate=MASK_RATE,
+    )  # fmt: skip
+
+
+def data_loaders(spec: Spec) -> tuple[tokenizers.Tokenizer, dict, dict]:
+    """(tokenizer, {objective: train loader}, description) from configs/bert.py (mlm_nsp) and :roberta (mlm)."""
+    config = bert_configs.get_config("bert")
+    documents = pipeline.load_documents(config.data)
+    if spec.max_documents:
+        documents = {split: docs[: spec.max_documents] for split, docs in documents.items()}
+    tokenizer = tokenizers.HFTokenizer.wordpiece(config.data.tokenizer.path)
+    loaders, info = {}, {"text": config.data.path, "vocab": config.data.tokenizer.path}
+    for variant in ("bert", "roberta"):
+        config = bert_configs.get_config(variant)
+        config.train.batch_size, config.data.seq_len = spec.batch_size, spec.seq_len
+        config.objective.num_pair_examples, config.objective.num_eval_pairs = spec.num_pair_examples, 16
+        name, start = config.objective.name, time.perf_counter()
+        loaders[name] = pipeline.make_loaders(config, documents, tokenizer)[0]
+        seconds = time.perf_counter() - start
+        size = loaders[name].num_examples if name == "mlm_nsp" else len(loaders[name].stream)
+        info[name] = {"loader": type(loaders[name]).__name__, "build_s": seconds,
+                      "size": size, "size_unit": "pairs" if name == "mlm_nsp" else "tokens"}  # fmt: skip
+    return tokenizer, loaders, info
+
+
+def bench(spec: Spec, rounds: int) -> dict:
+    tokenizer, loaders, data_info = data_loaders(spec)
+    batch = masked_batch(spec, tokenizer)
+    model = models.build_model("bert", spec.model_fields())
+    optim_config = bert_configs.get_config("bert").optim
+    trainers = {
+        "lmzoo": LmzooTrainer(tasks.masked_lm_task(model, mask_rate=MASK_RATE), batch, optim_config),
+        "lmzoo_full": LmzooTrainer(full_logits_task(model), batch, optim_config),
+        "torch": TorchTrainer(spec, batch, optim_config),
+    }
+    compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
+    for trainer in trainers.values():
+        trainer.run(1)
+    initial_loss = {name: t.loss for name, t in trainers.items()}
+    tokens_per_step, n = spec.batch_size * spec.seq_len, spec.batches_per_round
+    per_round = []
+    for r in range(rounds):
+        names = list(trainers)
+        row = {}
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            seconds = common.timed(lambda t=trainers[name]: t.run(spec.steps_per_round))
+            row[name] = tokens_per_step * spec.steps_per_round / seconds
+        for name, loader in loaders.items():
+            seconds = common.timed(lambda lo=loader, steps=range(r * n, (r + 1) * n): [lo.batch(s) for s in steps])
+            row[name] = spec.batch_size * n / seconds
+        row["ratio"] = row["lmzoo"] / row["torch"]
+        row["full_ratio"] = row["lmzoo_full"] / row["torch"]
+        row["masked_speedup"] = row["lmzoo"] / row["lmzoo_full"]
+        row["step_examples"] = row["lmzoo"] / spec.seq_len
+        for name in loaders:
+            row[f"{name}_vs_step"] = row[name] / row["step_examples"]
+        per_round.append(row)
+        print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+    return {
+        "rounds": per_round,
+        "compile_s": compile_s,
+        "loss_after_warmup": initial_loss,
+        "masked_positions_per_row": float(batch["weights"].sum(axis=1).mean()),
+        "data": data_info,
+        **{f"median_{k}": common.median(row[k] for row in per_round) for k in per_round[0]},
+    }
+
+
+TRAIN_COLUMNS = [
+    ("lmzoo tok/s", "lmzoo", "{:.0f}"), ("lmzoo full-logits tok/s", "lmzoo_full", "{:.0f}"), ("torch tok/s", "torch", "{:.0f}"),
+    ("lmzoo/torch", "ratio", "{:.3f}"), ("full/torch", "full_ratio", "{:.3f}"), ("lmzoo/full", "masked_speedup", "{:.3f}"),
+]  # fmt: skip
+PIPELINE_COLUMNS = [
+    ("step ex/s", "step_examples", "{:.1f}"), ("mlm_nsp ex/s", "mlm_nsp", "{:.0f}"), ("mlm ex/s", "mlm", "{:.0f}"),
+    ("mlm_nsp/step", "mlm_nsp_vs_step", "{:.1f}"), ("mlm/step", "mlm_vs_step", "{:.1f}"),
+]  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny config and 200 KJV paragraphs, 1 round (smoke test)")
+    args = parser.parse_args()
+    spec, rounds = (QUICK, 1) if args.quick else (FULL, args.rounds)
+    torch.set_num_threads(2)
+    transformers.logging.set_verbosity_error()
+    print(f"bert bench: {'quick' if args.quick else 'full'} {spec}, {rounds} round(s), "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__}", flush=True)  # fmt: skip
+    load = {"start": os.getloadavg()[0]}
+    print(f"load average at start: {load['start']:.2f} on {os.cpu_count()} cores")
+    if load["start"] > 1.0:
+        print("WARNING: other processes compete for the cores; torch's 2 OpenMP threads slow down far more than XLA "
+              "under contention, so lmzoo/torch is inflated")  # fmt: skip
+    result = bench(spec, rounds)
+    load["end"] = os.getloadavg()[0]
+
+    compile_s, loss, data = result["compile_s"], result["loss_after_warmup"], result["data"]
+    print(f"\ntrain (MLM only): B={spec.batch_size} T={spec.seq_len} ({spec.batch_size * spec.seq_len} tokens/step), "
+          f"{spec.steps_per_round} steps/round, {result['masked_positions_per_row']:.1f} masked positions/row; "
+          "lmzoo computes the vocabulary projection at the M = ceil(0.15 T) + 1 top-weight positions, "
+          "full-logits lmzoo and HF at all T")  # fmt: skip
+    print("compile+1st step s: " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items())
+          + "; loss after warm-up: " + ", ".join(f"{k} {v:.4f}" for k, v in loss.items()))  # fmt: skip
+    print_table(result, TRAIN_COLUMNS)
+    print(f"\ndata pipeline ({spec.batches_per_round} batches/loader/round, single host thread) vs the lmzoo step's "
+          f"consumption; {data['text']}, {data['vocab']}")  # fmt: skip
+    for name in ("mlm_nsp", "mlm"):
+        d = data[name]
+        print(f"  {name}: {d['loader']} over {d['size']} {d['size_unit']}, built in {d['build_s']:.1f} s")
+    print_table(result, PIPELINE_COLUMNS)
+
+    print(f"\nload average (1 min) at start {load['start']:.2f}, at end {load['end']:.2f}")
+    medians = {
+        k: result[f"median_{k}"] for k in ("ratio", "full_ratio", "masked_speedup", "mlm_nsp_vs_step", "mlm_vs_step")
+    }
+    print("medians: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
+    record = {
+        "bench": "bert", "config": "quick" if args.quick else "full", "spec": dataclasses.asdict(spec),
+        "results": result, "load_average": load, "medians": medians,
+    }  # fmt: skip
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

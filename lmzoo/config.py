@@ -41,6 +41,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective = ml_collections.ConfigDict()
     c.objective.name = "causal_lm"  # causal_lm | mlm (windows) | mlm_nsp (BERT) | mlm_sop (ALBERT) | distill | classify | span_corruption | denoising
     c.objective.mask_rate = 0.15
+    c.objective.whole_word_masking = False  # WordPiece: mask all "##" pieces of a selected word together
     c.objective.static_masking = False  # True: BERT (one mask per example); False: RoBERTa (fresh each epoch)
     c.objective.num_pair_examples = 100_000  # mlm_nsp / mlm_sop: sentence pairs drawn once from the seed
     c.objective.num_eval_pairs = 2_000

@@ -400,6 +400,9 @@ def make_loaders(config: ml_collections.ConfigDict, documents: dict[str, list[st
                          "(use data.tokenizer.kind='wordpiece', or sentencepiece with user_defined_symbols)")  # fmt: skip
     specials = sorted({i for i in tokenizer.special_ids.values() if i is not None})
     mask_kwargs = dict(mask_id=tokenizer.mask_id, vocab_size=tokenizer.vocab_size, special_ids=specials, rate=config.objective.mask_rate)
+    if config.objective.whole_word_masking:
+        pieces = [tokenizer.decode([i]) if i not in specials else "" for i in range(tokenizer.vocab_size)]
+        mask_kwargs["continuation_mask"] = transforms.continuation_mask_from_vocab(pieces)
     mask = functools.partial(transforms.mask_rows, seed=seed, static=config.objective.static_masking, **mask_kwargs)
     if objective in ("mlm", "distill"):
         window = functools.partial(

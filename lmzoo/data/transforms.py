@@ -265,12 +265,18 @@ def split_sentences(text: str, *, wrapped: bool = False) -> list[str]:
 
 
 def mask_rows(
-    tokens: np.ndarray, example_ids: np.ndarray, epochs: np.ndarray, *, seed: int, static: bool, **mask_kwargs
-) -> dict[str, np.ndarray]:
+    tokens: np.ndarray, example_ids: np.ndarray, epochs: np.ndarray, *, seed: int, static: bool,
+    continuation_mask: np.ndarray | None = None, **mask_kwargs,
+) -> dict[str, np.ndarray]:  # fmt: skip
     """`mask_tokens` row by row, row i with `masking_rng(seed, example_ids[i])`: the same mask every
-    epoch if `static` (BERT), a fresh one per epoch otherwise (RoBERTa). tokens [B, T] -> inputs/targets/weights."""
+    epoch if `static` (BERT), a fresh one per epoch otherwise (RoBERTa). tokens [B, T] -> inputs/targets/weights.
+    continuation_mask [vocab] (WordPiece "##" pieces) turns on whole-word masking."""
     rows = [
-        mask_tokens(tokens[i : i + 1], rng=masking_rng(seed, int(example_ids[i]), epoch=None if static else int(epochs[i])), **mask_kwargs)
+        mask_tokens(
+            tokens[i : i + 1], rng=masking_rng(seed, int(example_ids[i]), epoch=None if static else int(epochs[i])),
+            word_starts=None if continuation_mask is None else wordpiece_word_starts(tokens[i : i + 1], continuation_mask),
+            **mask_kwargs,
+        )  # fmt: skip
         for i in range(tokens.shape[0])
     ]
     return {k: np.concatenate([r[k] for r in rows]) for k in ("inputs", "targets", "weights")}
@@ -319,3 +325,25 @@ def seq2seq_from_windows(
     out["weights"] = (out["targets"] != pad_id).astype(np.float32)
     out["decoder_inputs"] = np.concatenate([np.full((b, 1), decoder_start_id, np.int32), out["targets"][:, :-1]], axis=1)
     return out
+
+
+def gpt_classifier_example(
+    first: list[int], second: list[int] | None, *, start_id: int, delim_id: int, extract_id: int, max_len: int, pad_id: int
+) -> dict[str, np.ndarray]:
+    """GPT's (Radford et al. 2018) classification input `[START] a [DELIM] b [EXTRACT]`, right-padded:
+    "tokens", "segment_ids" [max_len] int32. The head reads the final state at the last real token
+    (pooling="last"), the [EXTRACT] token. Truncates the longer text first."""
+    fixed = 2 if second is None else 3
+    len_a, len_b = len(first), len(second or [])
+    while len_a + len_b > max_len - fixed:
+        if len_a > len_b:
+            len_a -= 1
+        else:
+            len_b -= 1
+    middle = [] if second is None else [delim_id, *second[:len_b]]
+    real = [start_id, *first[:len_a], *middle, extract_id]
+    pad = max_len - len(real)
+    return {
+        "tokens": np.array(real + [pad_id] * pad, dtype=np.int32),
+        "segment_ids": np.array([1] * len(real) + [0] * pad, dtype=np.int32),
+    }

@@ -93,3 +93,23 @@ def test_tfds_source_built_locally(tmp_path):
     assert stream.tokens.tolist() == list(b"xyz") + [256]
     with pytest.raises(FileNotFoundError, match="not prepared"):
         pipeline.read_tfds("lmzoo_text", "train", str(tmp_path / "nowhere"), "text")
+
+
+def test_gpt_classifier_example_layout_and_truncation():
+    ex = transforms.gpt_classifier_example([5, 6, 7], [8, 9], start_id=1, delim_id=2, extract_id=3, max_len=9, pad_id=0)
+    np.testing.assert_array_equal(ex["tokens"], [1, 5, 6, 7, 2, 8, 9, 3, 0])
+    np.testing.assert_array_equal(ex["segment_ids"], [1, 1, 1, 1, 1, 1, 1, 1, 0])
+    short = transforms.gpt_classifier_example([5, 6, 7, 8], [9], start_id=1, delim_id=2, extract_id=3, max_len=6, pad_id=0)
+    np.testing.assert_array_equal(short["tokens"], [1, 5, 6, 2, 9, 3])
+
+
+def test_whole_word_masking_through_mask_rows():
+    vocab = ["[PAD]", "[MASK]", "un", "##aff", "##able", "play", "##ing", "dog"]
+    continuation = transforms.continuation_mask_from_vocab(vocab)
+    tokens = np.tile(np.array([[2, 3, 4, 5, 6, 7, 2, 3, 4, 7]]), (64, 1))
+    out = transforms.mask_rows(tokens, np.arange(64), np.zeros(64, int), seed=0, static=True, continuation_mask=continuation,
+                               mask_id=1, vocab_size=8, special_ids=[0, 1], rate=0.3)  # fmt: skip
+    selected = out["weights"] > 0
+    words = [(0, 3), (3, 5), (5, 6), (6, 9), (9, 10)]
+    for start, end in words:
+        assert np.all(selected[:, start:end].all(axis=1) | ~selected[:, start:end].any(axis=1))

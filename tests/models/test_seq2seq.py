@@ -78,3 +78,19 @@ def test_relative_position_buckets_match_t5():
 
 def test_shift_right():
     np.testing.assert_array_equal(seq2seq.shift_right(jnp.array([[5, 6, 7]]), 0), [[0, 5, 6]])
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        # HF t5-small num_parameters().
+        (dict(vocab_size=32128, emb_dim=512, num_heads=8, head_dim=64, num_encoder_layers=6, num_decoder_layers=6, mlp_dim=2048), 60_506_624),
+        # HF facebook/bart-base parameters (139,420,416) plus its final_logits_bias buffer (50,265).
+        (dict(VARIANTS["bart"], vocab_size=50265, emb_dim=768, num_heads=12, head_dim=64, num_encoder_layers=6,
+              num_decoder_layers=6, mlp_dim=3072, max_len=1026), 139_470_681),
+    ],
+)  # fmt: skip
+def test_published_parameter_counts(fields, expected):
+    model = models.build_model("seq2seq", fields)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32)))
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(shapes["params"]))) == expected

@@ -1,0 +1,156 @@
+"""Decoding: the decoder KV cache against full recomputation, left padding, EOS, sampling filters and input
+checks on a tiny GPT-2; encoder-decoder beam search with scanned layers and input checks."""
+
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmzoo import decoding, models, testing
+
+NEW_TOKENS = 8
+
+
+def randomized(params, seed: int, std: float = 0.5):
+    """Every leaf of `params` redrawn: normal(0, std), norm scales 1 + normal(0, 0.2). Tiny random models then
+    emit varied tokens with top-1/top-2 logit margins (~1e-2) far above float noise."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    def draw(path, leaf, key):
+        noise = jax.random.normal(key, leaf.shape, leaf.dtype)
+        return 1.0 + 0.2 * noise if path[-1].key == "scale" else std * noise
+
+    return jax.tree_util.tree_unflatten(treedef, [draw(p, x, k) for (p, x), k in zip(leaves, keys, strict=True)])
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model, params = testing.tiny_gpt2()
+    return model, randomized(params, seed=2)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Left-padded prompts of lengths 5 and 3: (tokens [2, 5], mask [2, 5], [each unpadded prompt])."""
+    tokens = testing.random_tokens((2, 5), seed=1)
+    mask = np.ones_like(tokens)
+    mask[1, :2] = 0
+    tokens[1, :2] = 0
+    return tokens, mask, [tokens[:1], tokens[1:, 2:]]
+
+
+def greedy(model, params, tokens, mask=None, **kwargs):
+    return np.asarray(
+        decoding.generate(
+            model, params, tokens, prompt_mask=mask, rng=jax.random.key(0), max_new_tokens=NEW_TOKENS, temperature=0.0,
+            **kwargs,
+        )  # fmt: skip
+    )
+
+
+def test_cache_matches_recompute(gpt2, prompts):
+    tokens, mask, _ = prompts
+    cached = greedy(*gpt2, tokens, mask)
+    np.testing.assert_array_equal(cached, greedy(*gpt2, tokens, mask, use_cache=False))
+    assert len(set(cached[0])) > 3, f"degenerate continuation {cached[0]}"
+
+
+def test_left_padding_matches_unpadded_prompts(gpt2, prompts):
+    tokens, mask, singles = prompts
+    batched = greedy(*gpt2, tokens, mask)
+    for row, single in enumerate(singles):
+        np.testing.assert_array_equal(batched[row], greedy(*gpt2, single)[0], err_msg=f"row {row}")
+
+
+def test_eos_stops_rows_and_pads_after(gpt2, prompts):
+    tokens, mask, _ = prompts
+    reference = greedy(*gpt2, tokens, mask)
+    row = reference[0].tolist()
+    stop = next(i for i in range(1, NEW_TOKENS) if row[i] not in row[:i])  # first new token after step 0
+    eos_id, pad_id = row[stop], 3
+    out = greedy(*gpt2, tokens, mask, eos_id=eos_id, pad_id=pad_id)
+    for ref, got in zip(reference, out, strict=True):
+        end = ref.tolist().index(eos_id) + 1 if eos_id in ref else NEW_TOKENS
+        np.testing.assert_array_equal(got[:end], ref[:end])
+        assert np.all(got[end:] == pad_id), got
+    assert out[0, stop] == eos_id and stop < NEW_TOKENS - 1
+
+
+def test_top_k_1_is_greedy(gpt2, prompts):
+    tokens, mask, _ = prompts
+    sampled = decoding.generate(
+        *gpt2, tokens, prompt_mask=mask, rng=jax.random.key(7), max_new_tokens=NEW_TOKENS, temperature=1.3, top_k=1
+    )
+    np.testing.assert_array_equal(np.asarray(sampled), greedy(*gpt2, tokens, mask))
+
+
+class TopPTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_top_p_keeps_the_smallest_prefix_reaching_p(self):
+        probs = np.array([0.15, 0.5, 0.1, 0.25])  # sorted: 0.5 (id 1), 0.25 (3), 0.15 (0), 0.1 (2)
+        logits = jnp.tile(jnp.log(probs), (4000, 1))
+        for top_p, kept in ((0.3, {1}), (0.7, {1, 3}), (0.8, {0, 1, 3}), (0.95, {0, 1, 2, 3})):
+            sample = self.variant(functools.partial(decoding.sample_logits, temperature=1.0, top_k=0, top_p=top_p))
+            ids = np.asarray(sample(jax.random.key(0), logits))
+            assert set(np.unique(ids)) == kept, (top_p, np.unique(ids))
+            mass = probs[sorted(kept)].sum()
+            for token in kept:  # renormalised over the kept tokens
+                assert abs(np.mean(ids == token) - probs[token] / mass) < 0.03, (top_p, token)
+
+
+def test_prompt_longer_than_max_len_raises(gpt2):
+    with pytest.raises(ValueError, match="prompt length 10 \\+ max_new_tokens 8 exceeds the model's max_len 16"):
+        decoding.generate(*gpt2, np.zeros((1, 10), np.int32), rng=jax.random.key(0), max_new_tokens=8)
+
+
+@pytest.mark.parametrize("bad_id", [32, -1])
+def test_out_of_range_prompt_ids_raise(gpt2, bad_id):
+    with pytest.raises(ValueError, match=r"prompt contains token ids outside \[0, 32\)"):
+        decoding.generate(*gpt2, np.array([[1, bad_id, 2]]), rng=jax.random.key(0), max_new_tokens=2)
+
+
+TINY_T5 = dict(vocab_size=32, emb_dim=16, num_heads=2, head_dim=8, num_encoder_layers=2, num_decoder_layers=2,
+               mlp_dim=32, dropout_rate=0.0, relative_buckets=8, relative_max_distance=16)  # fmt: skip
+
+
+def test_beam_search_with_scanned_layers_matches_per_layer():
+    """The scanned decoder cache is [layers, B*K, ...]: beams must be reordered along axis 1."""
+    model = models.build_model("seq2seq", TINY_T5)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    params = randomized(nn.unbox(model.init(jax.random.key(0), tokens, tokens)["params"]), seed=0)
+    scanned_model = models.build_model("seq2seq", TINY_T5 | {"scan_layers": True})
+    scanned = dict(params)
+    for stack in ("encoder", "decoder"):
+        layers = [params[stack][f"layer_{i}"] for i in range(2)]
+        scanned[stack] = {"layers": jax.tree.map(lambda *x: jnp.stack(x), *layers)}
+    inputs, mask = testing.random_tokens((2, 7), seed=3), np.ones((2, 7), np.int32)
+    mask[1, 5:] = 0
+    search = functools.partial(
+        decoding.beam_search, inputs=inputs, beam_size=3, max_new_tokens=NEW_TOKENS, length_penalty=0.6,
+        encoder_segment_ids=mask,
+    )  # fmt: skip
+    unconstrained, _ = search(model, params, eos_id=-1)
+    eos_id = int(unconstrained[1, 2])
+    tokens, scores = search(model, params, eos_id=eos_id)
+    scanned_tokens, scanned_scores = search(scanned_model, scanned, eos_id=eos_id)
+    np.testing.assert_array_equal(scanned_tokens, tokens)
+    np.testing.assert_allclose(scanned_scores, scores, rtol=1e-5)
+    assert np.any(np.asarray(tokens) == eos_id) and len(set(np.asarray(unconstrained).ravel().tolist())) > 3
+
+
+def test_seq2seq_input_checks():
+    bart_like = models.build_model("seq2seq", TINY_T5 | dict(positions="learned", position_offset=2, max_len=12))
+    with pytest.raises(ValueError, match="max_new_tokens 11 exceeds the 10 positions of the model's learned position"):
+        decoding.generate_seq2seq(bart_like, {}, np.ones((1, 4), np.int32), rng=jax.random.key(0), max_new_tokens=11)
+    with pytest.raises(ValueError, match="input length 11 exceeds the 10 positions"):
+        decoding.beam_search(bart_like, {}, np.ones((1, 11), np.int32), beam_size=2, max_new_tokens=4, eos_id=1)
+    with pytest.raises(ValueError, match=r"inputs contains token ids outside \[0, 32\)"):
+        decoding.generate_seq2seq(bart_like, {}, np.array([[1, 32]]), rng=jax.random.key(0), max_new_tokens=2)
+    with pytest.raises(ValueError, match="early_stopping must be True, False or 'never'"):
+        decoding.beam_search(bart_like, {}, np.ones((1, 3), np.int32), beam_size=2, max_new_tokens=4, eos_id=1,
+                             early_stopping="sometimes")  # fmt: skip

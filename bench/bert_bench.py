@@ -235,13 +235,7 @@ def main():
     spec, rounds = (QUICK, 1) if args.quick else (FULL, args.rounds)
     torch.set_num_threads(2)
     transformers.logging.set_verbosity_error()
-    print(f"bert bench: {'quick' if args.quick else 'full'} {spec}, {rounds} round(s), "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__}", flush=True)  # fmt: skip
-    load = {"start": os.getloadavg()[0]}
-    print(f"load average at start: {load['start']:.2f} on {os.cpu_count()} cores")
-    if load["start"] > 1.0:
-        print("WARNING: other processes compete for the cores; torch's 2 OpenMP threads slow down far more than XLA "
-              "under contention, so lmzoo/torch is inflated")  # fmt: skip
+    load = common.announce("bert", "quick" if args.quick else "full", spec, rounds)
     result = bench(spec, rounds)
     load["end"] = os.getloadavg()[0]
 

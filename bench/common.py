@@ -30,3 +30,19 @@ def matmul_peak(sizes=(1024, 2048), repeats: int = 5) -> dict[int, float]:
         best = min(timed(functools.partial(lambda x, y: matmul(x, y).block_until_ready(), a, b)) for _ in range(repeats))
         peak[n] = 2 * n**3 / best / 1e9
     return peak
+
+
+def announce(name: str, label: str, spec, rounds: int) -> dict[str, float]:
+    """Prints what runs on what and warns when other processes share the cores; returns the load at start."""
+    import os
+
+    import torch
+
+    print(f"{name} bench: {label} {spec}, {rounds} round(s), jax {jax.__version__} on {jax.devices()[0].platform}, "
+          f"torch {torch.__version__}", flush=True)  # fmt: skip
+    load = {"start": os.getloadavg()[0]}
+    print(f"load average at start: {load['start']:.2f} on {os.cpu_count()} cores")
+    if load["start"] > 1.0:
+        print("WARNING: other processes compete for the cores; torch's 2 OpenMP threads slow down far more than XLA "
+              "under contention, so lmzoo/torch is inflated and per-round matmul peaks are noisy")  # fmt: skip
+    return load

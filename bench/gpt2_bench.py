@@ -213,13 +213,7 @@ def main():
     spec, rounds = (QUICK, 1) if args.quick else (MATMUL_BOUND, args.rounds)
     torch.set_num_threads(2)
     transformers.logging.set_verbosity_error()
-    print(f"gpt2 bench: {'quick' if args.quick else 'matmul-bound'} {spec}, {rounds} round(s), "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__}", flush=True)  # fmt: skip
-    load = {"start": os.getloadavg()[0]}
-    print(f"load average at start: {load['start']:.2f} on {os.cpu_count()} cores")
-    if load["start"] > 1.0:
-        print("WARNING: other processes compete for the cores; torch's 2 OpenMP threads slow down far more than XLA "
-              "under contention, so lmzoo/torch is inflated and the per-round peak (hence MFU) is noisy")  # fmt: skip
+    load = common.announce("gpt2", "quick" if args.quick else "matmul-bound", spec, rounds)
 
     peak = common.matmul_peak(sizes=(1024,) if args.quick else (1024, 2048))
     print("matmul peak (f32, best of 5): " + ", ".join(f"{n}: {g:.1f} GFLOP/s" for n, g in peak.items()), flush=True)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from lmzoo import checkpoint, decoding, sharding, tokenizers
 from lmzoo import config as config_lib
 from lmzoo.data import pipeline
-from lmzoo.models import bert
+from lmzoo.models import bert, gpt2, seq2seq
 from lmzoo.train import metrics as metrics_lib
 from lmzoo.train import optim, tasks
 from lmzoo.train import step as step_lib
@@ -225,18 +225,22 @@ def host_params(setup: Setup, state: TrainState):
 
 def sample_text(setup: Setup, params, prompt: str, *, max_new_tokens: int, temperature: float,
                 top_k: int, top_p: float, seed: int) -> str:  # fmt: skip
-    """Decodes a continuation of `prompt` with the KV cache; params from `host_params`."""
-    tokenizer = setup.tokenizer
-    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
-    max_len = setup.config.model.get("max_len")
-    if max_len is not None:
-        max_new_tokens = min(max_new_tokens, max_len - len(ids))
+    """Decodes a continuation of `prompt` with the KV cache; params from `host_params`.
+
+    Encoder-decoders read the prompt (plus EOS) with the encoder and write a new sequence."""
+    tokenizer, model = setup.tokenizer, setup.model
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0)
+    if isinstance(model, seq2seq.Seq2Seq):
+        inputs = np.asarray([tokenizer.encode(prompt) + [tokenizer.eos_id]])
+        new = decoding.generate_seq2seq(model, params, inputs, rng=jax.random.key(seed), max_new_tokens=max_new_tokens, **sampling)
+    elif isinstance(model, gpt2.GPT2):
+        ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+        max_new_tokens = min(max_new_tokens, model.config.max_len - len(ids))
         if max_new_tokens <= 0:
-            raise ValueError(f"the prompt is {len(ids)} tokens, the model's max_len is {max_len}; shorten the prompt")
-    new = decoding.generate(
-        setup.model, params, np.asarray([ids]), rng=jax.random.key(seed), max_new_tokens=max_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0,
-    )  # fmt: skip
+            raise ValueError(f"the prompt is {len(ids)} tokens, the model's max_len is {model.config.max_len}; shorten the prompt")
+        new = decoding.generate(model, params, np.asarray([ids]), rng=jax.random.key(seed), max_new_tokens=max_new_tokens, **sampling)
+    else:
+        raise ValueError(f"{type(model).__name__} is not generative; --generate needs a decoder (gpt2) or an encoder-decoder (seq2seq)")
     out = [int(t) for t in np.asarray(new[0])]
     if tokenizer.eos_id in out:
         out = out[: out.index(tokenizer.eos_id)]

@@ -56,3 +56,8 @@ def test_distillation_trains_student_against_frozen_teacher(tmp_path):
 def test_denoising_pretraining_runs(tmp_path, name):
     final = loop.train_and_evaluate(_config(name, "tiny,test"), str(tmp_path))
     assert np.isfinite(final["loss"]) and final["tokens"] > 0
+    setup = loop.build(loop.config_lib.load_saved(str(tmp_path)), str(tmp_path))
+    _, state, _ = setup.checkpointer.restore_latest(setup.abstract_state)
+    text = loop.sample_text(setup, loop.host_params(setup, state), "The Time Traveller", max_new_tokens=4, temperature=0.0,
+                            top_k=0, top_p=1.0, seed=0)  # fmt: skip
+    assert isinstance(text, str) and len(setup.tokenizer.encode(text)) <= 4

@@ -20,7 +20,6 @@ import pathlib
 import sys
 import time
 
-import jax
 import numpy as np
 import torch
 import transformers
@@ -30,11 +29,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from bench.gpt2_bench import print_table  # noqa: E402
 from configs import bert as bert_configs  # noqa: E402
-from lmzoo import models, sharding, tokenizers  # noqa: E402
+from lmzoo import models, tokenizers  # noqa: E402
 from lmzoo.data import pipeline, transforms  # noqa: E402
 from lmzoo.objectives import mlm  # noqa: E402
 from lmzoo.train import optim, tasks  # noqa: E402
-from lmzoo.train import step as step_lib  # noqa: E402
 from lmzoo.train.state import Task  # noqa: E402
 
 MASK_RATE = 0.15
@@ -77,27 +75,6 @@ def full_logits_task(model) -> Task:
         return value, (metrics, carry)
 
     return dataclasses.replace(tasks.masked_lm_task(model, mask_rate=MASK_RATE), loss=loss)
-
-
-class LmzooTrainer:
-    """The production train step: `lmzoo.train.step.compile_task`, exactly what `lmzoo.train.loop` runs."""
-
-    def __init__(self, task: Task, batch: dict[str, np.ndarray], optim_config):
-        tx, schedule = optim.make_optimizer(optim_config)
-        self.compiled = step_lib.compile_task(
-            task, tx, schedule, batch, mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0
-        )
-        with self.compiled.context():
-            self.state = self.compiled.init(jax.random.key(0))
-        self.batch = sharding.put_batch(batch, self.compiled.batch_sharding)
-        self.loss = None
-
-    def run(self, steps: int) -> None:
-        with self.compiled.context():
-            for _ in range(steps):
-                self.state, metrics = self.compiled.train_step(self.state, self.batch)
-        loss_sum, count = jax.device_get(metrics["loss"])
-        self.loss = float(loss_sum / count)
 
 
 class TorchTrainer:
@@ -180,8 +157,8 @@ def bench(spec: Spec, rounds: int) -> dict:
     model = models.build_model("bert", spec.model_fields())
     optim_config = bert_configs.get_config("bert").optim
     trainers = {
-        "lmzoo": LmzooTrainer(tasks.masked_lm_task(model, mask_rate=MASK_RATE), batch, optim_config),
-        "lmzoo_full": LmzooTrainer(full_logits_task(model), batch, optim_config),
+        "lmzoo": common.LmzooTrainer(tasks.masked_lm_task(model, mask_rate=MASK_RATE), batch, optim_config),
+        "lmzoo_full": common.LmzooTrainer(full_logits_task(model), batch, optim_config),
         "torch": TorchTrainer(spec, batch, optim_config),
     }
     compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}

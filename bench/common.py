@@ -7,6 +7,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from lmzoo import sharding
+from lmzoo.train import optim
+from lmzoo.train import step as step_lib
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -46,3 +51,24 @@ def announce(name: str, label: str, spec, rounds: int) -> dict[str, float]:
         print("WARNING: other processes compete for the cores; torch's 2 OpenMP threads slow down far more than XLA "
               "under contention, so lmzoo/torch is inflated and per-round matmul peaks are noisy")  # fmt: skip
     return load
+
+
+class LmzooTrainer:
+    """The production train step: `lmzoo.train.step.compile_task`, exactly what `lmzoo.train.loop` runs."""
+
+    def __init__(self, task, batch: dict[str, np.ndarray], optim_config):
+        tx, schedule = optim.make_optimizer(optim_config)
+        self.compiled = step_lib.compile_task(
+            task, tx, schedule, batch, mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0
+        )
+        with self.compiled.context():
+            self.state = self.compiled.init(jax.random.key(0))
+        self.batch = sharding.put_batch(batch, self.compiled.batch_sharding)
+        self.loss = None
+
+    def run(self, steps: int) -> None:
+        with self.compiled.context():
+            for _ in range(steps):
+                self.state, metrics = self.compiled.train_step(self.state, self.batch)
+        loss_sum, count = jax.device_get(metrics["loss"])
+        self.loss = float(loss_sum / count)

@@ -26,9 +26,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
-from lmzoo import decoding, models, sharding  # noqa: E402
+from lmzoo import decoding, models  # noqa: E402
 from lmzoo.train import optim, tasks  # noqa: E402
-from lmzoo.train import step as step_lib  # noqa: E402
 
 TARGETS = {"train_ratio": 1.25, "mfu": 0.65, "decode_speedup": 5.0}
 
@@ -61,30 +60,6 @@ class Spec:
 
 MATMUL_BOUND = Spec(8192, 256, 4, 4, 1024, seq_len=256, batch_size=16, steps_per_round=6, prompt_len=16, new_tokens=256)
 QUICK = Spec(512, 64, 2, 2, 256, seq_len=64, batch_size=4, steps_per_round=3, prompt_len=8, new_tokens=32)
-
-
-class LmzooTrainer:
-    """The production train step: `lmzoo.train.step.compile_task`, exactly what `lmzoo.train.loop` runs."""
-
-    def __init__(self, spec: Spec, tokens: np.ndarray):
-        model = models.build_model("gpt2", spec.model_fields(max_len=spec.seq_len))
-        tx, schedule = optim.make_optimizer(config_lib.base_config().optim)
-        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones(tokens[:, 1:].shape, np.float32)}
-        batch = {k: np.ascontiguousarray(v) for k, v in batch.items()}
-        self.compiled = step_lib.compile_task(
-            tasks.causal_lm_task(model), tx, schedule, batch, mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0
-        )
-        with self.compiled.context():
-            self.state = self.compiled.init(jax.random.key(0))
-        self.batch = sharding.put_batch(batch, self.compiled.batch_sharding)
-        self.loss = None
-
-    def run(self, steps: int) -> None:
-        with self.compiled.context():
-            for _ in range(steps):
-                self.state, metrics = self.compiled.train_step(self.state, self.batch)
-        loss_sum, count = jax.device_get(metrics["loss"])
-        self.loss = float(loss_sum / count)
 
 
 class TorchTrainer:
@@ -131,7 +106,11 @@ class TorchTrainer:
 def bench_train(spec: Spec, rounds: int) -> dict:
     tokens = np.random.default_rng(0).integers(0, spec.vocab_size, (spec.batch_size, spec.seq_len + 1), dtype=np.int32)
     tokens_per_step = spec.batch_size * spec.seq_len
-    trainers = {"lmzoo": LmzooTrainer(spec, tokens), "torch": TorchTrainer(spec, tokens)}
+    model = models.build_model("gpt2", spec.model_fields(max_len=spec.seq_len))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones(tokens[:, 1:].shape, np.float32)}
+    batch = {k: np.ascontiguousarray(v) for k, v in batch.items()}
+    lmzoo = common.LmzooTrainer(tasks.causal_lm_task(model), batch, config_lib.base_config().optim)
+    trainers = {"lmzoo": lmzoo, "torch": TorchTrainer(spec, tokens)}
     compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
     for trainer in trainers.values():
         trainer.run(1)

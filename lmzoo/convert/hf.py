@@ -539,27 +539,40 @@ def bert_config_to_hf(cfg: BertConfig, *, model_type: str) -> dict[str, Any]:
     return hf_config | _BERT_FIXED_HF_OPTIONS[model_type]
 
 
-def _bert_read(
-    state_dict: Mapping[str, Any], model_type: str, entries: list[_Entry], optional: tuple[str, ...]
-) -> tuple[dict[str, np.ndarray], list[_Entry]]:
-    """(unprefixed float32 tensors, the entries the checkpoint has); groups in `optional` may be absent as
-    a whole. Buffers are skipped and tied copies checked; one error lists unexpected and missing keys."""
-    tensors, unexpected = {}, []
+def _collect_tensors(
+    state_dict: Mapping[str, Any], *, family: str, prefix: str, skip: Callable[[str], bool], tied: Mapping[str, str],
+    tie_hint: str = "",
+) -> tuple[dict[str, np.ndarray], list[str]]:  # fmt: skip
+    """(float32 tensors by name without `prefix`, duplicate keys). Names `skip` accepts are dropped;
+    each tied copy folds into its source after checking that both hold the same values."""
+    tensors, duplicates = {}, []
     for key, value in state_dict.items():
-        name = key.removeprefix(f"{model_type}.")
-        if _BERT_BUFFER.fullmatch(name):
+        name = key.removeprefix(prefix)
+        if skip(name):
             continue
         if name in tensors:
-            unexpected.append(key)
+            duplicates.append(key)
         tensors[name] = np.array(value, dtype=np.float32)
-    for copy, source in _bert_tied(model_type).items():
+    for copy, source in tied.items():
         if copy not in tensors:
             continue
         value = tensors.pop(copy)
         if source not in tensors:
             tensors[source] = value
         elif not np.array_equal(value, tensors[source]):
-            raise ValueError(f"checkpoint has {copy} different from {source}; lmzoo's bert ties them")
+            hint = tie_hint if copy == "lm_head.weight" else ""
+            raise ValueError(f"checkpoint has {copy} different from {source}; lmzoo's {family} ties them{hint}")
+    return tensors, duplicates
+
+
+def _bert_read(
+    state_dict: Mapping[str, Any], model_type: str, entries: list[_Entry], optional: tuple[str, ...]
+) -> tuple[dict[str, np.ndarray], list[_Entry]]:
+    """(unprefixed float32 tensors, the entries the checkpoint has); groups in `optional` may be absent as
+    a whole. Buffers are skipped and tied copies checked; one error lists unexpected and missing keys."""
+    tensors, unexpected = _collect_tensors(
+        state_dict, family="bert", prefix=f"{model_type}.", skip=_BERT_BUFFER.fullmatch, tied=_bert_tied(model_type)
+    )
     absent = {group for group in optional if not any(entry.hf in tensors for entry in entries if entry.group == group)}
     present = [entry for entry in entries if entry.group not in absent]
     unexpected += sorted(set(tensors) - {entry.hf for entry in present})
@@ -934,23 +947,10 @@ def _seq2seq_read(state_dict: Mapping[str, Any], cfg: Seq2SeqConfig, model_type:
     """Unprefixed float32 tensors of every entry; tied copies checked, keys HF skips ignored, one error lists
     unexpected and missing keys."""
     prefix, ignored = _SEQ2SEQ_LAYOUT[model_type]
-    tensors, unexpected = {}, []
-    for key, value in state_dict.items():
-        name = key.removeprefix(prefix)
-        if name in ignored:
-            continue
-        if name in tensors:
-            unexpected.append(key)
-        tensors[name] = np.array(value, dtype=np.float32)
-    for copy, source in _seq2seq_tied(cfg).items():
-        if copy not in tensors:
-            continue
-        value = tensors.pop(copy)
-        if source not in tensors:
-            tensors[source] = value
-        elif not np.array_equal(value, tensors[source]):
-            hint = "; set tie_embeddings and scale_tied_logits False (T5 v1.1)" if copy == "lm_head.weight" else ""
-            raise ValueError(f"checkpoint has {copy} different from {source} but lmzoo ties them{hint}")
+    tensors, unexpected = _collect_tensors(
+        state_dict, family="seq2seq", prefix=prefix, skip=ignored.__contains__, tied=_seq2seq_tied(cfg),
+        tie_hint="; set tie_embeddings and scale_tied_logits False (T5 v1.1)",
+    )  # fmt: skip
     if model_type == "bart":  # as in HF, a checkpoint without final_logits_bias (a bare BartModel) has zeros
         tensors.setdefault("final_logits_bias", np.zeros((1, cfg.vocab_size), np.float32))
     expected = {entry.hf: entry.hf_shape for entry in _seq2seq_entries(cfg, model_type)}

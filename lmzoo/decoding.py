@@ -169,13 +169,20 @@ def _encode(model, params, inputs, encoder_segment_ids):
 
 
 def _decoder_step(model, params, cache, tokens, step, encoded, encoder_segment_ids, max_decode_len):
-    """tokens [N] at decoder position `step` (cache of max_decode_len positions) -> (logits [N, V] float32, cache)."""
+    """tokens [N] at decoder position `step` (cache of max_decode_len positions) -> (logits [N, V] float32, cache).
+
+    `encoded` [N, S, D] on the first step fills the cross-attention cache; None afterwards reads it."""
     logits, variables = model.apply(
         {"params": params, "cache": cache}, tokens[:, None], encoded, encoder_segment_ids=encoder_segment_ids,
         positions=jnp.full((tokens.shape[0], 1), step), decode=True, max_decode_len=max_decode_len,
         mutable=["cache"], method="decode",
     )  # fmt: skip
     return logits[:, 0].astype(jnp.float32), variables["cache"]
+
+
+def _next_step(step_fn, cache, tokens, step, logits, steps):
+    """`step_fn(cache, tokens, step)` unless `step` is past the last position (then logits and cache pass through)."""
+    return jax.lax.cond(step < steps, lambda: step_fn(cache, tokens, step), lambda: (logits, cache))
 
 
 def _init_decoder_cache(model, encoded, max_decode_len):
@@ -191,9 +198,8 @@ def _generate_seq2seq(
     batch = inputs.shape[0]
     encoded = _encode(model, params, inputs, encoder_segment_ids)
     step = functools.partial(
-        _decoder_step, model, params, encoded=encoded, encoder_segment_ids=encoder_segment_ids,
-        max_decode_len=max_new_tokens,
-    )  # fmt: skip
+        _decoder_step, model, params, encoder_segment_ids=encoder_segment_ids, max_decode_len=max_new_tokens
+    )
     sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
 
     def cond(carry):
@@ -201,20 +207,20 @@ def _generate_seq2seq(
         return (i < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-        i, tokens, last, cache, done, rng = carry
-        logits, cache = step(cache, last, i)
+        i, tokens, logits, cache, done, rng = carry
         rng, step_rng = jax.random.split(rng)
         token = jnp.where(done, pad_id, sample(step_rng, logits)).astype(jnp.int32)
         if eos_id is not None:
             done = done | (token == eos_id)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
-        return i + 1, tokens, token, cache, done, rng
+        logits, cache = _next_step(functools.partial(step, encoded=None), cache, token, i + 1, logits, max_new_tokens)
+        return i + 1, tokens, logits, cache, done, rng
 
     tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
     start = jnp.full((batch,), model.config.decoder_start_id, jnp.int32)
-    cache = _init_decoder_cache(model, encoded, max_new_tokens)
+    logits, cache = step(_init_decoder_cache(model, encoded, max_new_tokens), start, 0, encoded=encoded)
     done = jnp.zeros((batch,), bool)
-    return jax.lax.while_loop(cond, body, (jnp.int32(0), tokens, start, cache, done, rng))[1]
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), tokens, logits, cache, done, rng))[1]
 
 
 def generate_seq2seq(
@@ -246,11 +252,16 @@ def generate_seq2seq(
 
 
 def _reorder_cache(cache, rows: jax.Array, batch_axis: int):
-    """Every cache leaf with rows [B*K] gathered by `rows` [B*K] along its batch axis (cache_index has none)."""
+    """Self-attention cache leaves with rows [B*K] gathered by `rows` [B*K] along their batch axis.
+
+    `rows` only picks among an example's own beams, whose cross-attention keys/values (projected from
+    the same encoder output) are identical, so those are left in place; cache_index has no batch axis."""
 
     def take(path, leaf):
-        is_index = getattr(path[-1], "key", None) == "cache_index"
-        return leaf if is_index else jnp.take(leaf, rows, axis=batch_axis)
+        name = getattr(path[-1], "key", None)
+        if name == "cache_index" or name.startswith("cached_context_"):
+            return leaf
+        return jnp.take(leaf, rows, axis=batch_axis)
 
     return jax.tree_util.tree_map_with_path(take, cache)
 
@@ -270,9 +281,7 @@ def _beam_search(
     encoded = jnp.repeat(_encode(model, params, inputs, encoder_segment_ids), k, axis=0)
     if encoder_segment_ids is not None:
         encoder_segment_ids = jnp.repeat(encoder_segment_ids, k, axis=0)
-    step = functools.partial(
-        _decoder_step, model, params, encoded=encoded, encoder_segment_ids=encoder_segment_ids, max_decode_len=steps
-    )
+    step = functools.partial(_decoder_step, model, params, encoder_segment_ids=encoder_segment_ids, max_decode_len=steps)
     batch_axis = 1 if model.config.scan_layers else 0  # scanned caches are [layers, B*K, ...]
     top_beams = jnp.arange(2 * k) < k
 
@@ -282,8 +291,7 @@ def _beam_search(
         return (i < steps) & jnp.any(open_rows) & ~pool_full
 
     def body(carry):
-        i, last, cache, run_tokens, run_scores, pool_tokens, pool_scores, pool_finished, open_rows = carry
-        logits, cache = step(cache, last, i)
+        i, logits, cache, run_tokens, run_scores, pool_tokens, pool_scores, pool_finished, open_rows = carry
         vocab = logits.shape[-1]
         scores = jax.nn.log_softmax(logits).reshape(batch, k, vocab) + run_scores[:, :, None]
         # 2K best continuations over all beams: at least K of them do not end in EOS.
@@ -310,16 +318,17 @@ def _beam_search(
         # A row closes once its pool is full and the best live beam cannot beat the pool's worst.
         worst = jnp.where(pool_finished, jnp.min(pool_scores, axis=1, keepdims=True), _NEG)
         open_rows &= jnp.any(run_scores[:, :1] / best_penalties[i] > worst, axis=1)
-        last = run_tokens[:, :, i].reshape(-1)
-        return i + 1, last, cache, run_tokens, run_scores, pool_tokens, pool_scores, pool_finished, open_rows
+        logits, cache = _next_step(functools.partial(step, encoded=None), cache, run_tokens[:, :, i].reshape(-1), i + 1, logits, steps)
+        return i + 1, logits, cache, run_tokens, run_scores, pool_tokens, pool_scores, pool_finished, open_rows
 
     start = jnp.full((batch * k,), model.config.decoder_start_id, jnp.int32)
     tokens = jnp.full((batch, k, steps), pad_id, jnp.int32)
     run_scores = jnp.zeros((batch, k)).at[:, 1:].set(_NEG)  # only the first beam expands at step 0
     pool_scores = jnp.full((batch, k), _NEG)
+    logits, cache = step(_init_decoder_cache(model, encoded, steps), start, 0, encoded=encoded)
     carry = (
-        jnp.int32(0), start, _init_decoder_cache(model, encoded, steps), tokens, run_scores, tokens, pool_scores,
-        jnp.zeros((batch, k), bool), jnp.ones((batch,), bool),
+        jnp.int32(0), logits, cache, tokens, run_scores, tokens, pool_scores, jnp.zeros((batch, k), bool),
+        jnp.ones((batch,), bool),
     )  # fmt: skip
     _, _, _, _, _, pool_tokens, pool_scores, _, _ = jax.lax.while_loop(cond, body, carry)
     return pool_tokens[:, 0], pool_scores[:, 0]

@@ -201,6 +201,7 @@ class Attention(nn.Module):
     Attributes:
         num_heads: N.
         head_dim: H.
+        cross: attend to a `context` (encoder output) instead of x.
         causal: mask future keys (decoder self-attention).
         use_bias: biases on the q/k/v/out projections.
         scale: logit scale; None means H ** -0.5 (T5 uses 1.0).
@@ -209,6 +210,7 @@ class Attention(nn.Module):
 
     num_heads: int
     head_dim: int
+    cross: bool = False
     causal: bool = False
     use_bias: bool = True
     scale: float | None = None
@@ -230,31 +232,36 @@ class Attention(nn.Module):
         deterministic: bool,
         decode: bool = False,
     ) -> jax.Array:
-        """x: [B, T, D]; context: [B, S, D] for cross-attention (None: self-attention) -> [B, T, D].
+        """x: [B, T, D]; context: [B, S, D] for cross-attention -> [B, T, D].
 
         segment_ids [B, T] / context_segment_ids [B, S]: document ids, 0 = padding. In decode mode
-        x is the next chunk of the sequence and keys/values accumulate in the "cache" collection.
+        x is the next chunk of the sequence and self-attention keys/values accumulate in the "cache"
+        collection; cross-attention projects the context once (the call that passes it) and later
+        calls, with context None, read its keys/values from the cache.
         """
         d = x.shape[-1]
         proj = functools.partial(
             Einsum, use_bias=self.use_bias, kernel_init=self.kernel_init, dtype=self.dtype, param_dtype=self.param_dtype
         )
         qkv_shape, qkv_axes = (d, self.num_heads, self.head_dim), ("embed", "heads", "kv")
-        kv_input = x if context is None else context
         query = proj(qkv_shape, qkv_axes, name="query")("BTD,DNH->BTNH", x)
-        key = proj(qkv_shape, qkv_axes, name="key")("BSD,DNH->BSNH", kv_input)
-        value = proj(qkv_shape, qkv_axes, name="value")("BSD,DNH->BSNH", kv_input)
         query = sharding.constrain(query, ("act_batch", "act_len", "act_heads", "act_kv"))
-        key = sharding.constrain(key, ("act_batch", "act_len", "act_heads", "act_kv"))
-        value = sharding.constrain(value, ("act_batch", "act_len", "act_heads", "act_kv"))
+
+        def project_keys_values(source):
+            key = proj(qkv_shape, qkv_axes, name="key")("BSD,DNH->BSNH", source)
+            value = proj(qkv_shape, qkv_axes, name="value")("BSD,DNH->BSNH", source)
+            axes = ("act_batch", "act_len", "act_heads", "act_kv")
+            return sharding.constrain(key, axes), sharding.constrain(value, axes)
 
         is_causal = self.causal
-        if context is not None:
+        if self.cross:
+            key, value = self._context_keys_values(context, project_keys_values) if decode else project_keys_values(context)
             mask = attention_mask(segment_ids, context_segment_ids, causal=False)
         elif decode:
-            key, value, mask = self._update_cache(key, value, segment_ids)
+            key, value, mask = self._update_cache(*project_keys_values(x), segment_ids)
             is_causal = False
         else:
+            key, value = project_keys_values(x)
             mask = attention_mask(segment_ids, segment_ids, causal=False)
 
         dropout_rng = None if deterministic or self.dropout_rate == 0.0 else self.make_rng("dropout")
@@ -279,6 +286,19 @@ class Attention(nn.Module):
             param_dtype=self.param_dtype,
             name="out",
         )("BTNH,NHD->BTD", out)
+
+    def _context_keys_values(self, context: jax.Array | None, project: Callable) -> tuple[jax.Array, jax.Array]:
+        """Cross-attention keys/values [B, S, N, H] while decoding: projected from `context` [B, S, D] when it
+        is given (init, first step) and stored in the cache; read from the cache when context is None."""
+        if context is not None:
+            key, value = project(context)
+            if self.is_mutable_collection("cache"):
+                self.put_variable("cache", "cached_context_key", key)
+                self.put_variable("cache", "cached_context_value", value)
+            return key, value
+        if not self.has_variable("cache", "cached_context_key"):
+            raise ValueError("cross-attention decoding without a context needs a cache filled by an earlier step with the context")
+        return self.get_variable("cache", "cached_context_key"), self.get_variable("cache", "cached_context_value")
 
     def _update_cache(self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None):
         """Writes a [B, T] chunk at the cache index; returns full-length keys, values and the mask.
@@ -385,7 +405,8 @@ class TransformerBlock(nn.Module):
         decode: bool = False,
     ) -> jax.Array:
         """x [B, T, D]; bias [1|B, N, T, T] added to self-attention logits (T5 relative positions);
-        context [B, S, D] with context_segment_ids [B, S] for cross-attention."""
+        context [B, S, D] with context_segment_ids [B, S] for cross-attention (decode steps after the first
+        may pass context None: its keys/values are cached)."""
         if self.norm not in ("layer", "rms"):
             raise ValueError(f"unknown norm {self.norm!r}; choose 'layer' or 'rms'")
         rms = self.norm == "rms"
@@ -414,10 +435,13 @@ class TransformerBlock(nn.Module):
         self_attention = attention(causal=self.causal, name="attn")
         x = residual(x, "ln_attn", lambda h: self_attention(h, segment_ids=segment_ids, bias=bias, deterministic=deterministic, decode=decode))
         if self.cross_attention:
-            cross = attention(name="cross_attn")
+            cross = attention(cross=True, name="cross_attn")
             x = residual(
                 x, "ln_cross",
-                lambda h: cross(h, context, segment_ids=segment_ids, context_segment_ids=context_segment_ids, deterministic=deterministic),
+                lambda h: cross(
+                    h, context, segment_ids=segment_ids, context_segment_ids=context_segment_ids, deterministic=deterministic,
+                    decode=decode,
+                ),
             )  # fmt: skip
         return residual(x, "ln_mlp", lambda h: mlp(h, deterministic=deterministic))
 

@@ -177,7 +177,7 @@ class Seq2Seq(nn.Module):
     def decode(
         self,
         decoder_inputs: jax.Array,
-        encoded: jax.Array,
+        encoded: jax.Array | None,
         *,
         encoder_segment_ids: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
@@ -189,7 +189,8 @@ class Seq2Seq(nn.Module):
         """decoder_inputs [B, T] (targets shifted right), encoded [B, S, D] -> logits [B, T, V].
 
         decode=True: the chunk at `positions` [B, T] against the KV cache, whose length is
-        max_decode_len (needed for the relative bias of T5).
+        max_decode_len (needed for the relative bias of T5). The first decode step projects `encoded`
+        into every layer's cross-attention keys/values once; later steps pass encoded=None.
         """
         cfg = self.config
         if positions is None:

@@ -39,9 +39,9 @@ def test_shapes_causality_and_cached_decoding(variant):
     encoded = model.apply({"params": params}, inputs, method=model.encode)
     cache = model.init(jax.random.key(0), inputs, targets, method=_decode_init(model, 6))["cache"]
     steps = []
-    for t in range(6):
+    for t in range(6):  # the first step fills the cross-attention cache, later ones read it
         out, variables = model.apply(
-            {"params": params, "cache": cache}, targets[:, t : t + 1], encoded, positions=np.full((2, 1), t),
+            {"params": params, "cache": cache}, targets[:, t : t + 1], encoded if t == 0 else None, positions=np.full((2, 1), t),
             decode=True, max_decode_len=6, mutable=["cache"], method=model.decode,
         )  # fmt: skip
         cache = variables["cache"]
@@ -94,3 +94,12 @@ def test_published_parameter_counts(fields, expected):
     model = models.build_model("seq2seq", fields)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32)))
     assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(shapes["params"]))) == expected
+
+
+def test_decoding_without_context_needs_a_filled_cache():
+    model, params = _init("t5_v1_0")
+    with pytest.raises(ValueError, match="cross-attention decoding without a context"):
+        model.apply(
+            {"params": params}, np.zeros((2, 1), np.int32), None, positions=np.zeros((2, 1), np.int32), decode=True,
+            max_decode_len=4, mutable=["cache"], method=model.decode,
+        )  # fmt: skip

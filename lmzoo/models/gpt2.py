@@ -110,6 +110,14 @@ class GPT2(nn.Module):
         logits = sharding.constrain(logits, ("act_batch", "act_len", "act_vocab"))
         return (logits, x) if return_hidden else logits
 
+    def output_embedding(self) -> jax.Array:
+        """The output projection as [V, D]: the token table when tied, else lm_head's kernel transposed.
+
+        With the final hidden states (`return_hidden`) it lets a loss compute the logits in chunks
+        (`lmzoo.objectives.causal_lm.fused_head_loss`)."""
+        params = nn.unbox(self.variables["params"])
+        return params["wte"]["embedding"] if self.config.tie_embeddings else params["lm_head"]["kernel"].T
+
     def encode(
         self, tokens: jax.Array, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
         deterministic: bool = True, token_types: jax.Array | None = None,

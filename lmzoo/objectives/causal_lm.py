@@ -1,5 +1,7 @@
 """Next-token prediction loss for decoders."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -37,3 +39,86 @@ def top1_correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
     separate argmax over a large vocabulary cost ~8% of a GPT-2 train step on CPU."""
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
+
+
+def _chunks(x: jax.Array, chunk_len: int) -> jax.Array:
+    """[B, T, ...] -> [T // chunk_len, B, chunk_len, ...]."""
+    b, t = x.shape[:2]
+    return jnp.moveaxis(x.reshape((b, t // chunk_len, chunk_len) + x.shape[2:]), 1, 0)
+
+
+def _unchunk(x: jax.Array) -> jax.Array:
+    """[T // c, B, c, ...] -> [B, T, ...]."""
+    n, b, c = x.shape[:3]
+    return jnp.moveaxis(x, 0, 1).reshape((b, n * c) + x.shape[3:])
+
+
+def _chunk_logits(hidden_chunk: jax.Array, embedding: jax.Array) -> jax.Array:
+    return jnp.einsum("BCD,VD->BCV", hidden_chunk, embedding, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_head_loss(hidden, embedding, targets, weights, chunk_len):
+    return _fused_head_loss_fwd(hidden, embedding, targets, weights, chunk_len)[0]
+
+
+def _fused_head_loss_fwd(hidden, embedding, targets, weights, chunk_len):
+    def chunk_stats(_, xs):
+        h, t, w = xs
+        logits = _chunk_logits(h, embedding)
+        max_logit = jnp.max(logits, axis=-1)
+        log_z = max_logit + jnp.log(jnp.sum(jnp.exp(logits - max_logit[..., None]), axis=-1))
+        target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+        return None, (jnp.sum((log_z - target_logit) * w), jnp.sum((target_logit >= max_logit) * w), log_z)
+
+    xs = (_chunks(hidden, chunk_len), _chunks(targets, chunk_len), _chunks(weights, chunk_len))
+    _, (loss_sums, correct_sums, log_z) = jax.lax.scan(chunk_stats, None, xs)
+    return (jnp.sum(loss_sums), jnp.sum(correct_sums)), (hidden, embedding, targets, weights, log_z)
+
+
+def _fused_head_loss_bwd(chunk_len, residuals, cotangents):
+    hidden, embedding, targets, weights, log_z = residuals
+    loss_cotangent = cotangents[0]  # the accuracy count has no gradient
+
+    def chunk_grads(embedding_grad, xs):
+        h, t, w, z = xs
+        logits = _chunk_logits(h, embedding)
+        probs = jnp.exp(logits - z[..., None])
+        logits_grad = probs - jax.nn.one_hot(t, logits.shape[-1], dtype=probs.dtype)
+        logits_grad = (logits_grad * (w * loss_cotangent)[..., None]).astype(hidden.dtype)
+        hidden_grad = jnp.einsum("BCV,VD->BCD", logits_grad, embedding.astype(hidden.dtype))
+        embedding_grad += jnp.einsum("BCV,BCD->VD", logits_grad, h, preferred_element_type=jnp.float32)
+        return embedding_grad, hidden_grad
+
+    xs = (_chunks(hidden, chunk_len), _chunks(targets, chunk_len), _chunks(weights, chunk_len), log_z)
+    embedding_grad, hidden_grads = jax.lax.scan(chunk_grads, jnp.zeros(embedding.shape, jnp.float32), xs)
+    return _unchunk(hidden_grads).astype(hidden.dtype), embedding_grad.astype(embedding.dtype), None, None
+
+
+_fused_head_loss.defvjp(_fused_head_loss_fwd, _fused_head_loss_bwd)
+
+
+def head_loss_chunk_len(batch: int, length: int, vocab: int, budget_bytes: int = 8 << 20) -> int:
+    """Largest divisor of `length` whose float32 logits chunk [batch, chunk, vocab] fits `budget_bytes`."""
+    fitting = [c for c in range(1, length + 1) if length % c == 0 and batch * c * vocab * 4 <= budget_bytes]
+    return max(fitting, default=1)
+
+
+def fused_head_loss(
+    hidden: jax.Array, embedding: jax.Array, batch: dict[str, jax.Array], *, chunk_len: int | None = None
+) -> tuple[jax.Array, Metrics]:
+    """`loss(hidden @ embedding.T, batch)` without materialising the [B, T, V] logits or their gradient.
+
+    hidden [B, T, D] final hidden states, embedding [V, D] the output projection (the tied token
+    table). Logits are computed `chunk_len` positions at a time (default: `head_loss_chunk_len`) and
+    recomputed in the backward pass, which trades a third more head FLOPs for never writing the
+    logits, softmax and logit gradient to memory.
+    """
+    b, t, _ = hidden.shape
+    chunk_len = chunk_len or head_loss_chunk_len(b, t, embedding.shape[0])
+    if t % chunk_len:
+        raise ValueError(f"chunk_len {chunk_len} must divide the sequence length {t}")
+    weights = batch["weights"].astype(jnp.float32)
+    total, correct = _fused_head_loss(hidden, embedding, batch["targets"], weights, chunk_len)
+    count = jnp.sum(weights)
+    return total / jnp.maximum(count, 1.0), {"loss": (total, count), "accuracy": (correct, count)}

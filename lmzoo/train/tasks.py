@@ -14,24 +14,20 @@ from lmzoo.train.state import Task
 
 
 def causal_lm_task(model) -> Task:
-    """Next-token prediction for a decoder taking (tokens, positions, segment_ids)."""
-
-    def apply(params, batch, rng, train):
-        return model.apply(
-            {"params": params},
-            batch["inputs"],
-            positions=batch.get("positions"),
-            segment_ids=batch.get("segment_ids"),
-            deterministic=not train,
-            rngs={"dropout": rng},
-        )
+    """Next-token prediction for a decoder taking (tokens, positions, segment_ids) with `return_hidden` and
+    `output_embedding` (GPT-2): the head and loss are fused so the [B, T, V] logits are never stored."""
 
     def init(rng, batch):
         params = model.init({"params": rng, "dropout": rng}, batch["inputs"], positions=batch.get("positions"))["params"]
         return params, {}, {}
 
     def loss(params, frozen, carry, batch, rng, *, train):
-        value, metrics = causal_lm.loss(apply(params, batch, rng, train), batch)
+        _, hidden = model.apply(
+            {"params": params}, batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
+            deterministic=not train, return_hidden=True, rngs={"dropout": rng},
+        )  # fmt: skip
+        embedding = model.apply({"params": params}, method=model.output_embedding)
+        value, metrics = causal_lm.fused_head_loss(hidden, embedding, batch)
         return value, (metrics, carry)
 
     return Task(init=init, loss=loss)

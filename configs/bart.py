@@ -20,7 +20,7 @@ SIZES = {
 }
 BART = dict(positions="learned", position_offset=2, pre_norm=False, norm="layer", use_bias=True, embedding_norm=True,
             activations=("gelu",), attention_scale=0.0, scale_tied_logits=False, final_logits_bias=True,
-            layer_norm_epsilon=1e-5, embedding_init_std=0.02)  # fmt: skip
+            layer_norm_epsilon=1e-5, embedding_init_std=0.02, init_scheme="normal")  # fmt: skip
 
 
 def get_config(arg: str | None = None):

@@ -205,6 +205,7 @@ class Attention(nn.Module):
         causal: mask future keys (decoder self-attention).
         use_bias: biases on the q/k/v/out projections.
         scale: logit scale; None means H ** -0.5 (T5 uses 1.0).
+        query_init: initializer of the query projection (None: kernel_init).
         out_init: initializer of the output projection (GPT-2 scales it by 1/sqrt(2 L)).
     """
 
@@ -216,6 +217,7 @@ class Attention(nn.Module):
     scale: float | None = None
     dropout_rate: float = 0.0
     kernel_init: Initializer = nn.initializers.normal(0.02)
+    query_init: Initializer | None = None
     out_init: Initializer = nn.initializers.normal(0.02)
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
@@ -244,7 +246,7 @@ class Attention(nn.Module):
             Einsum, use_bias=self.use_bias, kernel_init=self.kernel_init, dtype=self.dtype, param_dtype=self.param_dtype
         )
         qkv_shape, qkv_axes = (d, self.num_heads, self.head_dim), ("embed", "heads", "kv")
-        query = proj(qkv_shape, qkv_axes, name="query")("BTD,DNH->BTNH", x)
+        query = proj(qkv_shape, qkv_axes, kernel_init=self.query_init or self.kernel_init, name="query")("BTD,DNH->BTNH", x)
         query = sharding.constrain(query, ("act_batch", "act_len", "act_heads", "act_kv"))
 
         def project_keys_values(source):
@@ -372,6 +374,8 @@ class TransformerBlock(nn.Module):
         activations: of the MLP; two give a gated unit (T5 v1.1 gated GELU).
         attention_scale: logit scale (None: head_dim ** -0.5; T5 uses 1.0).
         residual_init_std: std of the output projections (GPT-2 scales it by 1/sqrt(2 L)).
+        fan_in_init: T5's initialisation instead of init_std / residual_init_std: every kernel normal with
+            std fan_in ** -0.5, queries (D H) ** -0.5 (T5 leaves the 1/sqrt(H) logit scale to the init).
     """
 
     num_heads: int
@@ -389,6 +393,7 @@ class TransformerBlock(nn.Module):
     attention_dropout_rate: float = 0.0
     init_std: float = 0.02
     residual_init_std: float = 0.02
+    fan_in_init: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -414,15 +419,21 @@ class TransformerBlock(nn.Module):
             LayerNorm, epsilon=self.layer_norm_epsilon, use_bias=self.use_bias and not rms, use_mean=not rms,
             dtype=self.dtype, param_dtype=self.param_dtype,
         )  # fmt: skip
+        d, heads_width = x.shape[-1], self.num_heads * self.head_dim
+        if self.fan_in_init:
+            std = {"kernel": d**-0.5, "query": (d * self.head_dim) ** -0.5, "attn_out": heads_width**-0.5, "mlp_out": self.mlp_dim**-0.5}
+        else:
+            std = {"kernel": self.init_std, "query": self.init_std, "attn_out": self.residual_init_std, "mlp_out": self.residual_init_std}
+        normal = nn.initializers.normal
         attention = functools.partial(
             Attention, num_heads=self.num_heads, head_dim=self.head_dim, use_bias=self.use_bias, scale=self.attention_scale,
-            dropout_rate=self.attention_dropout_rate, kernel_init=nn.initializers.normal(self.init_std),
-            out_init=nn.initializers.normal(self.residual_init_std), dtype=self.dtype, param_dtype=self.param_dtype,
+            dropout_rate=self.attention_dropout_rate, kernel_init=normal(std["kernel"]), query_init=normal(std["query"]),
+            out_init=normal(std["attn_out"]), dtype=self.dtype, param_dtype=self.param_dtype,
         )  # fmt: skip
         mlp = MlpBlock(
             mlp_dim=self.mlp_dim, activations=tuple(self.activations), use_bias=self.use_bias,
-            kernel_init=nn.initializers.normal(self.init_std), out_init=nn.initializers.normal(self.residual_init_std),
-            dtype=self.dtype, param_dtype=self.param_dtype, name="mlp",
+            kernel_init=normal(std["kernel"]), out_init=normal(std["mlp_out"]), dtype=self.dtype,
+            param_dtype=self.param_dtype, name="mlp",
         )  # fmt: skip
         dropout = nn.Dropout(self.dropout_rate)
 

@@ -849,6 +849,7 @@ def bart_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         "head_dim": fields["emb_dim"] // fields["num_heads"],
         "max_len": fields["max_len"] + _BART_FIXED["position_offset"],  # HF adds the offset rows itself
         "activations": (_ACTIVATION_FROM_HF[activation],),
+        "init_scheme": "normal",  # BART's std init_std (0.02) for every weight
     }
 
 

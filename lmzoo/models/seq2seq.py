@@ -25,6 +25,7 @@ import numpy as np
 from lmzoo import layers, sharding
 
 POSITIONS = ("relative", "learned", "sinusoidal")
+INIT_SCHEMES = ("t5", "normal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Seq2SeqConfig:
     embedding_norm: bool = False  # BART's layernorm_embedding
     scale_embeddings: bool = False  # multiply embeddings by sqrt(emb_dim)
     embedding_init_std: float = 1.0  # T5 1.0; BART / Transformer 0.02
+    init_scheme: str = "t5"  # "t5": kernels std fan_in ** -0.5 (queries (D H) ** -0.5, untied head 1.0); "normal": std 0.02
     tie_embeddings: bool = True
     scale_tied_logits: bool = True  # T5: decoder output * emb_dim ** -0.5 before the tied head
     final_logits_bias: bool = False  # BART
@@ -67,6 +69,8 @@ class Seq2SeqConfig:
         object.__setattr__(self, "activations", tuple(self.activations))
         if self.positions not in POSITIONS:
             raise ValueError(f"unknown positions {self.positions!r}; choose one of {POSITIONS}")
+        if self.init_scheme not in INIT_SCHEMES:
+            raise ValueError(f"unknown init_scheme {self.init_scheme!r}; choose one of {INIT_SCHEMES}")
         for name in self.activations:
             layers.activation(name)
 
@@ -94,12 +98,13 @@ class RelativePositionBias(nn.Module):
     num_buckets: int
     max_distance: int
     bidirectional: bool
+    init_std: float = 0.02
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
         table = self.param(
-            "embedding", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("relpos_buckets", "heads")),
+            "embedding", nn.with_logical_partitioning(nn.initializers.normal(self.init_std), ("relpos_buckets", "heads")),
             (self.num_buckets, self.num_heads), self.param_dtype,
         )  # fmt: skip
         offsets = key_positions[None, None, :] - query_positions[:, :, None]
@@ -126,16 +131,17 @@ class Seq2Seq(nn.Module):
             layers.TransformerBlock, num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim,
             pre_norm=cfg.pre_norm, norm=cfg.norm, activations=cfg.activations, use_bias=cfg.use_bias,
             attention_scale=cfg.attention_scale or None, layer_norm_epsilon=cfg.layer_norm_epsilon,
-            dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate, dtype=dtype,
-            param_dtype=param_dtype,
+            dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
+            fan_in_init=cfg.init_scheme == "t5", dtype=dtype, param_dtype=param_dtype,
         )  # fmt: skip
         stack = functools.partial(layers.BlockStack, scan=cfg.scan_layers, remat_policy=cfg.remat_policy)
         self.encoder = stack(block(), cfg.num_encoder_layers)
         self.decoder = stack(block(causal=True, cross_attention=True), cfg.num_decoder_layers)
         if cfg.positions == "relative":
             relpos = functools.partial(
-                RelativePositionBias, cfg.num_heads, cfg.relative_buckets, cfg.relative_max_distance, param_dtype=param_dtype
-            )
+                RelativePositionBias, cfg.num_heads, cfg.relative_buckets, cfg.relative_max_distance,
+                init_std=cfg.emb_dim**-0.5 if cfg.init_scheme == "t5" else 0.02, param_dtype=param_dtype,
+            )  # fmt: skip
             self.encoder_relpos = relpos(bidirectional=True)
             self.decoder_relpos = relpos(bidirectional=False)
         elif cfg.positions == "learned":
@@ -146,7 +152,10 @@ class Seq2Seq(nn.Module):
         if cfg.pre_norm:
             self.encoder_final_norm, self.decoder_final_norm = norm(), norm()
         if not cfg.tie_embeddings:
-            self.lm_head = layers.Einsum((cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), dtype=dtype, param_dtype=param_dtype)
+            self.lm_head = layers.Einsum(
+                (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), kernel_init=nn.initializers.normal(1.0 if cfg.init_scheme == "t5" else 0.02),
+                dtype=dtype, param_dtype=param_dtype,
+            )  # fmt: skip
         if cfg.final_logits_bias:
             self.logits_bias = self.param("final_logits_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,))
         self.dropout = nn.Dropout(cfg.dropout_rate)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 from safetensors.numpy import save_file
 
 from lmzoo import decoding
@@ -201,7 +202,7 @@ def test_config_round_trip():
         "bart": [common | dict(positions="learned", position_offset=2, max_len=66, pre_norm=False, norm="layer",
                                use_bias=True, embedding_norm=True, activations=("gelu",), attention_scale=0.0,
                                scale_tied_logits=False, final_logits_bias=True, layer_norm_epsilon=1e-5,
-                               scale_embeddings=True, attention_dropout_rate=0.1, embedding_init_std=0.02)],
+                               scale_embeddings=True, attention_dropout_rate=0.1, embedding_init_std=0.02, init_scheme="normal")],
     }  # fmt: skip
     for family, field_sets in configs.items():
         from_hf, _, to_hf, _ = CONVERTERS[family]
@@ -341,3 +342,25 @@ def test_load_pretrained_scanned(tmp_path, data):
     for key, value in state_dict.items():
         np.testing.assert_array_equal(back[key], value, err_msg=key)
     check_beam_search(module, params, model, data, scan=True)
+
+
+@pytest.mark.parametrize("variant", ["t5_v1_0", "t5_v1_1"])
+def test_fresh_t5_init_matches_hf_init_scales(variant):
+    """lmzoo's own T5 initialisation draws every tensor with the std HF's `_init_weights` uses (fan-in scaled
+    kernels, queries (D H) ** -0.5, embeddings / untied head 1.0): compared tensor by tensor through the converter."""
+    config = transformers.T5Config(**{**hf_config(variant).to_dict(), "d_model": 64, "d_ff": 256, "d_kv": 16, "vocab_size": 512})
+    torch.manual_seed(0)
+    reference = transformers.T5ForConditionalGeneration(config).float()
+    if variant == "t5_v1_1":
+        reference.lm_head.weight = torch.nn.Parameter(torch.randn_like(reference.lm_head.weight) * config.initializer_factor)
+    model, hf_params = convert(reference)
+    fresh = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32))["params"])
+    flat_fresh = {"/".join(k): v for k, v in traverse_util.flatten_dict(fresh).items()}
+    flat_hf = {"/".join(k): v for k, v in traverse_util.flatten_dict(hf_params).items()}
+    assert flat_fresh.keys() == flat_hf.keys()
+    for name, value in flat_fresh.items():
+        expected = float(np.std(flat_hf[name]))
+        if "scale" in name.split("/")[-1]:
+            np.testing.assert_array_equal(value, flat_hf[name], err_msg=name)
+        elif value.size >= 256:  # the [buckets, heads] relative tables are too small for a std estimate
+            np.testing.assert_allclose(float(np.std(value)), expected, rtol=0.15, err_msg=name)

@@ -14,9 +14,10 @@ VARIANTS = {
     "t5_v1_0": {},
     "t5_v1_1": dict(activations=("gelu_tanh", "linear"), tie_embeddings=False),
     "bart": dict(positions="learned", position_offset=2, pre_norm=False, norm="layer", use_bias=True, embedding_norm=True,
-                 activations=("gelu",), attention_scale=0.0, scale_tied_logits=False, final_logits_bias=True, embedding_init_std=0.02),
+                 activations=("gelu",), attention_scale=0.0, scale_tied_logits=False, final_logits_bias=True, embedding_init_std=0.02,
+                 init_scheme="normal"),
     "transformer": dict(positions="sinusoidal", pre_norm=False, norm="layer", use_bias=True, scale_embeddings=True,
-                        attention_scale=0.0, scale_tied_logits=False, embedding_init_std=0.02),
+                        attention_scale=0.0, scale_tied_logits=False, embedding_init_std=0.02, init_scheme="normal"),
 }  # fmt: skip
 
 

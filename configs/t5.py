@@ -1,10 +1,11 @@
 """T5 span-corruption pretraining (noise density 0.15, mean span 3, sentinels <extra_id_i>).
 
     python train.py --config=configs/t5.py:tiny --workdir=runs/t5_tiny        # CPU run on The Time Machine
-    python train.py --config=configs/t5.py:small --workdir=runs/t5_small      # published T5-small shape (60M)
-    python train.py --config=configs/t5.py:base,v1_1 --workdir=runs/t5_base   # T5 v1.1 base shape
+    python train.py --config=configs/t5.py:small --workdir=runs/t5_small      # published t5-small shape (60.5M)
+    python train.py --config=configs/t5.py:base,v1_1 --workdir=runs/t5_base   # published t5-v1_1-base shape (247.6M)
 
-Variants: size tiny | small | base; `v1_1` switches to gated GELU and an untied head. The tokenizer is a
+Variants: size tiny | small | base (the published t5-small / t5-base shapes, vocabulary 32128); `v1_1` switches
+to gated GELU, an untied head and the v1.1 shapes of google/t5-v1_1-small / -base. The tokenizer is a
 SentencePiece unigram model trained on the corpus with 100 sentinels above its vocabulary (as in
 seqio). Needs ../shared/data/timemachine.
 """
@@ -19,6 +20,12 @@ SIZES = {
     "small": dict(emb_dim=512, num_heads=8, head_dim=64, num_encoder_layers=6, num_decoder_layers=6, mlp_dim=2048),
     "base": dict(emb_dim=768, num_heads=12, head_dim=64, num_encoder_layers=12, num_decoder_layers=12, mlp_dim=3072),
 }
+# T5 v1.1 changed the shapes too (google/t5-v1_1-small / -base): more layers and heads, narrower gated MLPs.
+V1_1_SIZES = {
+    "tiny": SIZES["tiny"],
+    "small": dict(emb_dim=512, num_heads=6, head_dim=64, num_encoder_layers=8, num_decoder_layers=8, mlp_dim=1024),
+    "base": dict(emb_dim=768, num_heads=12, head_dim=64, num_encoder_layers=12, num_decoder_layers=12, mlp_dim=2048),
+}
 
 
 def get_config(arg: str | None = None):
@@ -27,9 +34,11 @@ def get_config(arg: str | None = None):
     c = base_config()
     c.model_name = "seq2seq"
     vocab = 2000 if size == "tiny" else 32000
-    model = dict(SIZES[size], vocab_size=vocab + 100, dropout_rate=0.1 if size != "tiny" else 0.0)
-    if "v1_1" in variant:
-        model.update(activations=("gelu_tanh", "linear"), tie_embeddings=False)
+    padded_vocab = -(-(vocab + 100) // 128) * 128  # pieces + 100 sentinels, padded like T5's 32128
+    v1_1 = "v1_1" in variant
+    model = dict((V1_1_SIZES if v1_1 else SIZES)[size], vocab_size=padded_vocab, dropout_rate=0.1 if size != "tiny" else 0.0)
+    if v1_1:
+        model.update(activations=("gelu_tanh", "linear"), tie_embeddings=False, scale_tied_logits=False)
     c.model = model_section("seq2seq", **model)
     c.objective.name = "span_corruption"
     c.data.source = "local"

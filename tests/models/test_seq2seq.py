@@ -1,3 +1,6 @@
+import importlib.util
+import pathlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -92,9 +95,25 @@ def test_shift_right():
     ],
 )  # fmt: skip
 def test_published_parameter_counts(fields, expected):
+    assert _num_params(fields) == expected
+
+
+def _num_params(fields) -> int:
     model = models.build_model("seq2seq", fields)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32)))
-    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(shapes["params"]))) == expected
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(shapes["params"])))
+
+
+@pytest.mark.parametrize(
+    "arg, expected",
+    # HF num_parameters() of t5-small, t5-base, google/t5-v1_1-small, google/t5-v1_1-base.
+    [("small", 60_506_624), ("base", 222_903_552), ("small,v1_1", 76_961_152), ("base,v1_1", 247_577_856)],
+)
+def test_t5_configs_have_the_published_shapes(arg, expected):
+    spec = importlib.util.spec_from_file_location("t5_config", pathlib.Path(__file__).parents[2] / "configs" / "t5.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert _num_params(dict(module.get_config(arg).model)) == expected
 
 
 def test_decoding_without_context_needs_a_filled_cache():

@@ -160,16 +160,15 @@ def reconstruct_from_span_corruption(
     """Inverse of `span_corruption`: inputs, targets -> the original tokens [N].
 
     Each sentinel in the inputs is replaced by the tokens that follow the same sentinel in the targets. A
-    trailing `eos_id` is dropped from both first. Predicted targets work too: a sentinel missing from them
-    expands to nothing.
+    trailing `eos_id` is dropped from both first. Predicted targets work too, however malformed: a sentinel
+    missing from them expands to nothing, tokens before their first sentinel belong to no span and are
+    dropped, and of a repeated sentinel the last span counts.
     """
     inputs, targets = np.asarray(inputs), np.asarray(targets)
     if eos_id is not None:
         inputs = inputs[:-1] if len(inputs) and inputs[-1] == eos_id else inputs
         targets = targets[:-1] if len(targets) and targets[-1] == eos_id else targets
     parts = np.split(targets, np.flatnonzero(np.isin(targets, sentinel_ids)))
-    if parts[0].size:
-        raise ValueError("span-corruption targets must start with a sentinel")
     spans = {int(part[0]): part[1:] for part in parts[1:]}
     sentinels = set(int(s) for s in sentinel_ids)
     pieces = [spans.get(t, targets[:0]) if t in sentinels else [t] for t in inputs.tolist()]

@@ -308,6 +308,7 @@ def seq2seq_from_windows(
     batch["inputs"] [B, W] (padding where segment_ids is 0); noise(tokens [w], rng) -> {"inputs", "targets"}
     (span corruption or BART noising). Returns inputs / encoder_segment_ids [B, inputs_length] and
     targets / decoder_inputs (targets shifted right after decoder_start_id) / weights [B, targets_length].
+    Rows without tokens (padding of the last evaluation batch) get weight 0 everywhere.
     """
     b = batch["inputs"].shape[0]
     out = {
@@ -322,7 +323,8 @@ def seq2seq_from_windows(
                 raise ValueError(f"noised {key} have {len(example[key])} tokens, more than the configured {length}")
             out[key][i, : len(example[key])] = example[key]
     out["encoder_segment_ids"] = (out["inputs"] != pad_id).astype(np.int32)
-    out["weights"] = (out["targets"] != pad_id).astype(np.float32)
+    real_rows = np.any(batch["segment_ids"] != 0, axis=1)
+    out["weights"] = ((out["targets"] != pad_id) & real_rows[:, None]).astype(np.float32)
     out["decoder_inputs"] = np.concatenate([np.full((b, 1), decoder_start_id, np.int32), out["targets"][:, :-1]], axis=1)
     return out
 

@@ -54,6 +54,20 @@ def test_eval_batches_cover_every_target_once():
     np.testing.assert_array_equal(np.sort(targets), np.arange(1, 100))
 
 
+def test_seq2seq_eval_padding_rows_have_no_weight():
+    """The rows padding the last evaluation batch carry no targets (their denoised form is just EOS)."""
+    stream = pipeline.TokenStream(np.arange(2, 22, dtype=np.int32), np.zeros(20, np.int32))
+    noise = lambda tokens, rng: {"inputs": np.append(tokens[::2], 1), "targets": np.append(tokens, 1)}  # noqa: E731
+
+    def transform(batch, ids, epochs):
+        return transforms.seq2seq_from_windows(batch, ids, epochs, noise=noise, seed=0, inputs_length=8, targets_length=9,
+                                               pad_id=0, decoder_start_id=1)  # fmt: skip
+
+    (batch,) = pipeline.eval_batches(stream, batch_size=4, seq_len=8, transform=transform)
+    np.testing.assert_array_equal(batch["weights"].sum(axis=1), [9, 9, 5, 0])  # windows of 8, 8, 4 tokens + EOS; padding
+    np.testing.assert_array_equal(batch["targets"][0], np.append(np.arange(2, 10), 1))
+
+
 def test_check_token_ids():
     transforms.check_token_ids(np.array([0, 31]), 32, where="x")
     with pytest.raises(ValueError, match="outside the model's vocabulary"):

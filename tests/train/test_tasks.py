@@ -1,7 +1,10 @@
 """End-to-end smoke tests of the encoder objectives through train_and_evaluate (real data in ../shared/data)."""
 
 import importlib.util
+import json
 import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -52,8 +55,8 @@ def test_distillation_trains_student_against_frozen_teacher(tmp_path):
     assert len(state.params["blocks"]) == 1
 
 
-@pytest.mark.parametrize("name", ["t5", "bart"])
-def test_denoising_pretraining_runs(tmp_path, name):
+@pytest.mark.parametrize("name,beam_size", [("t5", 2), ("bart", 1), ("transformer", 1)])
+def test_denoising_pretraining_runs(tmp_path, name, beam_size):
     final = loop.train_and_evaluate(_config(name, "tiny,test"), str(tmp_path))
     assert np.isfinite(final["loss"]) and final["tokens"] > 0
     setup = loop.build(loop.config_lib.load_saved(str(tmp_path)), str(tmp_path))
@@ -61,3 +64,14 @@ def test_denoising_pretraining_runs(tmp_path, name):
     text = loop.sample_text(setup, loop.host_params(setup, state), "The Time Traveller", max_new_tokens=4, temperature=0.0,
                             top_k=0, top_p=1.0, seed=0)  # fmt: skip
     assert isinstance(text, str) and len(setup.tokenizer.encode(text)) <= 4
+    setup.checkpointer.close()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", "--reconstruct=3", f"--beam_size={beam_size}", "--max_batches=1"],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    line = json.loads(result.stdout.splitlines()[0])
+    assert line["reconstruct_examples"] == 3 and line["beam_size"] == beam_size and 0.0 <= line["bleu"] <= 100.0
+    for key in ("rouge1", "rouge2", "rougeL", "exact_match", "target_token_accuracy", "copy_bleu", "copy_exact_match"):
+        assert 0.0 <= line[key] <= (100.0 if key == "copy_bleu" else 1.0), key
+    assert "[reconstruction]" in result.stdout and "[original]" in result.stdout

@@ -1,6 +1,6 @@
-"""Evaluate a checkpoint: python eval.py --workdir=DIR [--split=validation] [--generate="prompt" ...]
+"""Evaluate a checkpoint: python eval.py --workdir=DIR [--split=validation] [--step=N] [--generate="prompt" ...]
 
-Restores the latest checkpoint of a train.py run with the config it saved, prints loss,
+Restores the latest checkpoint (or the kept one of --step) of a train.py run with the config it saved, prints loss,
 perplexity, bits per token and bits per character as one JSON line (also written to
 DIR/eval_<split>.json), and optionally samples a continuation of a prompt with the KV cache.
 
@@ -17,6 +17,7 @@ from absl import app, flags, logging
 flags.DEFINE_string("workdir", None, "Workdir of a train.py run.", required=True)
 flags.DEFINE_string("split", "validation", "Split to evaluate: train or validation.")
 flags.DEFINE_integer("max_batches", None, "Evaluate at most this many batches (default: the whole split).")
+flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest that restores).")
 flags.DEFINE_string("generate", None, "Prompt to continue.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to sample.")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
@@ -54,10 +55,15 @@ def main(argv):
               "evaluating with mesh (-1, 1, 1) (checkpoints reshard on restore)")
         config.sharding.mesh_shape = (-1, 1, 1)
     setup = loop.build(config, FLAGS.workdir)
-    restored = setup.checkpointer.restore_latest(setup.abstract_state)
-    if restored is None:
-        raise SystemExit(f"no checkpoint found in {setup.checkpointer.directory}; train first with train.py --workdir={FLAGS.workdir}")
-    step, state, _ = restored
+    if FLAGS.step is None:
+        restored = setup.checkpointer.restore_latest(setup.abstract_state)
+        if restored is None:
+            raise SystemExit(f"no checkpoint found in {setup.checkpointer.directory}; train first with train.py --workdir={FLAGS.workdir}")
+        step, state, _ = restored
+    elif FLAGS.step not in setup.checkpointer.steps():
+        raise SystemExit(f"no checkpoint for step {FLAGS.step} in {setup.checkpointer.directory}; kept steps: {setup.checkpointer.steps()}")
+    else:
+        step, (state, _) = FLAGS.step, setup.checkpointer.restore(FLAGS.step, setup.abstract_state)
     if FLAGS.split not in ("train", "validation"):
         raise SystemExit(f"unknown split {FLAGS.split!r}; choose train or validation")
     result = {"step": step, "split": FLAGS.split, **loop.evaluate(setup, state, FLAGS.split, FLAGS.max_batches)}
@@ -67,7 +73,8 @@ def main(argv):
         result.update(scores)
     line = json.dumps(result)
     print(line)
-    (pathlib.Path(FLAGS.workdir) / f"eval_{FLAGS.split}.json").write_text(line + "\n")
+    suffix = "" if FLAGS.step is None else f"_step{step}"
+    (pathlib.Path(FLAGS.workdir) / f"eval_{FLAGS.split}{suffix}.json").write_text(line + "\n")
     for i, example in enumerate(examples[: FLAGS.show]):
         print(f"--- example {i} ---")
         for key in ("corrupted", "reconstruction", "original"):

@@ -48,6 +48,18 @@ def test_train_writes_checkpoints_logs_sample_and_eval(tmp_path):
     assert line["step"] == 4 and abs(line["loss"] - final["loss"]) < 1e-4
     assert {"perplexity", "bits_per_token", "bits_per_char"} <= set(line)
 
+    def eval_step(step):
+        args = [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", f"--step={step}", "--max_batches=2"]
+        return subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+
+    earlier = eval_step(2)
+    assert earlier.returncode == 0, earlier.stderr
+    earlier_line = json.loads(earlier.stdout.splitlines()[0])
+    assert earlier_line["step"] == 2 and earlier_line["loss"] != line["loss"]
+    assert (tmp_path / "eval_validation_step2.json").exists()
+    missing = eval_step(3)
+    assert missing.returncode != 0 and "no checkpoint for step 3" in missing.stderr and "[2, 4]" in missing.stderr
+
 
 def test_resume_is_exact(tmp_path):
     """2 steps, stop, restart to 4 == 4 steps uninterrupted (params, optimizer state, rng, loader)."""

@@ -7,6 +7,11 @@ embeddings scaled by sqrt(d_model) and shared with the output layer, post-LN, Re
 The objective is BART-style text infilling (any list of `config.objective.noising` transforms works, see
 configs/bart.py); the tokenizer is a SentencePiece unigram model trained on the corpus with a [MASK]
 symbol. Needs ../shared/data/timemachine.
+
+    python train.py --config=configs/transformer.py:tiny,hh --workdir=runs/transformer_hh
+
+`hh` trains it as a supervised text-to-text model instead: HH-RLHF dialogues (harmless-base test, 2,312)
+split at the last "\n\nAssistant:" into the conversation so far (source) and the final response (target).
 """
 
 import pathlib
@@ -49,10 +54,20 @@ def get_config(arg: str | None = None):
     c.train.eval_every = c.train.checkpoint_every = 500
     c.train.sample_tokens = 0
     c.eval.batch_size = 64
+    if "hh" in variant:
+        c.objective.name = "text_to_text"
+        c.data.source = "pairs"
+        c.data.path = str(DATA / "hh_rlhf" / "harmless-base_test.jsonl.gz")
+        c.data.text_fields = ("chosen",)
+        c.data.split_marker = "\n\nAssistant:"
+        c.data.seq_len, c.data.target_seq_len = 256, 64
+        c.data.tokenizer = {"kind": "sentencepiece", "vocab_size": vocab, "model_type": "unigram"}
+        c.train.steps = c.optim.decay_steps = 600
+        c.train.eval_every = c.train.checkpoint_every = 200
     if "test" in variant:
         model.update(emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64, vocab_size=500, max_len=32, dropout_rate=0.0)
         c.data.tokenizer.vocab_size = 500
-        c.data.seq_len, c.train.batch_size, c.train.steps, c.train.log_every = 32, 4, 4, 2
+        c.data.seq_len, c.data.target_seq_len, c.train.batch_size, c.train.steps, c.train.log_every = 32, 16, 4, 4, 2
         c.train.eval_every = c.train.checkpoint_every = 2
         c.eval.max_batches = 2
     c.model = model_section("seq2seq", **model)

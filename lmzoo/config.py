@@ -20,7 +20,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.init_from = ""  # "hf:PATH": start from HuggingFace weights (a folder with config.json + model.safetensors)
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = "python_stdlib"  # "local" (path), "python_stdlib", "tfds" (name, data_dir), "tsv" (labelled)
+    c.data.source = "python_stdlib"  # "local" (path), "python_stdlib", "tfds" (name, data_dir), "tsv" (labelled), "pairs" (path)
     c.data.path = ""
     c.data.document_unit = "file"  # local .txt files: one document per "file", "paragraph" or "line"
     c.data.text_field = "text"  # field of .jsonl lines / TFDS features holding the text
@@ -29,17 +29,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.data_dir = ""  # tfds data_dir
     c.data.train_path = ""  # tsv: labelled train file (GLUE format, header row)
     c.data.validation_path = ""
-    c.data.text_fields = ("sentence",)  # tsv: one column, or two for sentence pairs
+    c.data.text_fields = ("sentence",)  # tsv: one column, or two for sentence pairs; pairs: (source, target) or one + split_marker
     c.data.label_field = "label"
     c.data.train_split = "train"
     c.data.validation_split = "validation"
     c.data.validation_fraction = 0.1  # local/stdlib: held-out tail (characters of one file, else documents)
-    c.data.seq_len = 128
+    c.data.seq_len = 128  # tokens per example (text_to_text: of the source)
+    c.data.target_seq_len = 128  # text_to_text: tokens of the target
+    c.data.split_marker = ""  # pairs with one text field: split at the marker's last occurrence (HH: "\n\nAssistant:")
     c.data.sampler = "random"  # "random" windows (nanoGPT) or "sequential" shuffled non-overlapping windows
     c.data.tokenizer = ml_collections.ConfigDict({"kind": "byte"})
 
     c.objective = ml_collections.ConfigDict()
-    c.objective.name = "causal_lm"  # causal_lm | mlm (windows) | mlm_nsp (BERT) | mlm_sop (ALBERT) | distill | classify | span_corruption | denoising
+    c.objective.name = "causal_lm"  # causal_lm | mlm (windows) | mlm_nsp (BERT) | mlm_sop (ALBERT) | distill | classify | span_corruption | denoising | text_to_text
     c.objective.mask_rate = 0.15
     c.objective.whole_word_masking = False  # WordPiece: mask all "##" pieces of a selected word together
     c.objective.static_masking = False  # True: BERT (one mask per example); False: RoBERTa (fresh each epoch)

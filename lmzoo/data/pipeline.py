@@ -108,12 +108,15 @@ def load_documents(data: ml_collections.ConfigDict) -> dict[str, list[str]]:
     if data.source == "tsv":
         return {split: [" ".join(t) for t in read_labelled_tsv(data[f"{split}_path"], tuple(data.text_fields), data.label_field)[0]]
                 for split in ("train", "validation")}  # fmt: skip
+    if data.source == "pairs":
+        train, validation = split_documents(read_text_pairs(data.path, tuple(data.text_fields), data.split_marker), data.validation_fraction)
+        return {"train": [f"{a}\n{b}" for a, b in train], "validation": [f"{a}\n{b}" for a, b in validation]}
     if data.source == "local":
         docs = read_local_text(data.path, data.text_field, data.document_unit)
     elif data.source == "python_stdlib":
         docs = read_python_stdlib(data.max_files)
     else:
-        raise ValueError(f"unknown config.data.source {data.source!r}; choose 'local', 'python_stdlib', 'tfds' or 'tsv'")
+        raise ValueError(f"unknown config.data.source {data.source!r}; choose 'local', 'python_stdlib', 'tfds', 'tsv' or 'pairs'")
     train, validation = split_documents(docs, data.validation_fraction)
     return {"train": train, "validation": validation}
 
@@ -290,6 +293,73 @@ def classification_rows(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np
     return {"inputs": rows["tokens"], **{k: v for k, v in rows.items() if k != "tokens"}}
 
 
+def read_text_pairs(path: str, text_fields: tuple[str, ...], split_marker: str = "") -> list[tuple[str, str]]:
+    """(source, target) texts from a .jsonl(.gz) or .tsv file (with a header row).
+
+    Two text_fields name the source and target columns. One field with `split_marker` splits that text
+    at the marker's last occurrence, the marker ending the source: HH-RLHF's "...\n\nAssistant:" prompt
+    and the final response.
+    """
+    file = pathlib.Path(path).expanduser()
+    if not file.exists():
+        raise FileNotFoundError(f"pairs file {path!r} does not exist; set config.data.path")
+    if file.name.endswith((".jsonl", ".jsonl.gz")):
+        opener = gzip.open if file.name.endswith(".gz") else open
+        with opener(file, "rt", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    elif file.name.endswith(".tsv"):
+        header, *lines = file.read_text(encoding="utf-8").splitlines()
+        rows = [dict(zip(header.split("\t"), line.split("\t"), strict=False)) for line in lines if line.strip()]
+    else:
+        raise ValueError(f"{path}: pairs are read from .jsonl, .jsonl.gz or .tsv files")
+    if len(rows) < 2:
+        raise ValueError(f"{path} has {len(rows)} rows; pairs need at least 2 (the last config.data.validation_fraction are held out)")
+    missing = [f for f in text_fields if f not in rows[0]]
+    if missing:
+        raise ValueError(f"{path}: fields {missing} not in its rows ({sorted(rows[0])}); set config.data.text_fields")
+    if len(text_fields) == 2 and not split_marker:
+        return [(row[text_fields[0]], row[text_fields[1]]) for row in rows]
+    if len(text_fields) == 1 and split_marker:
+        pairs = []
+        for i, row in enumerate(rows):
+            cut = row[text_fields[0]].rfind(split_marker)
+            if cut < 0:
+                raise ValueError(f"{path}: row {i + 1} has no {split_marker!r} (config.data.split_marker) in {text_fields[0]!r}")
+            cut += len(split_marker)
+            pairs.append((row[text_fields[0]][:cut], row[text_fields[0]][cut:]))
+        return pairs
+    raise ValueError("pairs need config.data.text_fields = (source, target), or one field and config.data.split_marker")
+
+
+def text_pair_examples(
+    pairs: list[tuple[str, str]], tokenizer: tokenizers.Tokenizer, inputs_length: int, targets_length: int
+) -> dict[str, np.ndarray]:
+    """Tokenized pairs, each side ending in EOS and padded: inputs [N, inputs_length] (a long source keeps
+    its end, where a prompt's question is), targets [N, targets_length] (a long target keeps its start)."""
+    eos, pad = tokenizer.eos_id, tokenizer.pad_id
+    if pad is None or eos is None:
+        raise ValueError("text_to_text needs a tokenizer with <pad> and <eos> ids (sentencepiece has both)")
+    sources = tokenizer.encode_batch([s for s, _ in pairs])
+    targets = tokenizer.encode_batch([t for _, t in pairs])
+    out = {"inputs": np.full((len(pairs), inputs_length), pad, np.int32), "targets": np.full((len(pairs), targets_length), pad, np.int32)}
+    for i, (source, target) in enumerate(zip(sources, targets, strict=True)):
+        source = source[len(source) - (inputs_length - 1):] if len(source) >= inputs_length else source
+        target = target[: targets_length - 1]
+        out["inputs"][i, : len(source) + 1] = [*source, eos]
+        out["targets"][i, : len(target) + 1] = [*target, eos]
+    return out
+
+
+def text_pair_rows(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np.ndarray, *, pad_id: int, decoder_start_id: int) -> dict[str, np.ndarray]:
+    """ExampleLoader transform for (inputs, targets) rows: encoder segment ids, decoder inputs, weights."""
+    targets = rows["targets"]
+    decoder_inputs = np.concatenate([np.full((len(targets), 1), decoder_start_id, np.int32), targets[:, :-1]], axis=1)
+    return {
+        "inputs": rows["inputs"], "encoder_segment_ids": (rows["inputs"] != pad_id).astype(np.int32), "targets": targets,
+        "decoder_inputs": decoder_inputs, "weights": (targets != pad_id).astype(np.float32),
+    }  # fmt: skip
+
+
 def read_labelled_tsv(path: str, text_fields: tuple[str, ...], label_field: str) -> tuple[list[tuple[str, ...]], np.ndarray]:
     """(texts, labels) from a TSV with a header row (GLUE format)."""
     file = pathlib.Path(path)
@@ -319,7 +389,7 @@ def classification_examples(texts: list[tuple[str, ...]], labels: np.ndarray, to
             "segment_ids": np.stack([r["segment_ids"] for r in rows]), "labels": labels}  # fmt: skip
 
 
-OBJECTIVE_DATA = ("causal_lm", "mlm", "mlm_nsp", "mlm_sop", "classify", "distill", "span_corruption", "denoising")
+OBJECTIVE_DATA = ("causal_lm", "mlm", "mlm_nsp", "mlm_sop", "classify", "distill", "span_corruption", "denoising", "text_to_text")
 
 
 def sentence_end_ids(tokenizer: tokenizers.Tokenizer) -> list[int]:
@@ -383,6 +453,19 @@ def make_loaders(config: ml_collections.ConfigDict, documents: dict[str, list[st
             transforms.check_token_ids(examples["tokens"], config.model.vocab_size, where=f"{split} split")
             batch_size = config.train.batch_size if split == "train" else config.eval.batch_size
             loaders[split] = ExampleLoader(examples, batch_size, seed=seed, transform=classification_rows, **shard)
+        return loaders["train"], lambda split: loaders[split].eval_batches()
+    if objective == "text_to_text":
+        if config.data.source != "pairs":
+            raise ValueError("text_to_text trains on (source, target) pairs: set config.data.source='pairs'")
+        pairs = read_text_pairs(config.data.path, tuple(config.data.text_fields), config.data.split_marker)
+        transform = functools.partial(text_pair_rows, pad_id=tokenizer.pad_id, decoder_start_id=config.model.decoder_start_id)
+        loaders = {}
+        for split, split_pairs in zip(("train", "validation"), split_documents(pairs, config.data.validation_fraction), strict=True):
+            examples = text_pair_examples(split_pairs, tokenizer, config.data.seq_len, config.data.target_seq_len)
+            for key in ("inputs", "targets"):
+                transforms.check_token_ids(examples[key], config.model.vocab_size, where=f"{split} {key}")
+            batch_size = config.train.batch_size if split == "train" else config.eval.batch_size
+            loaders[split] = ExampleLoader(examples, batch_size, seed=seed, transform=transform, **shard)
         return loaders["train"], lambda split: loaders[split].eval_batches()
     streams = {split: TokenStream.from_documents(docs, tokenizer) for split, docs in documents.items()}
     for split, stream in streams.items():

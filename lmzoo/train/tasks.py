@@ -158,6 +158,7 @@ OBJECTIVES = {
     "span_corruption": lambda model, objective: seq2seq_task(model),
     "denoising": lambda model, objective: seq2seq_task(model),
     "distill": lambda model, o: distillation_task(model, models.build_model("bert", o.teacher_model.to_dict()), o),
+    "text_to_text": lambda model, objective: seq2seq_task(model),
 }
 
 

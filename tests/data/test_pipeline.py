@@ -127,3 +127,41 @@ def test_whole_word_masking_through_mask_rows():
     words = [(0, 3), (3, 5), (5, 6), (6, 9), (9, 10)]
     for start, end in words:
         assert np.all(selected[:, start:end].all(axis=1) | ~selected[:, start:end].any(axis=1))
+
+
+def test_text_pairs_from_a_split_marker_or_two_fields(tmp_path):
+    import gzip
+    import json
+
+    dialogues = tmp_path / "d.jsonl.gz"
+    with gzip.open(dialogues, "wt", encoding="utf-8") as f:
+        for text in ("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye\n\nAssistant: see you", "\n\nHuman: a\n\nAssistant: b"):
+            f.write(json.dumps({"chosen": text}) + "\n")
+    pairs = pipeline.read_text_pairs(str(dialogues), ("chosen",), "\n\nAssistant:")
+    assert pairs == [("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye\n\nAssistant:", " see you"), ("\n\nHuman: a\n\nAssistant:", " b")]
+    table = tmp_path / "t.tsv"
+    table.write_text("en\tde\ncat\tKatze\ndog\tHund\n", encoding="utf-8")
+    assert pipeline.read_text_pairs(str(table), ("en", "de")) == [("cat", "Katze"), ("dog", "Hund")]
+    with pytest.raises(ValueError, match="no '\\\\n\\\\nRobot:'"):
+        pipeline.read_text_pairs(str(dialogues), ("chosen",), "\n\nRobot:")
+    with pytest.raises(ValueError, match=r"fields \['fr'\] not in its rows"):
+        pipeline.read_text_pairs(str(table), ("en", "fr"))
+    with pytest.raises(ValueError, match="at least 2"):
+        (tmp_path / "one.tsv").write_text("en\tde\ncat\tKatze\n", encoding="utf-8")
+        pipeline.read_text_pairs(str(tmp_path / "one.tsv"), ("en", "de"))
+
+
+def test_text_pair_examples_keep_the_source_end_and_the_target_start():
+    tokenizer = tokenizers.CharTokenizer.from_corpus(["abcdefghij"], specials=("<pad>", "<eos>"))
+    examples = pipeline.text_pair_examples([("abcdefgh", "ijab"), ("ab", "c")], tokenizer, inputs_length=5, targets_length=3)
+    eos, pad = tokenizer.eos_id, tokenizer.pad_id
+    assert pad is not None
+    assert tokenizer.decode(examples["inputs"][0, :4].tolist()) == "efgh" and examples["inputs"][0, 4] == eos
+    assert tokenizer.decode(examples["targets"][0, :2].tolist()) == "ij" and examples["targets"][0, 2] == eos
+    rows = pipeline.text_pair_rows(examples, np.arange(2), np.zeros(2, int), pad_id=pad, decoder_start_id=7)
+    np.testing.assert_array_equal(rows["decoder_inputs"][:, 0], [7, 7])
+    np.testing.assert_array_equal(rows["decoder_inputs"][:, 1:], examples["targets"][:, :-1])
+    np.testing.assert_array_equal(rows["encoder_segment_ids"][1], [1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(rows["weights"][1], [1, 1, 0])
+    with pytest.raises(ValueError, match="needs a tokenizer with <pad>"):
+        pipeline.text_pair_examples([("ab", "c")], tokenizers.CharTokenizer.from_corpus(["abc"]), inputs_length=5, targets_length=3)

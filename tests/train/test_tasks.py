@@ -75,3 +75,9 @@ def test_denoising_pretraining_runs(tmp_path, name, beam_size):
     for key in ("rouge1", "rouge2", "rougeL", "exact_match", "target_token_accuracy", "copy_bleu", "copy_exact_match"):
         assert 0.0 <= line[key] <= (100.0 if key == "copy_bleu" else 1.0), key
     assert "[reconstruction]" in result.stdout and "[original]" in result.stdout
+
+
+def test_text_to_text_trains_on_dialogue_pairs(tmp_path):
+    """The Transformer on HH-RLHF (conversation so far -> final response) through train_and_evaluate."""
+    final = loop.train_and_evaluate(_config("transformer", "tiny,hh,test"), str(tmp_path))
+    assert np.isfinite(final["loss"]) and final["tokens"] > 0

@@ -32,7 +32,7 @@ from configs import bert as bert_configs  # noqa: E402
 from lmzoo import models, tokenizers  # noqa: E402
 from lmzoo.data import pipeline, transforms  # noqa: E402
 from lmzoo.objectives import mlm  # noqa: E402
-from lmzoo.train import optim, tasks  # noqa: E402
+from lmzoo.train import tasks  # noqa: E402
 from lmzoo.train.state import Task  # noqa: E402
 
 MASK_RATE = 0.15
@@ -77,45 +77,20 @@ def full_logits_task(model) -> Task:
     return dataclasses.replace(tasks.masked_lm_task(model, mask_rate=MASK_RATE), loss=loss)
 
 
-class TorchTrainer:
-    """HF BertForMaskedLM (sdpa attention, labels -100 at unmasked positions) + torch AdamW with lmzoo's
-    hyper-parameters, schedule, clipping and decay mask."""
-
-    def __init__(self, spec: Spec, batch: dict[str, np.ndarray], optim_config):
-        torch.manual_seed(0)
-        hf_config = transformers.BertConfig(
-            vocab_size=spec.vocab_size, hidden_size=spec.emb_dim, num_hidden_layers=spec.num_layers,
-            num_attention_heads=spec.num_heads, intermediate_size=spec.mlp_dim, hidden_act="gelu",
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=spec.seq_len,
-            type_vocab_size=2, layer_norm_eps=1e-12, tie_word_embeddings=True,
-        )  # fmt: skip
-        self.model = transformers.BertForMaskedLM._from_config(hf_config, attn_implementation="sdpa").train()
-        decay, no_decay = [], []
-        for name, param in self.model.named_parameters():
-            (decay if param.ndim == 2 and "embeddings" not in name else no_decay).append(param)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim_config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=optim_config.learning_rate, betas=(optim_config.b1, optim_config.b2), eps=optim_config.eps,
-        )  # fmt: skip
-        _, schedule = optim.make_optimizer(optim_config)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: float(schedule(step)) / optim_config.learning_rate
-        )
-        self.grad_clip = optim_config.grad_clip
-        self.inputs = torch.from_numpy(batch["inputs"].astype(np.int64))
-        self.labels = torch.from_numpy(np.where(batch["weights"] > 0, batch["targets"], -100).astype(np.int64))
-        self.loss = None
-
-    def run(self, steps: int) -> None:
-        for _ in range(steps):
-            loss = self.model(input_ids=self.inputs, labels=self.labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.loss = loss.item()
-
+def torch_trainer(spec: Spec, batch: dict[str, np.ndarray], optim_config) -> common.TorchTrainer:
+    """HF BertForMaskedLM (sdpa attention, labels -100 at unmasked positions) + torch AdamW as lmzoo trains."""
+    torch.manual_seed(0)
+    hf_config = transformers.BertConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.emb_dim, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, intermediate_size=spec.mlp_dim, hidden_act="gelu",
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=spec.seq_len,
+        type_vocab_size=2, layer_norm_eps=1e-12, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = transformers.BertForMaskedLM._from_config(hf_config, attn_implementation="sdpa")
+    inputs = {"input_ids": batch["inputs"], "labels": np.where(batch["weights"] > 0, batch["targets"], -100)}
+    return common.TorchTrainer(
+        model, inputs, optim_config, decays=lambda name, param: param.ndim == 2 and "embeddings" not in name
+    )
 
 def masked_batch(spec: Spec, tokenizer: tokenizers.Tokenizer) -> dict[str, np.ndarray]:
     """[CLS] random word pieces [SEP] rows, 15% masked by `mask_rows` (static, example ids 0..B-1)."""
@@ -159,7 +134,7 @@ def bench(spec: Spec, rounds: int) -> dict:
     trainers = {
         "lmzoo": common.LmzooTrainer(tasks.masked_lm_task(model, mask_rate=MASK_RATE), batch, optim_config),
         "lmzoo_full": common.LmzooTrainer(full_logits_task(model), batch, optim_config),
-        "torch": TorchTrainer(spec, batch, optim_config),
+        "torch": torch_trainer(spec, batch, optim_config),
     }
     compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
     for trainer in trainers.values():

@@ -72,3 +72,38 @@ class LmzooTrainer:
                 self.state, metrics = self.compiled.train_step(self.state, self.batch)
         loss_sum, count = jax.device_get(metrics["loss"])
         self.loss = float(loss_sum / count)
+
+
+class TorchTrainer:
+    """The reference: an HF PyTorch model + torch AdamW with lmzoo's hyper-parameters, schedule, clipping
+    and weight-decay mask. `decays(name, param)` picks the tensors that decay (lmzoo: kernels, not
+    embeddings, norms or biases); `inputs` are the model's keyword tensors, returning `.loss`."""
+
+    def __init__(self, model, inputs: dict[str, np.ndarray], optim_config, decays: Callable[[str, object], bool]):
+        import torch
+
+        self.torch, self.model = torch, model.train()
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            (decay if decays(name, param) else no_decay).append(param)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim_config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=optim_config.learning_rate, betas=(optim_config.b1, optim_config.b2), eps=optim_config.eps,
+        )  # fmt: skip
+        _, schedule = optim.make_optimizer(optim_config)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: float(schedule(step)) / optim_config.learning_rate
+        )
+        self.grad_clip = optim_config.grad_clip
+        self.inputs = {k: torch.from_numpy(np.ascontiguousarray(v).astype(np.int64)) for k, v in inputs.items()}
+        self.loss = None
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            loss = self.model(**self.inputs).loss
+            loss.backward()
+            self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.loss = loss.item()

@@ -27,7 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import decoding, models  # noqa: E402
-from lmzoo.train import optim, tasks  # noqa: E402
+from lmzoo.train import tasks  # noqa: E402
 
 TARGETS = {"train_ratio": 1.25, "mfu": 0.65, "decode_speedup": 5.0}
 
@@ -62,46 +62,21 @@ MATMUL_BOUND = Spec(8192, 256, 4, 4, 1024, seq_len=256, batch_size=16, steps_per
 QUICK = Spec(512, 64, 2, 2, 256, seq_len=64, batch_size=4, steps_per_round=3, prompt_len=8, new_tokens=32)
 
 
-class TorchTrainer:
-    """HF GPT2LMHeadModel (sdpa attention) + torch AdamW with lmzoo's hyper-parameters, schedule, clipping, decay mask."""
-
-    def __init__(self, spec: Spec, tokens: np.ndarray):
-        torch.manual_seed(0)
-        hf_config = transformers.GPT2Config(
-            vocab_size=spec.vocab_size, n_positions=spec.seq_len, n_embd=spec.emb_dim, n_layer=spec.num_layers,
-            n_head=spec.num_heads, n_inner=spec.mlp_dim, activation_function="gelu_new", resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
-        )  # fmt: skip
-        self.model = transformers.GPT2LMHeadModel._from_config(hf_config, attn_implementation="sdpa").train()
-        optim_config = config_lib.base_config().optim
-        decay, no_decay = [], []
-        for name, param in self.model.named_parameters():
-            is_kernel = param.ndim == 2 and not name.startswith(("transformer.wte", "transformer.wpe"))
-            (decay if is_kernel else no_decay).append(param)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim_config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=optim_config.learning_rate, betas=(optim_config.b1, optim_config.b2), eps=optim_config.eps,
-        )  # fmt: skip
-        _, schedule = optim.make_optimizer(optim_config)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: float(schedule(step)) / optim_config.learning_rate
-        )
-        self.grad_clip = optim_config.grad_clip
-        tokens = torch.from_numpy(tokens.astype(np.int64))
-        # T inputs, loss over the same T next tokens as lmzoo (shift_labels stops HF's internal shift).
-        self.inputs, self.shift_labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        self.loss = None
-
-    def run(self, steps: int) -> None:
-        for _ in range(steps):
-            loss = self.model(input_ids=self.inputs, labels=self.inputs, shift_labels=self.shift_labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.loss = loss.item()
-
+def torch_trainer(spec: Spec, tokens: np.ndarray) -> common.TorchTrainer:
+    """HF GPT2LMHeadModel (sdpa attention) + torch AdamW as lmzoo trains; loss over the same B*T next tokens."""
+    torch.manual_seed(0)
+    hf_config = transformers.GPT2Config(
+        vocab_size=spec.vocab_size, n_positions=spec.seq_len, n_embd=spec.emb_dim, n_layer=spec.num_layers,
+        n_head=spec.num_heads, n_inner=spec.mlp_dim, activation_function="gelu_new", resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel._from_config(hf_config, attn_implementation="sdpa")
+    # T inputs, loss over the same T next tokens as lmzoo (shift_labels stops HF's internal shift).
+    inputs = {"input_ids": tokens[:, :-1], "labels": tokens[:, :-1], "shift_labels": tokens[:, 1:]}
+    return common.TorchTrainer(
+        model, inputs, config_lib.base_config().optim,
+        decays=lambda name, param: param.ndim == 2 and not name.startswith(("transformer.wte", "transformer.wpe")),
+    )  # fmt: skip
 
 def bench_train(spec: Spec, rounds: int) -> dict:
     tokens = np.random.default_rng(0).integers(0, spec.vocab_size, (spec.batch_size, spec.seq_len + 1), dtype=np.int32)
@@ -110,7 +85,7 @@ def bench_train(spec: Spec, rounds: int) -> dict:
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones(tokens[:, 1:].shape, np.float32)}
     batch = {k: np.ascontiguousarray(v) for k, v in batch.items()}
     lmzoo = common.LmzooTrainer(tasks.causal_lm_task(model), batch, config_lib.base_config().optim)
-    trainers = {"lmzoo": lmzoo, "torch": TorchTrainer(spec, tokens)}
+    trainers = {"lmzoo": lmzoo, "torch": torch_trainer(spec, tokens)}
     compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
     for trainer in trainers.values():
         trainer.run(1)

@@ -39,7 +39,7 @@ from configs import t5 as t5_configs  # noqa: E402
 from lmzoo import decoding, models, tokenizers  # noqa: E402
 from lmzoo.convert import hf  # noqa: E402
 from lmzoo.data import noising, pipeline  # noqa: E402
-from lmzoo.train import optim, tasks  # noqa: E402
+from lmzoo.train import tasks  # noqa: E402
 
 TARGETS = {"t5_data_vs_step": 1.0, "bart_data_vs_step": 1.0}  # strictly greater
 
@@ -121,42 +121,16 @@ def hf_t5(cfg) -> "transformers.T5ForConditionalGeneration":
     return transformers.T5ForConditionalGeneration(transformers.T5Config(**hf.t5_config_to_hf(cfg)))
 
 
-class TorchTrainer:
-    """HF T5ForConditionalGeneration (eager attention: T5's relative bias) + torch AdamW with lmzoo's
-    hyper-parameters, schedule, clipping and decay mask (kernels only)."""
-
-    def __init__(self, cfg, batch: dict[str, np.ndarray], optim_config):
-        self.model = hf_t5(cfg).train()
-        decay, no_decay = [], []
-        for name, param in self.model.named_parameters():
-            is_kernel = param.ndim == 2 and "shared" not in name and "relative_attention_bias" not in name
-            (decay if is_kernel else no_decay).append(param)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim_config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=optim_config.learning_rate, betas=(optim_config.b1, optim_config.b2), eps=optim_config.eps,
-        )  # fmt: skip
-        _, schedule = optim.make_optimizer(optim_config)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: float(schedule(step)) / optim_config.learning_rate
-        )
-        self.grad_clip = optim_config.grad_clip
-        self.args = {
-            "input_ids": batch["inputs"], "attention_mask": batch["encoder_segment_ids"],
-            "decoder_input_ids": batch["decoder_inputs"], "labels": batch["targets"],
-        }  # fmt: skip
-        self.args = {k: torch.from_numpy(v.astype(np.int64)) for k, v in self.args.items()}
-        self.loss = None
-
-    def run(self, steps: int) -> None:
-        for _ in range(steps):
-            loss = self.model(**self.args).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.loss = loss.item()
-
+def torch_trainer(cfg, batch: dict[str, np.ndarray], optim_config) -> common.TorchTrainer:
+    """HF T5ForConditionalGeneration (eager attention: T5's relative bias) + torch AdamW as lmzoo trains."""
+    inputs = {
+        "input_ids": batch["inputs"], "attention_mask": batch["encoder_segment_ids"],
+        "decoder_input_ids": batch["decoder_inputs"], "labels": batch["targets"],
+    }  # fmt: skip
+    return common.TorchTrainer(
+        hf_t5(cfg), inputs, optim_config,
+        decays=lambda name, param: param.ndim == 2 and "shared" not in name and "relative_attention_bias" not in name,
+    )  # fmt: skip
 
 def data_loaders(spec: Spec) -> tuple[dict, dict]:
     """({objective: train loader}, description) of configs/t5.py and configs/bart.py on their own corpus and
@@ -193,7 +167,7 @@ def bench_train_and_data(spec: Spec, rounds: int) -> dict:
     t5_optim, bart_optim = t5_configs.get_config("tiny").optim, bart_configs.get_config("tiny").optim
     trainers = {
         "lmzoo": common.LmzooTrainer(tasks.seq2seq_task(models.build_model("seq2seq", t5_cfg)), t5_batch, t5_optim),
-        "torch": TorchTrainer(t5_cfg, t5_batch, t5_optim),
+        "torch": torch_trainer(t5_cfg, t5_batch, t5_optim),
         "bart_step": common.LmzooTrainer(tasks.seq2seq_task(models.build_model("seq2seq", bart_cfg)), bart_batch, bart_optim),
     }  # fmt: skip
     compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}

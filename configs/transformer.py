@@ -61,6 +61,7 @@ def get_config(arg: str | None = None):
         c.data.text_fields = ("chosen",)
         c.data.split_marker = "\n\nAssistant:"
         c.data.seq_len, c.data.target_seq_len = 256, 64
+        model["max_len"] = c.data.seq_len
         c.data.tokenizer = {"kind": "sentencepiece", "vocab_size": vocab, "model_type": "unigram"}
         c.train.steps = c.optim.decay_steps = 600
         c.train.eval_every = c.train.checkpoint_every = 200

@@ -93,11 +93,15 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Setup:
             f"({tokenizer.vocab_size}); set --config.model.vocab_size={tokenizer.vocab_size} (or larger)"
         )
     max_len, offset = config.model.get("max_len"), config.model.get("position_offset", 0)
-    if max_len is not None and config.data.seq_len + offset > max_len:
-        raise ValueError(
-            f"config.data.seq_len={config.data.seq_len} (+ position_offset {offset}) is longer than the model's "
-            f"positions (config.model.max_len={max_len}); shorten seq_len or raise max_len"
-        )
+    lengths = {"seq_len": config.data.seq_len}
+    if config.objective.name == "text_to_text":
+        lengths["target_seq_len"] = config.data.target_seq_len
+    for name, length in lengths.items():
+        if max_len is not None and length + offset > max_len:
+            raise ValueError(
+                f"config.data.{name}={length} (+ position_offset {offset}) is longer than the model's "
+                f"positions (config.model.max_len={max_len}); shorten {name} or raise max_len"
+            )
     loader, eval_batches = pipeline.make_loaders(config, documents, tokenizer, jax.process_index(), jax.process_count())
     local = loader.batch(0)
     sample_batch = {k: np.zeros((config.train.batch_size,) + v.shape[1:], v.dtype) for k, v in local.items()}

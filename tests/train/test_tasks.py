@@ -81,3 +81,7 @@ def test_text_to_text_trains_on_dialogue_pairs(tmp_path):
     """The Transformer on HH-RLHF (conversation so far -> final response) through train_and_evaluate."""
     final = loop.train_and_evaluate(_config("transformer", "tiny,hh,test"), str(tmp_path))
     assert np.isfinite(final["loss"]) and final["tokens"] > 0
+    too_long = _config("transformer", "tiny,hh,test")
+    too_long.data.target_seq_len = too_long.model.max_len + 1
+    with pytest.raises(ValueError, match="config.data.target_seq_len=33 .* longer than the model's positions"):
+        loop.build(too_long, str(tmp_path / "too_long"))

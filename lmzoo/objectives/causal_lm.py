@@ -66,10 +66,8 @@ def _fused_head_loss_fwd(hidden, embedding, targets, weights, chunk_len):
     def chunk_stats(_, xs):
         h, t, w = xs
         logits = _chunk_logits(h, embedding)
-        max_logit = jnp.max(logits, axis=-1)
-        log_z = max_logit + jnp.log(jnp.sum(jnp.exp(logits - max_logit[..., None]), axis=-1))
-        target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-        return None, (jnp.sum((log_z - target_logit) * w), jnp.sum((target_logit >= max_logit) * w), log_z)
+        loss_sum, _ = cross_entropy(logits, t, w)
+        return None, (loss_sum, jnp.sum(top1_correct(logits, t) * w), jax.nn.logsumexp(logits, axis=-1))
 
     xs = (_chunks(hidden, chunk_len), _chunks(targets, chunk_len), _chunks(weights, chunk_len))
     _, (loss_sums, correct_sums, log_z) = jax.lax.scan(chunk_stats, None, xs)

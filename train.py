@@ -1,6 +1,7 @@
 """Train a model: python train.py [--config=configs/NAME.py[:arg]] [--workdir=DIR] [--config.a.b=value ...]
 
-Restarting with the same --workdir resumes from its latest checkpoint.
+Restarting with the same --workdir resumes from its latest checkpoint. `python train.py --objectives` lists
+every objective (config.objective.name) with its fields and defaults.
 """
 
 from absl import app, flags, logging
@@ -31,6 +32,12 @@ def main(argv):
 
 if __name__ == "__main__":
     import sys
+
+    if "--objectives" in sys.argv[1:]:
+        from lmzoo import objectives
+
+        print(objectives.describe())
+        sys.exit(0)
 
     from lmzoo.config import check_overrides
 

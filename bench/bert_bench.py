@@ -29,10 +29,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from bench.gpt2_bench import print_table  # noqa: E402
 from configs import bert as bert_configs  # noqa: E402
-from lmzoo import models, tokenizers  # noqa: E402
+from lmzoo import config as config_lib  # noqa: E402
+from lmzoo import (  # noqa: E402
+    models,
+    objectives,  # noqa: E402
+    tokenizers,
+)
 from lmzoo.data import pipeline, transforms  # noqa: E402
-from lmzoo.objectives import mlm  # noqa: E402
-from lmzoo.train import tasks  # noqa: E402
+from lmzoo.objectives import base, losses, mlm  # noqa: E402
 from lmzoo.train.state import Task  # noqa: E402
 
 MASK_RATE = 0.15
@@ -69,12 +73,12 @@ QUICK = Spec(512, 64, 2, 2, 256, seq_len=32, batch_size=4, steps_per_round=2, ba
 def full_logits_task(model) -> Task:
     """masked_lm_task with the vocabulary projection at all T positions (`Bert.__call__`), as HF computes it."""
 
-    def loss(params, frozen, carry, batch, rng, *, train):
+    def loss(params, frozen, carry, batch, rng, *, step, train):
         logits = model.apply({"params": params}, batch["inputs"], deterministic=not train, rngs={"dropout": rng})
-        value, metrics = mlm.loss(logits, batch)
+        value, metrics = losses.token_loss(logits, batch)
         return value, (metrics, carry)
 
-    return dataclasses.replace(tasks.masked_lm_task(model, mask_rate=MASK_RATE), loss=loss)
+    return dataclasses.replace(mlm.masked_lm_task(model, mask_rate=MASK_RATE), loss=loss)
 
 
 def torch_trainer(spec: Spec, batch: dict[str, np.ndarray], optim_config) -> common.TorchTrainer:
@@ -116,9 +120,10 @@ def data_loaders(spec: Spec) -> tuple[tokenizers.Tokenizer, dict, dict]:
     for variant in ("bert", "roberta"):
         config = bert_configs.get_config(variant)
         config.train.batch_size, config.data.seq_len = spec.batch_size, spec.seq_len
-        config.objective.num_pair_examples, config.objective.num_eval_pairs = spec.num_pair_examples, 16
+        if config.objective.name == "mlm_nsp":
+            config.objective.num_pair_examples, config.objective.num_eval_pairs = spec.num_pair_examples, 16
         name, start = config.objective.name, time.perf_counter()
-        loaders[name] = pipeline.make_loaders(config, documents, tokenizer)[0]
+        loaders[name] = objectives.get(name).train_loader(config_lib.validate(config), tokenizer, documents["train"], base.Shard())
         seconds = time.perf_counter() - start
         size = loaders[name].num_examples if name == "mlm_nsp" else len(loaders[name].stream)
         info[name] = {"loader": type(loaders[name]).__name__, "build_s": seconds,
@@ -132,7 +137,7 @@ def bench(spec: Spec, rounds: int) -> dict:
     model = models.build_model("bert", spec.model_fields())
     optim_config = bert_configs.get_config("bert").optim
     trainers = {
-        "lmzoo": common.LmzooTrainer(tasks.masked_lm_task(model, mask_rate=MASK_RATE), batch, optim_config),
+        "lmzoo": common.LmzooTrainer(mlm.masked_lm_task(model, mask_rate=MASK_RATE), batch, optim_config),
         "lmzoo_full": common.LmzooTrainer(full_logits_task(model), batch, optim_config),
         "torch": torch_trainer(spec, batch, optim_config),
     }

@@ -11,7 +11,7 @@ import numpy as np
 
 from lmzoo import sharding
 from lmzoo.train import optim
-from lmzoo.train import step as step_lib
+from lmzoo.train import trainer as trainer_lib
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -54,12 +54,13 @@ def announce(name: str, label: str, spec, rounds: int) -> dict[str, float]:
 
 
 class LmzooTrainer:
-    """The production train step: `lmzoo.train.step.compile_task`, exactly what `lmzoo.train.loop` runs."""
+    """The production train step: `SupervisedTrainer` through `compile_trainer`, exactly what `lmzoo.train.loop` runs."""
 
     def __init__(self, task, batch: dict[str, np.ndarray], optim_config):
         tx, schedule = optim.make_optimizer(optim_config)
-        self.compiled = step_lib.compile_task(
-            task, tx, schedule, batch, mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0
+        shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+        self.compiled = trainer_lib.compile_trainer(
+            trainer_lib.SupervisedTrainer(task, tx, schedule, shapes), mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0
         )
         with self.compiled.context():
             self.state = self.compiled.init(jax.random.key(0))
@@ -69,7 +70,7 @@ class LmzooTrainer:
     def run(self, steps: int) -> None:
         with self.compiled.context():
             for _ in range(steps):
-                self.state, metrics = self.compiled.train_step(self.state, self.batch)
+                self.state, metrics = self.compiled.step(self.state, self.batch)
         loss_sum, count = jax.device_get(metrics["loss"])
         self.loss = float(loss_sum / count)
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import decoding, models  # noqa: E402
-from lmzoo.train import tasks  # noqa: E402
+from lmzoo.objectives import causal_lm  # noqa: E402
 
 TARGETS = {"train_ratio": 1.25, "mfu": 0.65, "decode_speedup": 5.0}
 
@@ -84,7 +84,7 @@ def bench_train(spec: Spec, rounds: int) -> dict:
     model = models.build_model("gpt2", spec.model_fields(max_len=spec.seq_len))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones(tokens[:, 1:].shape, np.float32)}
     batch = {k: np.ascontiguousarray(v) for k, v in batch.items()}
-    lmzoo = common.LmzooTrainer(tasks.causal_lm_task(model), batch, config_lib.base_config().optim)
+    lmzoo = common.LmzooTrainer(causal_lm.causal_lm_task(model), batch, config_lib.base_config().optim)
     trainers = {"lmzoo": lmzoo, "torch": torch_trainer(spec, tokens)}
     compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
     for trainer in trainers.values():

@@ -36,10 +36,15 @@ from bench import common  # noqa: E402
 from bench.gpt2_bench import print_table  # noqa: E402
 from configs import bart as bart_configs  # noqa: E402
 from configs import t5 as t5_configs  # noqa: E402
-from lmzoo import decoding, models, tokenizers  # noqa: E402
+from lmzoo import (  # noqa: E402
+    decoding,
+    models,
+    objectives,  # noqa: E402
+    tokenizers,
+)
 from lmzoo.convert import hf  # noqa: E402
 from lmzoo.data import noising, pipeline  # noqa: E402
-from lmzoo.train import tasks  # noqa: E402
+from lmzoo.objectives import base, denoising  # noqa: E402
 
 TARGETS = {"t5_data_vs_step": 1.0, "bart_data_vs_step": 1.0}  # strictly greater
 
@@ -143,7 +148,7 @@ def data_loaders(spec: Spec) -> tuple[dict, dict]:
         start = time.perf_counter()
         kwargs = config.data.tokenizer.to_dict()
         tokenizer = tokenizers.build_tokenizer(kwargs.pop("kind"), corpus=documents["train"] + documents["validation"], **kwargs)
-        loaders[name] = pipeline.make_loaders(config, documents, tokenizer)[0]
+        loaders[name] = objectives.get(config.objective.name).train_loader(config, tokenizer, documents["train"], base.Shard())
         batch = loaders[name].batch(0)
         info[name] = {
             "objective": config.objective.name, "text": config.data.path, "build_s": time.perf_counter() - start,
@@ -166,9 +171,9 @@ def bench_train_and_data(spec: Spec, rounds: int) -> dict:
             raise AssertionError(f"{name} loader batches are {shapes}, the benchmarked step's {batch['inputs'].shape}")
     t5_optim, bart_optim = t5_configs.get_config("tiny").optim, bart_configs.get_config("tiny").optim
     trainers = {
-        "lmzoo": common.LmzooTrainer(tasks.seq2seq_task(models.build_model("seq2seq", t5_cfg)), t5_batch, t5_optim),
+        "lmzoo": common.LmzooTrainer(denoising.seq2seq_task(models.build_model("seq2seq", t5_cfg)), t5_batch, t5_optim),
         "torch": torch_trainer(t5_cfg, t5_batch, t5_optim),
-        "bart_step": common.LmzooTrainer(tasks.seq2seq_task(models.build_model("seq2seq", bart_cfg)), bart_batch, bart_optim),
+        "bart_step": common.LmzooTrainer(denoising.seq2seq_task(models.build_model("seq2seq", bart_cfg)), bart_batch, bart_optim),
     }  # fmt: skip
     compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
     for trainer in trainers.values():

@@ -328,6 +328,7 @@ def run_lockstep(args) -> None:
 
     from lmzoo import config as config_lib
     from lmzoo import sharding
+    from lmzoo.evaluation.loss import evaluate_loss
     from lmzoo.train import loop, optim
 
     spec = importlib.util.spec_from_file_location("shakespeare_char_config", CONFIG)
@@ -337,8 +338,9 @@ def run_lockstep(args) -> None:
     schedule = SCHEDULES[args.torch_schedule]
     lmzoo_schedule = optim.learning_rate_schedule(config.optim)
     with tempfile.TemporaryDirectory() as workdir:
-        setup = loop.build(config, workdir)
-        state, _ = loop.restore_or_init(setup)
+        run = loop.build(config, workdir)
+        state, _ = loop.restore_or_init(run)
+        loader = run.train_loader()
         model = torch_from_lmzoo(jax.device_get(state.params))
         optimizer = make_optimizer(model)
         print(f"lockstep {args.steps} steps; lmzoo: configs/shakespeare_char.py via loop.build/restore_or_init "
@@ -346,15 +348,13 @@ def run_lockstep(args) -> None:
         print("step  lmzoo_loss  torch_loss  rel_diff    lmzoo_lr    torch_lr    lmzoo_gnorm torch_gnorm")
         worst, worst_first10, seconds = 0.0, 0.0, {"lmzoo": 0.0, "torch": 0.0}
         for step in range(args.steps):
-            batch = setup.loader.batch(step)
+            batch = loader.batch(step)
             assert np.all(batch["weights"] == 1) and np.all(batch["positions"] == np.arange(BLOCK)), (
                 "batch is not one document"
             )
             start = time.perf_counter()
-            with setup.context():
-                state, metrics = setup.compiled.train_step(
-                    state, sharding.put_batch(batch, setup.compiled.batch_sharding)
-                )
+            with run.context():
+                state, metrics = run.compiled.step(state, sharding.put_batch(batch, run.compiled.batch_sharding))
             metrics = jax.device_get(metrics)
             seconds["lmzoo"] += time.perf_counter() - start
             lmzoo_loss = float(metrics["loss"][0] / metrics["loss"][1])
@@ -382,11 +382,11 @@ def run_lockstep(args) -> None:
         name = max(diffs, key=diffs.get)
         print(f"after {args.steps} steps: max per-tensor ||lmzoo - torch|| / ||lmzoo|| = {diffs[name]:.3e} ({name}); "
               f"median {np.median(list(diffs.values())):.3e}")  # fmt: skip
-        lmzoo_val = loop.evaluate(setup, state)["loss"]
+        lmzoo_val = evaluate_loss(run, state)["loss"]
         model.eval()
-        torch_val = torch_loss_on_lmzoo_batches(model, setup.eval_batches("validation"))
+        torch_val = torch_loss_on_lmzoo_batches(model, run.eval_batches("validation"))
         print(f"whole-split validation loss on lmzoo's eval batches: lmzoo {lmzoo_val:.5f}, torch {torch_val:.5f}")
-        setup.checkpointer.close()
+        run.checkpointer.close()
 
 
 def main():

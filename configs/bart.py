@@ -12,7 +12,7 @@ only; `test` and `base` keep ../shared/data/timemachine and both transforms.
 
 import pathlib
 
-from lmzoo.config import base_config, model_section
+from lmzoo.config import base_config, model_section, objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 SIZES = {
@@ -32,8 +32,7 @@ def get_config(arg: str | None = None):
     vocab = 2000 if size == "tiny" else 32000
     c.data.seq_len = 128
     model = dict(SIZES[size], **BART, vocab_size=vocab, max_len=c.data.seq_len + 2, dropout_rate=0.1 if size != "tiny" else 0.0)
-    c.objective.name = "denoising"
-    c.objective.noising = (
+    noising = (
         ("sentence_permutation", {"sentence_end_ids": "auto"}),  # ids of ".", "!", "?" in the vocabulary
         ("text_infilling", {"mask_ratio": 0.3, "poisson_lambda": 3.0}),
     )
@@ -44,7 +43,7 @@ def get_config(arg: str | None = None):
         # The Time Machine (52k tokens, ~117 passes in 1,500 steps) let the tiny model memorise its training
         # text and ignore the encoder; the KJV Bible (one document per chapter) has 24x the bytes. Text
         # infilling alone (the BART paper's best single transform) keeps the copy monotonic.
-        c.objective.noising = (("text_infilling", {"mask_ratio": 0.3, "poisson_lambda": 3.0}),)
+        noising = (("text_infilling", {"mask_ratio": 0.3, "poisson_lambda": 3.0}),)
         c.data.path = str(DATA / "kjv_bible" / "kjv.txt")
     c.data.tokenizer = {"kind": "sentencepiece", "vocab_size": vocab, "model_type": "unigram", "user_defined_symbols": ["[MASK]"]}
     c.data.sampler = "sequential"
@@ -64,4 +63,5 @@ def get_config(arg: str | None = None):
         c.train.eval_every = c.train.checkpoint_every = 2
         c.eval.max_batches = 2
     c.model = model_section("seq2seq", **model)
+    c.objective = objective_section("denoising", noising=noising)
     return c

@@ -10,7 +10,7 @@ Documents are chapters (blank-line separated paragraphs of kjv.txt). Needs ../sh
 
 import pathlib
 
-from lmzoo.config import base_config, model_section
+from lmzoo.config import base_config, model_section, objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -23,14 +23,13 @@ def get_config(arg: str | None = None):
         vocab_size=30522, max_len=128, emb_dim=256, num_heads=4, num_layers=4, mlp_dim=1024,
         dropout_rate=0.1, attention_dropout_rate=0.1,
     )  # fmt: skip
-    c.objective.name = "mlm_nsp"
-    c.objective.static_masking = True
+    objective = dict(name="mlm_nsp", static_masking=True)
     if "roberta" in variant:
         model.update(type_vocab_size=1, position_offset=2, pooler=False, sentence_head=False, max_len=130)
-        c.objective.name, c.objective.static_masking = "mlm", False
+        objective = dict(name="mlm", static_masking=False)
     if "albert" in variant:
         model.update(embedding_dim=64, share_layers=True, activation="gelu_tanh")
-        c.objective.name = "mlm_sop"
+        objective["name"] = "mlm_sop"
     c.data.source = "local"
     c.data.path = str(DATA / "kjv_bible" / "kjv.txt")
     c.data.document_unit = "paragraph"
@@ -54,6 +53,9 @@ def get_config(arg: str | None = None):
             model.update(embedding_dim=16)
         c.data.seq_len, c.train.batch_size, c.train.steps, c.train.log_every = 32, 4, 4, 2
         c.train.eval_every = c.train.checkpoint_every = 2
-        c.objective.num_pair_examples, c.objective.num_eval_pairs, c.eval.max_batches = 64, 16, 2
+        c.eval.max_batches = 2
+        if objective["name"] != "mlm":
+            objective.update(num_pair_examples=64, num_eval_pairs=16)
     c.model = model_section("bert", **model)
+    c.objective = objective_section(**objective)
     return c

@@ -9,7 +9,7 @@ Student: half the layers (initialised from every other teacher layer), no pooler
 
 import pathlib
 
-from lmzoo.config import base_config, model_section
+from lmzoo.config import base_config, model_section, objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -22,8 +22,7 @@ def get_config(arg: str | None = None):
     c = base_config()
     c.model_name = "bert"
     c.model = model_section("bert", **{**teacher, "num_layers": teacher["num_layers"] // 2, "pooler": False, "sentence_head": False})
-    c.objective.name = "distill"
-    c.objective.teacher_model = model_section("bert", **teacher)
+    c.objective = objective_section("distill", teacher_model=model_section("bert", **teacher))
     c.data.source = "local"
     c.data.path = str(DATA / "kjv_bible" / "kjv.txt")
     c.data.document_unit = "paragraph"

@@ -12,7 +12,7 @@ seqio). Needs ../shared/data/timemachine.
 
 import pathlib
 
-from lmzoo.config import base_config, model_section
+from lmzoo.config import base_config, model_section, objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 SIZES = {
@@ -40,7 +40,7 @@ def get_config(arg: str | None = None):
     if v1_1:
         model.update(activations=("gelu_tanh", "linear"), tie_embeddings=False, scale_tied_logits=False)
     c.model = model_section("seq2seq", **model)
-    c.objective.name = "span_corruption"
+    c.objective = objective_section("span_corruption")
     c.data.source = "local"
     c.data.path = str(DATA / "timemachine" / "timemachine.txt")
     c.data.document_unit = "paragraph"

@@ -16,7 +16,7 @@ split at the last "\n\nAssistant:" into the conversation so far (source) and the
 
 import pathlib
 
-from lmzoo.config import base_config, model_section
+from lmzoo.config import base_config, model_section, objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 SIZES = {
@@ -37,8 +37,7 @@ def get_config(arg: str | None = None):
     c.data.seq_len = 128
     model = dict(SIZES[size], **TRANSFORMER, vocab_size=vocab, max_len=c.data.seq_len, dropout_rate=0.1)
     model["embedding_init_std"] = model["emb_dim"] ** -0.5  # tensor2tensor's embedding init, scaled back up by sqrt(d)
-    c.objective.name = "denoising"
-    c.objective.noising = (("text_infilling", {"mask_ratio": 0.3, "poisson_lambda": 3.0}),)
+    c.objective = objective_section("denoising", noising=(("text_infilling", {"mask_ratio": 0.3, "poisson_lambda": 3.0}),))
     c.data.source = "local"
     c.data.path = str(DATA / "timemachine" / "timemachine.txt")
     c.data.document_unit = "paragraph"
@@ -55,7 +54,7 @@ def get_config(arg: str | None = None):
     c.train.sample_tokens = 0
     c.eval.batch_size = 64
     if "hh" in variant:
-        c.objective.name = "text_to_text"
+        c.objective = objective_section("text_to_text")
         c.data.source = "pairs"
         c.data.path = str(DATA / "hh_rlhf" / "harmless-base_test.jsonl.gz")
         c.data.text_fields = ("chosen",)

@@ -40,28 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.sampler = "random"  # "random" windows (nanoGPT) or "sequential" shuffled non-overlapping windows
     c.data.tokenizer = ml_collections.ConfigDict({"kind": "byte"})
 
-    c.objective = ml_collections.ConfigDict()
-    c.objective.name = "causal_lm"  # causal_lm | mlm (windows) | mlm_nsp (BERT) | mlm_sop (ALBERT) | distill | classify | span_corruption | denoising | text_to_text
-    c.objective.mask_rate = 0.15
-    c.objective.whole_word_masking = False  # WordPiece: mask all "##" pieces of a selected word together
-    c.objective.static_masking = False  # True: BERT (one mask per example); False: RoBERTa (fresh each epoch)
-    c.objective.num_pair_examples = 100_000  # mlm_nsp / mlm_sop: sentence pairs drawn once from the seed
-    c.objective.num_eval_pairs = 2_000
-    c.objective.sentence_loss_weight = 1.0
-    c.objective.num_classes = 2  # classify
-    c.objective.head = "pooler"  # classify: pooler (BERT/ALBERT) | dense_tanh (RoBERTa) | dense_relu (DistilBERT) | linear
-    c.objective.pooling = "first"  # classify with a non-pooler head: first | last | mean
-    c.objective.head_dropout_rate = 0.1
-    c.objective.teacher = ""  # distill: "ckpt:WORKDIR" or "hf:PATH" of the teacher
-    c.objective.teacher_model = ml_collections.ConfigDict()  # distill: the teacher's model section (model_section)
-    c.objective.init_student_from_teacher = True  # distill: student layer i <- teacher layer 2i
-    c.objective.temperature = 2.0  # distill: DistilBERT's defaults below
-    c.objective.alpha_ce = 5.0
-    c.objective.alpha_mlm = 2.0
-    c.objective.alpha_cos = 1.0
-    c.objective.noise_density = 0.15  # span_corruption (T5)
-    c.objective.mean_noise_span_length = 3.0
-    c.objective.noising = (("text_infilling", {"mask_ratio": 0.3, "poisson_lambda": 3.0}),)  # denoising (BART), applied in order
+    c.objective = objective_section("causal_lm")  # name + that objective's fields (lmzoo.objectives.describe())
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"
@@ -75,6 +54,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.1
     c.optim.decay_embeddings = False
     c.optim.grad_clip = 1.0
+    c.optim.groups = ()  # ((path, {field: value}), ...): other settings for param subtrees (lmzoo/train/optim.py)
 
     c.train = ml_collections.ConfigDict()
     c.train.seed = 0
@@ -92,6 +72,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.batch_size = 64
     c.eval.max_batches = ml_collections.FieldReference(None, field_type=int)  # None = the whole split
+    c.eval.evaluators = ("loss",)  # run during training, by name (lmzoo.evaluation.EVALUATORS); "loss" comes first
 
     c.sharding = ml_collections.ConfigDict()
     c.sharding.mesh_shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
@@ -112,21 +93,61 @@ def model_section(name: str, **fields) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dataclasses.asdict(models.make_config(name, fields)))
 
 
+def objective_section(name: str, **fields) -> ml_collections.ConfigDict:
+    """`name` plus every field of that objective's config (defaults, then `fields`), so each is overridable."""
+    from lmzoo import objectives
+
+    known = objectives.defaults(name)
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown} of objective {name!r}; its fields: {sorted(known)}")
+    return ml_collections.ConfigDict({"name": name, **known, **fields})
+
+
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Checks the model section against its dataclass; returns the config locked."""
+    """Checks the model section against its dataclass and the objective section against its objective's
+    fields (each validating its own values), then the objective's checks across sections; returns the
+    config locked. An objective chosen on the command line gets its own defaults for fields not given."""
+    from lmzoo import objectives
+
     models.make_config(config.model_name, config.model.to_dict())
+    objective = objectives.get(config.objective.name)
+    given = {k: v for k, v in config.objective.items() if k != "name"}
+    known = objectives.defaults(objective.name)
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"config.objective has field(s) {unknown} that objective {objective.name!r} does not have; "
+                         f"its fields: {sorted(known)}")  # fmt: skip
+    with config.unlocked():
+        config.objective = objective_section(objective.name, **given)
+    objective.fields(config)
+    objective.check(config)
+    evaluators = tuple(config.eval.evaluators)
+    if not evaluators or evaluators[0] != "loss" or "reconstruction" in evaluators:
+        raise ValueError(f"config.eval.evaluators={evaluators} must start with 'loss' and may add {list(objective.evaluators[1:])} "
+                         "(reconstruction runs from eval.py --reconstruct)")  # fmt: skip
+    for name in evaluators:
+        if name not in objective.evaluators:
+            raise ValueError(f"config.eval.evaluators has {name!r}, which does not apply to objective {objective.name!r}; "
+                             f"its evaluators: {list(objective.evaluators)}")  # fmt: skip
     config.lock()
     return config
 
 
 def load_saved(workdir: str) -> ml_collections.ConfigDict:
     """The config a run saved in `<workdir>/config.json`, over today's defaults (so runs saved before
-    a field existed still load)."""
+    a field existed still load; of an older flat objective section, only its objective's fields are kept)."""
+    from lmzoo import objectives
+
     path = pathlib.Path(workdir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: is {workdir!r} the workdir of a train.py run?")
+    saved = json.loads(path.read_text())
+    objective = saved.pop("objective", {"name": "causal_lm"})
+    known = objectives.defaults(objective["name"])
     config = base_config()
-    config.update(json.loads(path.read_text()))
+    config.update(saved)
+    config.objective = objective_section(objective["name"], **{k: v for k, v in objective.items() if k in known})
     return config
 
 

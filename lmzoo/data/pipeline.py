@@ -6,9 +6,7 @@ uninterrupted run would have seen. Each process materialises only its rows of th
 """
 
 import dataclasses
-import functools
 import gzip
-import inspect
 import json
 import pathlib
 import re
@@ -19,7 +17,7 @@ import ml_collections
 import numpy as np
 
 from lmzoo import tokenizers
-from lmzoo.data import noising, transforms
+from lmzoo.data import transforms
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".py", ".md")
 
@@ -137,6 +135,13 @@ class TokenStream:
         return len(self.tokens)
 
 
+def token_stream(docs: list[str], tokenizer: tokenizers.Tokenizer, vocab_size: int, where: str) -> TokenStream:
+    """Documents as one stream, every id checked against the model's vocabulary."""
+    stream = TokenStream.from_documents(docs, tokenizer)
+    transforms.check_token_ids(stream.tokens, vocab_size, where=where)
+    return stream
+
+
 def epoch_permutation(flat_index: np.ndarray, num_examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Position i of an endless stream of epochs, each a fresh permutation from (seed, epoch) -> (epochs, example ids)."""
     epochs, offsets = np.divmod(flat_index, num_examples)
@@ -218,27 +223,6 @@ def eval_batches(
         yield batch if transform is None else transform(batch, mine, np.zeros_like(mine))
 
 
-def make_pair_examples(
-    docs: list[str], tokenizer: tokenizers.Tokenizer, *, kind: str, count: int, max_len: int, seed: int
-) -> dict[str, np.ndarray]:
-    """NSP ("nsp") or sentence-order ("sop") examples, drawn once from `seed`:
-    tokens, token_types, segment_ids [count, max_len] and sentence_labels [count] (HF conventions)."""
-    sentences = [tokenizer.encode_batch(transforms.split_sentences(d, wrapped=True)) for d in docs]
-    sentences = [[s for s in doc if s] for doc in sentences]
-    sentences = [doc for doc in sentences if doc]
-    make = {"nsp": transforms.nsp_pairs, "sop": transforms.sop_pairs}[kind]
-    pairs = make(sentences, rng=np.random.default_rng([seed, 1]), count=count)
-    if not pairs:
-        raise ValueError(f"no sentence pairs could be built for {kind}; the corpus needs documents with 2+ sentences")
-    rows = [
-        transforms.pair_example(a, b, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, max_len=max_len, pad_id=tokenizer.pad_id)
-        for a, b, _ in pairs
-    ]
-    out = {"tokens": np.stack([r["tokens"] for r in rows]), "token_types": np.stack([r["token_type_ids"] for r in rows]),
-           "segment_ids": np.stack([r["segment_ids"] for r in rows])}  # fmt: skip
-    return {**out, "sentence_labels": np.array([label for _, _, label in pairs], np.int32)}
-
-
 @dataclasses.dataclass(frozen=True)
 class ExampleLoader:
     """Batches of fixed examples (arrays [N, ...]), reshuffled every epoch from (seed, epoch).
@@ -283,16 +267,6 @@ class ExampleLoader:
             yield batch
 
 
-def masked_pairs(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np.ndarray, *, mask) -> dict[str, np.ndarray]:
-    """ExampleLoader transform for NSP/SOP pairs: masks "tokens", keeps the rest."""
-    return {**mask(rows["tokens"], ids, epochs), **{k: v for k, v in rows.items() if k != "tokens"}}
-
-
-def classification_rows(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np.ndarray) -> dict[str, np.ndarray]:
-    """ExampleLoader transform for labelled text: "tokens" become "inputs"."""
-    return {"inputs": rows["tokens"], **{k: v for k, v in rows.items() if k != "tokens"}}
-
-
 def read_text_pairs(path: str, text_fields: tuple[str, ...], split_marker: str = "") -> list[tuple[str, str]]:
     """(source, target) texts from a .jsonl(.gz) or .tsv file (with a header row).
 
@@ -331,35 +305,6 @@ def read_text_pairs(path: str, text_fields: tuple[str, ...], split_marker: str =
     raise ValueError("pairs need config.data.text_fields = (source, target), or one field and config.data.split_marker")
 
 
-def text_pair_examples(
-    pairs: list[tuple[str, str]], tokenizer: tokenizers.Tokenizer, inputs_length: int, targets_length: int
-) -> dict[str, np.ndarray]:
-    """Tokenized pairs, each side ending in EOS and padded: inputs [N, inputs_length] (a long source keeps
-    its end, where a prompt's question is), targets [N, targets_length] (a long target keeps its start)."""
-    eos, pad = tokenizer.eos_id, tokenizer.pad_id
-    if pad is None or eos is None:
-        raise ValueError("text_to_text needs a tokenizer with <pad> and <eos> ids (sentencepiece has both)")
-    sources = tokenizer.encode_batch([s for s, _ in pairs])
-    targets = tokenizer.encode_batch([t for _, t in pairs])
-    out = {"inputs": np.full((len(pairs), inputs_length), pad, np.int32), "targets": np.full((len(pairs), targets_length), pad, np.int32)}
-    for i, (source, target) in enumerate(zip(sources, targets, strict=True)):
-        source = source[len(source) - (inputs_length - 1):] if len(source) >= inputs_length else source
-        target = target[: targets_length - 1]
-        out["inputs"][i, : len(source) + 1] = [*source, eos]
-        out["targets"][i, : len(target) + 1] = [*target, eos]
-    return out
-
-
-def text_pair_rows(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np.ndarray, *, pad_id: int, decoder_start_id: int) -> dict[str, np.ndarray]:
-    """ExampleLoader transform for (inputs, targets) rows: encoder segment ids, decoder inputs, weights."""
-    targets = rows["targets"]
-    decoder_inputs = np.concatenate([np.full((len(targets), 1), decoder_start_id, np.int32), targets[:, :-1]], axis=1)
-    return {
-        "inputs": rows["inputs"], "encoder_segment_ids": (rows["inputs"] != pad_id).astype(np.int32), "targets": targets,
-        "decoder_inputs": decoder_inputs, "weights": (targets != pad_id).astype(np.float32),
-    }  # fmt: skip
-
-
 def read_labelled_tsv(path: str, text_fields: tuple[str, ...], label_field: str) -> tuple[list[tuple[str, ...]], np.ndarray]:
     """(texts, labels) from a TSV with a header row (GLUE format)."""
     file = pathlib.Path(path)
@@ -375,133 +320,3 @@ def read_labelled_tsv(path: str, text_fields: tuple[str, ...], label_field: str)
     rows = [line.split("\t") for line in lines[1:] if line.strip()]
     texts = [tuple(r[header.index(f)].strip() for f in text_fields) for r in rows]
     return texts, np.array([int(r[header.index(label_field)]) for r in rows], np.int32)
-
-
-def classification_examples(texts: list[tuple[str, ...]], labels: np.ndarray, tokenizer: tokenizers.Tokenizer, max_len: int) -> dict[str, np.ndarray]:
-    """[CLS] a [SEP] (b [SEP]) examples, truncated to max_len: tokens, token_types, segment_ids [N, T]; labels [N]."""
-    encoded = [tokenizer.encode_batch(list(column)) for column in zip(*texts, strict=True)]
-    rows = [
-        transforms.pair_example(parts[0], parts[1] if len(parts) > 1 else None, cls_id=tokenizer.cls_id,
-                                sep_id=tokenizer.sep_id, max_len=max_len, pad_id=tokenizer.pad_id)
-        for parts in zip(*encoded, strict=True)
-    ]  # fmt: skip
-    return {"tokens": np.stack([r["tokens"] for r in rows]), "token_types": np.stack([r["token_type_ids"] for r in rows]),
-            "segment_ids": np.stack([r["segment_ids"] for r in rows]), "labels": labels}  # fmt: skip
-
-
-OBJECTIVE_DATA = ("causal_lm", "mlm", "mlm_nsp", "mlm_sop", "classify", "distill", "span_corruption", "denoising", "text_to_text")
-
-
-def sentence_end_ids(tokenizer: tokenizers.Tokenizer) -> list[int]:
-    """Ids whose text ends a sentence (".", "!", "?", with or without a leading space marker)."""
-    return [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]).strip() in (".", "!", "?")]
-
-
-def _seq2seq_window_transform(config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer) -> tuple[int, Callable]:
-    """(window length, LMLoader transform) of the T5 span-corruption or BART denoising objective."""
-    o, seq_len = config.objective, config.data.seq_len
-    eos = tokenizer.eos_id
-    if o.name == "span_corruption":
-        if not getattr(tokenizer, "extra_ids", 0):
-            raise ValueError("span_corruption needs sentinel tokens: use a sentencepiece tokenizer with extra_ids (e.g. 100)")
-        window, targets_length = noising.span_corruption_lengths(seq_len, o.noise_density, o.mean_noise_span_length)
-        sentinels = [tokenizer.sentinel_id(i) for i in range(tokenizer.extra_ids)]
-        noise = lambda tokens, rng: noising.span_corruption(  # noqa: E731
-            tokens, rng=rng, sentinel_ids=sentinels, noise_density=o.noise_density,
-            mean_noise_span_length=o.mean_noise_span_length, eos_id=eos,
-        )  # fmt: skip
-        window -= 1  # span_corruption_lengths counts the EOS that span_corruption appends
-    else:
-        if tokenizer.mask_id is None:
-            raise ValueError("BART denoising needs a mask token: e.g. sentencepiece with user_defined_symbols=['[MASK]']")
-        window, targets_length = seq_len - 1, seq_len
-        steps = [(name, dict(kwargs)) for name, kwargs in o.noising]
-        specials = [i for i in tokenizer.special_ids.values() if i is not None]
-        for name, kwargs in steps:
-            accepted = inspect.signature(noising.NOISING[name]).parameters if name in noising.NOISING else {}
-            if "mask_id" in accepted:
-                kwargs.setdefault("mask_id", tokenizer.mask_id)
-            if "special_ids" in accepted:
-                kwargs.setdefault("special_ids", specials)
-            if kwargs.get("sentence_end_ids") == "auto":
-                kwargs["sentence_end_ids"] = sentence_end_ids(tokenizer)
-        noise = lambda tokens, rng: {  # noqa: E731
-            "inputs": np.append(noising.apply_noising(tokens, steps, rng=rng), eos),
-            "targets": np.append(tokens, eos),
-        }
-    transform = functools.partial(
-        transforms.seq2seq_from_windows, noise=noise, seed=config.train.seed, inputs_length=seq_len,
-        targets_length=targets_length, pad_id=tokenizer.pad_id, decoder_start_id=config.model.decoder_start_id,
-    )  # fmt: skip
-    return window, transform
-
-
-def make_loaders(config: ml_collections.ConfigDict, documents: dict[str, list[str]], tokenizer: tokenizers.Tokenizer,
-                 process_index: int = 0, process_count: int = 1):  # fmt: skip
-    """(train loader with .batch(step), eval(split) -> iterator of batches) for config.objective.name."""
-    objective, seed = config.objective.name, config.train.seed
-    if objective not in OBJECTIVE_DATA:
-        raise ValueError(f"unknown config.objective.name {objective!r}; choose one of {OBJECTIVE_DATA}")
-    shard = {"process_index": process_index, "process_count": process_count}
-    if objective == "classify":
-        loaders = {}
-        for split in ("train", "validation"):
-            texts, labels = read_labelled_tsv(config.data[f"{split}_path"], tuple(config.data.text_fields), config.data.label_field)
-            if labels.size and (labels.min() < 0 or labels.max() >= config.objective.num_classes):
-                raise ValueError(f"{split} labels span [{labels.min()}, {labels.max()}] but config.objective.num_classes={config.objective.num_classes}")
-            examples = classification_examples(texts, labels, tokenizer, config.data.seq_len)
-            transforms.check_token_ids(examples["tokens"], config.model.vocab_size, where=f"{split} split")
-            batch_size = config.train.batch_size if split == "train" else config.eval.batch_size
-            loaders[split] = ExampleLoader(examples, batch_size, seed=seed, transform=classification_rows, **shard)
-        return loaders["train"], lambda split: loaders[split].eval_batches()
-    if objective == "text_to_text":
-        if config.data.source != "pairs":
-            raise ValueError("text_to_text trains on (source, target) pairs: set config.data.source='pairs'")
-        pairs = read_text_pairs(config.data.path, tuple(config.data.text_fields), config.data.split_marker)
-        transform = functools.partial(text_pair_rows, pad_id=tokenizer.pad_id, decoder_start_id=config.model.decoder_start_id)
-        loaders = {}
-        for split, split_pairs in zip(("train", "validation"), split_documents(pairs, config.data.validation_fraction), strict=True):
-            examples = text_pair_examples(split_pairs, tokenizer, config.data.seq_len, config.data.target_seq_len)
-            for key in ("inputs", "targets"):
-                transforms.check_token_ids(examples[key], config.model.vocab_size, where=f"{split} {key}")
-            batch_size = config.train.batch_size if split == "train" else config.eval.batch_size
-            loaders[split] = ExampleLoader(examples, batch_size, seed=seed, transform=transform, **shard)
-        return loaders["train"], lambda split: loaders[split].eval_batches()
-    streams = {split: TokenStream.from_documents(docs, tokenizer) for split, docs in documents.items()}
-    for split, stream in streams.items():
-        transforms.check_token_ids(stream.tokens, config.model.vocab_size, where=f"{split} split")
-    if objective in ("span_corruption", "denoising"):
-        window, transform = _seq2seq_window_transform(config, tokenizer)
-        loader = LMLoader(streams["train"], config.train.batch_size, window, seed=seed, sampler=config.data.sampler, transform=transform, **shard)
-        return loader, lambda split: eval_batches(streams[split], config.eval.batch_size, window, transform=transform, **shard)
-    if objective == "causal_lm":
-        loader = LMLoader(streams["train"], config.train.batch_size, config.data.seq_len, seed=seed, sampler=config.data.sampler, **shard)
-        return loader, lambda split: eval_batches(streams[split], config.eval.batch_size, config.data.seq_len, **shard)
-    missing = [name for name in ("cls_id", "sep_id", "mask_id", "pad_id") if getattr(tokenizer, name) is None]
-    if missing:
-        raise ValueError(f"masked-LM objectives need a tokenizer with [CLS]/[SEP]/[MASK]/[PAD]; this one lacks {missing} "
-                         "(use data.tokenizer.kind='wordpiece', or sentencepiece with user_defined_symbols)")  # fmt: skip
-    specials = sorted({i for i in tokenizer.special_ids.values() if i is not None})
-    mask_kwargs = dict(mask_id=tokenizer.mask_id, vocab_size=tokenizer.vocab_size, special_ids=specials, rate=config.objective.mask_rate)
-    if config.objective.whole_word_masking:
-        pieces = [tokenizer.decode([i]) if i not in specials else "" for i in range(tokenizer.vocab_size)]
-        mask_kwargs["continuation_mask"] = transforms.continuation_mask_from_vocab(pieces)
-    mask = functools.partial(transforms.mask_rows, seed=seed, static=config.objective.static_masking, **mask_kwargs)
-    if objective in ("mlm", "distill"):
-        window = functools.partial(
-            transforms.mlm_from_windows, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id,
-            seed=seed, static=config.objective.static_masking, **mask_kwargs,
-        )  # fmt: skip
-        inner = config.data.seq_len - 2
-        loader = LMLoader(streams["train"], config.train.batch_size, inner, seed=seed, sampler=config.data.sampler, transform=window, **shard)
-        return loader, lambda split: eval_batches(streams[split], config.eval.batch_size, inner, transform=window, **shard)
-    kind = objective.split("_")[1]
-    pairs = {
-        split: make_pair_examples(docs, tokenizer, kind=kind, max_len=config.data.seq_len, seed=seed + i,
-                                  count=config.objective.num_pair_examples if split == "train" else config.objective.num_eval_pairs)
-        for i, (split, docs) in enumerate(documents.items())
-    }  # fmt: skip
-    transform = functools.partial(masked_pairs, mask=mask)
-    loaders = {split: ExampleLoader(p, config.train.batch_size if split == "train" else config.eval.batch_size, seed=seed,
-                                    transform=transform, **shard) for split, p in pairs.items()}  # fmt: skip
-    return loaders["train"], lambda split: loaders[split].eval_batches()

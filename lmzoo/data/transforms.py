@@ -163,6 +163,15 @@ def wordpiece_word_starts(tokens: np.ndarray, continuation_mask: np.ndarray) -> 
     return ~continuation_mask[tokens]
 
 
+def truncated_lengths(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
+    """Lengths of a text pair cut to fit `budget` tokens: the longer side loses its last token until the
+    pair fits (B on ties), as in BERT's truncate_seq_pair."""
+    excess = max(len_a + len_b - budget, 0)
+    cut_a, cut_b = min(max(len_a - len_b, 0), excess), min(max(len_b - len_a, 0), excess)
+    rest = excess - cut_a - cut_b  # then both sides are equal and lose tokens in turn, B first
+    return len_a - cut_a - rest // 2, len_b - cut_b - (rest - rest // 2)
+
+
 def pair_example(
     first: list[int], second: list[int] | None, *, cls_id: int, sep_id: int, max_len: int, pad_id: int
 ) -> dict[str, np.ndarray]:
@@ -177,12 +186,7 @@ def pair_example(
     if max_len < specials:
         raise ValueError(f"pair_example needs max_len >= {specials} for [CLS] and [SEP]s; got {max_len}")
     second_part = second or []
-    len_a, len_b = len(first), len(second_part)
-    while len_a + len_b > max_len - specials:
-        if len_a > len_b:
-            len_a -= 1
-        else:
-            len_b -= 1
+    len_a, len_b = truncated_lengths(len(first), len(second_part), max_len - specials)
     tail = [] if second is None else [*second_part[:len_b], sep_id]
     real = [cls_id, *first[:len_a], sep_id, *tail]
     pad = max_len - len(real)
@@ -305,7 +309,7 @@ def seq2seq_from_windows(
 ) -> dict[str, np.ndarray]:  # fmt: skip
     """Token windows -> denoising examples, row by row with `masking_rng(seed, id, epoch)`.
 
-    batch["inputs"] [B, W] (padding where segment_ids is 0); noise(tokens [w], rng) -> {"inputs", "targets"}
+    batch["inputs"] [B, W] (padding where segment_ids is 0); noise(tokens [w], rng=) -> {"inputs", "targets"}
     (span corruption or BART noising). Returns inputs / encoder_segment_ids [B, inputs_length] and
     targets / decoder_inputs (targets shifted right after decoder_start_id) / weights [B, targets_length].
     Rows without tokens (padding of the last evaluation batch) get weight 0 everywhere.
@@ -317,7 +321,7 @@ def seq2seq_from_windows(
     }
     for i in range(b):
         tokens = batch["inputs"][i][batch["segment_ids"][i] != 0]
-        example = noise(tokens, masking_rng(seed, int(example_ids[i]), epoch=int(epochs[i])))
+        example = noise(tokens, rng=masking_rng(seed, int(example_ids[i]), epoch=int(epochs[i])))
         for key, length in (("inputs", inputs_length), ("targets", targets_length)):
             if len(example[key]) > length:
                 raise ValueError(f"noised {key} have {len(example[key])} tokens, more than the configured {length}")
@@ -325,8 +329,13 @@ def seq2seq_from_windows(
     out["encoder_segment_ids"] = (out["inputs"] != pad_id).astype(np.int32)
     real_rows = np.any(batch["segment_ids"] != 0, axis=1)
     out["weights"] = ((out["targets"] != pad_id) & real_rows[:, None]).astype(np.float32)
-    out["decoder_inputs"] = np.concatenate([np.full((b, 1), decoder_start_id, np.int32), out["targets"][:, :-1]], axis=1)
+    out["decoder_inputs"] = shift_right(out["targets"], decoder_start_id)
     return out
+
+
+def shift_right(targets: np.ndarray, start_id: int) -> np.ndarray:
+    """Decoder inputs (teacher forcing): targets [B, T] shifted one step right with `start_id` first."""
+    return np.concatenate([np.full((len(targets), 1), start_id, targets.dtype), targets[:, :-1]], axis=1)
 
 
 def gpt_classifier_example(
@@ -336,12 +345,7 @@ def gpt_classifier_example(
     "tokens", "segment_ids" [max_len] int32. The head reads the final state at the last real token
     (pooling="last"), the [EXTRACT] token. Truncates the longer text first."""
     fixed = 2 if second is None else 3
-    len_a, len_b = len(first), len(second or [])
-    while len_a + len_b > max_len - fixed:
-        if len_a > len_b:
-            len_a -= 1
-        else:
-            len_b -= 1
+    len_a, len_b = truncated_lengths(len(first), len(second or []), max_len - fixed)
     middle = [] if second is None else [delim_id, *second[:len_b]]
     real = [start_id, *first[:len_a], *middle, extract_id]
     pad = max_len - len(real)

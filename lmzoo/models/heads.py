@@ -2,8 +2,6 @@
 
     SequenceClassifier  one label per sequence from the first token ([CLS]: BERT & co.), the last
                         real token (the GPT classifier on `[START] a [DELIM] b [EXTRACT]`), or the mean.
-    TokenClassifier     one label per token (tagging).
-    SpanExtractor       start/end logits over tokens (extractive QA).
 
 Head styles of the HF checkpoints: "pooler" (BERT, ALBERT: the backbone's tanh pooler, then a
 linear layer), "dense_tanh" (RoBERTa), "dense_relu" (DistilBERT), "linear" (GPT).
@@ -70,36 +68,3 @@ class SequenceClassifier(nn.Module):
         x = dropout(x, deterministic=deterministic)
         return layers.Einsum((d, self.num_classes), ("embed", "classes"), use_bias=True, name="classifier")("BD,DC->BC", x)
 
-
-class TokenClassifier(nn.Module):
-    """tokens [B, T] -> logits [B, T, num_labels]."""
-
-    backbone: nn.Module
-    num_labels: int
-    dropout_rate: float = 0.1
-
-    @nn.compact
-    def __call__(self, tokens, *, token_types=None, segment_ids=None, positions=None, deterministic: bool = True):
-        hidden, _ = self.backbone.encode(
-            tokens, token_types=token_types, segment_ids=segment_ids, positions=positions, deterministic=deterministic
-        )
-        hidden = nn.Dropout(self.dropout_rate)(hidden, deterministic=deterministic)
-        d = hidden.shape[-1]
-        return layers.Einsum((d, self.num_labels), ("embed", "classes"), use_bias=True, name="classifier")("BTD,DC->BTC", hidden)
-
-
-class SpanExtractor(nn.Module):
-    """tokens [B, T] -> (start_logits [B, T], end_logits [B, T]); padding gets -inf."""
-
-    backbone: nn.Module
-
-    @nn.compact
-    def __call__(self, tokens, *, token_types=None, segment_ids=None, positions=None, deterministic: bool = True):
-        hidden, _ = self.backbone.encode(
-            tokens, token_types=token_types, segment_ids=segment_ids, positions=positions, deterministic=deterministic
-        )
-        d = hidden.shape[-1]
-        logits = layers.Einsum((d, 2), ("embed", "classes"), use_bias=True, name="span")("BTD,DC->BTC", hidden)
-        if segment_ids is not None:
-            logits = jnp.where((segment_ids != 0)[..., None], logits, -jnp.inf)
-        return logits[..., 0], logits[..., 1]

@@ -240,7 +240,3 @@ class Seq2Seq(nn.Module):
             deterministic=deterministic,
         )  # fmt: skip
 
-
-def shift_right(targets: jax.Array, start_id: int) -> jax.Array:
-    """Decoder inputs: targets [B, T] shifted one step right with `start_id` first."""
-    return jnp.concatenate([jnp.full(targets.shape[:1] + (1,), start_id, targets.dtype), targets[:, :-1]], axis=1)

@@ -1,44 +1,19 @@
-"""Next-token prediction loss for decoders."""
+"""Causal language modelling: next-token prediction for decoders, with the head and loss fused.
 
+The fused head + cross-entropy (`fused_head_loss`) never stores the [B, T, V] logits; the recipe
+(`CausalLM`) trains on packed windows of the run's documents.
+"""
+
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-Metrics = dict[str, tuple[jax.Array, jax.Array]]
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Weighted token cross-entropy in float32.
-
-    logits [..., V], targets [...] int, weights [...] -> (summed loss, summed weights) scalars.
-    """
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    weights = weights.astype(jnp.float32)
-    return jnp.sum((log_z - target_logit) * weights), jnp.sum(weights)
-
-
-def loss(logits: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
-    """Mean next-token loss over weighted positions.
-
-    logits [B, T, V]; batch["targets"], batch["weights"] [B, T]. Metrics are (sum, count) pairs
-    so they average exactly over microbatches, steps and hosts.
-    """
-    total, count = cross_entropy(logits, batch["targets"], batch["weights"])
-    correct = jnp.sum(top1_correct(logits, batch["targets"]) * batch["weights"])
-    mean = total / jnp.maximum(count, 1.0)
-    return mean, {"loss": (total, count), "accuracy": (correct.astype(jnp.float32), count)}
-
-
-def top1_correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """[..., V], [...] -> float [...]: 1 where the target has the highest logit (ties count as correct).
-
-    Comparing with the max instead of an argmax lets XLA share the reduction with logsumexp; a
-    separate argmax over a large vocabulary cost ~8% of a GPT-2 train step on CPU."""
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
+from lmzoo.data import pipeline
+from lmzoo.objectives import base
+from lmzoo.objectives.losses import Metrics, cross_entropy, top1_correct
+from lmzoo.train.state import Task
 
 
 def _chunks(x: jax.Array, chunk_len: int) -> jax.Array:
@@ -120,3 +95,41 @@ def fused_head_loss(
     total, correct = _fused_head_loss(hidden, embedding, batch["targets"], weights, chunk_len)
     count = jnp.sum(weights)
     return total / jnp.maximum(count, 1.0), {"loss": (total, count), "accuracy": (correct, count)}
+
+
+def causal_lm_task(model) -> Task:
+    """Next-token prediction for a decoder taking (tokens, positions, segment_ids) with `return_hidden` and
+    `output_embedding` (GPT-2): the head and loss are fused so the [B, T, V] logits are never stored."""
+
+    def init(rng, batch):
+        params = model.init({"params": rng, "dropout": rng}, batch["inputs"], positions=batch.get("positions"))["params"]
+        return params, {}
+
+    def loss(params, frozen, carry, batch, rng, *, step, train):
+        _, hidden = model.apply(
+            {"params": params}, batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
+            deterministic=not train, return_hidden=True, rngs={"dropout": rng},
+        )  # fmt: skip
+        embedding = model.apply({"params": params}, method=model.output_embedding)
+        value, metrics = fused_head_loss(hidden, embedding, batch)
+        return value, (metrics, carry)
+
+    return Task(init=init, loss=loss)
+
+
+class CausalLM(base.Objective):
+    """Decoders on packed windows of the run's documents (nanoGPT's random windows or shuffled sequential ones)."""
+
+    name = "causal_lm"
+
+    def task(self, config, model):
+        return causal_lm_task(model)
+
+    def train_loader(self, config, tokenizer, raw, shard):
+        stream = pipeline.token_stream(raw, tokenizer, config.model.vocab_size, "train split")
+        return pipeline.LMLoader(stream, config.train.batch_size, config.data.seq_len, seed=config.train.seed,
+                                 sampler=config.data.sampler, **dataclasses.asdict(shard))  # fmt: skip
+
+    def eval_batches(self, config, tokenizer, raw, shard):
+        stream = pipeline.token_stream(raw, tokenizer, config.model.vocab_size, "evaluation split")
+        return pipeline.eval_batches(stream, config.eval.batch_size, config.data.seq_len, **dataclasses.asdict(shard))

@@ -1,21 +1,181 @@
-"""Masked-LM loss and the sentence-level (NSP / SOP) classification loss."""
+"""Masked language modelling for encoders: MLM on packed windows (RoBERTa) or on sentence pairs with
+next-sentence prediction (BERT) or sentence-order prediction (ALBERT)."""
+
+import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from lmzoo.objectives.causal_lm import Metrics, cross_entropy, top1_correct
-
-
-def loss(logits: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
-    """logits [B, T, V]; batch["targets"], batch["weights"] [B, T] (1 at masked positions only)."""
-    total, count = cross_entropy(logits, batch["targets"], batch["weights"])
-    correct = jnp.sum(top1_correct(logits, batch["targets"]) * batch["weights"])
-    return total / jnp.maximum(count, 1.0), {"loss": (total, count), "accuracy": (correct.astype(jnp.float32), count)}
+from lmzoo import tokenizers
+from lmzoo.data import pipeline, transforms
+from lmzoo.objectives import base, losses
+from lmzoo.train.state import Task
 
 
-def sentence_loss(logits: jax.Array, labels: jax.Array, weights: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
-    """NSP / SOP cross-entropy. logits [B, 2], labels [B] int, weights [B] (None = all 1)."""
-    weights = jnp.ones(labels.shape, jnp.float32) if weights is None else weights
-    total, count = cross_entropy(logits, labels, weights)
-    correct = jnp.sum((jnp.argmax(logits, axis=-1) == labels) * weights).astype(jnp.float32)
-    return total / jnp.maximum(count, 1.0), {"sentence_loss": (total, count), "sentence_accuracy": (correct, count)}
+@dataclasses.dataclass(frozen=True)
+class MaskedLMConfig:
+    """Attributes:
+    mask_rate: fraction of candidate tokens selected for prediction (80% [MASK], 10% random, 10% kept).
+    whole_word_masking: WordPiece: mask all "##" pieces of a selected word together.
+    static_masking: True: one mask per example (BERT); False: a fresh mask every epoch (RoBERTa).
+    """
+
+    mask_rate: float = 0.15
+    whole_word_masking: bool = False
+    static_masking: bool = False
+
+    def __post_init__(self):
+        if not 0.0 < self.mask_rate < 1.0:
+            raise ValueError(f"config.objective.mask_rate={self.mask_rate} must lie in (0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SentencePairConfig(MaskedLMConfig):
+    """Attributes (besides MaskedLMConfig's):
+    num_pair_examples / num_eval_pairs: sentence pairs drawn once from the seed for training / evaluation.
+    sentence_loss_weight: weight of the NSP / SOP loss added to the MLM loss.
+    """
+
+    num_pair_examples: int = 100_000
+    num_eval_pairs: int = 2_000
+    sentence_loss_weight: float = 1.0
+
+
+def num_predictions(length: int, mask_rate: float) -> int:
+    """Positions per row that hold every masked position: ceil(mask_rate * T) + 1 (masking selects
+    round(mask_rate * candidates) <= that), at most T."""
+    return min(length, math.ceil(mask_rate * length) + 1)
+
+
+def gather_predictions(batch: dict[str, jax.Array], mask_rate: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The highest-weight positions [B, M] of each row and the targets / weights there [B, M]."""
+    positions = jax.lax.top_k(batch["weights"], num_predictions(batch["inputs"].shape[1], mask_rate))[1]
+    return positions, {k: jnp.take_along_axis(batch[k], positions, axis=1) for k in ("targets", "weights")}
+
+
+def masked_lm_task(model, *, mask_rate: float, sentence_loss_weight: float = 1.0) -> Task:
+    """MLM for encoders with `pretraining_logits`; adds NSP/SOP when the batch has sentence labels.
+    Logits are computed only at the `num_predictions` highest-weight positions of each row."""
+
+    def init(rng, batch):
+        params = model.init({"params": rng, "dropout": rng}, batch["inputs"], token_types=batch.get("token_types"))["params"]
+        return params, {}
+
+    def loss(params, frozen, carry, batch, rng, *, step, train):
+        positions, gathered = gather_predictions(batch, mask_rate)
+        logits, sentence_logits = model.apply(
+            {"params": params}, batch["inputs"], positions, token_types=batch.get("token_types"),
+            segment_ids=batch.get("segment_ids"), deterministic=not train, rngs={"dropout": rng},
+            method=model.pretraining_logits,
+        )  # fmt: skip
+        value, metrics = losses.token_loss(logits, gathered)
+        if sentence_logits is not None and "sentence_labels" in batch:
+            weights = batch.get("example_weights", jnp.ones(batch["sentence_labels"].shape, jnp.float32))
+            sentence_value, sentence_metrics = losses.weighted_loss(sentence_logits, batch["sentence_labels"], weights, "sentence_")
+            value = value + sentence_loss_weight * sentence_value
+            metrics = {**metrics, **sentence_metrics}
+        return value, (metrics, carry)
+
+    return Task(init=init, loss=loss)
+
+
+def mask_settings(tokenizer: tokenizers.Tokenizer, fields: MaskedLMConfig, seed: int) -> dict:
+    """Keyword arguments of `transforms.mask_rows` for the run's tokenizer."""
+    missing = [name for name in ("cls_id", "sep_id", "mask_id", "pad_id") if getattr(tokenizer, name) is None]
+    if missing:
+        raise ValueError(f"masked-LM objectives need a tokenizer with [CLS]/[SEP]/[MASK]/[PAD]; this one lacks {missing} "
+                         "(use data.tokenizer.kind='wordpiece', or sentencepiece with user_defined_symbols)")  # fmt: skip
+    specials = sorted({i for i in tokenizer.special_ids.values() if i is not None})
+    settings = dict(mask_id=tokenizer.mask_id, vocab_size=tokenizer.vocab_size, special_ids=specials, rate=fields.mask_rate,
+                    seed=seed, static=fields.static_masking)  # fmt: skip
+    if fields.whole_word_masking:
+        pieces = [tokenizer.decode([i]) if i not in specials else "" for i in range(tokenizer.vocab_size)]
+        settings["continuation_mask"] = transforms.continuation_mask_from_vocab(pieces)
+    return settings
+
+
+def window_transform(config, tokenizer: tokenizers.Tokenizer, fields: MaskedLMConfig):
+    """LMLoader transform: packed windows of T-2 tokens -> masked `[CLS] window [SEP]` rows of T tokens."""
+    return functools.partial(transforms.mlm_from_windows, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id,
+                             pad_id=tokenizer.pad_id, **mask_settings(tokenizer, fields, config.train.seed))  # fmt: skip
+
+
+class MaskedLM(base.Objective):
+    """MLM on packed windows `[CLS] window [SEP]` of the run's documents (RoBERTa's full-sentences input)."""
+
+    name = "mlm"
+    Config = MaskedLMConfig
+
+    def task(self, config, model):
+        return masked_lm_task(model, mask_rate=config.objective.mask_rate)
+
+    def train_loader(self, config, tokenizer, raw, shard):
+        stream = pipeline.token_stream(raw, tokenizer, config.model.vocab_size, "train split")
+        return pipeline.LMLoader(stream, config.train.batch_size, config.data.seq_len - 2, seed=config.train.seed,
+                                 sampler=config.data.sampler, transform=window_transform(config, tokenizer, self.fields(config)),
+                                 **dataclasses.asdict(shard))  # fmt: skip
+
+    def eval_batches(self, config, tokenizer, raw, shard):
+        stream = pipeline.token_stream(raw, tokenizer, config.model.vocab_size, "evaluation split")
+        return pipeline.eval_batches(stream, config.eval.batch_size, config.data.seq_len - 2,
+                                     transform=window_transform(config, tokenizer, self.fields(config)),
+                                     **dataclasses.asdict(shard))  # fmt: skip
+
+
+def make_pair_examples(
+    docs: list[str], tokenizer: tokenizers.Tokenizer, *, kind: str, count: int, max_len: int, seed: int
+) -> dict[str, np.ndarray]:
+    """NSP ("nsp") or sentence-order ("sop") examples, drawn once from `seed`:
+    tokens, token_types, segment_ids [count, max_len] and sentence_labels [count] (HF conventions)."""
+    sentences = [tokenizer.encode_batch(transforms.split_sentences(d, wrapped=True)) for d in docs]
+    sentences = [[s for s in doc if s] for doc in sentences]
+    sentences = [doc for doc in sentences if doc]
+    make = {"nsp": transforms.nsp_pairs, "sop": transforms.sop_pairs}[kind]
+    pairs = make(sentences, rng=np.random.default_rng([seed, 1]), count=count)
+    if not pairs:
+        raise ValueError(f"no sentence pairs could be built for {kind}; the corpus needs documents with 2+ sentences")
+    rows = [
+        transforms.pair_example(a, b, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, max_len=max_len, pad_id=tokenizer.pad_id)
+        for a, b, _ in pairs
+    ]
+    out = {"tokens": np.stack([r["tokens"] for r in rows]), "token_types": np.stack([r["token_type_ids"] for r in rows]),
+           "segment_ids": np.stack([r["segment_ids"] for r in rows])}  # fmt: skip
+    return {**out, "sentence_labels": np.array([label for _, _, label in pairs], np.int32)}
+
+
+def masked_pairs(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np.ndarray, *, mask) -> dict[str, np.ndarray]:
+    """ExampleLoader transform for NSP/SOP pairs: masks "tokens", keeps the rest."""
+    return {**mask(rows["tokens"], ids, epochs), **{k: v for k, v in rows.items() if k != "tokens"}}
+
+
+class SentencePairMLM(base.Objective):
+    """MLM plus a sentence-level task on `[CLS] A [SEP] B [SEP]` pairs: next-sentence prediction ("nsp",
+    BERT) or sentence-order prediction ("sop", ALBERT). Pairs are drawn once from the seed per split."""
+
+    Config = SentencePairConfig
+
+    def __init__(self, name: str, kind: str):
+        self.name, self.kind = name, kind
+
+    def task(self, config, model):
+        o = config.objective
+        return masked_lm_task(model, mask_rate=o.mask_rate, sentence_loss_weight=o.sentence_loss_weight)
+
+    def _loader(self, config, tokenizer, raw, shard, *, train: bool) -> pipeline.ExampleLoader:
+        fields = self.fields(config)
+        settings = mask_settings(tokenizer, fields, config.train.seed)
+        pairs = make_pair_examples(raw, tokenizer, kind=self.kind, max_len=config.data.seq_len,
+                                   seed=config.train.seed + (0 if train else 1),
+                                   count=fields.num_pair_examples if train else fields.num_eval_pairs)  # fmt: skip
+        transform = functools.partial(masked_pairs, mask=functools.partial(transforms.mask_rows, **settings))
+        batch_size = config.train.batch_size if train else config.eval.batch_size
+        return pipeline.ExampleLoader(pairs, batch_size, seed=config.train.seed, transform=transform, **dataclasses.asdict(shard))
+
+    def train_loader(self, config, tokenizer, raw, shard):
+        return self._loader(config, tokenizer, raw, shard, train=True)
+
+    def eval_batches(self, config, tokenizer, raw, shard):
+        return self._loader(config, tokenizer, raw, shard, train=False).eval_batches()

@@ -1,10 +1,19 @@
-"""Optimizer from `config.optim`: AdamW, linear warmup + cosine decay to a floor, clipping, decay mask."""
+"""Optimizer from `config.optim`: AdamW, linear warmup + cosine decay to a floor, clipping, decay mask,
+and optionally other settings for parameter subtrees (a value head at its own learning rate).
+
+`optim.groups` is a tuple of (path, overrides) pairs: the params under `path` ("value_head", or
+"backbone/blocks" for a nested subtree) get AdamW with the fields of `overrides` replaced (any of
+learning_rate, min_learning_rate, warmup_steps, decay_steps, b1, b2, eps, weight_decay); the first
+matching group wins, the rest of the params use the section's own settings. Gradients are clipped by
+their global norm over all params before the per-group updates.
+"""
 
 import ml_collections
 import optax
 from flax import traverse_util
 
 NO_DECAY_NAMES = ("bias", "scale")
+GROUP_FIELDS = ("learning_rate", "min_learning_rate", "warmup_steps", "decay_steps", "b1", "b2", "eps", "weight_decay")
 
 
 def learning_rate_schedule(optim: ml_collections.ConfigDict) -> optax.Schedule:
@@ -36,20 +45,41 @@ def weight_decay_mask(params, *, decay_embeddings: bool):
     return traverse_util.unflatten_dict({path: decays(path) for path in flat})
 
 
+def _adamw(optim: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = learning_rate_schedule(optim)
+    tx = optax.adamw(
+        schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay,
+        mask=lambda params: weight_decay_mask(params, decay_embeddings=optim.decay_embeddings),
+    )  # fmt: skip
+    return tx, schedule
+
+
+def group_labels(params, paths: list[str]):
+    """The label of every param leaf: the first of `paths` ("a/b") that prefixes its path, else "default"."""
+    prefixes = [tuple(p.split("/")) for p in paths]
+
+    def label(path) -> str:
+        return next((p for p, prefix in zip(paths, prefixes, strict=True) if path[: len(prefix)] == prefix), "default")
+
+    return traverse_util.unflatten_dict({path: label(path) for path in traverse_util.flatten_dict(params)})
+
+
 def make_optimizer(optim: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(transformation, schedule). Gradient accumulation lives in the train step, not here."""
+    """(transformation, the default group's schedule). Gradient accumulation lives in the trainer, not here."""
     if optim.name != "adamw":
         raise ValueError(f"unknown config.optim.name {optim.name!r}; supported: 'adamw'")
-    schedule = learning_rate_schedule(optim)
-    tx = optax.chain(
-        optax.clip_by_global_norm(optim.grad_clip) if optim.grad_clip > 0 else optax.identity(),
-        optax.adamw(
-            schedule,
-            b1=optim.b1,
-            b2=optim.b2,
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-            mask=lambda params: weight_decay_mask(params, decay_embeddings=optim.decay_embeddings),
-        ),
-    )
-    return tx, schedule
+    tx, schedule = _adamw(optim)
+    groups = [(path, dict(overrides)) for path, overrides in optim.get("groups", ())]
+    if groups:
+        transforms = {"default": tx}
+        for path, overrides in groups:
+            unknown = sorted(set(overrides) - set(GROUP_FIELDS))
+            if unknown:
+                raise ValueError(f"config.optim.groups[{path!r}] sets {unknown}; a group may set {list(GROUP_FIELDS)}")
+            settings = ml_collections.ConfigDict(optim.to_dict())
+            settings.update(overrides)
+            transforms[path] = _adamw(settings)[0]
+        paths = [path for path, _ in groups]
+        tx = optax.multi_transform(transforms, lambda params: group_labels(params, paths))
+    clip = optax.clip_by_global_norm(optim.grad_clip) if optim.grad_clip > 0 else optax.identity()
+    return optax.chain(clip, tx), schedule

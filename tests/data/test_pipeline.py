@@ -3,6 +3,7 @@ import pytest
 
 from lmzoo import tokenizers
 from lmzoo.data import pipeline, tfds_text, transforms
+from lmzoo.objectives import text_to_text
 
 
 def _stream():
@@ -153,15 +154,34 @@ def test_text_pairs_from_a_split_marker_or_two_fields(tmp_path):
 
 def test_text_pair_examples_keep_the_source_end_and_the_target_start():
     tokenizer = tokenizers.CharTokenizer.from_corpus(["abcdefghij"], specials=("<pad>", "<eos>"))
-    examples = pipeline.text_pair_examples([("abcdefgh", "ijab"), ("ab", "c")], tokenizer, inputs_length=5, targets_length=3)
+    examples = text_to_text.text_pair_examples([("abcdefgh", "ijab"), ("ab", "c")], tokenizer, inputs_length=5, targets_length=3)
     eos, pad = tokenizer.eos_id, tokenizer.pad_id
     assert pad is not None
     assert tokenizer.decode(examples["inputs"][0, :4].tolist()) == "efgh" and examples["inputs"][0, 4] == eos
     assert tokenizer.decode(examples["targets"][0, :2].tolist()) == "ij" and examples["targets"][0, 2] == eos
-    rows = pipeline.text_pair_rows(examples, np.arange(2), np.zeros(2, int), pad_id=pad, decoder_start_id=7)
+    rows = text_to_text.text_pair_rows(examples, np.arange(2), np.zeros(2, int), pad_id=pad, decoder_start_id=7)
     np.testing.assert_array_equal(rows["decoder_inputs"][:, 0], [7, 7])
     np.testing.assert_array_equal(rows["decoder_inputs"][:, 1:], examples["targets"][:, :-1])
     np.testing.assert_array_equal(rows["encoder_segment_ids"][1], [1, 1, 1, 0, 0])
     np.testing.assert_array_equal(rows["weights"][1], [1, 1, 0])
     with pytest.raises(ValueError, match="needs a tokenizer with <pad>"):
-        pipeline.text_pair_examples([("ab", "c")], tokenizers.CharTokenizer.from_corpus(["abc"]), inputs_length=5, targets_length=3)
+        text_to_text.text_pair_examples([("ab", "c")], tokenizers.CharTokenizer.from_corpus(["abc"]), inputs_length=5, targets_length=3)
+
+
+def test_shift_right():
+    np.testing.assert_array_equal(transforms.shift_right(np.array([[5, 6, 7]]), 0), [[0, 5, 6]])
+
+
+def test_truncated_lengths_follow_bert_truncate_seq_pair():
+    def reference(a, b, budget):
+        while a + b > budget:
+            if a > b:
+                a -= 1
+            else:
+                b -= 1
+        return a, b
+
+    for a in range(12):
+        for b in range(12):
+            for budget in range(25):
+                assert transforms.truncated_lengths(a, b, budget) == reference(a, b, budget), (a, b, budget)

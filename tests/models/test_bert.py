@@ -75,15 +75,9 @@ def test_heads(name, head, pooling):
     backbone = models.build_model(name, TINY if name == "bert" else testing.TINY_GPT2)
     tokens = testing.random_tokens((2, 8))
     mask = np.array([[1] * 8, [1] * 5 + [0] * 3], np.int32)
-    for module, shape in [
-        (heads.SequenceClassifier(backbone, 3, head=head, pooling=pooling), (2, 3)),
-        (heads.TokenClassifier(backbone, 4), (2, 8, 4)),
-    ]:
-        variables = module.init(jax.random.key(0), tokens, segment_ids=mask)
-        chex.assert_shape(module.apply(variables, tokens, segment_ids=mask), shape)
-    span = heads.SpanExtractor(backbone)
-    start, end = span.apply(span.init(jax.random.key(0), tokens, segment_ids=mask), tokens, segment_ids=mask)
-    assert np.isneginf(np.asarray(start[1, 5:])).all() and np.isfinite(np.asarray(end[0])).all()
+    module = heads.SequenceClassifier(backbone, 3, head=head, pooling=pooling)
+    variables = module.init(jax.random.key(0), tokens, segment_ids=mask)
+    chex.assert_shape(module.apply(variables, tokens, segment_ids=mask), (2, 3))
 
 
 def test_gpt_classifier_reads_the_last_real_token():

@@ -80,10 +80,6 @@ def test_relative_position_buckets_match_t5():
     np.testing.assert_array_equal(uni, [31, 17, 8, 1, 0, 0, 0, 0, 0, 0])
 
 
-def test_shift_right():
-    np.testing.assert_array_equal(seq2seq.shift_right(jnp.array([[5, 6, 7]]), 0), [[0, 5, 6]])
-
-
 @pytest.mark.parametrize(
     "fields, expected",
     [

@@ -8,7 +8,7 @@ import pytest
 from flax import linen as nn
 
 from lmzoo import models, testing
-from lmzoo.objectives import causal_lm
+from lmzoo.objectives import causal_lm, losses
 
 TINY = dict(vocab_size=97, max_len=16, emb_dim=32, num_heads=2, num_layers=2, mlp_dim=64, dropout_rate=0.0)
 
@@ -26,7 +26,7 @@ def test_fused_head_loss_matches_plain_loss_and_gradients(tie_embeddings, chunk_
     params = nn.unbox(model.init(jax.random.key(0), batch["inputs"])["params"])
 
     def plain(p):
-        return causal_lm.loss(model.apply({"params": p}, batch["inputs"]), batch)
+        return losses.token_loss(model.apply({"params": p}, batch["inputs"]), batch)
 
     def fused(p):
         _, hidden = model.apply({"params": p}, batch["inputs"], return_hidden=True)

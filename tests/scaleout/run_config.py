@@ -44,9 +44,9 @@ def main(devices: int, jobs: list[dict]) -> None:
         config = config_lib.load_saved(job["workdir"])
         if "mesh" in job:
             config.sharding.mesh_shape = tuple(job["mesh"])
-        setup = loop.build(config, job["workdir"])
-        state, data_state = loop.restore_or_init(setup)
-        setup.checkpointer.close()
+        run = loop.build(config, job["workdir"])
+        state, data_state = loop.restore_or_init(run)
+        run.checkpointer.close()
         leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
         device0 = jax.devices()[0]
         print(json.dumps({

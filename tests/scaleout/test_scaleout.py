@@ -86,9 +86,9 @@ def restore_latest(workdir: pathlib.Path, mesh_shape=None):
     config = config_lib.load_saved(str(workdir))
     if mesh_shape is not None:
         config.sharding.mesh_shape = mesh_shape
-    setup = loop.build(config, str(workdir))
-    state, data_state = loop.restore_or_init(setup)
-    setup.checkpointer.close()
+    run = loop.build(config, str(workdir))
+    state, data_state = loop.restore_or_init(run)
+    run.checkpointer.close()
     return data_state["step"], jax.device_get(state)
 
 

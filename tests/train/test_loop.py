@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from lmzoo import checkpoint
+from lmzoo import checkpoint, testing
 from lmzoo import config as config_lib
 from lmzoo.train import loop
 
@@ -15,20 +15,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _tiny_config(**train):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("default_config", ROOT / "configs" / "default.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("tiny")
-    config.train.update(train)
-    return config
+    return testing.tiny_config(**train)
 
 
 def _params(workdir):
-    setup = loop.build(config_lib.load_saved(workdir), workdir)
-    step, state, data_state = setup.checkpointer.restore_latest(setup.abstract_state)
-    setup.checkpointer.close()
+    run = loop.build(config_lib.load_saved(workdir), workdir)
+    step, state, data_state = run.checkpointer.restore_latest(run.abstract_state)
+    run.checkpointer.close()
     return step, jax.device_get(state), data_state
 
 

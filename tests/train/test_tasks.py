@@ -10,7 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from lmzoo.train import loop
+from lmzoo import testing
+from lmzoo.evaluation.generation import sample_text
+from lmzoo.train import loop, restore
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
@@ -37,7 +39,26 @@ def test_classifier_fine_tunes_from_a_pretraining_checkpoint(tmp_path):
     config = _config("sst2", "tiny")
     config.init_from = f"ckpt:{tmp_path / 'pretrain'}"
     final = loop.train_and_evaluate(config, str(tmp_path / "finetune"))
+    assert 0.0 <= final["accuracy"] <= 1.0 and final["examples"] == 256 and 0.0 <= final["macro_f1"] <= 1.0
+
+
+def test_gpt_classifier_fine_tunes_from_a_decoder_checkpoint(tmp_path):
+    """Radford et al.'s [START] a [EXTRACT] on SST-2 from a causal-LM run; the token table gains three rows."""
+    pretrain = testing.tiny_config(sample_tokens=0)
+    loop.train_and_evaluate(pretrain, str(tmp_path / "pretrain"))
+    config = _config("sst2", "tiny,gpt")
+    config.model.update({k: pretrain.model[k] for k in ("num_layers", "emb_dim", "num_heads", "mlp_dim", "max_len")})
+    config.init_from = f"ckpt:{tmp_path / 'pretrain'}"
+    final = loop.train_and_evaluate(config, str(tmp_path / "finetune"))
     assert 0.0 <= final["accuracy"] <= 1.0 and final["examples"] == 256
+    run = restore.open_run(str(tmp_path / "finetune"))
+    batch = next(iter(run.eval_batches("validation")))
+    extract = batch["inputs"][np.arange(len(batch["inputs"])), batch["segment_ids"].sum(axis=1) - 1]
+    assert (batch["inputs"][:, 0] == 258).all() and (extract == 260).all() and "token_types" not in batch
+    run.checkpointer.close()
+    pretrained = restore.load(str(tmp_path / "pretrain")).params["wte"]["embedding"]
+    tuned = restore.load(str(tmp_path / "finetune")).params["backbone"]["wte"]["embedding"]
+    assert pretrained.shape == (258, 32) and tuned.shape == (261, 32)
 
 
 def test_distillation_trains_student_against_frozen_teacher(tmp_path):
@@ -46,25 +67,27 @@ def test_distillation_trains_student_against_frozen_teacher(tmp_path):
     config.objective.teacher = f"ckpt:{tmp_path / 'teacher'}"
     final = loop.train_and_evaluate(config, str(tmp_path / "student"))
     assert np.isfinite(final["distill_loss"]) and 0.0 <= final["cosine_loss"] <= 2.0
-    setup = loop.build(loop.config_lib.load_saved(str(tmp_path / "student")), str(tmp_path / "student"))
-    _, state, _ = setup.checkpointer.restore_latest(setup.abstract_state)
-    teacher_setup = loop.build(loop.config_lib.load_saved(str(tmp_path / "teacher")), str(tmp_path / "teacher"))
-    _, teacher_state, _ = teacher_setup.checkpointer.restore_latest(teacher_setup.abstract_state)
-    for a, b in zip(jax.tree.leaves(state.frozen["teacher"]), jax.tree.leaves(teacher_state.params), strict=True):
-        np.testing.assert_array_equal(a, b)  # the teacher never changes
+    student = restore.open_run(str(tmp_path / "student"))
+    state, _ = loop.restore_or_init(student)
+    student.checkpointer.close()
+    teacher = restore.load(str(tmp_path / "teacher"))
+    for a, b in zip(jax.tree.leaves(state.frozen["teacher"]), jax.tree.leaves(teacher.params), strict=True):
+        np.testing.assert_array_equal(a, b)  # the teacher never changes: read again from its workdir on resume
     assert len(state.params["blocks"]) == 1
+    saved = {p.name for p in (tmp_path / "student" / "checkpoints" / "4" / "state" / "d").parent.rglob("*")}
+    assert not any("teacher" in name for name in saved)  # frozen parameters are not checkpointed
 
 
 @pytest.mark.parametrize("name,beam_size", [("t5", 2), ("bart", 1), ("transformer", 1)])
 def test_denoising_pretraining_runs(tmp_path, name, beam_size):
     final = loop.train_and_evaluate(_config(name, "tiny,test"), str(tmp_path))
     assert np.isfinite(final["loss"]) and final["tokens"] > 0
-    setup = loop.build(loop.config_lib.load_saved(str(tmp_path)), str(tmp_path))
-    _, state, _ = setup.checkpointer.restore_latest(setup.abstract_state)
-    text = loop.sample_text(setup, loop.host_params(setup, state), "The Time Traveller", max_new_tokens=4, temperature=0.0,
-                            top_k=0, top_p=1.0, seed=0)  # fmt: skip
-    assert isinstance(text, str) and len(setup.tokenizer.encode(text)) <= 4
-    setup.checkpointer.close()
+    run = restore.open_run(str(tmp_path))
+    _, state = restore.restore_step(run)
+    text = sample_text(run, loop.host_params(run, state), "The Time Traveller", max_new_tokens=4, temperature=0.0,
+                       top_k=0, top_p=1.0, seed=0)  # fmt: skip
+    assert isinstance(text, str) and len(run.tokenizer.encode(text)) <= 4
+    run.checkpointer.close()
     result = subprocess.run(
         [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", "--reconstruct=3", f"--beam_size={beam_size}", "--max_batches=1"],
         capture_output=True, text=True, cwd=ROOT,

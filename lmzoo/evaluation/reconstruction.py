@@ -1,6 +1,6 @@
 """How well a denoising encoder-decoder (T5 span corruption, BART denoising) restores the original text.
 
-`evaluate_reconstruction(setup, state, split, num_examples, beam_size=1)` decodes the encoder input of
+`evaluate_reconstruction(run, state, split, num_examples=200, beam_size=1)` decodes the encoder input of
 the split's evaluation examples (greedy, or beam search when beam_size > 1), turns each prediction into
 the text it implies and scores it against the uncorrupted text:
 
@@ -29,17 +29,6 @@ from lmzoo import decoding, sharding, tokenizers
 from lmzoo.data import noising
 from lmzoo.train import loop
 from lmzoo.train import metrics as metrics_lib
-
-OBJECTIVES = ("span_corruption", "denoising")
-
-
-def check_objective(objective: str) -> None:
-    """Raises unless `objective` (config.objective.name) is a denoising objective this module scores."""
-    if objective not in OBJECTIVES:
-        raise ValueError(
-            f"reconstruction metrics need a denoising encoder-decoder run (config.objective.name one of "
-            f"{', '.join(OBJECTIVES)}); this run's objective is {objective!r}"
-        )
 
 
 def reconstruct_tokens(objective: str, inputs: np.ndarray, prediction: np.ndarray, *, sentinel_ids, eos_id: int) -> np.ndarray:
@@ -75,38 +64,36 @@ def text_metrics(hypotheses: list[str], references: list[str]) -> dict[str, floa
     }
 
 
-def _decode(setup: loop.Setup, params, inputs: np.ndarray, segments: np.ndarray, length: int, beam_size: int) -> np.ndarray:
+def _decode(run: loop.Run, params, inputs: np.ndarray, segments: np.ndarray, length: int, beam_size: int) -> np.ndarray:
     """Decoder outputs [N, length] for encoder inputs [N, S]: greedy, or the best of `beam_size` beams."""
-    pad_id = setup.tokenizer.pad_id or 0
+    pad_id = run.tokenizer.pad_id or 0
     if beam_size > 1:
         # eos_id -1 matches no token: every hypothesis runs to `length` (targets may hold EOS mid-way).
-        tokens, _ = decoding.beam_search(setup.model, params, inputs, beam_size=beam_size, max_new_tokens=length, eos_id=-1,
+        tokens, _ = decoding.beam_search(run.model, params, inputs, beam_size=beam_size, max_new_tokens=length, eos_id=-1,
                                          pad_id=pad_id, encoder_segment_ids=segments)  # fmt: skip
     else:
-        tokens = decoding.generate_seq2seq(setup.model, params, inputs, rng=jax.random.key(0), max_new_tokens=length,
+        tokens = decoding.generate_seq2seq(run.model, params, inputs, rng=jax.random.key(0), max_new_tokens=length,
                                            encoder_segment_ids=segments, temperature=0.0, eos_id=None, pad_id=pad_id)  # fmt: skip
     return np.asarray(tokens)
 
 
-def evaluate_reconstruction(setup: loop.Setup, state, split: str = "validation", num_examples: int = 200, *,
+def evaluate_reconstruction(run: loop.Run, state, split: str = "validation", *, num_examples: int = 200,
                             beam_size: int = 1) -> tuple[dict[str, float], list[dict[str, str]]]:  # fmt: skip
     """(metrics, examples) over the first `num_examples` complete windows of `split`; see the module doc.
 
     Each example is {"corrupted", "reconstruction", "original"} text. Single process only.
     """
-    config, tokenizer = setup.config, setup.tokenizer
-    objective = config.objective.name
-    check_objective(objective)
+    tokenizer, objective = run.tokenizer, run.config.objective.name
     if num_examples < 1 or beam_size < 1:
         raise ValueError(f"num_examples and beam_size must be at least 1; got {num_examples} and {beam_size}")
     if jax.process_count() > 1:
         raise NotImplementedError("reconstruction metrics run in a single process; evaluate with one host")
     sentinel_ids = [tokenizer.sentinel_id(i) for i in range(getattr(tokenizer, "extra_ids", 0))]
     eos = tokenizer.eos_id
-    params = loop.host_params(setup, state)
+    params = loop.host_params(run, state)
     markers = sentinel_ids + ([tokenizer.mask_id] if tokenizer.mask_id is not None else [])
     examples, copies, total = [], [], None
-    for batch in setup.eval_batches(split):
+    for batch in run.eval_batches(split):
         if len(examples) >= num_examples:
             break
         width = batch["targets"].shape[1]
@@ -115,10 +102,10 @@ def evaluate_reconstruction(setup: loop.Setup, state, split: str = "validation",
         if not keep.any():
             continue
         masked = {**batch, "weights": batch["weights"] * keep[:, None]}
-        with setup.context():
-            step_metrics = setup.compiled.eval_step(state, sharding.put_batch(masked, setup.compiled.batch_sharding))
+        with run.context():
+            step_metrics, _ = run.compiled.eval_step(state, sharding.put_batch(masked, run.compiled.batch_sharding), {})
         total = metrics_lib.accumulate(total, step_metrics)
-        predictions = _decode(setup, params, batch["inputs"][keep], batch["encoder_segment_ids"][keep], width, beam_size)
+        predictions = _decode(run, params, batch["inputs"][keep], batch["encoder_segment_ids"][keep], width, beam_size)
         rows = zip(batch["inputs"][keep], batch["encoder_segment_ids"][keep], batch["targets"][keep], predictions, strict=True)
         for inputs, segments, targets, prediction in rows:
             inputs = inputs[segments != 0]

@@ -1,0 +1,131 @@
+"""What an objective is: one class per training recipe, registered by name in `lmzoo.objectives.REGISTRY`.
+
+An objective owns everything that differs between recipes: its config fields (a frozen dataclass;
+`config.objective` is `name` plus exactly those fields), how its data is read, tokenized and batched,
+the shapes of the batch its model is initialised with (so a checkpoint restores without reading any
+data), the network (a family model, maybe wrapped in a head), the `Task` (init + loss) or a whole
+trainer, frozen subtrees loaded from elsewhere (a distillation teacher), and the evaluators that
+`eval.py` and in-loop evaluation run. The loop, checkpoints and evaluation are written once around it.
+"""
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+
+from lmzoo import models, tokenizers
+from lmzoo.data import pipeline
+from lmzoo.train.state import Task
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class NoFields:
+    """The config of an objective without settings of its own."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Which rows of every global batch this process materialises."""
+
+    process_index: int = 0
+    process_count: int = 1
+
+
+def int_inputs(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, np.int32)
+
+
+def float_inputs(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, np.float32)
+
+
+class Objective:
+    """Base class: a language-modelling recipe on documents (`config.data` through `pipeline.load_documents`).
+
+    Subclasses set `name` and `Config` and override what differs. Raw data of a split is whatever
+    `read` returns for it (documents by default); the tokenizer is trained on `corpus(raw)` when it
+    needs a corpus.
+    """
+
+    name: str = ""
+    Config: type = NoFields
+    evaluators: tuple[str, ...] = ("loss",)  # names in lmzoo.evaluation.EVALUATORS
+
+    def fields(self, config: ml_collections.ConfigDict) -> Any:
+        """config.objective's fields as this objective's Config (which validates them)."""
+        return self.Config(**{k: v for k, v in config.objective.items() if k != "name"})
+
+    def check(self, config: ml_collections.ConfigDict) -> None:
+        """Checks across config sections (e.g. lengths against the model's positions); raises ValueError."""
+        check_length(config, "seq_len", config.data.seq_len)
+
+    def read(self, config: ml_collections.ConfigDict) -> dict[str, Any]:
+        """{"train": raw, "validation": raw} from config.data."""
+        return pipeline.load_documents(config.data)
+
+    def read_file(self, config: ml_collections.ConfigDict, path: str) -> Any:
+        """The raw examples of one file given on the command line (eval.py --data)."""
+        return pipeline.read_local_text(path, config.data.text_field, config.data.document_unit)
+
+    def corpus(self, raw: Any) -> list[str]:
+        """The texts of a split's raw examples (a tokenizer trained on the run's data learns from them)."""
+        return raw
+
+    def model(self, config: ml_collections.ConfigDict) -> nn.Module:
+        return models.build_model(config.model_name, config.model.to_dict())
+
+    def task(self, config: ml_collections.ConfigDict, model: nn.Module) -> Task:
+        raise NotImplementedError
+
+    def trainer(self, config: ml_collections.ConfigDict, model: nn.Module):
+        """The trainer (`lmzoo.train.trainer`) the loop runs: supervised on `task` by default."""
+        from lmzoo.train import optim, trainer
+
+        tx, schedule = optim.make_optimizer(config.optim)
+        return trainer.SupervisedTrainer(self.task(config, model), tx, schedule, self.input_shapes(config, config.train.batch_size),
+                                         grad_accum_steps=config.train.grad_accum_steps)  # fmt: skip
+
+    def input_shapes(self, config: ml_collections.ConfigDict, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """The arrays `task.init` reads, at the global batch size."""
+        return {"inputs": int_inputs((batch_size, config.data.seq_len))}
+
+    def train_loader(self, config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer, raw: Any, shard: Shard):
+        """A loader whose `batch(step)` is a pure function of (seed, step, process)."""
+        raise NotImplementedError
+
+    def eval_batches(self, config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer, raw: Any,
+                     shard: Shard) -> Iterator[Batch]:  # fmt: skip
+        """Every example of a split once (padding rows weighted 0)."""
+        raise NotImplementedError
+
+    def load_frozen(self, config: ml_collections.ConfigDict, frozen: Any) -> Any:
+        """Frozen subtrees (host arrays, shaped like `frozen`) read from the paths the config names.
+
+        Frozen parameters are never checkpointed: a resumed run reads them again from their paths."""
+        return frozen
+
+    def init_params(self, config: ml_collections.ConfigDict, params: Any, frozen: Any) -> Any:
+        """Fresh trainable params (host arrays) adjusted before training starts (e.g. copied from `frozen`)."""
+        return params
+
+    def real_tokens(self, batch: Batch) -> int:
+        """Non-padding tokens of a host batch (what tokens_per_sec counts)."""
+        if "segment_ids" in batch:
+            return int(np.count_nonzero(batch["segment_ids"]))
+        return int(batch["inputs"].size)
+
+
+def check_length(config: ml_collections.ConfigDict, field: str, length: int) -> None:
+    """Raises unless `length` tokens (+ the family's position offset) fit the model's position table."""
+    max_len, offset = config.model.get("max_len"), config.model.get("position_offset", 0)
+    if max_len is not None and length + offset > max_len:
+        raise ValueError(
+            f"config.data.{field}={length} (+ position_offset {offset}) is longer than the model's "
+            f"positions (config.model.max_len={max_len}); shorten {field} or raise max_len"
+        )

@@ -1,0 +1,85 @@
+"""Supervised encoder-decoders on (source, target) text pairs: translation, summarisation, dialogue responses."""
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from lmzoo import tokenizers
+from lmzoo.data import pipeline, transforms
+from lmzoo.objectives import base, denoising
+
+
+def text_pair_examples(
+    pairs: list[tuple[str, str]], tokenizer: tokenizers.Tokenizer, inputs_length: int, targets_length: int
+) -> dict[str, np.ndarray]:
+    """Tokenized pairs, each side ending in EOS and padded: inputs [N, inputs_length] (a long source keeps
+    its end, where a prompt's question is), targets [N, targets_length] (a long target keeps its start)."""
+    eos, pad = tokenizer.eos_id, tokenizer.pad_id
+    if pad is None or eos is None:
+        raise ValueError("text_to_text needs a tokenizer with <pad> and <eos> ids (sentencepiece has both)")
+    sources = tokenizer.encode_batch([s for s, _ in pairs])
+    targets = tokenizer.encode_batch([t for _, t in pairs])
+    out = {"inputs": np.full((len(pairs), inputs_length), pad, np.int32), "targets": np.full((len(pairs), targets_length), pad, np.int32)}
+    for i, (source, target) in enumerate(zip(sources, targets, strict=True)):
+        source = source[len(source) - (inputs_length - 1):] if len(source) >= inputs_length else source
+        target = target[: targets_length - 1]
+        out["inputs"][i, : len(source) + 1] = [*source, eos]
+        out["targets"][i, : len(target) + 1] = [*target, eos]
+    return out
+
+
+def text_pair_rows(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np.ndarray, *, pad_id: int, decoder_start_id: int) -> dict[str, np.ndarray]:
+    """ExampleLoader transform for (inputs, targets) rows: encoder segment ids, decoder inputs, weights."""
+    targets = rows["targets"]
+    return {
+        "inputs": rows["inputs"], "encoder_segment_ids": (rows["inputs"] != pad_id).astype(np.int32), "targets": targets,
+        "decoder_inputs": transforms.shift_right(targets, decoder_start_id), "weights": (targets != pad_id).astype(np.float32),
+    }  # fmt: skip
+
+
+class TextToText(base.Objective):
+    """Pairs from a .jsonl/.tsv file (`data.source='pairs'`): two `data.text_fields`, or one split at
+    `data.split_marker` (HH-RLHF: the conversation so far -> the final response). The last
+    `data.validation_fraction` of the pairs are held out."""
+
+    name = "text_to_text"
+
+    def check(self, config):
+        if config.data.source != "pairs":
+            raise ValueError("text_to_text trains on (source, target) pairs: set config.data.source='pairs'")
+        base.check_length(config, "seq_len", config.data.seq_len)
+        base.check_length(config, "target_seq_len", config.data.target_seq_len)
+
+    def task(self, config, model):
+        return denoising.seq2seq_task(model)
+
+    def read(self, config):
+        train, validation = pipeline.split_documents(self.read_file(config, config.data.path), config.data.validation_fraction)
+        return {"train": train, "validation": validation}
+
+    def read_file(self, config, path):
+        return pipeline.read_text_pairs(path, tuple(config.data.text_fields), config.data.split_marker)
+
+    def corpus(self, raw):
+        return [f"{source}\n{target}" for source, target in raw]
+
+    def input_shapes(self, config, batch_size):
+        return {"inputs": base.int_inputs((batch_size, config.data.seq_len)),
+                "decoder_inputs": base.int_inputs((batch_size, config.data.target_seq_len))}  # fmt: skip
+
+    def real_tokens(self, batch):
+        return denoising.seq2seq_real_tokens(batch)
+
+    def _loader(self, config, tokenizer, raw, shard, batch_size: int, where: str) -> pipeline.ExampleLoader:
+        examples = text_pair_examples(raw, tokenizer, config.data.seq_len, config.data.target_seq_len)
+        for key in ("inputs", "targets"):
+            transforms.check_token_ids(examples[key], config.model.vocab_size, where=f"{where} {key}")
+        transform = functools.partial(text_pair_rows, pad_id=tokenizer.pad_id, decoder_start_id=config.model.decoder_start_id)
+        return pipeline.ExampleLoader(examples, batch_size, seed=config.train.seed, transform=transform, **dataclasses.asdict(shard))
+
+    def train_loader(self, config, tokenizer, raw, shard):
+        return self._loader(config, tokenizer, raw, shard, config.train.batch_size, "train")
+
+    def eval_batches(self, config, tokenizer, raw, shard):
+        return self._loader(config, tokenizer, raw, shard, config.eval.batch_size, "evaluation").eval_batches()

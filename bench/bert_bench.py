@@ -4,7 +4,7 @@ host masking pipeline against the step's consumption.
     python bench/bert_bench.py [--rounds 3] [--quick]
 
 Measures, in interleaved rounds because the machine's speed drifts: (1) MLM train tokens/s of the same encoder
-in lmzoo (`compile_task` + `masked_lm_task`, the step `lmzoo.train.loop` runs, with MLM logits only at the
+in lmzoo (`compile_trainer` + `masked_lm_task`, the step `lmzoo.train.loop` runs, with MLM logits only at the
 M = ceil(0.15 T) + 1 highest-weight positions), in lmzoo with full [B, T, V] logits (as HF computes them) and in
 torch eager, all on one batch masked by `mask_rows`; (2) examples/s of the real data path of configs/bert.py
 (KJV, bert-base-uncased WordPiece, `make_loaders`: mlm_nsp sentence pairs through ExampleLoader + masked_pairs,

@@ -1,6 +1,7 @@
 """Helpers shared by the benchmarks: a wall-clock timer and the machine's f32 matmul peak."""
 
 import functools
+import pathlib
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +26,33 @@ def median(values) -> float:
     return float(statistics.median(values))
 
 
+def interleaved_ms(runs: dict[str, tuple[Callable, object]], repeats: int) -> dict[str, tuple[float, float]]:
+    """name -> (fn, arg): (min, median) ms of `fn(arg)` (or `fn()` when arg is None), after two warm-up
+    calls, timing the functions in alternating order so the machine's drift hits all of them alike."""
+
+    def call(fn, arg):
+        return jax.block_until_ready(fn() if arg is None else fn(arg))
+
+    for fn, arg in runs.values():
+        call(fn, arg)
+        call(fn, arg)
+    seconds = {name: [] for name in runs}
+    for r in range(repeats):
+        for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+            seconds[name].append(timed(functools.partial(call, *runs[name])))
+    return {name: (1e3 * min(s), 1e3 * median(s)) for name, s in seconds.items()}
+
+
+def cpu_model_and_isa() -> tuple[str, str]:
+    """The CPU model and the widest vector ISA it offers (XLA:CPU compiles for the host's features)."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    fields = [line.split(":", 1) for line in cpuinfo.read_text().splitlines() if ":" in line] if cpuinfo.exists() else []
+    model = next((value.strip() for key, value in fields if key.strip() == "model name"), "unknown")
+    flags = next((set(value.split()) for key, value in fields if key.strip() == "flags"), set())
+    isa = [name for name in ("avx512_bf16", "avx512f", "avx2", "avx", "sse4_2") if name in flags]
+    return model, "+".join(isa[:2]) or "unknown"
+
+
 def matmul_peak(sizes=(1024, 2048), repeats: int = 5) -> dict[int, float]:
     """Best GFLOP/s of a jitted float32 `a @ b` for each square size (compiled and warmed first)."""
     matmul = jax.jit(jnp.matmul)
@@ -45,6 +73,8 @@ def announce(name: str, label: str, spec, rounds: int) -> dict[str, float]:
 
     print(f"{name} bench: {label} {spec}, {rounds} round(s), jax {jax.__version__} on {jax.devices()[0].platform}, "
           f"torch {torch.__version__}", flush=True)  # fmt: skip
+    model, isa = cpu_model_and_isa()
+    print(f"CPU: {model}, ISA: {isa}")
     load = {"start": os.getloadavg()[0]}
     print(f"load average at start: {load['start']:.2f} on {os.cpu_count()} cores")
     if load["start"] > 1.0:

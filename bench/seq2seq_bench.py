@@ -5,7 +5,7 @@ greedy decoding vs HF `generate`.
     python bench/seq2seq_bench.py [--rounds 3] [--quick]
 
 Measures, in interleaved rounds because the machine's speed drifts: (1) train tokens/s (encoder + decoder
-tokens per step) of one T5 v1.0 config in lmzoo (`compile_task` + `seq2seq_task`, the step `lmzoo.train.loop`
+tokens per step) of one T5 v1.0 config in lmzoo (`compile_trainer` + `seq2seq_task`, the step `lmzoo.train.loop`
 runs) and in torch eager on the same batch, lmzoo's MFU against the matmul peak measured in the same round;
 (2) encoder-input tokens/s of the real data path of configs/t5.py (span corruption) and configs/bart.py (sentence
 permutation + text infilling) on The Time Machine (`make_loaders`: LMLoader + seq2seq_from_windows) against

@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from lmzoo import layers
 from lmzoo.data import pipeline
 from lmzoo.objectives import base
 from lmzoo.objectives.losses import Metrics, cross_entropy, top1_correct
@@ -29,7 +30,7 @@ def _unchunk(x: jax.Array) -> jax.Array:
 
 
 def _chunk_logits(hidden_chunk: jax.Array, embedding: jax.Array) -> jax.Array:
-    return jnp.einsum("BCD,VD->BCV", hidden_chunk, embedding, preferred_element_type=jnp.float32)
+    return layers.project("BCD,VD->BCV", hidden_chunk, embedding, preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -59,8 +60,10 @@ def _fused_head_loss_bwd(chunk_len, residuals, cotangents):
         probs = jnp.exp(logits - z[..., None])
         logits_grad = probs - jax.nn.one_hot(t, logits.shape[-1], dtype=probs.dtype)
         logits_grad = (logits_grad * (w * loss_cotangent)[..., None]).astype(hidden.dtype)
-        hidden_grad = jnp.einsum("BCV,VD->BCD", logits_grad, embedding.astype(hidden.dtype))
-        embedding_grad += jnp.einsum("BCV,BCD->VD", logits_grad, h, preferred_element_type=jnp.float32)
+        hidden_grad = layers.project("BCV,VD->BCD", logits_grad, embedding.astype(hidden.dtype))
+        # [V, B*C] @ [B*C, D]: one contracted axis, as in `layers.project`.
+        flat_logits_grad, flat_hidden = logits_grad.reshape(-1, logits_grad.shape[-1]), h.reshape(-1, h.shape[-1])
+        embedding_grad += jnp.matmul(flat_logits_grad.T, flat_hidden, preferred_element_type=jnp.float32)
         return embedding_grad, hidden_grad
 
     xs = (_chunks(hidden, chunk_len), _chunks(targets, chunk_len), _chunks(weights, chunk_len), log_z)

@@ -1,0 +1,137 @@
+"""Where the time of lmzoo's train step goes, at the Shakespeare-char shape (B 12, T 64, D 128, 4 layers).
+
+    python bench/step_profile.py [--config=configs/shakespeare_char.py] [--steps 30]
+
+Prints (1) forward, forward+backward and the production train step (min and median ms over
+interleaved repeats) and (2) an XLA profile of the train step: the op time (summed over XLA's
+threads) of every compiled HLO op, grouped by the module its metadata names (attention, MLP,
+LayerNorm, embeddings, head + loss, optimizer), plus the 12 most
+expensive ops. Op names ending in `_fusion` are loop fusions; `ynn_fusion` / `dot` are matmuls.
+"""
+
+import argparse
+import collections
+import glob
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import sys
+import tempfile
+
+import jax
+import numpy as np
+from jax._src.lib import _profile_data
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
+from lmzoo import models  # noqa: E402
+from lmzoo.objectives import causal_lm  # noqa: E402
+
+PARTS = [  # (group, pattern on the op's metadata name), first match wins
+    ("head + loss", r"fused_head_loss|causal_lm|output_embedding"),
+    ("attention q/k/v/out", r"/attn/(query|key|value|out)/"),
+    ("attention core", r"/attn/"),
+    ("mlp", r"/mlp/"),
+    ("layernorm", r"/ln_"),
+    ("embeddings", r"/wte/|/wpe/|GPT2/add"),
+]
+
+
+def load_config(path: str):
+    spec = importlib.util.spec_from_file_location("bench_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def op_metadata(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> its metadata op_name (the jaxpr path, e.g. transpose(jvp(GPT2))/blocks/...)."""
+    pattern = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = .*?op_name=\"([^\"]*)\"")
+    return {m.group(1): m.group(2) for m in map(pattern.match, hlo_text.splitlines()) if m}
+
+
+def classify(op_name: str) -> str:
+    """The module an op belongs to, from its metadata name. A fusion carries its root op's name, so
+    forward and backward cannot be told apart reliably (a backward fusion often ends in a forward op)."""
+    if "GPT2" not in op_name and "head_loss" not in op_name:
+        return "optimizer + other"
+    return next((group for group, pattern in PARTS if re.search(pattern, op_name)), "other model ops")
+
+
+def profile_ops(run, hlo_text: str, steps: int) -> tuple[dict, list]:
+    """Per-step op time (ms) by module and the top ops, from a jax.profiler trace of `run(steps)`."""
+    metadata = op_metadata(hlo_text)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            run(steps)
+        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        data = _profile_data.ProfileData.from_file(path)
+        op_ns = collections.Counter()
+        for plane in data.planes:
+            for line in plane.lines:
+                for event in line.events:
+                    if event.name in metadata:
+                        op_ns[event.name] += event.duration_ns
+    groups = collections.Counter()
+    for name, ns in op_ns.items():
+        groups[classify(metadata[name])] += ns / steps / 1e6
+    top = [(name, ns / steps / 1e6, metadata[name]) for name, ns in op_ns.most_common(12)]
+    return dict(groups), top
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--config", default=str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.py")
+    )
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    config = load_config(args.config)
+    load = common.announce(
+        "step_profile", args.config, f"B={config.train.batch_size} T={config.data.seq_len}", args.steps
+    )
+    peak = common.matmul_peak()
+    print("matmul peak (f32, best of 5): " + ", ".join(f"{n}: {g:.1f} GFLOP/s" for n, g in peak.items()), flush=True)
+    b, t = config.train.batch_size, config.data.seq_len
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (b, t + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((b, t), np.float32)}
+    task = causal_lm.causal_lm_task(models.build_model(config.model_name, config.model.to_dict()))
+    trainer = common.LmzooTrainer(task, batch, config.optim)
+    params, rng = trainer.state.params, jax.random.key(0)
+
+    def loss(p):
+        return task.loss(p, {}, {}, batch, rng, step=0, train=True)[0]
+
+    with trainer.compiled.context():
+        timings = common.interleaved_ms(
+            {"forward": (jax.jit(loss), params), "forward+backward": (jax.jit(jax.grad(loss)), params)}, args.steps
+        )
+    timings["train step"] = common.interleaved_ms({"train step": (lambda: trainer.run(1), None)}, args.steps)[
+        "train step"
+    ]
+    for name, (fastest, median) in timings.items():
+        print(f"{name:>18}: min {fastest:7.2f} ms, median {median:7.2f} ms")
+    print(f"backward/forward (min): {timings['forward+backward'][0] / timings['forward'][0] - 1:.2f}")
+
+    hlo_text = trainer.compiled.step.lower(trainer.state, trainer.batch).compile().as_text()
+    groups, top = profile_ops(trainer.run, hlo_text, args.steps)
+    total = sum(groups.values())
+    print(f"\nop time per train step (summed over threads): {total:.2f} ms")
+    for part, ms in sorted(groups.items(), key=lambda item: -item[1]):
+        print(f"  {part:<20} {ms:7.2f} ms {ms / total:6.1%}")
+    print("top ops:")
+    for name, ms, op_name in top:
+        print(f"  {ms:7.2f} ms  {name:<28} {op_name[-90:]}")
+    load["end"] = os.getloadavg()[0]
+    record = {
+        "bench": "step_profile", "config": args.config, "matmul_peak_gflops": peak, "timings_ms": timings, "load_average": load,
+        "op_ms": groups,
+    }  # fmt: skip
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""`layers.project`: the 2-D matmul form of projection einsums (values, gradients, fallback)."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmzoo import layers
+
+PROJECTIONS = [
+    ("BTD,DNH->BTNH", (2, 8, 16), (16, 4, 4)),
+    ("BTNH,NHD->BTD", (2, 8, 4, 4), (4, 4, 16)),
+    ("BTD,VD->BTV", (2, 8, 16), (32, 16)),
+    ("BD,DC->BC", (2, 16), (16, 3)),
+]
+
+
+def _operands(x_shape, kernel_shape):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=x_shape).astype(np.float32), rng.normal(size=kernel_shape).astype(np.float32)
+
+
+@pytest.mark.parametrize(("eqn", "x_shape", "kernel_shape"), PROJECTIONS)
+def test_project_equals_einsum_in_value_and_gradients(eqn, x_shape, kernel_shape):
+    x, kernel = _operands(x_shape, kernel_shape)
+    weights = np.random.default_rng(1).normal(size=jnp.einsum(eqn, x, kernel).shape).astype(np.float32)
+
+    def loss(contract):
+        return lambda x, kernel: jnp.sum(weights * contract(eqn, x, kernel))
+
+    chex.assert_trees_all_close(layers.project(eqn, x, kernel), jnp.einsum(eqn, x, kernel), atol=1e-5)
+    chex.assert_trees_all_close(
+        jax.grad(loss(layers.project), argnums=(0, 1))(x, kernel),
+        jax.grad(loss(jnp.einsum), argnums=(0, 1))(x, kernel),
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize(("eqn", "x_shape", "kernel_shape"), PROJECTIONS)
+def test_project_is_one_two_dimensional_dot(eqn, x_shape, kernel_shape):
+    """Every dot of the forward and backward pass has 2-D operands and one contracted axis."""
+    x, kernel = _operands(x_shape, kernel_shape)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, k: jnp.sum(layers.project(eqn, x, k)), argnums=(0, 1)))(x, kernel)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3  # forward, input gradient, kernel gradient
+    for dot in dots:
+        assert [v.aval.ndim for v in dot.invars] == [2, 2]
+        (contracting, _), _ = dot.params["dimension_numbers"]
+        assert len(contracting) == 1
+
+
+def test_non_projection_equations_fall_back_to_einsum():
+    query, key = _operands((2, 8, 4, 4), (2, 6, 4, 4))
+    chex.assert_trees_all_close(
+        layers.project("BTNH,BSNH->BNTS", query, key), jnp.einsum("BTNH,BSNH->BNTS", query, key), atol=1e-5
+    )
+
+
+def test_cpu_attention_equals_jax_attention_with_masks_and_bias():
+    """The explicit head-major attention used on CPU matches `jax.nn.dot_product_attention` in value and gradients."""
+    rng = np.random.default_rng(2)
+    query, key, value = (rng.normal(size=(2, 8, 4, 4)).astype(np.float32) for _ in range(3))
+    bias = rng.normal(size=(1, 4, 8, 8)).astype(np.float32)
+    segment_ids = np.array([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    mask = layers.attention_mask(segment_ids, segment_ids, causal=False)
+
+    def loss(attend):
+        def fn(q, k, v):
+            out = attend(q, k, v, mask=mask, bias=bias, is_causal=True, scale=0.3)
+            return jnp.sum(out[:, :7] ** 2)  # the padding query at position 7 has no valid key
+
+        return jax.value_and_grad(fn, argnums=(0, 1, 2))(query, key, value)
+
+    ours = loss(functools.partial(layers.dot_product_attention, dropout_rate=0.0, dropout_rng=None))
+    reference = loss(jax.nn.dot_product_attention)
+    chex.assert_trees_all_close(ours, reference, atol=1e-5)

@@ -173,6 +173,36 @@ def test_to_hf_round_trip(model_type, head):
 
 
 @pytest.mark.parity
+def test_albert_with_embedding_size_equal_to_hidden_size_matches_hf(tmp_path):
+    """HF ALBERT builds its E -> H projection even when E == H; lmzoo keeps it through embed_projection."""
+    model = random_hf_model("albert", "ForPreTraining", embedding_size=32)
+    cfg = lmzoo_config(model)
+    assert cfg.embed_dim == cfg.emb_dim == 32 and cfg.embed_projection
+    assert make_config("bert", bert.config_from_hf(bert.config_to_hf(cfg, model_type="albert"))) == cfg
+    state_dict = numpy_state_dict(model)
+    params = bert.from_hf(state_dict, cfg, model_type="albert")
+    assert params["embed_projection"]["kernel"].shape == (32, 32)
+    data = batch("albert")
+    module = build_model("bert", cfg)
+    logits, sentence = lmzoo_apply(module, params, data)
+    out = hf_outputs(model, "albert", data)
+    mlm_diff = max_diff(logits, out.prediction_logits.numpy(), data["mask"] == 1)
+    sentence_diff = max_diff(sentence, out.sop_logits.numpy())
+    assert mlm_diff <= TOL, f"albert E == H: max |lmzoo - HF| MLM logits = {mlm_diff:.3e}"
+    assert sentence_diff <= TOL, f"albert E == H: max |lmzoo - HF| SOP logits = {sentence_diff:.3e}"
+    back = bert.to_hf(params, cfg, model_type="albert")
+    assert sorted(back) == sorted(state_dict)
+    for key, value in state_dict.items():
+        np.testing.assert_array_equal(back[key], value, err_msg=key)
+
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    target = nn.unbox(jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
+    loaded, report = hf.convert_pretrained(f"hf:{tmp_path}", "bert", cfg, target)
+    assert not report.dropped and not report.initialised
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+@pytest.mark.parity
 def test_config_round_trip():
     common = dict(vocab_size=101, max_len=48, emb_dim=96, num_heads=6, num_layers=3, mlp_dim=200, dropout_rate=0.05,
                   attention_dropout_rate=0.2)  # fmt: skip

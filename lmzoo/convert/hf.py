@@ -43,21 +43,30 @@ class LoadReport:
     config_differences: tuple[str, ...]  # "field: checkpoint X, model Y"
 
     def __str__(self) -> str:
+        """One line; paths grouped by their first two components ("blocks/layer_1/* (16)")."""
         return (
-            f"loaded {len(self.loaded)} parameters; dropped from the checkpoint: {list(self.dropped) or 'none'}; "
-            f"newly initialised: {list(self.initialised) or 'none'}; "
+            f"loaded {len(self.loaded)} parameters; dropped from the checkpoint: {_summarize(self.dropped)}; "
+            f"newly initialised: {_summarize(self.initialised)}; "
             f"config differences: {list(self.config_differences) or 'none'}"
         )
 
 
-def config_differences(fields: Mapping[str, Any], target_config: Any) -> list[str]:
-    """Lines "field: checkpoint X, model Y" for each field the checkpoint's config fixes and the target sets otherwise."""
+def _summarize(paths: tuple[str, ...]) -> str:
+    groups: dict[str, list[str]] = {}
+    for path in paths:
+        groups.setdefault("/".join(path.split("/")[:2]), []).append(path)
+    parts = [members[0] if len(members) == 1 else f"{group}/* ({len(members)})" for group, members in groups.items()]
+    return ", ".join(parts) or "none"
+
+
+def differing_fields(fields: Mapping[str, Any], target_config: Any) -> list[str]:
+    """The fields the checkpoint's config fixes (`fields`) that the target config sets otherwise."""
 
     def comparable(value: Any) -> Any:
         return tuple(value) if isinstance(value, list | tuple) else value
 
     return [
-        f"{field}: checkpoint {value!r}, model {getattr(target_config, field)!r}"
+        field
         for field, value in fields.items()
         if field not in UNCOMPARED_FIELDS and comparable(value) != comparable(getattr(target_config, field))
     ]
@@ -95,10 +104,14 @@ def convert_pretrained(
         loaded=tuple(path for path in wanted if path not in initialised),
         dropped=tuple([*diff.unexpected, *diff.misshapen]),
         initialised=tuple(initialised),
-        config_differences=tuple(config_differences(fields, target_config)),
+        config_differences=tuple(
+            f"{field}: checkpoint {fields[field]!r}, model {getattr(target_config, field)!r}"
+            for field in differing_fields(fields, target_config)
+        ),
     )
     if not allow_partial and (report.config_differences or report.initialised):
-        raise ValueError(_mismatch_message(spec, model_name, fields, report, found, wanted))
+        fix = ", ".join(f"{field}={fields[field]!r}" for field in differing_fields(fields, target_config))
+        raise ValueError(_mismatch_message(spec, model_name, fields, fix, report, found, wanted))
     if jax.process_index() == 0:
         print(f"{spec} -> {model_name}: {report}")
     loaded = {path: np.asarray(found[path], dtype=wanted[path].dtype) for path in report.loaded}
@@ -106,7 +119,7 @@ def convert_pretrained(
 
 
 def _mismatch_message(
-    spec: str, model_name: str, fields: Mapping[str, Any], report: LoadReport, found: Mapping[str, Any],
+    spec: str, model_name: str, fields: Mapping[str, Any], fix: str, report: LoadReport, found: Mapping[str, Any],
     wanted: Mapping[str, Any],
 ) -> str:  # fmt: skip
     lines = [f"checkpoint {spec!r} does not fit the configured {model_name} model:"]
@@ -118,10 +131,9 @@ def _mismatch_message(
     lines += [f"  {difference}" for difference in report.config_differences]
     suggestion = ", ".join(f"{key}: {value!r}" for key, value in fields.items())
     lines.append(f"the checkpoint's HF config corresponds to config.model = {{{suggestion}}}")
-    lines.append(
-        "set those config.model values, or load only what fits with allow_partial=True (the rest keeps its "
-        "fresh initialisation)"
-    )
+    if fix:
+        lines.append(f"fix: set config.model {fix}")
+    lines.append("or load only what fits with allow_partial=True (the rest keeps its fresh initialisation)")
     return "\n".join(lines)
 
 

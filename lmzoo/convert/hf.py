@@ -100,17 +100,17 @@ def convert_pretrained(
     found, wanted = mapping.flatten(mapping.to_layout(params, target)), mapping.flatten(target)
     diff = mapping.diff_tensors({k: np.shape(v) for k, v in found.items()}, {k: v.shape for k, v in wanted.items()})
     initialised = [*diff.missing, *diff.misshapen]
+    differing = differing_fields(fields, target_config)
     report = LoadReport(
         loaded=tuple(path for path in wanted if path not in initialised),
         dropped=tuple([*diff.unexpected, *diff.misshapen]),
         initialised=tuple(initialised),
         config_differences=tuple(
-            f"{field}: checkpoint {fields[field]!r}, model {getattr(target_config, field)!r}"
-            for field in differing_fields(fields, target_config)
+            f"{field}: checkpoint {fields[field]!r}, model {getattr(target_config, field)!r}" for field in differing
         ),
     )
     if not allow_partial and (report.config_differences or report.initialised):
-        fix = ", ".join(f"{field}={fields[field]!r}" for field in differing_fields(fields, target_config))
+        fix = ", ".join(f"{field}={fields[field]!r}" for field in differing)
         raise ValueError(_mismatch_message(spec, model_name, fields, fix, report, found, wanted))
     if jax.process_index() == 0:
         print(f"{spec} -> {model_name}: {report}")

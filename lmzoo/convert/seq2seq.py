@@ -107,7 +107,7 @@ def _check(cfg: Seq2SeqConfig, model_type: str) -> None:
         raise ValueError(f"the config has no HF {model_type} equivalent; it needs: " + "; ".join(broken))
 
 
-def _seq2seq_fields(
+def _typed_fields(
     hf_config: Mapping[str, Any], model_type: str, keys: Mapping[str, tuple[str, Any]]
 ) -> dict[str, Any]:
     """The fields of `keys` from an HF config dict (None values take the HF default), typed like Seq2SeqConfig."""
@@ -131,7 +131,7 @@ def t5_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     keeps the v1.0/v1.1 switch in scale_decoder_outputs, which is read first. HF T5 applies dropout_rate
     to attention probabilities too. The decoder starts from decoder_start_token_id, else pad_token_id.
     """
-    fields = _seq2seq_fields(hf_config, "t5", _T5_HF_KEYS)
+    fields = _typed_fields(hf_config, "t5", _T5_HF_KEYS)
     tied = bool(hf_config.get("scale_decoder_outputs", hf_config.get("tie_word_embeddings", True)))
     decoder_layers = hf_config.get("num_decoder_layers")
     start = next(
@@ -169,7 +169,7 @@ def bart_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     Encoder and decoder must agree on heads and FFN size, and the head must be tied. HF's
     activation_dropout and layerdrop (training only) have no lmzoo equivalent and are not read.
     """
-    fields = _seq2seq_fields(hf_config, "bart", _BART_HF_KEYS | {"max_len": ("max_position_embeddings", None)})
+    fields = _typed_fields(hf_config, "bart", _BART_HF_KEYS | {"max_len": ("max_position_embeddings", None)})
     for key, same in (("decoder_attention_heads", "encoder_attention_heads"), ("decoder_ffn_dim", "encoder_ffn_dim")):
         if hf_config.get(key, hf_config[same]) != hf_config[same]:
             raise ValueError(

@@ -30,6 +30,7 @@ class BertConfig:
     max_len: int = 512
     emb_dim: int = 768
     embedding_dim: int = 0  # E of factorized embeddings (ALBERT); 0 = emb_dim
+    embed_projection: bool = False  # E -> H dense after the embeddings (HF ALBERT has it even when E == H)
     num_heads: int = 12
     num_layers: int = 12
     mlp_dim: int = 3072
@@ -48,6 +49,8 @@ class BertConfig:
     remat_policy: str = "none"
 
     def __post_init__(self):
+        if self.embed_dim != self.emb_dim:  # factorized embeddings always project
+            object.__setattr__(self, "embed_projection", True)
         if self.emb_dim % self.num_heads:
             raise ValueError(f"emb_dim={self.emb_dim} must be divisible by num_heads={self.num_heads}")
         if self.sentence_head and not self.pooler:
@@ -84,7 +87,7 @@ class Bert(nn.Module):
         if cfg.type_vocab_size:
             self.token_type_embeddings = embed(cfg.type_vocab_size, e, axes=("classes", "embed"))
         self.ln_embed = norm()
-        if e != h:
+        if cfg.embed_projection:
             self.embed_projection = dense((e, h), ("embed", "mlp"))
         block = layers.TransformerBlock(
             num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim, causal=False, pre_norm=False,
@@ -129,7 +132,7 @@ class Bert(nn.Module):
         if cfg.type_vocab_size:
             x = x + self.token_type_embeddings(jnp.zeros_like(tokens) if token_types is None else token_types)
         x = self.dropout(self.ln_embed(x), deterministic=deterministic)
-        if cfg.embed_dim != cfg.emb_dim:
+        if cfg.embed_projection:
             x = self.embed_projection("BTE,EH->BTH", x)
         x = self.blocks(x, segment_ids, deterministic=deterministic)
         x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmzoo.convert import hf
+from lmzoo.convert import bert, hf, mapping
 from lmzoo.models import build_model, heads, make_config
 from lmzoo.tokenizers import HFTokenizer
 
@@ -63,7 +63,7 @@ def numpy_state_dict(model) -> dict[str, np.ndarray]:
 
 
 def lmzoo_config(model, pooler=None, sentence_head=None, **overrides):
-    fields = hf.bert_config_from_hf(model.config.to_dict(), pooler=pooler, sentence_head=sentence_head)
+    fields = bert.config_from_hf(model.config.to_dict(), pooler=pooler, sentence_head=sentence_head)
     return make_config("bert", fields | overrides)
 
 
@@ -105,7 +105,7 @@ def max_diff(ours, ref, where=None) -> float:
 def test_mlm_logits_match_hf(model_type):
     model = random_hf_model(model_type)
     cfg = lmzoo_config(model, pooler=False)
-    params = hf.bert_from_hf(numpy_state_dict(model), cfg, model_type=model_type)
+    params = bert.from_hf(numpy_state_dict(model), cfg, model_type=model_type)
     data = batch(model_type)
     ours = lmzoo_apply(build_model("bert", cfg), params, data)
     ref = hf_outputs(model, model_type, data).logits.numpy()
@@ -119,7 +119,7 @@ def test_pretraining_heads_match_hf(model_type):
     model = random_hf_model(model_type, "ForPreTraining")
     cfg = lmzoo_config(model)
     assert cfg.pooler and cfg.sentence_head and cfg.share_layers == (model_type == "albert")
-    params = hf.bert_from_hf(numpy_state_dict(model), cfg, model_type=model_type)
+    params = bert.from_hf(numpy_state_dict(model), cfg, model_type=model_type)
     data = batch(model_type)
     logits, sentence = lmzoo_apply(build_model("bert", cfg), params, data)
     out = hf_outputs(model, model_type, data)
@@ -135,8 +135,8 @@ def test_pretraining_heads_match_hf(model_type):
 def test_sequence_classifier_matches_hf(model_type):
     model = random_hf_model(model_type, "ForSequenceClassification", num_labels=3)
     cfg = lmzoo_config(model, sentence_head=False)
-    params = hf.classifier_from_hf(numpy_state_dict(model), cfg, model_type=model_type)
-    classifier = heads.SequenceClassifier(build_model("bert", cfg), 3, head=hf.CLASSIFIER_HEADS[model_type])
+    params = bert.classifier_from_hf(numpy_state_dict(model), cfg, model_type=model_type)
+    classifier = heads.SequenceClassifier(build_model("bert", cfg), 3, head=bert.CLASSIFIER_HEADS[model_type])
     data = batch(model_type)
     ours = lmzoo_apply(classifier, params, data)
     ref = hf_outputs(model, model_type, data).logits.numpy()
@@ -156,20 +156,50 @@ def test_to_hf_round_trip(model_type, head):
     flags = {"sentence_head": False} if head == "Model" else {} if head == "ForPreTraining" else {"pooler": False}
     cfg = lmzoo_config(model, **flags)
     state_dict = numpy_state_dict(model)
-    params = hf.bert_from_hf(state_dict, cfg, model_type=model_type)
+    params = bert.from_hf(state_dict, cfg, model_type=model_type)
     assert ("mlm_dense" in params) == (head != "Model")
-    back = hf.bert_to_hf(params, cfg, model_type=model_type)
+    back = bert.to_hf(params, cfg, model_type=model_type)
     assert sorted(back) == sorted(state_dict)
     for key, value in state_dict.items():
         np.testing.assert_array_equal(back[key], value, err_msg=key)
 
-    hf_dict = hf.bert_config_to_hf(cfg, model_type=model_type)
+    hf_dict = bert.config_to_hf(cfg, model_type=model_type)
     fresh = type(model)(type(model.config)(**hf_dict)).float().eval()
     result = fresh.load_state_dict({key: torch.from_numpy(value) for key, value in back.items()}, strict=False)
     assert not result.missing_keys and not result.unexpected_keys, result
     data = batch(model_type)
     for ours, ref in zip(hf_outputs(fresh, model_type, data).values(), hf_outputs(model, model_type, data).values()):
         np.testing.assert_array_equal(ours.numpy(), ref.numpy())
+
+
+@pytest.mark.parity
+def test_albert_with_embedding_size_equal_to_hidden_size_matches_hf(tmp_path):
+    """HF ALBERT builds its E -> H projection even when E == H; lmzoo keeps it through embed_projection."""
+    model = random_hf_model("albert", "ForPreTraining", embedding_size=32)
+    cfg = lmzoo_config(model)
+    assert cfg.embed_dim == cfg.emb_dim == 32 and cfg.embed_projection
+    assert make_config("bert", bert.config_from_hf(bert.config_to_hf(cfg, model_type="albert"))) == cfg
+    state_dict = numpy_state_dict(model)
+    params = bert.from_hf(state_dict, cfg, model_type="albert")
+    assert params["embed_projection"]["kernel"].shape == (32, 32)
+    data = batch("albert")
+    module = build_model("bert", cfg)
+    logits, sentence = lmzoo_apply(module, params, data)
+    out = hf_outputs(model, "albert", data)
+    mlm_diff = max_diff(logits, out.prediction_logits.numpy(), data["mask"] == 1)
+    sentence_diff = max_diff(sentence, out.sop_logits.numpy())
+    assert mlm_diff <= TOL, f"albert E == H: max |lmzoo - HF| MLM logits = {mlm_diff:.3e}"
+    assert sentence_diff <= TOL, f"albert E == H: max |lmzoo - HF| SOP logits = {sentence_diff:.3e}"
+    back = bert.to_hf(params, cfg, model_type="albert")
+    assert sorted(back) == sorted(state_dict)
+    for key, value in state_dict.items():
+        np.testing.assert_array_equal(back[key], value, err_msg=key)
+
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    target = nn.unbox(jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
+    loaded, report = hf.convert_pretrained(f"hf:{tmp_path}", "bert", cfg, target)
+    assert not report.dropped and not report.initialised
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
 
 @pytest.mark.parity
@@ -184,34 +214,34 @@ def test_config_round_trip():
     }
     for model_type, fields in configs.items():
         cfg = make_config("bert", common | fields)
-        hf_dict = hf.bert_config_to_hf(cfg, model_type=model_type)
-        again = hf.bert_config_from_hf(hf_dict, pooler=cfg.pooler, sentence_head=cfg.sentence_head)
+        hf_dict = bert.config_to_hf(cfg, model_type=model_type)
+        again = bert.config_from_hf(hf_dict, pooler=cfg.pooler, sentence_head=cfg.sentence_head)
         assert make_config("bert", again) == cfg, model_type
-        assert hf.bert_config_to_hf(make_config("bert", again), model_type=model_type) == hf_dict
+        assert bert.config_to_hf(make_config("bert", again), model_type=model_type) == hf_dict
 
     for model_type in FAMILIES:
         hf_dict = hf_config(model_type).to_dict()
-        fields = hf.bert_config_from_hf(hf_dict)
+        fields = bert.config_from_hf(hf_dict)
         assert fields["pooler"] == fields["sentence_head"] == (model_type in ("bert", "albert")), model_type
-        again = hf.bert_config_to_hf(make_config("bert", fields), model_type=model_type)
+        again = bert.config_to_hf(make_config("bert", fields), model_type=model_type)
         assert set(again) - set(hf_dict) <= {"position_embedding_type"}, model_type  # dropped by transformers 5
         shared = set(again) & set(hf_dict) - {"architectures"}
         assert {key: hf_dict.get(key) for key in shared} == {key: again[key] for key in shared}, model_type
-    roberta = hf.bert_config_from_hf(hf_config("roberta").to_dict())
+    roberta = bert.config_from_hf(hf_config("roberta").to_dict())
     assert roberta["position_offset"] == PAD + 1 and roberta["type_vocab_size"] == 1
-    albert = hf.bert_config_from_hf(hf_config("albert").to_dict())
+    albert = bert.config_from_hf(hf_config("albert").to_dict())
     assert albert["embedding_dim"] == 16 and albert["activation"] == "gelu_tanh" and albert["share_layers"]
 
     with pytest.raises(ValueError, match="num_hidden_groups"):
-        hf.bert_config_from_hf({**hf_config("albert").to_dict(), "num_hidden_groups": 2})
+        bert.config_from_hf({**hf_config("albert").to_dict(), "num_hidden_groups": 2})
     with pytest.raises(ValueError, match="MLM head hard-codes exact GELU"):
-        hf.bert_config_from_hf({**hf_config("roberta").to_dict(), "hidden_act": "relu"})
+        bert.config_from_hf({**hf_config("roberta").to_dict(), "hidden_act": "relu"})
     with pytest.raises(ValueError, match="has no NSP/SOP head"):
-        hf.bert_config_from_hf(hf_config("roberta").to_dict(), pooler=True, sentence_head=True)
+        bert.config_from_hf(hf_config("roberta").to_dict(), pooler=True, sentence_head=True)
     with pytest.raises(ValueError, match="pooler False"):
-        hf.bert_config_from_hf(hf_config("distilbert").to_dict(), pooler=True)
+        bert.config_from_hf(hf_config("distilbert").to_dict(), pooler=True)
     with pytest.raises(ValueError, match="share_layers exactly for ALBERT"):
-        hf.bert_config_to_hf(make_config("bert", common), model_type="albert")
+        bert.config_to_hf(make_config("bert", common), model_type="albert")
 
 
 @pytest.mark.parity
@@ -219,26 +249,26 @@ def test_state_dict_key_forms():
     model = random_hf_model("bert", "ForPreTraining")
     cfg = lmzoo_config(model)
     full = numpy_state_dict(model)
-    reference = hf.bert_from_hf(full, cfg, model_type="bert")
+    reference = bert.from_hf(full, cfg, model_type="bert")
     # As saved to safetensors: tied decoder copies dropped; older versions also stored the id buffers.
     saved = {key: value for key, value in full.items() if ".decoder." not in key}
     saved["bert.embeddings.position_ids"] = np.arange(40)[None]
     saved["bert.embeddings.token_type_ids"] = np.zeros((1, 40), np.int64)
-    jax.tree.map(np.testing.assert_array_equal, hf.bert_from_hf(saved, cfg, model_type="bert"), reference)
+    jax.tree.map(np.testing.assert_array_equal, bert.from_hf(saved, cfg, model_type="bert"), reference)
 
     lost = "encoder.layer.1.output.dense.bias"
     with pytest.raises(ValueError, match=rf"unexpected keys \['extra.weight'\].*missing keys \['{lost}'\]"):
         broken = {key: value for key, value in saved.items() if key != f"bert.{lost}"}
-        hf.bert_from_hf({**broken, "extra.weight": np.zeros(1)}, cfg, model_type="bert")
+        bert.from_hf({**broken, "extra.weight": np.zeros(1)}, cfg, model_type="bert")
     with pytest.raises(ValueError, match=r"unexpected keys \['cls.seq_relationship.bias', 'cls.seq_relationship.w"):
-        hf.bert_from_hf(saved, lmzoo_config(model, sentence_head=False), model_type="bert")
+        bert.from_hf(saved, lmzoo_config(model, sentence_head=False), model_type="bert")
     with pytest.raises(ValueError, match=r"missing keys \['cls.predictions.transform.LayerNorm.bias'\]"):
-        hf.bert_from_hf({k: v for k, v in saved.items() if "transform.LayerNorm.bias" not in k}, cfg, model_type="bert")
+        bert.from_hf({k: v for k, v in saved.items() if "transform.LayerNorm.bias" not in k}, cfg, model_type="bert")
     with pytest.raises(ValueError, match="lmzoo's bert ties them"):
         untied = full["cls.predictions.decoder.weight"] + 1.0
-        hf.bert_from_hf({**full, "cls.predictions.decoder.weight": untied}, cfg, model_type="bert")
+        bert.from_hf({**full, "cls.predictions.decoder.weight": untied}, cfg, model_type="bert")
     with pytest.raises(ValueError, match=r"cls.predictions.bias: \(98,\) \(expected \(99,\)\)"):
-        hf.bert_from_hf({**saved, "cls.predictions.bias": np.zeros(98)}, cfg, model_type="bert")
+        bert.from_hf({**saved, "cls.predictions.bias": np.zeros(98)}, cfg, model_type="bert")
 
 
 @pytest.mark.parity
@@ -251,7 +281,7 @@ def test_load_pretrained_safetensors(tmp_path, model_type, head, scan):
     cfg = lmzoo_config(model, **({"pooler": False} if head == "ForMaskedLM" else {}), scan_layers=scan)
     module = build_model("bert", cfg)
     target = nn.unbox(jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
-    params = hf.load_pretrained(f"hf:{tmp_path}", "bert", target)
+    params, _ = hf.convert_pretrained(f"hf:{tmp_path}", "bert", cfg, target)
     assert set(params["blocks"]) == ({"layers"} if scan else {"shared"} if cfg.share_layers else {"layer_0", "layer_1"})
     data = batch(model_type)
     out = lmzoo_apply(module, params, data)
@@ -264,14 +294,15 @@ def test_load_pretrained_safetensors(tmp_path, model_type, head, scan):
 def test_load_pretrained_bare_model_reports_missing_head(tmp_path):
     model = random_hf_model("bert", "Model")
     model.save_pretrained(tmp_path, safe_serialization=True)
-    module = build_model("bert", lmzoo_config(model, sentence_head=False))
+    cfg = lmzoo_config(model, sentence_head=False)
+    module = build_model("bert", cfg)
     target = nn.unbox(jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
     with pytest.raises(ValueError, match=r"(?s)mlm_dense/kernel: not in the checkpoint.*sentence_head: False"):
-        hf.load_pretrained(f"hf:{tmp_path}", "bert", target)
+        hf.convert_pretrained(f"hf:{tmp_path}", "bert", cfg, target)
     encode_only = nn.unbox(
         jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32), method="encode")["params"])
     )
-    params = hf.load_pretrained(f"hf:{tmp_path}", "bert", encode_only)
+    params, _ = hf.convert_pretrained(f"hf:{tmp_path}", "bert", cfg, encode_only)
     np.testing.assert_array_equal(params["mlm_bias"], np.zeros(VOCAB, np.float32))
 
 
@@ -302,10 +333,10 @@ def test_all_minilm_l6_v2_sentence_embeddings_match_hf(monkeypatch):
     tokens = np.array([row + [pad] * (length - len(row)) for row in rows], dtype=np.int64)
     mask = (np.arange(length)[None] < np.array([len(row) for row in rows])[:, None]).astype(np.int64)
 
-    hf_config_dict, state_dict = hf.read_safetensors_dir(model_dir)
+    hf_config_dict, state_dict = mapping.read_safetensors_dir(model_dir)
     assert "embeddings.word_embeddings.weight" in state_dict  # bare BertModel keys
-    cfg = make_config("bert", hf.bert_config_from_hf(hf_config_dict, sentence_head=False))
-    params = hf.bert_from_hf(state_dict, cfg, model_type="bert")
+    cfg = make_config("bert", bert.config_from_hf(hf_config_dict, sentence_head=False))
+    params = bert.from_hf(state_dict, cfg, model_type="bert")
     assert "mlm_dense" not in params and params["blocks"]["layer_5"]["attn"]["query"]["kernel"].shape == (384, 12, 32)
     hidden, _ = build_model("bert", cfg).apply(
         {"params": params}, jnp.asarray(tokens), segment_ids=jnp.asarray(mask), method="encode"

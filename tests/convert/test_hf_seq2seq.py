@@ -12,7 +12,7 @@ from flax import traverse_util
 from safetensors.numpy import save_file
 
 from lmzoo import decoding
-from lmzoo.convert import hf
+from lmzoo.convert import hf, mapping, seq2seq
 from lmzoo.models import build_model, make_config
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install -r requirements-test.txt)")
@@ -31,8 +31,8 @@ VARIANTS = ("t5_v1_0", "t5_v1_1", "bart")
 INIT = {"t5_v1_0": (1.0, 2.0, 0.1, 1), "t5_v1_1": (0.3, 0.5, 0.1, 3), "bart": (1.0, 1.0, 0.1, 1)}
 # model_type -> (config_from_hf, from_hf, config_to_hf, to_hf)
 CONVERTERS = {
-    "t5": (hf.t5_config_from_hf, hf.t5_from_hf, hf.t5_config_to_hf, hf.t5_to_hf),
-    "bart": (hf.bart_config_from_hf, hf.bart_from_hf, hf.bart_config_to_hf, hf.bart_to_hf),
+    "t5": (seq2seq.t5_config_from_hf, seq2seq.t5_from_hf, seq2seq.t5_config_to_hf, seq2seq.t5_to_hf),
+    "bart": (seq2seq.bart_config_from_hf, seq2seq.bart_from_hf, seq2seq.bart_config_to_hf, seq2seq.bart_to_hf),
 }
 
 
@@ -225,19 +225,19 @@ def test_config_round_trip():
 
     t5_dict = hf_config("t5_v1_0").to_dict()
     with pytest.raises(ValueError, match="feed_forward_proj 'gated-swish'"):
-        hf.t5_config_from_hf({**t5_dict, "feed_forward_proj": "gated-swish"})
+        seq2seq.t5_config_from_hf({**t5_dict, "feed_forward_proj": "gated-swish"})
     with pytest.raises(ValueError, match="lacks \\['d_kv'\\]"):
-        hf.t5_config_from_hf({key: value for key, value in t5_dict.items() if key != "d_kv"})
+        seq2seq.t5_config_from_hf({key: value for key, value in t5_dict.items() if key != "d_kv"})
     with pytest.raises(ValueError, match="decoder_attention_heads=2 != encoder_attention_heads=4"):
-        hf.bart_config_from_hf({**hf_config("bart").to_dict(), "decoder_attention_heads": 2})
+        seq2seq.bart_config_from_hf({**hf_config("bart").to_dict(), "decoder_attention_heads": 2})
     with pytest.raises(ValueError, match=r"no HF t5 equivalent; it needs: norm='rms'.*activations \(ACT,\)"):
-        hf.t5_config_to_hf(make_config("seq2seq", dict(norm="layer", activations=("gelu", "linear"))))
+        seq2seq.t5_config_to_hf(make_config("seq2seq", dict(norm="layer", activations=("gelu", "linear"))))
     with pytest.raises(ValueError, match="scale_tied_logits"):
-        hf.t5_config_to_hf(make_config("seq2seq", dict(scale_tied_logits=False)))
+        seq2seq.t5_config_to_hf(make_config("seq2seq", dict(scale_tied_logits=False)))
     with pytest.raises(ValueError, match="no HF bart equivalent; it needs: positions='learned'"):
-        hf.bart_config_to_hf(make_config("seq2seq", {}))
+        seq2seq.bart_config_to_hf(make_config("seq2seq", {}))
     with pytest.raises(ValueError, match=r"seq2seq converter reads \['bart', 't5'\]"):
-        hf.CONVERTERS["seq2seq"]({"model_type": "mt5"}, {})
+        seq2seq.read_checkpoint({"model_type": "mt5"}, {})
 
 
 @pytest.mark.parity
@@ -249,25 +249,25 @@ def test_state_dict_key_forms():
     # As saved to safetensors: tied copies dropped; old checkpoints also hold a decoder cross-attention table.
     saved = {key: value for key, value in full.items() if "embed_tokens" not in key and key != "lm_head.weight"}
     saved["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"] = np.zeros((8, 4), np.float32)
-    jax.tree.map(np.testing.assert_array_equal, hf.t5_from_hf(saved, cfg), reference)
+    jax.tree.map(np.testing.assert_array_equal, seq2seq.t5_from_hf(saved, cfg), reference)
 
     lost = "decoder.block.1.layer.2.DenseReluDense.wo.weight"
     with pytest.raises(ValueError, match=rf"unexpected keys \['extra.weight'\], missing keys \['{lost}'\]"):
-        hf.t5_from_hf({**{k: v for k, v in saved.items() if k != lost}, "extra.weight": np.zeros(1)}, cfg)
+        seq2seq.t5_from_hf({**{k: v for k, v in saved.items() if k != lost}, "extra.weight": np.zeros(1)}, cfg)
     with pytest.raises(ValueError, match="lm_head.weight different from shared.weight.*T5 v1.1"):
-        hf.t5_from_hf({**full, "lm_head.weight": full["lm_head.weight"] + 1.0}, cfg)
+        seq2seq.t5_from_hf({**full, "lm_head.weight": full["lm_head.weight"] + 1.0}, cfg)
     with pytest.raises(ValueError, match=r"shared.weight: \(98, 32\) \(expected \(99, 32\)\)"):
-        hf.t5_from_hf({**saved, "shared.weight": np.zeros((98, 32))}, cfg)
+        seq2seq.t5_from_hf({**saved, "shared.weight": np.zeros((98, 32))}, cfg)
 
     bart = random_hf_model("bart")
     module, reference = convert(bart)
     bare = numpy_state_dict(bart.model)  # BartModel: no "model." prefix, no head, no final_logits_bias
-    params = hf.bart_from_hf(bare, module.config)
+    params = seq2seq.bart_from_hf(bare, module.config)
     np.testing.assert_array_equal(params.pop("final_logits_bias"), np.zeros(VOCAB, np.float32))
     reference.pop("final_logits_bias")
     jax.tree.map(np.testing.assert_array_equal, params, reference)
     with pytest.raises(ValueError, match=r"missing keys \['encoder.layers.0.fc1.bias'\].*without the optional 'model."):
-        hf.bart_from_hf({k: v for k, v in bare.items() if k != "encoder.layers.0.fc1.bias"}, module.config)
+        seq2seq.bart_from_hf({k: v for k, v in bare.items() if k != "encoder.layers.0.fc1.bias"}, module.config)
 
 
 @pytest.mark.parity
@@ -327,18 +327,18 @@ def test_load_pretrained_scanned(tmp_path, data):
     [layers, B*K, ...]) and the way back to HF."""
     model = random_hf_model("t5_v1_0")
     model.save_pretrained(tmp_path, safe_serialization=True)
-    hf_dict, state_dict = hf.read_safetensors_dir(tmp_path)
-    fields = hf.t5_config_from_hf(hf_dict)
+    hf_dict, state_dict = mapping.read_safetensors_dir(tmp_path)
+    fields = seq2seq.t5_config_from_hf(hf_dict)
     module = build_model("seq2seq", fields | {"scan_layers": True})
     tokens = jnp.zeros((1, 4), jnp.int32)
     target = nn.unbox(jax.eval_shape(lambda: module.init(jax.random.key(0), tokens, tokens)["params"]))
-    params = hf.load_pretrained(f"hf:{tmp_path}", "seq2seq", target)
+    params, _ = hf.convert_pretrained(f"hf:{tmp_path}", "seq2seq", module.config, target)
     assert set(params["encoder"]) == set(params["decoder"]) == {"layers"}
     args = (data["inputs"], data["mask"], data["decoder_inputs"])
     ours = jax.jit(module.apply)({"params": params}, args[0], args[2], encoder_segment_ids=args[1])
     diff = float(np.max(np.abs(np.asarray(ours) - hf_logits(model, *args))))
     assert diff <= TOL, f"max |lmzoo(scan) - HF| logits = {diff:.3e}"
-    back = hf.t5_to_hf(params, module.config)
+    back = seq2seq.t5_to_hf(params, module.config)
     for key, value in state_dict.items():
         np.testing.assert_array_equal(back[key], value, err_msg=key)
     check_beam_search(module, params, model, data, scan=True)

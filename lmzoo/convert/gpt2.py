@@ -1,0 +1,144 @@
+"""HF GPT-2 (GPT2LMHeadModel / GPT2Model) <-> lmzoo "gpt2": config translation and tensor table.
+
+HF GPT-2's Conv1D weights are [in, out] like Flax kernels and copy directly; the fused c_attn [D, 3D]
+splits into query, key, value, each reshaped to (D, N, H), and attn.c_proj [D, D] reshapes to (N, H, D).
+The untied lm_head is an nn.Linear [V, D] and is transposed.
+"""
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from lmzoo.convert import mapping
+from lmzoo.convert.mapping import Entry, Params
+from lmzoo.models import make_config
+from lmzoo.models.gpt2 import GPT2Config
+
+# HF GPT-2 switches that lmzoo's decoder does not implement, with the only supported value.
+_FIXED_HF_OPTIONS = {
+    "add_cross_attention": False,
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+}
+# Non-parameter buffers that older HF GPT-2 versions keep in the state dict (the causal mask).
+_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
+
+
+def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """config.model fields of the "gpt2" family from an HF GPT-2 config.json dict."""
+    model_type = hf_config.get("model_type", "gpt2")
+    if model_type != "gpt2":
+        raise ValueError(f"HF config has model_type={model_type!r}; the gpt2 converter reads only 'gpt2' checkpoints")
+    missing = [key for key in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer") if key not in hf_config]
+    if missing:
+        raise ValueError(f"HF GPT-2 config lacks {missing}")
+    for key, supported in _FIXED_HF_OPTIONS.items():
+        if hf_config.get(key, supported) != supported:
+            raise ValueError(f"HF GPT-2 config has {key}={hf_config[key]!r}; lmzoo's gpt2 supports only {supported!r}")
+    hf_activation = hf_config.get("activation_function", "gelu_new")
+    if hf_activation not in mapping.ACTIVATION_FROM_HF:
+        raise ValueError(
+            f"HF activation_function {hf_activation!r} has no lmzoo equivalent; "
+            f"supported: {sorted(mapping.ACTIVATION_FROM_HF)}"
+        )
+    n_embd, n_inner = int(hf_config["n_embd"]), hf_config.get("n_inner")
+    return {
+        "vocab_size": int(hf_config["vocab_size"]),
+        "max_len": int(hf_config["n_positions"]),
+        "emb_dim": n_embd,
+        "num_heads": int(hf_config["n_head"]),
+        "num_layers": int(hf_config["n_layer"]),
+        "mlp_dim": 4 * n_embd if n_inner is None else int(n_inner),
+        "dropout_rate": float(hf_config.get("resid_pdrop", 0.1)),
+        "attention_dropout_rate": float(hf_config.get("attn_pdrop", 0.1)),
+        "pre_norm": True,
+        "use_bias": True,
+        "tie_embeddings": bool(hf_config.get("tie_word_embeddings", True)),
+        "activation": mapping.ACTIVATION_FROM_HF[hf_activation],
+        "layer_norm_epsilon": float(hf_config.get("layer_norm_epsilon", 1e-5)),
+    }
+
+
+def config_to_hf(cfg: GPT2Config) -> dict[str, Any]:
+    """An HF GPT-2 config.json dict for a "gpt2" config (pre-norm with biases only, as HF GPT-2 is)."""
+    if not cfg.pre_norm:
+        raise ValueError("HF GPT-2 is pre-norm; a pre_norm=False (original GPT) model has no HF GPT-2 equivalent")
+    if not cfg.use_bias:
+        raise ValueError("HF GPT-2 has biases everywhere; a use_bias=False model has no HF GPT-2 equivalent")
+    if cfg.activation not in mapping.ACTIVATION_TO_HF:
+        raise ValueError(
+            f"activation {cfg.activation!r} has no HF GPT-2 equivalent; supported: {sorted(mapping.ACTIVATION_TO_HF)}"
+        )
+    return {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.max_len,
+        "n_embd": cfg.emb_dim,
+        "n_head": cfg.num_heads,
+        "n_layer": cfg.num_layers,
+        "n_inner": cfg.mlp_dim,
+        "activation_function": mapping.ACTIVATION_TO_HF[cfg.activation],
+        "resid_pdrop": cfg.dropout_rate,
+        "embd_pdrop": cfg.dropout_rate,
+        "attn_pdrop": cfg.attention_dropout_rate,
+        "layer_norm_epsilon": cfg.layer_norm_epsilon,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        **_FIXED_HF_OPTIONS,
+    }
+
+
+def entries(cfg: GPT2Config) -> list[Entry]:
+    """Every tensor of HF GPT2LMHeadModel for `cfg` in state-dict order (without "transformer."), tied copy excluded."""
+    d, f, v = cfg.emb_dim, cfg.mlp_dim, cfg.vocab_size
+    heads = (cfg.num_heads, cfg.head_dim)
+    table = mapping.table("wte", ("wte",), v, d) + mapping.table("wpe", ("wpe",), cfg.max_len, d)
+    for i in range(cfg.num_layers):
+        prefix, path = f"h.{i}.", ("blocks", f"layer_{i}")
+        table += mapping.norm(prefix + "ln_1", (*path, "ln_attn"), d)
+        for index, name in enumerate(("query", "key", "value")):
+            table += mapping.conv1d(
+                prefix + "attn.c_attn", (*path, "attn", name), d, d, out_shape=heads, part=(index, 3)
+            )
+        table += mapping.conv1d(prefix + "attn.c_proj", (*path, "attn", "out"), d, d, in_shape=heads)
+        table += mapping.norm(prefix + "ln_2", (*path, "ln_mlp"), d)
+        table += mapping.conv1d(prefix + "mlp.c_fc", (*path, "mlp", "wi"), d, f)
+        table += mapping.conv1d(prefix + "mlp.c_proj", (*path, "mlp", "wo"), f, d)
+    table += mapping.norm("ln_f", ("ln_final",), d)
+    if not cfg.tie_embeddings:
+        table += mapping.linear("lm_head", ("lm_head",), d, v, bias=False)
+    return table
+
+
+def layout(cfg: GPT2Config) -> mapping.Layout:
+    return mapping.Layout(
+        name="HF GPT-2", family="gpt2", prefix="transformer.", heads=frozenset({"lm_head.weight"}),
+        tied={"lm_head.weight": "wte.weight"} if cfg.tie_embeddings else {}, skip=_BUFFER,
+        tie_hint="; set tie_embeddings: False", note=" (names shown without the optional 'transformer.' prefix)",
+    )  # fmt: skip
+
+
+def from_hf(state_dict: Mapping[str, np.ndarray], cfg: GPT2Config) -> Params:
+    """HF GPT2LMHeadModel / GPT2Model state dict -> lmzoo "gpt2" params (per-layer, float32 numpy).
+
+    Keys may carry the `transformer.` prefix or not; the causal-mask buffers are ignored. With
+    tied embeddings an `lm_head.weight` is accepted only if it equals `wte.weight`.
+    """
+    table = entries(cfg)
+    return mapping.to_params(*mapping.read_hf(state_dict, layout(cfg), table))
+
+
+def to_hf(params: Params, cfg: GPT2Config) -> dict[str, np.ndarray]:
+    """lmzoo "gpt2" params (per-layer or scanned) -> HF GPT2LMHeadModel state dict of float32 numpy arrays."""
+    config_to_hf(cfg)
+    return mapping.to_hf(params, layout(cfg), entries(cfg))
+
+
+def read_checkpoint(
+    hf_config: Mapping[str, Any], state_dict: Mapping[str, np.ndarray]
+) -> tuple[dict[str, Any], Params]:
+    """(config.model fields, params) of an HF GPT-2 checkpoint."""
+    fields = config_from_hf(hf_config)
+    return fields, from_hf(state_dict, make_config("gpt2", fields))

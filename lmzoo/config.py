@@ -18,6 +18,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model_name = "gpt2"
     c.model = ml_collections.ConfigDict()
     c.init_from = ""  # "hf:PATH": start from HuggingFace weights (a folder with config.json + model.safetensors)
+    c.init_from_partial = False  # with hf:, load the parameters that fit and initialise the rest (report printed)
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "python_stdlib"  # "local" (path), "python_stdlib", "tfds" (name, data_dir), "tsv" (labelled), "pairs" (path)

@@ -97,7 +97,7 @@ class Distillation(mlm.MaskedLM):
     def load_frozen(self, config, frozen):
         from lmzoo.train import restore
 
-        return {"teacher": restore.merge_pretrained(frozen["teacher"], config.objective.teacher, "bert")}
+        return {"teacher": restore.merge_pretrained(frozen["teacher"], config.objective.teacher, "bert", config.objective.teacher_model.to_dict())}
 
     def init_params(self, config, params, frozen):
         if not config.objective.init_student_from_teacher:

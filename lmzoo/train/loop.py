@@ -154,7 +154,9 @@ def restore_or_init(run: Run) -> tuple[Any, dict]:
     if cfg.get("init_from"):
         from lmzoo.train import restore
 
-        params = restore.merge_pretrained(params, cfg.init_from, cfg.model_name)
+        params = restore.merge_pretrained(
+            params, cfg.init_from, cfg.model_name, cfg.model.to_dict(), allow_partial=cfg.init_from_partial
+        )
     state = state.replace(frozen=frozen)
     if params is not fresh:
         with run.context():

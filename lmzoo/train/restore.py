@@ -73,13 +73,16 @@ def restore_step(run, step: int | None = None) -> tuple[int, Any]:
     return step, run.checkpointer.restore(step, run.abstract_state)[0]
 
 
-def read_params(spec: str, model_name: str, target):
-    """Params from "hf:PATH" (HuggingFace safetensors folder) or "ckpt:WORKDIR" (another lmzoo run's
-    latest checkpoint; a classifier run gives its backbone)."""
+def read_params(spec: str, model_name: str, model_config, target, *, allow_partial: bool = False):
+    """Params from "hf:PATH" (HuggingFace safetensors folder, converted to `model_config`'s layout) or
+    "ckpt:WORKDIR" (another lmzoo run's latest checkpoint; a classifier run gives its backbone).
+
+    allow_partial: an HF checkpoint that fits only in part gives the parameters that fit (see
+    `lmzoo.convert.hf.convert_pretrained`) instead of an error."""
     if spec.startswith("hf:"):
         from lmzoo.convert import hf
 
-        return hf.convert_pretrained(spec, model_name, target)
+        return hf.convert_pretrained(spec, model_name, model_config, target, allow_partial=allow_partial)[0]
     if spec.startswith("ckpt:"):
         source = load(spec.removeprefix("ckpt:")).params
         return source.get("backbone", source)
@@ -89,8 +92,9 @@ def read_params(spec: str, model_name: str, target):
 TOKEN_TABLES = ("wte/embedding",)  # token embeddings that may gain rows for new special tokens (GPT classifier)
 
 
-def merge_pretrained(fresh, source, model_name: str, *, name: str | None = None):
-    """`fresh` params with every parameter `source` (params, or a read_params spec) provides replaced.
+def merge_pretrained(fresh, source, model_name: str, model_config=None, *, name: str | None = None, allow_partial: bool = False):
+    """`fresh` params with every parameter `source` (params, or a read_params spec, read for `model_config`
+    with `allow_partial`) provides replaced.
 
     A classifier takes the weights into its backbone and keeps its new head; pretraining heads the
     target lacks are dropped. A token table (TOKEN_TABLES) with more rows than the source's keeps its
@@ -99,7 +103,7 @@ def merge_pretrained(fresh, source, model_name: str, *, name: str | None = None)
     name = name or str(source)
     target = fresh["backbone"] if "backbone" in fresh else fresh
     if isinstance(source, str):
-        source = read_params(source, model_name, target)
+        source = read_params(source, model_name, model_config, target, allow_partial=allow_partial)
     flat_target, flat_source = traverse_util.flatten_dict(target, sep="/"), traverse_util.flatten_dict(source, sep="/")
     grown = {k for k, v in flat_target.items() if k in TOKEN_TABLES and k in flat_source
              and flat_source[k].shape[1:] == v.shape[1:] and flat_source[k].shape[0] < v.shape[0]}  # fmt: skip

@@ -185,6 +185,10 @@ def log_prob(state: dict, contexts: np.ndarray, tokens: np.ndarray) -> np.ndarra
     order, vocab_size = len(keys), len(keys[0])
     contexts = np.asarray(contexts, dtype=np.int64)
     tokens = np.asarray(tokens, dtype=np.int64)
+    if contexts.ndim != 2 or contexts.shape[1] < order - 1:
+        raise ValueError(
+            f"contexts must be [positions, >= {order - 1}] for an order-{order} model, got {contexts.shape}"
+        )
     prob = np.full(len(tokens), 1.0 / vocab_size)
     for m in range(1, order + 1):
         context = _lookup(keys, contexts[:, contexts.shape[1] - m + 1 :])

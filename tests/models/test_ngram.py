@@ -95,6 +95,9 @@ def test_unseen_context_backs_off_to_lower_order() -> None:
 def test_contexts_cut_at_sentence_ends() -> None:
     contexts = ngram.contexts_from_stream(np.array([4, 5, EOS, 6, 7]), order=3, eos_id=EOS)
     np.testing.assert_array_equal(contexts, [[EOS, EOS], [EOS, 4], [4, 5], [EOS, EOS], [EOS, 6]])
+    state = ngram.fit(np.array([4, 5, EOS, 6, 7, EOS]), order=3, vocab_size=VOCAB, eos_id=EOS)
+    with pytest.raises(ValueError, match=r"contexts must be \[positions, >= 2\] for an order-3 model"):
+        ngram.log_prob(state, contexts[:, 1:], np.zeros(5, dtype=np.int64))
 
 
 def test_kneser_ney_beats_add_k_and_perplexity_is_exp_nll() -> None:

@@ -82,6 +82,31 @@ def _discounts(counts: np.ndarray) -> np.ndarray:
     return np.clip(np.where(np.isfinite(d), d, y), 0.0, c)
 
 
+def count_ngrams(token_ids: np.ndarray, *, order: int, eos_id: int) -> dict:
+    """Counts of the (history, token) rows of an [L] stream that starts at a sentence start.
+
+    Pieces of a stream cut after `<eos>` (e.g. batches of whole sentences, pads removed) can be counted apart
+    and combined with `merge_counts`: fitting the merge equals fitting their concatenation.
+    Returns:
+        {"ngrams": [U, order] distinct rows (order - 1 history ids, oldest first, then the token),
+         "counts": [U] int64 occurrences}.
+    """
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    rows = np.concatenate([contexts_from_stream(tokens, order=order, eos_id=eos_id), tokens[:, None]], axis=1)
+    return _distinct(rows, np.ones(len(rows), dtype=np.int64))
+
+
+def merge_counts(*counts: dict) -> dict:
+    """Sum of several `count_ngrams` results of the same order."""
+    return _distinct(np.concatenate([c["ngrams"] for c in counts]), np.concatenate([c["counts"] for c in counts]))
+
+
+def _distinct(rows: np.ndarray, counts: np.ndarray) -> dict:
+    ngrams, inverse = np.unique(rows, axis=0, return_inverse=True)
+    totals = np.bincount(inverse.ravel(), weights=counts, minlength=len(ngrams))
+    return {"ngrams": ngrams, "counts": totals.astype(np.int64)}
+
+
 def fit(
     token_ids: np.ndarray,
     *,
@@ -92,11 +117,27 @@ def fit(
     add_k: float = 1.0,
     discounts: np.ndarray | None = None,
 ) -> dict:
-    """Count a whole [L] token stream and return the model state.
+    """Model state for a whole [L] token stream: `fit_counts(count_ngrams(token_ids))`."""
+    counts = count_ngrams(token_ids, order=order, eos_id=eos_id)
+    return fit_counts(
+        counts, vocab_size=vocab_size, eos_id=eos_id, smoothing=smoothing, add_k=add_k, discounts=discounts
+    )
+
+
+def fit_counts(
+    counts: dict,
+    *,
+    vocab_size: int,
+    eos_id: int,
+    smoothing: str = "kneser_ney",
+    add_k: float = 1.0,
+    discounts: np.ndarray | None = None,
+) -> dict:
+    """Model state from (history, token) counts; the order is the width of counts["ngrams"].
 
     Args:
-        token_ids: [L] ids in [0, vocab_size), sentences ended by `eos_id`.
-        order: n of the n-gram model (1 = unigram).
+        counts: `count_ngrams` / `merge_counts` output over a stream of ids in [0, vocab_size) whose sentences
+            end with `eos_id`.
         smoothing: "kneser_ney" (interpolated modified KN) or "add_k".
         add_k: the k of add-k (ignored by Kneser-Ney).
         discounts: optional [order, 3] Kneser-Ney D1, D2, D3+ per order (index 0 = unigrams), overriding
@@ -108,11 +149,11 @@ def fit(
     """
     if smoothing not in SMOOTHINGS:
         raise ValueError(f"unknown smoothing {smoothing!r}; expected one of {SMOOTHINGS}")
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+    rows, row_counts = counts["ngrams"], counts["counts"]
+    if rows.size and (rows.min() < 0 or rows.max() >= vocab_size):
         raise ValueError(f"token ids must lie in [0, {vocab_size})")
-    # rows[i] = (history, token): [L, order]; window_index[m - 1][i, j] indexes rows[i, j:j + m] among order m.
-    rows = np.concatenate([contexts_from_stream(tokens, order=order, eos_id=eos_id), tokens[:, None]], axis=1)
+    order = rows.shape[1]
+    # window_index[m - 1][i, j] indexes rows[i, j:j + m] among the order-m keys.
     num_rows = len(rows)
     keys = [np.arange(vocab_size, dtype=np.int64)]
     window_index = [rows]
@@ -122,7 +163,10 @@ def fit(
         keys.append(level_keys)
         window_index.append(inverse.reshape(num_rows, order - m + 1))
     # Raw counts: how often each n-gram ends a row, i.e. is a predicted token with its history.
-    raw = [np.bincount(w[:, -1], minlength=len(k)) for w, k in zip(window_index, keys, strict=True)]
+    raw = [
+        np.bincount(w[:, -1], weights=row_counts, minlength=len(k)).astype(np.int64)
+        for w, k in zip(window_index, keys, strict=True)
+    ]
     parents = [np.zeros(vocab_size, dtype=np.int64)] + [k // vocab_size for k in keys[1:]]
     num_contexts = [1] + [len(k) for k in keys[:-1]]
 

@@ -129,3 +129,18 @@ def test_state_round_trips_through_orbax(tmp_path) -> None:
     held_out = random_stream(4, 100)
     jax.tree.map(np.testing.assert_array_equal, restored, state)
     assert ngram.perplexity(restored, held_out) == ngram.perplexity(state, held_out)
+
+
+def test_counts_of_pieces_merge_to_the_whole() -> None:
+    stream = random_stream(5, 600)
+    cut = int(np.flatnonzero(stream == EOS)[10]) + 1  # after a sentence end
+    pieces = [ngram.count_ngrams(part, order=3, eos_id=EOS) for part in (stream[:cut], stream[cut:])]
+    merged = ngram.merge_counts(*pieces)
+    whole = ngram.count_ngrams(stream, order=3, eos_id=EOS)
+    jax.tree.map(np.testing.assert_array_equal, merged, whole)
+    assert merged["counts"].sum() == len(stream)
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        ngram.fit_counts(merged, vocab_size=VOCAB, eos_id=EOS),
+        ngram.fit(stream, order=3, vocab_size=VOCAB, eos_id=EOS),
+    )

@@ -1,4 +1,4 @@
-"""One tokenizer interface for every lmzoo model: char, byte, SentencePiece and HuggingFace `tokenizers`.
+"""One tokenizer interface for every lmzoo model: char, word, byte, SentencePiece and HuggingFace `tokenizers`.
 
 `encode` never adds special tokens (no BOS/EOS/[CLS]/[SEP]); callers add the ones their objective needs.
 `decode` drops pad ids and renders every other id, so it never stops early at EOS.
@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import abc
+import collections
 import io
 import itertools
 import os
@@ -27,7 +28,7 @@ SPECIAL_TOKEN_NAMES: dict[str, tuple[str, ...]] = {
     "cls": ("[CLS]", "<s>", "<cls>"),
     "sep": ("[SEP]", "</s>", "<sep>"),
 }
-KINDS = ("char", "byte", "sentencepiece", "gpt2", "wordpiece", "hf_json")
+KINDS = ("char", "byte", "sentencepiece", "gpt2", "wordpiece", "hf_json", "word")
 
 
 def _discover_specials(lookup: Callable[[str], int | None]) -> dict[str, int]:
@@ -135,6 +136,75 @@ class CharTokenizer(Tokenizer):
 
     def save(self, directory: str) -> dict:
         return {"kind": "char", "chars": self.chars, "specials": list(self.specials)}
+
+
+class WordTokenizer(Tokenizer):
+    """Whitespace-separated words (ids 0..len-1) followed by `specials`; a newline encodes as `<eos>`.
+
+    Word-level LM convention (Mikolov's PTB): each line is a sentence, so `encode(text)` of a whole file gives
+    the words of every line each followed by `<eos>` (the newline itself, not an added special). Words
+    outside the vocabulary map to `<unk>` when the vocabulary has it (PTB's text already uses `<unk>`), and
+    are an error otherwise.
+    """
+
+    def __init__(self, words: Sequence[str], specials: Sequence[str] = ("<eos>",)):
+        if len(set(words)) != len(words) or set(words) & set(specials):
+            raise ValueError("WordTokenizer words must be unique and distinct from the specials")
+        if "<eos>" not in specials:
+            raise ValueError("WordTokenizer needs '<eos>' among its specials to encode line ends")
+        self.words = tuple(words)
+        self.specials = tuple(specials)
+        self._index = {w: i for i, w in enumerate(self.words)}
+        special_index = {name: len(self.words) + k for k, name in enumerate(self.specials)}
+        self._set_specials(_discover_specials(lambda name: self._index.get(name, special_index.get(name))))
+
+    @classmethod
+    def from_corpus(cls, texts: Iterable[str], specials: Sequence[str] = ("<eos>",)) -> WordTokenizer:
+        """Words of `texts` by descending frequency, ties in sorted order; specials after them."""
+        counts: collections.Counter[str] = collections.Counter()
+        for text in texts:
+            counts.update(text.split())
+        for name in specials:
+            counts.pop(name, None)
+        return cls(sorted(counts, key=lambda w: (-counts[w], w)), specials)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.words) + len(self.specials)
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for k, line in enumerate(text.split("\n")):
+            if k:
+                ids.append(self.eos_id)
+            ids.extend(self._word_id(w) for w in line.split())
+        return ids
+
+    def _word_id(self, word: str) -> int:
+        i = self._index.get(word, self.unk_id)
+        if i is None:
+            raise ValueError(f"word {word!r} is not in the vocabulary, which has no <unk>")
+        return i
+
+    def decode(self, ids: Sequence[int]) -> str:
+        lines, line = [], []
+        for i in ids:
+            if i == self.eos_id:
+                lines.append(" ".join(line))
+                line = []
+            elif i != self.pad_id:
+                line.append(self.words[i] if i < len(self.words) else self.specials[i - len(self.words)])
+        return "\n".join([*lines, " ".join(line)])
+
+    def token_char_lengths(self) -> np.ndarray:
+        """Characters of each word (inter-word spaces not counted); 0 for specials."""
+        return np.array([len(w) for w in self.words] + [0] * len(self.specials), dtype=np.int32)
+
+    def save(self, directory: str) -> dict:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "words.txt"), "w", encoding="utf-8") as f:
+            f.write("\n".join(self.words) + "\n")
+        return {"kind": "word", "path": "words.txt", "specials": list(self.specials)}
 
 
 class ByteTokenizer(Tokenizer):
@@ -352,16 +422,20 @@ def from_spec(spec: dict, base_dir: str | None = None) -> Tokenizer:
         return CharTokenizer(spec["chars"], spec["specials"])
     if kind == "byte":
         return ByteTokenizer()
+    if kind == "word":
+        _require_files([path], "WordTokenizer needs its words.txt")
+        with open(path, encoding="utf-8") as f:
+            return WordTokenizer(f.read().split("\n")[:-1], spec["specials"])
     if kind == "sentencepiece":
         return SentencePieceTokenizer.load(path, extra_ids=spec.get("extra_ids", 0))
     if kind == "hf_json":
         return HFTokenizer.from_file(path, special_ids=spec.get("special_ids"))
-    raise ValueError(f"unknown tokenizer spec kind {kind!r}; expected char, byte, sentencepiece or hf_json")
+    raise ValueError(f"unknown tokenizer spec kind {kind!r}; expected char, word, byte, sentencepiece or hf_json")
 
 
 def build_tokenizer(kind: str, *, corpus: Iterable[str] | None = None, path: str | None = None,
                     vocab_size: int | None = None, **kwargs) -> Tokenizer:
-    """Tokenizer from config. kinds: char (corpus), byte, sentencepiece (path to .model, or corpus +
+    """Tokenizer from config. kinds: char (corpus), word (corpus), byte, sentencepiece (path to .model, or corpus +
     vocab_size to train), gpt2 (path = folder with vocab.json + merges.txt), wordpiece (path = vocab.txt),
     hf_json (path = tokenizer.json). `kwargs` go to the constructor/trainer."""
     if kind not in KINDS:
@@ -370,6 +444,10 @@ def build_tokenizer(kind: str, *, corpus: Iterable[str] | None = None, path: str
         if corpus is None:
             raise ValueError("tokenizer kind 'char' needs corpus= to build its character vocabulary")
         return CharTokenizer.from_corpus(corpus, **kwargs)
+    if kind == "word":
+        if corpus is None:
+            raise ValueError("tokenizer kind 'word' needs corpus= to build its word vocabulary")
+        return WordTokenizer.from_corpus(corpus, **kwargs)
     if kind == "byte":
         return ByteTokenizer(**kwargs)
     if kind == "sentencepiece" and path is None:

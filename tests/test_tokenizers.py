@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lmzoo.tokenizers import (
@@ -13,6 +14,7 @@ from lmzoo.tokenizers import (
     HFTokenizer,
     SentencePieceTokenizer,
     Tokenizer,
+    WordTokenizer,
     build_tokenizer,
     from_spec,
 )
@@ -21,6 +23,7 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SHAKESPEARE = DATA / "tinyshakespeare" / "input.txt"
 GPT2 = DATA / "tokenizers" / "gpt2"
 BERT = DATA / "tokenizers" / "bert_uncased"
+PTB = DATA / "ptb"
 UNICODE = "Café déjà vu — 中文 text 🙂🎉\n  two  spaces\ttab"
 ASCII = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak."
 
@@ -78,6 +81,32 @@ def test_char_specials_and_pad_skipped() -> None:
     assert (tok.eos_id, tok.pad_id, tok.mask_id) == (2, 3, 4)
     assert tok.decode([0, 3, 1, 2, 3]) == "ab<eos>"
     assert tok.token_char_lengths().tolist() == [1, 1, 0, 0, 0]
+
+
+def test_word_ptb_matches_mikolov_counts() -> None:
+    # shared/data README: PTB train has 929,589 tokens+eos and a 10,000-word vocabulary counting <eos>.
+    texts = {split: (need(PTB) / f"ptb.{split}.txt").read_text() for split in ("train", "valid", "test")}
+    tok = WordTokenizer.from_corpus([texts["train"]])
+    assert tok.vocab_size == 10000
+    assert tok.words[:3] == ("the", "<unk>", "N")  # most frequent first
+    assert tok.eos_id == 9999 and tok.unk_id == 1 and tok.pad_id is None
+    for split, expected in (("train", 929589), ("valid", 73760), ("test", 82430)):
+        ids = tok.encode(texts[split])
+        assert len(ids) == expected, split
+        assert ids.count(tok.eos_id) == texts[split].count("\n"), split
+        # The valid and test words all belong to the train vocabulary: <unk> only where the text says so.
+        assert ids.count(tok.unk_id) == texts[split].split().count("<unk>"), split
+    first_line = texts["test"].split("\n")[0]
+    assert tok.decode(tok.encode(first_line + "\n")) == " ".join(first_line.split()) + "\n"
+
+
+def test_word_unknown_maps_to_unk_and_lines_end_with_eos() -> None:
+    tok = WordTokenizer.from_corpus(["a b b <unk>\nc c c"], specials=("<eos>", "<pad>"))
+    assert tok.words == ("c", "b", "<unk>", "a")
+    assert (tok.eos_id, tok.pad_id, tok.unk_id) == (4, 5, 2)
+    assert tok.encode("a  zebra\n\nc") == [3, 2, 4, 4, 0]
+    assert tok.decode([3, 5, 1, 4, 0, 4]) == "a b\nc\n"
+    np.testing.assert_array_equal(tok.token_char_lengths(), [1, 1, 5, 1, 0, 0])
 
 
 def test_byte_round_trip_and_specials() -> None:
@@ -142,6 +171,7 @@ def test_hf_json_discovers_specials_without_template() -> None:
 def _all_tokenizers(request: pytest.FixtureRequest) -> dict[str, Tokenizer]:
     return {
         "char": CharTokenizer.from_corpus([UNICODE, ASCII]),
+        "word": WordTokenizer.from_corpus([UNICODE, ASCII]),
         "byte": ByteTokenizer(),
         "spm_bpe": request.getfixturevalue("spm_bpe"),
         "spm_unigram": request.getfixturevalue("spm_unigram"),
@@ -164,6 +194,7 @@ def test_save_from_spec_round_trip(request: pytest.FixtureRequest, tmp_path: Pat
 def test_build_tokenizer_kinds(shakespeare: str, tmp_path: Path) -> None:
     assert build_tokenizer("char", corpus=[shakespeare]).vocab_size == 66
     assert build_tokenizer("byte").vocab_size == 258
+    assert build_tokenizer("word", corpus=[ASCII]).encode("All:\nSpeak, speak.") == [1, 12, 5, 0]
     trained = build_tokenizer("sentencepiece", corpus=[shakespeare[:20000]], vocab_size=400, extra_ids=2)
     trained.save(str(tmp_path))
     loaded = build_tokenizer("sentencepiece", path=str(tmp_path / "spm.model"), extra_ids=2)
@@ -178,6 +209,10 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
         build_tokenizer("bpe")
     with pytest.raises(ValueError, match="needs corpus="):
         build_tokenizer("char")
+    with pytest.raises(ValueError, match="'word' needs corpus="):
+        build_tokenizer("word")
+    with pytest.raises(ValueError, match="'Speak' is not in the vocabulary, which has no <unk>"):
+        WordTokenizer.from_corpus(["speak"]).encode("Speak")
     with pytest.raises(ValueError, match="vocab_size="):
         build_tokenizer("sentencepiece", corpus=["abc"])
     with pytest.raises(FileNotFoundError, match=r"GPT-2 BPE needs vocab.json and merges.txt; not found: .*vocab.json"):

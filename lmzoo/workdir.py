@@ -120,7 +120,11 @@ class WorkdirLock:
             ) from None
         stale = _read_holder(self._file)
         if stale is not None:
-            log.warning("workdir %s: stale lock info of a run that is gone (%s); taking it over", self.path.parent, stale.describe())
+            log.warning(
+                "workdir %s: stale lock info of a run that is gone (%s); taking it over",
+                self.path.parent,
+                stale.describe(),
+            )
         self.stale_holder = stale
         self.holder = HolderInfo(
             pid=os.getpid(), host=socket.gethostname(), command=" ".join(sys.argv),
@@ -201,7 +205,9 @@ class StagedRunState:
 def remove_leftovers(workdir: str | os.PathLike) -> list[str]:
     """Removes staging folders and temp files a crashed run left in `workdir`; call it holding the lock."""
     root = pathlib.Path(workdir)
-    leftovers = [p for p in root.glob(".*") if p.name.startswith(STAGING_PREFIX) or ".tmp-" in p.name or ".old-" in p.name]
+    leftovers = [
+        p for p in root.glob(".*") if p.name.startswith(STAGING_PREFIX) or ".tmp-" in p.name or ".old-" in p.name
+    ]
     for p in leftovers:
         if p.is_dir():
             shutil.rmtree(p)

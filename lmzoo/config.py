@@ -175,3 +175,74 @@ def check_overrides(argv: list[str], flag: str = "config") -> None:
                 valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
                 raise ValueError(f"unknown config key {'.'.join(keys)!r} in {arg!r}; valid keys of {section}: {valid}")
             node, seen = node[key], seen + [key]
+
+
+def check_variants(arg: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
+    """The comma-separated variant words of `--config=FILE:arg`; an unknown word (a typo) is an error."""
+    words = tuple(w for w in (arg or "").split(",") if w)
+    unknown = [w for w in words if w not in known]
+    if unknown:
+        raise ValueError(f"unknown config variant {unknown[0]!r} in {arg!r}; known variants: {', '.join(known)}")
+    return words
+
+
+def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int) -> None:
+    """Raises one ValueError listing every out-of-range value, each naming its field and the fix.
+
+    data_parallel_size: devices the batch is split over (the mesh's data x fsdp axes), so a global
+    batch, and each gradient-accumulation microbatch of it, must be a multiple of it.
+    """
+    from lmzoo.data import pipeline
+
+    train, evals, data, optim = config.train, config.eval, config.data, config.optim
+    problems = []
+
+    def value(field: str):
+        section, key = field.split(".")
+        return config[section][key]
+
+    def require(ok: bool, field: str, why: str) -> None:
+        if not ok:
+            problems.append(f"config.{field}={value(field)!r}: {why}")
+
+    for field in ("train.steps", "train.batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
+                  "train.checkpoint_every", "train.keep_checkpoints", "eval.batch_size", "data.seq_len"):  # fmt: skip
+        require(value(field) >= 1, field, f"must be a positive integer; set --config.{field}=N with N >= 1")
+    if not problems:
+        accum = train.grad_accum_steps
+        multiple = accum * data_parallel_size
+        require(
+            train.batch_size % multiple == 0, "train.batch_size",
+            f"must be a multiple of {multiple} (grad_accum_steps={accum} x {data_parallel_size} data-parallel devices); "
+            f"set --config.train.batch_size={max(multiple, train.batch_size // multiple * multiple)}",
+        )  # fmt: skip
+        require(
+            evals.batch_size % data_parallel_size == 0, "eval.batch_size",
+            f"must be a multiple of the {data_parallel_size} data-parallel devices; "
+            f"set --config.eval.batch_size={max(data_parallel_size, evals.batch_size // data_parallel_size * data_parallel_size)}",
+        )  # fmt: skip
+    require(train.sample_tokens >= 0, "train.sample_tokens", "must be >= 0 (0 skips sampling)")
+    require(evals.max_batches is None or evals.max_batches >= 1, "eval.max_batches", "must be None (the whole split) or >= 1")
+    if config.objective.name == "text_to_text":
+        require(data.target_seq_len >= 1, "data.target_seq_len", "must be a positive integer; set --config.data.target_seq_len=N")
+    if data.source == "python_stdlib":
+        require(data.max_files >= 1, "data.max_files", "must be >= 1 (python_stdlib reads that many files)")
+    require(0 < data.validation_fraction < 1, "data.validation_fraction", "must be between 0 and 1 (exclusive), e.g. 0.1")
+    require(data.document_unit in pipeline.DOCUMENT_UNITS, "data.document_unit", f"choose one of {pipeline.DOCUMENT_UNITS}")
+    require(data.sampler in ("random", "sequential"), "data.sampler", "choose 'random' or 'sequential'")
+    require(optim.learning_rate > 0, "optim.learning_rate", "must be > 0, e.g. 1e-3")
+    require(0 <= optim.min_learning_rate <= optim.learning_rate, "optim.min_learning_rate", "must be in [0, optim.learning_rate]")
+    require(optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    require(optim.decay_steps >= 1, "optim.decay_steps", "must be >= 1 (the step where the cosine reaches min_learning_rate)")
+    for field in ("optim.b1", "optim.b2"):
+        require(0 <= value(field) < 1, field, "must be in [0, 1), e.g. 0.9 / 0.99")
+    require(optim.eps > 0, "optim.eps", "must be > 0, e.g. 1e-8")
+    require(optim.weight_decay >= 0, "optim.weight_decay", "must be >= 0 (0 turns weight decay off)")
+    require(optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 turns clipping off)")
+    mesh = tuple(config.sharding.mesh_shape)
+    require(
+        len(mesh) == 3 and all(n >= 1 or n == -1 for n in mesh) and mesh.count(-1) <= 1, "sharding.mesh_shape",
+        "must be 3 sizes (data, fsdp, tensor), each >= 1, one of them may be -1 (the remaining devices)",
+    )  # fmt: skip
+    if problems:
+        raise ValueError("invalid config values:\n  " + "\n  ".join(problems))

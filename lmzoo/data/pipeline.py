@@ -35,16 +35,71 @@ def _split_units(text: str, unit: str) -> list[str]:
     raise ValueError(f"unknown config.data.document_unit {unit!r}; choose one of {DOCUMENT_UNITS}")
 
 
+MAX_UNDECODABLE_FRACTION = 0.01  # above this share of invalid UTF-8, a file is not text
+
+
+def read_text(path: pathlib.Path) -> str:
+    """A UTF-8 text file (gunzipped if it ends in .gz). NUL bytes, or more than MAX_UNDECODABLE_FRACTION
+    of characters that are not UTF-8, mean the file is not text: an error naming it, not training data."""
+    raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{path}: NUL byte at offset {nul}; this is a binary file, not text. Remove it from config.data.path")
+    text = raw.decode("utf-8", errors="replace")
+    undecodable = text.count("\ufffd") - raw.count("\ufffd".encode())
+    if undecodable > MAX_UNDECODABLE_FRACTION * max(len(text), 1):
+        raise ValueError(
+            f"{path}: {undecodable} of {len(text)} characters are not valid UTF-8; it is not UTF-8 text "
+            "(convert it, e.g. iconv -f latin1 -t utf-8, or remove it from config.data.path)"
+        )
+    return text
+
+
+def read_jsonl(path: pathlib.Path, fields: tuple[str, ...], fix: str) -> list[dict]:
+    """The JSON objects of a .jsonl(.gz) file (blank lines skipped), each with string `fields`.
+    Errors name the file and line; `fix` says which config setting to change for a missing field."""
+    rows = []
+    for number, line in enumerate(read_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {number} is not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object with field(s) {list(fields)}")
+        for field in fields:
+            if field not in row:
+                raise ValueError(f"{path}: line {number} has no field {field!r} (it has {sorted(row)}); {fix}")
+            if not isinstance(row[field], str):
+                raise ValueError(f"{path}: line {number} field {field!r} is a {type(row[field]).__name__}, not a string")
+        rows.append(row)
+    return rows
+
+
+def read_tsv(path: pathlib.Path, columns: tuple[str, ...], fix: str) -> list[dict[str, str]]:
+    """Rows of a tab-separated file with a header row naming at least `columns`; a row with a different
+    number of cells than the header is an error naming its line."""
+    header, *lines = [line.removesuffix("\r") for line in read_text(path).split("\n")]
+    names = header.split("\t")
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise ValueError(f"{path}: columns {missing} not in the header {names}; {fix}")
+    rows = []
+    for number, line in enumerate(lines, start=2):
+        if not line.strip():
+            continue
+        cells = line.split("\t")
+        if len(cells) != len(names):
+            raise ValueError(f"{path}: line {number} has {len(cells)} tab-separated cells, the header has {len(names)}")
+        rows.append(dict(zip(names, cells, strict=True)))
+    return rows
+
+
 def _read_file(path: pathlib.Path, text_field: str, unit: str) -> list[str]:
     if path.name.endswith((".jsonl", ".jsonl.gz")):
-        opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        missing = [i for i, row in enumerate(rows) if text_field not in row]
-        if missing:
-            raise ValueError(f"{path}: line {missing[0] + 1} has no field {text_field!r}; set config.data.text_field")
-        return [row[text_field] for row in rows]
-    return _split_units(path.read_text(encoding="utf-8", errors="replace"), unit)
+        return [row[text_field] for row in read_jsonl(path, (text_field,), "set config.data.text_field")]
+    return _split_units(read_text(path), unit)
 
 
 def read_local_text(path: str, text_field: str = "text", unit: str = "file") -> list[str]:
@@ -65,8 +120,7 @@ def read_local_text(path: str, text_field: str = "text", unit: str = "file") -> 
 def read_python_stdlib(max_files: int) -> list[str]:
     """Source files of the running Python's standard library: real text present on every machine."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py"))[:max_files]
-    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    return [read_text(f) for f in sorted(root.glob("*.py"))[:max_files]]
 
 
 def read_tfds(name: str, split: str, data_dir: str | None, text_field: str) -> list[str]:
@@ -278,19 +332,13 @@ def read_text_pairs(path: str, text_fields: tuple[str, ...], split_marker: str =
     if not file.exists():
         raise FileNotFoundError(f"pairs file {path!r} does not exist; set config.data.path")
     if file.name.endswith((".jsonl", ".jsonl.gz")):
-        opener = gzip.open if file.name.endswith(".gz") else open
-        with opener(file, "rt", encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = read_jsonl(file, text_fields, "set config.data.text_fields")
     elif file.name.endswith(".tsv"):
-        header, *lines = file.read_text(encoding="utf-8").splitlines()
-        rows = [dict(zip(header.split("\t"), line.split("\t"), strict=False)) for line in lines if line.strip()]
+        rows = read_tsv(file, text_fields, "set config.data.text_fields")
     else:
         raise ValueError(f"{path}: pairs are read from .jsonl, .jsonl.gz or .tsv files")
     if len(rows) < 2:
         raise ValueError(f"{path} has {len(rows)} rows; pairs need at least 2 (the last config.data.validation_fraction are held out)")
-    missing = [f for f in text_fields if f not in rows[0]]
-    if missing:
-        raise ValueError(f"{path}: fields {missing} not in its rows ({sorted(rows[0])}); set config.data.text_fields")
     if len(text_fields) == 2 and not split_marker:
         return [(row[text_fields[0]], row[text_fields[1]]) for row in rows]
     if len(text_fields) == 1 and split_marker:
@@ -310,13 +358,12 @@ def read_labelled_tsv(path: str, text_fields: tuple[str, ...], label_field: str)
     file = pathlib.Path(path)
     if not file.exists():
         raise FileNotFoundError(f"labelled data file {path!r} does not exist; check config.data.{{train,validation}}_path")
-    lines = file.read_text(encoding="utf-8").splitlines()
-    if len(lines) < 2:
+    rows = read_tsv(file, (*text_fields, label_field), "set config.data.text_fields / label_field")
+    if not rows:
         raise ValueError(f"{path} has no examples (needs a header row and at least one row)")
-    header = lines[0].split("\t")
-    missing = [f for f in (*text_fields, label_field) if f not in header]
-    if missing:
-        raise ValueError(f"{path}: columns {missing} not in the header {header}; set config.data.text_fields / label_field")
-    rows = [line.split("\t") for line in lines[1:] if line.strip()]
-    texts = [tuple(r[header.index(f)].strip() for f in text_fields) for r in rows]
-    return texts, np.array([int(r[header.index(label_field)]) for r in rows], np.int32)
+    labels = []
+    for number, row in enumerate(rows, start=1):
+        if not row[label_field].strip().lstrip("-").isdigit():
+            raise ValueError(f"{path}: example {number} has label {row[label_field]!r} in column {label_field!r}, not an integer")
+        labels.append(int(row[label_field]))
+    return [tuple(row[f].strip() for f in text_fields) for row in rows], np.array(labels, np.int32)

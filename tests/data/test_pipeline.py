@@ -145,7 +145,7 @@ def test_text_pairs_from_a_split_marker_or_two_fields(tmp_path):
     assert pipeline.read_text_pairs(str(table), ("en", "de")) == [("cat", "Katze"), ("dog", "Hund")]
     with pytest.raises(ValueError, match="no '\\\\n\\\\nRobot:'"):
         pipeline.read_text_pairs(str(dialogues), ("chosen",), "\n\nRobot:")
-    with pytest.raises(ValueError, match=r"fields \['fr'\] not in its rows"):
+    with pytest.raises(ValueError, match=r"columns \['fr'\] not in the header"):
         pipeline.read_text_pairs(str(table), ("en", "fr"))
     with pytest.raises(ValueError, match="at least 2"):
         (tmp_path / "one.tsv").write_text("en\tde\ncat\tKatze\n", encoding="utf-8")

@@ -1,0 +1,61 @@
+"""check_values names every bad field and its fix; check_variants rejects unknown variant words."""
+
+import pytest
+
+from lmzoo import config as config_lib
+
+
+def _config(**overrides):
+    c = config_lib.base_config()
+    c.train.batch_size, c.eval.batch_size = 8, 16
+    for field, value in overrides.items():
+        section, key = field.split("__")
+        c[section][key] = value
+    return c
+
+
+def test_defaults_pass():
+    config_lib.check_values(_config(), data_parallel_size=8)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("train__batch_size", 0, "config.train.batch_size=0: must be a positive integer; set --config.train.batch_size=N"),
+        ("train__batch_size", -4, "config.train.batch_size=-4: must be a positive integer"),
+        ("train__keep_checkpoints", 0, "config.train.keep_checkpoints=0: must be a positive integer"),
+        ("train__log_every", 0, "config.train.log_every=0: must be a positive integer"),
+        ("eval__batch_size", 0, "config.eval.batch_size=0: must be a positive integer"),
+        ("data__seq_len", 0, "config.data.seq_len=0: must be a positive integer"),
+        ("eval__batch_size", 12, "config.eval.batch_size=12: must be a multiple of the 8 data-parallel devices; set --config.eval.batch_size=8"),
+        ("train__batch_size", 4, "config.train.batch_size=4: must be a multiple of 8 (grad_accum_steps=1 x 8 data-parallel devices); set --config.train.batch_size=8"),
+        ("data__validation_fraction", 1.0, "config.data.validation_fraction=1.0: must be between 0 and 1"),
+        ("data__sampler", "sequentail", "config.data.sampler='sequentail': choose 'random' or 'sequential'"),
+        ("optim__learning_rate", 0.0, "config.optim.learning_rate=0.0: must be > 0"),
+        ("sharding__mesh_shape", (-1, -1, 1), "config.sharding.mesh_shape=(-1, -1, 1): must be 3 sizes"),
+    ],
+)
+def test_bad_value_is_named_with_its_fix(field, value, message):
+    with pytest.raises(ValueError, match="invalid config values") as raised:
+        config_lib.check_values(_config(**{field: value}), data_parallel_size=8)
+    assert message in str(raised.value)
+
+
+def test_microbatches_must_split_over_the_devices():
+    with pytest.raises(ValueError, match=r"batch_size=8: must be a multiple of 16 \(grad_accum_steps=2 x 8"):
+        config_lib.check_values(_config(train__grad_accum_steps=2), data_parallel_size=8)
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(ValueError) as raised:
+        config_lib.check_values(_config(train__batch_size=0, train__log_every=0, optim__eps=0.0), data_parallel_size=1)
+    assert [line.split("=")[0].strip() for line in str(raised.value).splitlines()[1:]] == [
+        "config.train.batch_size", "config.train.log_every", "config.optim.eps",
+    ]  # fmt: skip
+
+
+def test_check_variants():
+    assert config_lib.check_variants("tiny,nsp", known=("tiny", "nsp")) == ("tiny", "nsp")
+    assert config_lib.check_variants(None, known=("tiny",)) == ()
+    with pytest.raises(ValueError, match="unknown config variant 'tinyy' in 'tinyy'; known variants: tiny"):
+        config_lib.check_variants("tinyy", known=("tiny",))

@@ -20,12 +20,13 @@ POOLINGS = ("first", "last", "mean")
 
 
 def pool(hidden: jax.Array, segment_ids: jax.Array | None, how: str) -> jax.Array:
-    """hidden [B, T, D] -> [B, D]; "last" and "mean" skip padding (segment id 0)."""
+    """hidden [B, T, D] -> [B, D]; "last" and "mean" skip padding (segment id 0) on either side."""
     if how == "first":
         return hidden[:, 0]
     valid = jnp.ones(hidden.shape[:2], bool) if segment_ids is None else segment_ids != 0
     if how == "last":
-        last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
+        # Index of the last valid token, so left- and right-padded rows both work.
+        last = hidden.shape[1] - 1 - jnp.argmax(valid[:, ::-1], axis=1)
         return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     if how == "mean":
         weights = valid[..., None].astype(hidden.dtype)
@@ -40,6 +41,7 @@ class SequenceClassifier(nn.Module):
         backbone: an encoder or decoder module (lmzoo.models.*).
         head: one of HEAD_STYLES.
         pooling: one of POOLINGS (ignored by head="pooler", which uses the backbone's pooler).
+        classifier_init: initializer of the output kernel.
     """
 
     backbone: nn.Module
@@ -47,6 +49,7 @@ class SequenceClassifier(nn.Module):
     head: str = "pooler"
     pooling: str = "first"
     dropout_rate: float = 0.1
+    classifier_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
 
     @nn.compact
     def __call__(self, tokens, *, token_types=None, segment_ids=None, positions=None, deterministic: bool = True):
@@ -68,7 +71,10 @@ class SequenceClassifier(nn.Module):
             x = layers.Einsum((d, d), ("embed", "mlp"), use_bias=True, name="head_dense")("BD,DK->BK", x)
             x = jnp.tanh(x) if self.head == "dense_tanh" else jax.nn.relu(x)
         x = dropout(x, deterministic=deterministic)
-        return layers.Einsum((d, self.num_classes), ("embed", "classes"), use_bias=True, name="classifier")("BD,DC->BC", x)
+        classifier = layers.Einsum(
+            (d, self.num_classes), ("embed", "classes"), use_bias=True, kernel_init=self.classifier_init, name="classifier"
+        )
+        return classifier("BD,DC->BC", x)
 
 
 class TokenClassifier(nn.Module):

@@ -4,6 +4,7 @@
                         real token (the GPT classifier on `[START] a [DELIM] b [EXTRACT]`), or the mean.
     TokenClassifier     one label per token (tagging).
     SpanExtractor       start/end logits over tokens (extractive QA).
+    LMWithValueHead     a decoder's logits plus a scalar value per token (the PPO policy with a shared trunk).
 
 Head styles of the HF checkpoints: "pooler" (BERT, ALBERT: the backbone's tanh pooler, then a
 linear layer), "dense_tanh" (RoBERTa), "dense_relu" (DistilBERT), "linear" (GPT).
@@ -109,3 +110,23 @@ class SpanExtractor(nn.Module):
         if segment_ids is not None:
             logits = jnp.where((segment_ids != 0)[..., None], logits, -jnp.inf)
         return logits[..., 0], logits[..., 1]
+
+
+class LMWithValueHead(nn.Module):
+    """tokens [B, T] -> (logits [B, T, V], values [B, T]): a decoder LM and a value head on its final hidden states.
+
+    The head starts at zero (V ≡ 0, Ziegler et al. 2019), so the value loss cannot disturb the
+    policy early on. The decoder's parameters sit under "decoder", so an SFT checkpoint loads there
+    and the sampler can run the decoder alone on params["decoder"].
+    """
+
+    decoder: nn.Module
+
+    @nn.compact
+    def __call__(self, tokens, *, segment_ids=None, positions=None, deterministic: bool = True):
+        logits, hidden = self.decoder(
+            tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True
+        )
+        d = hidden.shape[-1]
+        head = layers.Einsum((d, 1), ("embed", "classes"), use_bias=True, kernel_init=nn.initializers.zeros, name="value_head")
+        return logits, head("BTD,DC->BTC", hidden)[..., 0]

@@ -195,17 +195,15 @@ def ppo_loss(
     mean_entropy = masked_mean(entropy, mask)
     loss = pg_loss + value_coef * vf_loss - entropy_coef * mean_entropy
     one = jnp.ones((), jnp.float32)
-    metrics = (
-        pg_metrics
-        | vf_metrics
-        | {
-            "loss/policy": (pg_loss, one),
-            "loss/value": (vf_loss, one),
-            "loss/total": (loss, one),
-            "policy/entropy": masked_stats(entropy, mask),
-            "value/explained_variance": (explained_variance(values, rollout["returns"], mask), one),
-        }
-    )
+    metrics = {
+        **pg_metrics,
+        **vf_metrics,
+        "loss/policy": (pg_loss, one),
+        "loss/value": (vf_loss, one),
+        "loss/total": (loss, one),
+        "policy/entropy": masked_stats(entropy, mask),
+        "value/explained_variance": (explained_variance(values, rollout["returns"], mask), one),
+    }
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
@@ -236,7 +234,7 @@ def ppo_rollout_targets(
         "objective/scores": (jnp.sum(scores), batch),
         "objective/kl": (jnp.sum(sequence_kl), batch),
         "objective/non_score_reward": (jnp.sum(-kl_coef * sequence_kl), batch),
-        "objective/rlhf_reward": (jnp.sum(scores - kl_coef * sequence_kl), batch),
+        "objective/rlhf_reward": (jnp.sum(sequence_returns(scores, kl, mask, kl_coef=kl_coef)), batch),
         "objective/kl_coef": (jnp.asarray(kl_coef, jnp.float32) * batch, batch),
         "tokens/response_len": (jnp.sum(mask), batch),
         "tokens/has_eos": (jnp.sum(has_eos.astype(jnp.float32)), batch),

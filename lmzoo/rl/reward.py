@@ -28,15 +28,28 @@ def reward_model(backbone: nn.Module, emb_dim: int) -> heads.SequenceClassifier:
     )  # fmt: skip
 
 
-def score(model: heads.SequenceClassifier, params, tokens: jax.Array, *, pad_id: int) -> jax.Array:
-    """tokens [..., L] (prompt ⊕ response, padded on either side with pad_id) -> rewards [...].
+def value_model(backbone: nn.Module) -> heads.TokenClassifier:
+    """tokens [B, T] -> values [B, T, 1]: a separate value network (InstructGPT, TRL's PPO).
 
-    Positions count real tokens only, so a left-padded sequence scores like the unpadded one.
+    Its parameters have the reward model's names and shapes, so it starts as a copy of the RM:
+    the value at the last non-pad token is then the RM score.
     """
+    return heads.TokenClassifier(backbone, 1, dropout_rate=0.0)
+
+
+def padding_inputs(tokens: jax.Array, pad_id: int) -> tuple[jax.Array, jax.Array]:
+    """tokens [B, L] padded on either side -> (segment_ids [B, L], 1 on real tokens; positions [B, L]).
+
+    Positions count real tokens only, so a left-padded sequence is seen like the unpadded one."""
+    valid = tokens != pad_id
+    return valid.astype(jnp.int32), jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+
+
+def score(model: heads.SequenceClassifier, params, tokens: jax.Array, *, pad_id: int) -> jax.Array:
+    """tokens [..., L] (prompt ⊕ response, padded on either side with pad_id) -> rewards [...]."""
     flat = tokens.reshape(-1, tokens.shape[-1])
-    valid = flat != pad_id
-    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-    logits = model.apply({"params": params}, flat, segment_ids=valid.astype(jnp.int32), positions=positions)
+    segment_ids, positions = padding_inputs(flat, pad_id)
+    logits = model.apply({"params": params}, flat, segment_ids=segment_ids, positions=positions)
     return logits[:, 0].reshape(tokens.shape[:-1])
 
 

@@ -91,6 +91,31 @@ class RewardModelTest(absltest.TestCase):
         truncated = reward.score(model, params, text[:, :4], pad_id=PAD)
         self.assertGreater(float(jnp.abs(truncated - alone)[0]), 1e-4)
 
+    def test_value_model_starts_as_a_copy_of_the_reward_model(self):
+        backbone = models.build_model("gpt2", testing.TINY_GPT2)
+        rm = reward.reward_model(backbone, testing.TINY_GPT2["emb_dim"])
+        tokens = jnp.asarray(testing.random_tokens((2, 8), seed=4) % 31 + 1).at[1, :3].set(PAD)  # row 1 left-padded
+        params = nn.unbox(rm.init(jax.random.key(0), tokens)["params"])
+        segment_ids, positions = reward.padding_inputs(tokens, PAD)
+        values = reward.value_model(backbone).apply(
+            {"params": params}, tokens, segment_ids=segment_ids, positions=positions
+        )
+        chex.assert_shape(values, (2, 8, 1))
+        np.testing.assert_allclose(values[:, -1, 0], reward.score(rm, params, tokens, pad_id=PAD), rtol=1e-5, atol=1e-6)
+
+    def test_lm_with_value_head_keeps_the_decoder_logits_and_starts_at_zero_value(self):
+        decoder, decoder_params = testing.tiny_gpt2()
+        policy = heads.LMWithValueHead(decoder)
+        tokens = jnp.asarray(testing.random_tokens())
+        params = nn.unbox(policy.init(jax.random.key(1), tokens)["params"])
+        params = {**params, "decoder": decoder_params}
+        logits, values = policy.apply({"params": params}, tokens)
+        chex.assert_shape(values, (2, 8))
+        np.testing.assert_array_equal(values, 0.0)
+        np.testing.assert_allclose(logits, decoder.apply({"params": decoder_params}, tokens), rtol=1e-6, atol=1e-6)
+        grads = jax.grad(lambda p: jnp.sum(policy.apply({"params": p}, tokens)[1] * tokens))(params)
+        self.assertGreater(float(jnp.abs(grads["value_head"]["kernel"]).max()), 0.0)
+
     def test_pool_last_on_left_and_right_padding(self):
         hidden = jnp.arange(2 * 5 * 3, dtype=jnp.float32).reshape(2, 5, 3)
         pooled = heads.pool(hidden, jnp.array([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1]]), "last")

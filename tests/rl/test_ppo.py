@@ -207,6 +207,17 @@ class LossTest(chex.TestCase):
         np.testing.assert_allclose(np.divide(*metrics["policy/approxkl"]), np.mean(0.5 * log_ratio**2), rtol=1e-5)
 
     @chex.variants(with_jit=True, without_jit=True)
+    def test_first_minibatch_has_ratio_one_and_no_clipping(self):
+        rollout = self._rollout()
+        loss, metrics = self.variant(ppo.policy_loss)(
+            rollout["old_logprobs"], rollout["old_logprobs"], rollout["advantages"], rollout["mask"]
+        )
+        np.testing.assert_allclose(loss, -ppo.masked_mean(rollout["advantages"], rollout["mask"]), rtol=1e-6)
+        np.testing.assert_allclose(np.divide(*metrics["policy/ratio"]), 1.0)
+        for name in ("policy/clipfrac", "policy/approxkl", "policy/policykl"):
+            np.testing.assert_array_equal(metrics[name][0], 0.0)
+
+    @chex.variants(with_jit=True, without_jit=True)
     def test_value_loss_clips_around_the_old_values(self):
         values, old, returns = jnp.array([[1.0, 0.1]]), jnp.array([[0.0, 0.0]]), jnp.array([[2.0, -1.0]])
         loss, metrics = self.variant(lambda *a: ppo.value_loss(*a, clip_eps=0.2))(

@@ -2,6 +2,8 @@
 
     SequenceClassifier  one label per sequence from the first token ([CLS]: BERT & co.), the last
                         real token (the GPT classifier on `[START] a [DELIM] b [EXTRACT]`), or the mean.
+    TokenClassifier     one output per token (the separate PPO value model: one output).
+    LMWithValueHead     a decoder's logits plus a scalar value per token (the PPO policy with a shared trunk).
 
 Head styles of the HF checkpoints: "pooler" (BERT, ALBERT: the backbone's tanh pooler, then a
 linear layer), "dense_tanh" (RoBERTa), "dense_relu" (DistilBERT), "linear" (GPT).
@@ -18,12 +20,13 @@ POOLINGS = ("first", "last", "mean")
 
 
 def pool(hidden: jax.Array, segment_ids: jax.Array | None, how: str) -> jax.Array:
-    """hidden [B, T, D] -> [B, D]; "last" and "mean" skip padding (segment id 0)."""
+    """hidden [B, T, D] -> [B, D]; "last" and "mean" skip padding (segment id 0) on either side."""
     if how == "first":
         return hidden[:, 0]
     valid = jnp.ones(hidden.shape[:2], bool) if segment_ids is None else segment_ids != 0
     if how == "last":
-        last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
+        # Index of the last valid token, so left- and right-padded rows both work.
+        last = hidden.shape[1] - 1 - jnp.argmax(valid[:, ::-1], axis=1)
         return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     if how == "mean":
         weights = valid[..., None].astype(hidden.dtype)
@@ -38,6 +41,7 @@ class SequenceClassifier(nn.Module):
         backbone: an encoder or decoder module (lmzoo.models.*).
         head: one of HEAD_STYLES.
         pooling: one of POOLINGS (ignored by head="pooler", which uses the backbone's pooler).
+        classifier_init: initializer of the output kernel.
     """
 
     backbone: nn.Module
@@ -45,6 +49,7 @@ class SequenceClassifier(nn.Module):
     head: str = "pooler"
     pooling: str = "first"
     dropout_rate: float = 0.1
+    classifier_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
 
     @nn.compact
     def __call__(self, tokens, *, token_types=None, segment_ids=None, positions=None, deterministic: bool = True):
@@ -66,5 +71,44 @@ class SequenceClassifier(nn.Module):
             x = layers.Einsum((d, d), ("embed", "mlp"), use_bias=True, name="head_dense")("BD,DK->BK", x)
             x = jnp.tanh(x) if self.head == "dense_tanh" else jax.nn.relu(x)
         x = dropout(x, deterministic=deterministic)
-        return layers.Einsum((d, self.num_classes), ("embed", "classes"), use_bias=True, name="classifier")("BD,DC->BC", x)
+        classifier = layers.Einsum(
+            (d, self.num_classes), ("embed", "classes"), use_bias=True, kernel_init=self.classifier_init, name="classifier"
+        )
+        return classifier("BD,DC->BC", x)
 
+
+class TokenClassifier(nn.Module):
+    """tokens [B, T] -> logits [B, T, num_labels]."""
+
+    backbone: nn.Module
+    num_labels: int
+    dropout_rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, tokens, *, token_types=None, segment_ids=None, positions=None, deterministic: bool = True):
+        hidden, _ = self.backbone.encode(
+            tokens, token_types=token_types, segment_ids=segment_ids, positions=positions, deterministic=deterministic
+        )
+        hidden = nn.Dropout(self.dropout_rate)(hidden, deterministic=deterministic)
+        d = hidden.shape[-1]
+        return layers.Einsum((d, self.num_labels), ("embed", "classes"), use_bias=True, name="classifier")("BTD,DC->BTC", hidden)
+
+
+class LMWithValueHead(nn.Module):
+    """tokens [B, T] -> (logits [B, T, V], values [B, T]): a decoder LM and a value head on its final hidden states.
+
+    The head starts at zero (V ≡ 0, Ziegler et al. 2019), so the value loss cannot disturb the
+    policy early on. The decoder's parameters sit under "decoder", so an SFT checkpoint loads there
+    and the sampler can run the decoder alone on params["decoder"].
+    """
+
+    decoder: nn.Module
+
+    @nn.compact
+    def __call__(self, tokens, *, segment_ids=None, positions=None, deterministic: bool = True):
+        logits, hidden = self.decoder(
+            tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True
+        )
+        d = hidden.shape[-1]
+        head = layers.Einsum((d, 1), ("embed", "classes"), use_bias=True, kernel_init=nn.initializers.zeros, name="value_head")
+        return logits, head("BTD,DC->BTC", hidden)[..., 0]

@@ -1,0 +1,169 @@
+"""Preference comparisons (Anthropic HH-RLHF format) as reward-model and SFT arrays.
+
+Each .jsonl(.gz) line is `{"chosen": dialogue, "rejected": dialogue}`; the two dialogues share
+every turn but the last assistant reply. The shared prefix, up to and including the last
+"\n\nAssistant:", is the prompt, and the two remainders are the responses.
+
+Token layout: prompt ⊕ response ⊕ EOS, right-padded. A long prompt keeps its end (the latest
+turns) and a long response its start, and each side keeps at least half the window when the
+other is long. The EOS closes every sequence, so the reward model reads its score there, as it
+does on policy samples stopped at EOS.
+"""
+
+import gzip
+import hashlib
+import json
+import logging
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+ASSISTANT_TURN = "\n\nAssistant:"
+
+
+class Comparison(NamedTuple):
+    prompt: str
+    chosen: str
+    rejected: str
+
+
+class RankedResponses(NamedTuple):
+    """K responses to one prompt; smaller rank = preferred, equal ranks are ties."""
+
+    prompt: str
+    responses: tuple[str, ...]
+    ranks: tuple[int, ...]
+
+
+def split_comparison(chosen: str, rejected: str, marker: str = ASSISTANT_TURN) -> Comparison | None:
+    """(prompt, chosen reply, rejected reply), split after the last `marker`; None if the prefixes differ.
+
+    Raises ValueError when a dialogue has no marker."""
+    cuts = [text.rfind(marker) for text in (chosen, rejected)]
+    if min(cuts) < 0:
+        raise ValueError(f"no {marker!r} turn in the {'chosen' if cuts[0] < 0 else 'rejected'} dialogue")
+    (chosen_cut, rejected_cut) = (cut + len(marker) for cut in cuts)
+    if chosen[:chosen_cut] != rejected[:rejected_cut]:
+        return None
+    return Comparison(chosen[:chosen_cut], chosen[chosen_cut:], rejected[rejected_cut:])
+
+
+def _parse_line(line: str) -> tuple[str, str]:
+    row = json.loads(line)
+    if not isinstance(row, dict) or not all(isinstance(row.get(key), str) for key in ("chosen", "rejected")):
+        raise ValueError('expected an object with string fields "chosen" and "rejected"')
+    return row["chosen"], row["rejected"]
+
+
+def read_comparisons(path: str, marker: str = ASSISTANT_TURN) -> list[Comparison]:
+    """Comparisons from a .jsonl or .jsonl.gz file, in file order.
+
+    Malformed lines raise ValueError naming the file and line. Pairs whose dialogues differ before
+    the last `marker` (no shared prompt) are skipped with a warning listing their lines.
+    """
+    file = pathlib.Path(path).expanduser()
+    if not file.exists():
+        raise FileNotFoundError(f"comparisons file {str(file)!r} does not exist")
+    opener = gzip.open if file.name.endswith(".gz") else open
+    comparisons, unshared = [], []
+    with opener(file, "rt", encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                comparison = split_comparison(*_parse_line(line), marker)
+            except ValueError as e:  # json.JSONDecodeError is a ValueError
+                raise ValueError(f"{file}:{line_number}: {e}") from e
+            if comparison is None:
+                unshared.append(line_number)
+            else:
+                comparisons.append(comparison)
+    if unshared:
+        logging.warning(
+            "%s: skipped %d pairs whose dialogues differ before the last %r (lines %s)",
+            file,
+            len(unshared),
+            marker,
+            unshared,
+        )
+    return comparisons
+
+
+def split_heldout(
+    comparisons: Sequence[Comparison], fraction: float, seed: int = 0
+) -> tuple[list[Comparison], list[Comparison]]:
+    """(train, held out): a comparison is held out when a hash of (seed, prompt) falls below `fraction`.
+
+    Deterministic and independent of file order; comparisons sharing a prompt land on the same side.
+    """
+    train, heldout = [], []
+    for comparison in comparisons:
+        digest = hashlib.sha256(f"{seed}\0{comparison.prompt}".encode()).digest()
+        (heldout if int.from_bytes(digest[:8], "big") / 2**64 < fraction else train).append(comparison)
+    return train, heldout
+
+
+def as_ranked(comparison: Comparison) -> RankedResponses:
+    """K = 2: the chosen response ranked above the rejected one."""
+    return RankedResponses(comparison.prompt, (comparison.chosen, comparison.rejected), (0, 1))
+
+
+def _fit(prompt: list[int], responses: list[list[int]], max_len: int, eos_id: int) -> tuple[int, list[list[int]]]:
+    """(prompt ids kept, prompt ⊕ response ⊕ EOS of at most max_len ids for each response); one prompt cut for all."""
+    longest = max(len(r) for r in responses) + 1
+    prompt_len = min(len(prompt), max(max_len - longest, max_len // 2))
+    kept = prompt[len(prompt) - prompt_len :]
+    return prompt_len, [kept + r[: max_len - prompt_len - 1] + [eos_id] for r in responses]
+
+
+def reward_model_arrays(
+    groups: Sequence[RankedResponses], encode: Callable[[str], list[int]], *, max_len: int, max_responses: int,
+    pad_id: int, eos_id: int,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """Ranked groups -> "tokens" [N, K, max_len] int32 (prompt ⊕ response ⊕ EOS, right-padded with pad_id),
+    "ranks" [N, K] int32 and "valid" [N, K] bool, K = max_responses (groups with fewer responses are padded)."""
+    if pad_id == eos_id:
+        raise ValueError("pad_id must differ from eos_id: the score is read at the EOS, the last non-pad token")
+    tokens = np.full((len(groups), max_responses, max_len), pad_id, np.int32)
+    ranks = np.zeros((len(groups), max_responses), np.int32)
+    valid = np.zeros((len(groups), max_responses), bool)
+    for i, group in enumerate(groups):
+        k = len(group.responses)
+        if not 1 <= k <= max_responses or len(group.ranks) != k:
+            raise ValueError(
+                f"group {i} has {k} responses and {len(group.ranks)} ranks; need 1..{max_responses} of each, equal"
+            )
+        _, sequences = _fit(encode(group.prompt), [encode(r) for r in group.responses], max_len, eos_id)
+        for j, ids in enumerate(sequences):
+            tokens[i, j, : len(ids)] = ids
+        ranks[i, :k], valid[i, :k] = group.ranks, True
+    return {"tokens": tokens, "ranks": ranks, "valid": valid}
+
+
+def sft_arrays(
+    comparisons: Sequence[Comparison], encode: Callable[[str], list[int]], *, max_len: int, pad_id: int, eos_id: int
+) -> dict[str, np.ndarray]:
+    """Next-token examples prompt -> chosen response, in the causal LM batch format.
+
+    Returns "inputs", "targets", "weights", "segment_ids", "positions" [N, max_len]: targets are
+    inputs shifted by one, weights are 1 only where the target is a response token or its EOS,
+    segment_ids 1 on real tokens and 0 on padding.
+    """
+    out = {
+        "inputs": np.full((len(comparisons), max_len), pad_id, np.int32),
+        "targets": np.full((len(comparisons), max_len), pad_id, np.int32),
+        "weights": np.zeros((len(comparisons), max_len), np.float32),
+        "segment_ids": np.zeros((len(comparisons), max_len), np.int32),
+        "positions": np.zeros((len(comparisons), max_len), np.int32),
+    }
+    for i, comparison in enumerate(comparisons):
+        prompt_len, (sequence,) = _fit(encode(comparison.prompt), [encode(comparison.chosen)], max_len + 1, eos_id)
+        n = len(sequence) - 1
+        out["inputs"][i, :n], out["targets"][i, :n] = sequence[:-1], sequence[1:]
+        out["segment_ids"][i, :n], out["positions"][i, :n] = 1, np.arange(n)
+        out["weights"][i, max(prompt_len - 1, 0) : n] = (
+            1.0  # targets[t] = sequence[t + 1]: the response from t = prompt_len − 1
+        )
+    return out

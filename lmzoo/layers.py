@@ -149,6 +149,20 @@ class LayerNorm(nn.Module):
         return y.astype(self.dtype)
 
 
+def check_length(length: int, max_len: int, *, offset: int = 0, what: str = "sequence") -> None:
+    """Raises a clear error when `length` positions, numbered from `offset`, overrun a learned table of max_len rows.
+
+    A static check on shapes (so it also runs under jit); an out-of-table id that only shows up in the
+    values of explicit positions gives NaN embeddings instead (see `Embed`).
+    """
+    if length + offset > max_len:
+        start = f" starting at position_offset {offset}" if offset else ""
+        raise ValueError(
+            f"{what} length {length}{start} does not fit the learned position table (max_len={max_len}); "
+            f"shorten the input to at most {max_len - offset} tokens or raise max_len"
+        )
+
+
 def sinusoidal_positions(positions: jax.Array, features: int, max_timescale: float = 10_000.0) -> jax.Array:
     """Vaswani et al. positions: [..., T] -> [..., T, D], sin in the first half, cos in the second."""
     half = features // 2
@@ -167,14 +181,17 @@ def attention_mask(
 ) -> jax.Array | None:
     """Boolean mask [B, 1, T, S]: keys in the same non-zero segment (and not in the future if causal).
 
-    Segment id 0 marks padding. Returns None when there is nothing to mask beyond a plain causal
-    mask, which the attention kernel then applies without materialising it.
+    Segment id 0 marks padding. A padding query attends to every non-padding key of its row, as HF's
+    models do (they mask keys only), so its output is the same as theirs. Returns None when there is
+    nothing to mask beyond a plain causal mask, which the attention kernel then applies without
+    materialising it.
     """
     if query_segment_ids is None and key_segment_ids is None and query_positions is None:
         return None
     mask = None
     if query_segment_ids is not None:
-        mask = (query_segment_ids[:, :, None] == key_segment_ids[:, None, :]) & (key_segment_ids[:, None, :] != 0)
+        same_segment = (query_segment_ids[:, :, None] == key_segment_ids[:, None, :]) | (query_segment_ids[:, :, None] == 0)
+        mask = same_segment & (key_segment_ids[:, None, :] != 0)
     elif key_segment_ids is not None:
         mask = jnp.broadcast_to(key_segment_ids[:, None, :] != 0, key_segment_ids.shape[:1] + (1,) + key_segment_ids.shape[1:])
     if causal and query_positions is not None:

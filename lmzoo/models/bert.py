@@ -124,9 +124,13 @@ class Bert(nn.Module):
         deterministic: bool = True,
     ) -> tuple[jax.Array, jax.Array | None]:
         """tokens [B, T]; token_types [B, T] (sentence A/B); segment_ids [B, T] (0 = padding; packed
-        examples use 1, 2, ...) -> (hidden [B, T, H], pooled [B, H] or None)."""
+        examples use 1, 2, ...) -> (hidden [B, T, H], pooled [B, H] or None).
+
+        Without explicit positions, T + position_offset > max_len raises (the table has no row for them).
+        """
         cfg = self.config
         if positions is None:
+            layers.check_length(tokens.shape[1], cfg.max_len, offset=cfg.position_offset, what="encoder input")
             positions = self._positions(tokens, segment_ids)
         x = self.word_embeddings(tokens) + self.position_embeddings(positions)
         if cfg.type_vocab_size:

@@ -72,13 +72,15 @@ class GPT2(nn.Module):
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """tokens: [B, T] int -> logits [B, T, V] (and final hidden states [B, T, D] if return_hidden).
 
-        positions [B, T]: position ids (default 0..T-1; packed examples restart per document).
-        segment_ids [B, T]: document ids of packed examples (attention stays within a document;
-        0 = padding). decode: run one chunk against the KV cache (see `lmzoo.decoding`).
+        positions [B, T]: position ids (default 0..T-1, which must fit the max_len table: T > max_len
+        raises; packed examples restart per document). segment_ids [B, T]: document ids of packed
+        examples (attention stays within a document; 0 = padding). decode: run one chunk against the
+        KV cache (see `lmzoo.decoding`).
         """
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         if positions is None:
+            layers.check_length(tokens.shape[1], cfg.max_len, what="GPT-2 input")
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         wte = layers.Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, name="wte")
         wpe = layers.Embed(

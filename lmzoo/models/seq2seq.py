@@ -75,20 +75,44 @@ class Seq2SeqConfig:
             layers.activation(name)
 
 
+def distance_buckets(num_buckets: int, max_distance: int) -> np.ndarray:
+    """T5's bucket of each distance in one direction -> [max(max_distance, num_buckets // 2) + 1] int32; the last
+    entry is also the bucket of every longer distance.
+
+    Distances below max_exact = num_buckets // 2 get a bucket each; a larger distance d gets
+    max_exact + k for the largest k < n = num_buckets - max_exact with
+        log(d / max_exact) / log(max_distance / max_exact) * n >= k,
+    decided on Python integers as d^n max_exact^k >= max_distance^k max_exact^n. A distance exactly on
+    a bucket boundary thus starts the upper bucket; float32 logs (on device, or in HF's torch code) round
+    some of those into the lower one. With max_distance <= max_exact, every distance from max_exact on is
+    in the last bucket (HF's formula flips sign there and counts buckets down until it leaves the table).
+    """
+    max_exact = num_buckets // 2
+    if max_exact < 1:
+        raise ValueError(f"T5 relative positions need at least 2 buckets per direction; got num_buckets={num_buckets}")
+    n = num_buckets - max_exact
+
+    def bucket(d: int) -> int:
+        if d < max_exact:
+            return d
+        return max_exact + sum(d**n * max_exact**k >= max_distance**k * max_exact**n for k in range(1, n))
+
+    return np.array([bucket(d) for d in range(max(max_distance, max_exact) + 1)], np.int32)
+
+
 def relative_position_bucket(relative_position: jax.Array, *, bidirectional: bool, num_buckets: int, max_distance: int) -> jax.Array:
-    """T5's bucketing of key - query offsets: exact for small distances, logarithmic up to max_distance."""
-    buckets = jnp.zeros_like(relative_position)
+    """T5's bucketing of key - query offsets [...] -> bucket ids [...]: one bucket per small distance,
+    logarithmic up to max_distance, the last bucket beyond; bidirectional halves the buckets between
+    keys before and after the query. The buckets are looked up in a host table (`distance_buckets`)."""
     if bidirectional:
         num_buckets //= 2
-        buckets = buckets + (relative_position > 0).astype(jnp.int32) * num_buckets
+        direction = jnp.where(relative_position > 0, num_buckets, 0)
         distance = jnp.abs(relative_position)
     else:
+        direction = 0
         distance = -jnp.minimum(relative_position, 0)
-    max_exact = num_buckets // 2
-    # Clamp before the log: distance 0 would be log(0); those entries take the exact branch anyway.
-    scaled = jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / max_exact) / np.log(max_distance / max_exact)
-    large = jnp.minimum(max_exact + (scaled * (num_buckets - max_exact)).astype(jnp.int32), num_buckets - 1)
-    return buckets + jnp.where(distance < max_exact, distance, large)
+    table = distance_buckets(num_buckets, max_distance)
+    return direction + jnp.asarray(table)[jnp.minimum(distance, len(table) - 1)]
 
 
 class RelativePositionBias(nn.Module):
@@ -160,6 +184,10 @@ class Seq2Seq(nn.Module):
             self.logits_bias = self.param("final_logits_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,))
         self.dropout = nn.Dropout(cfg.dropout_rate)
 
+    def _check_length(self, length: int, what: str) -> None:
+        if self.config.positions == "learned":
+            layers.check_length(length, self.config.max_len, offset=self.config.position_offset, what=what)
+
     def _embed(self, tokens: jax.Array, positions: jax.Array, which: str, *, deterministic: bool) -> jax.Array:
         cfg = self.config
         x = self.embed(tokens)
@@ -174,7 +202,11 @@ class Seq2Seq(nn.Module):
         return self.dropout(x, deterministic=deterministic)
 
     def encode(self, inputs: jax.Array, *, segment_ids: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
-        """inputs [B, S] int (segment_ids [B, S], 0 = padding) -> encoded [B, S, D]."""
+        """inputs [B, S] int (segment_ids [B, S], 0 = padding) -> encoded [B, S, D].
+
+        With learned positions, S + position_offset > max_len raises.
+        """
+        self._check_length(inputs.shape[1], "encoder input")
         positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
         x = self._embed(inputs, positions, "encoder", deterministic=deterministic)
         bias = self.encoder_relpos(positions[:1], positions[0]) if self.config.positions == "relative" else None
@@ -200,9 +232,13 @@ class Seq2Seq(nn.Module):
         decode=True: the chunk at `positions` [B, T] against the KV cache, whose length is
         max_decode_len (needed for the relative bias of T5). The first decode step projects `encoded`
         into every layer's cross-attention keys/values once; later steps pass encoded=None.
+        With learned positions, a decoder length (T, or max_decode_len when decoding) beyond the table raises.
         """
         cfg = self.config
+        if decode and max_decode_len is not None:
+            self._check_length(max_decode_len, "decoder cache")
         if positions is None:
+            self._check_length(decoder_inputs.shape[1], "decoder input")
             positions = jnp.broadcast_to(jnp.arange(decoder_inputs.shape[1]), decoder_inputs.shape)
         x = self._embed(decoder_inputs, positions, "decoder", deterministic=deterministic)
         bias = None

@@ -1,3 +1,5 @@
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -84,3 +86,14 @@ def test_gpt_classifier_reads_the_last_real_token():
     hidden = jnp.arange(2 * 4 * 3, dtype=jnp.float32).reshape(2, 4, 3)
     pooled = heads.pool(hidden, jnp.array([[1, 1, 1, 1], [1, 1, 0, 0]]), "last")
     np.testing.assert_array_equal(pooled, np.stack([hidden[0, 3], hidden[1, 1]]))
+
+
+@pytest.mark.parametrize("variant, longest", [("bert", 16), ("roberta", 14)])  # max_len 16; RoBERTa starts at position 2
+@pytest.mark.parametrize("jit", [False, True])
+def test_inputs_longer_than_the_position_table_raise(variant, longest, jit):
+    model, params = _init(**VARIANTS[variant])
+    encode = functools.partial(model.apply, {"params": params}, method=model.encode)
+    encode = jax.jit(encode) if jit else encode
+    chex.assert_shape(encode(testing.random_tokens((2, longest)))[0], (2, longest, 16))
+    with pytest.raises(ValueError, match=rf"encoder input length {longest + 1}.* \(max_len=16\)"):
+        encode(testing.random_tokens((2, longest + 1)))

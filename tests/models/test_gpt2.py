@@ -100,3 +100,12 @@ def test_config_errors_name_valid_keys():
         models.build_model("gpt5", {})
     with pytest.raises(ValueError, match="divisible"):
         models.build_model("gpt2", {"emb_dim": 10, "num_heads": 3})
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_inputs_longer_than_the_position_table_raise(jit):
+    model, params = testing.tiny_gpt2()  # max_len 16
+    apply = jax.jit(model.apply) if jit else model.apply
+    chex.assert_shape(apply({"params": params}, testing.random_tokens((2, 16))), (2, 16, 32))
+    with pytest.raises(ValueError, match=r"GPT-2 input length 17 does not fit the learned position table \(max_len=16\)"):
+        apply({"params": params}, testing.random_tokens((2, 17)))

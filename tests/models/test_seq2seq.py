@@ -1,3 +1,4 @@
+import functools
 import importlib.util
 import pathlib
 
@@ -78,6 +79,78 @@ def test_relative_position_buckets_match_t5():
     # Values printed by transformers' T5Attention._relative_position_bucket for the same offsets.
     np.testing.assert_array_equal(bi, [15, 10, 8, 1, 0, 17, 23, 24, 26, 31])
     np.testing.assert_array_equal(uni, [31, 17, 8, 1, 0, 0, 0, 0, 0, 0])
+
+
+# (num_buckets, max_distance): T5's default, the five settings where float32 on device put a distance exactly on a
+# bucket boundary into the lower bucket, and the tiny test config.
+BUCKET_SETTINGS = [(32, 128), (6, 100), (32, 25), (64, 25), (16, 144), (8, 72), (8, 16)]
+
+
+def reference_distance_buckets(num_buckets: int, max_distance: int) -> np.ndarray:
+    """T5's formula for distances 0..max_distance in float64; a value within 1e-9 below an integer is that integer
+    (the exact value is on the boundary; floats land on either side of it)."""
+    max_exact, distance = num_buckets // 2, np.arange(max_distance + 1)
+    scaled = np.log(np.maximum(distance, 1) / max_exact) / np.log(max_distance / max_exact) * (num_buckets - max_exact)
+    large = np.minimum(max_exact + np.floor(scaled + 1e-9).astype(int), num_buckets - 1)
+    return np.where(distance < max_exact, distance, large)
+
+
+def test_distance_buckets_match_the_formula_over_a_grid():
+    boundaries = 0
+    for num_buckets in range(2, 65):
+        for max_distance in range(num_buckets // 2 + 1, 161, 3):
+            expected = reference_distance_buckets(num_buckets, max_distance)
+            buckets = seq2seq.distance_buckets(num_buckets, max_distance)
+            np.testing.assert_array_equal(buckets, expected, err_msg=f"{num_buckets=} {max_distance=}")
+            max_exact = num_buckets // 2
+            ratio = np.log(np.arange(max_exact, max_distance) / max_exact) / np.log(max_distance / max_exact)
+            boundaries += int(np.sum(ratio * (num_buckets - max_exact) % 1 > 1 - 1e-9))
+    assert boundaries > 0  # the grid holds distances whose float64 value falls just below a boundary: a plain floor fails there
+    # max_distance <= num_buckets // 2 (a decoder with (64, 25)): the log buckets are empty, longer distances share the last.
+    np.testing.assert_array_equal(seq2seq.distance_buckets(64, 25), np.append(np.arange(32), 63))
+    with pytest.raises(ValueError, match="at least 2 buckets per direction"):
+        seq2seq.distance_buckets(1, 8)
+
+
+class RelativePositionBucketTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_buckets_of_offsets_in_both_directions(self):
+        for num_buckets, max_distance in BUCKET_SETTINGS:
+            offsets = np.arange(-max_distance - 3, max_distance + 4)
+            distance = np.minimum(np.abs(offsets), max_distance)
+            for bidirectional in (True, False):
+                if max_distance <= (num_buckets // 2 if bidirectional else num_buckets) // 2:
+                    continue  # no log buckets (a (64, 25) decoder): test_distance_buckets_match_the_formula_over_a_grid
+                buckets = self.variant(
+                    functools.partial(
+                        seq2seq.relative_position_bucket, bidirectional=bidirectional, num_buckets=num_buckets,
+                        max_distance=max_distance,
+                    )
+                )(jnp.asarray(offsets))  # fmt: skip
+                if bidirectional:
+                    half = num_buckets // 2
+                    expected = reference_distance_buckets(half, max_distance)[distance] + half * (offsets > 0)
+                else:
+                    expected = np.where(offsets > 0, 0, reference_distance_buckets(num_buckets, max_distance)[distance])
+                np.testing.assert_array_equal(buckets, expected, err_msg=f"{num_buckets=} {max_distance=} {bidirectional=}")
+
+
+def test_inputs_longer_than_a_learned_position_table_raise():
+    model, params = _init("bart")  # max_len 24 with position_offset 2: 22 positions
+    apply = jax.jit(functools.partial(model.apply, {"params": params}))
+    chex.assert_shape(apply(np.zeros((1, 22), np.int32), np.zeros((1, 22), np.int32)), (1, 22, 32))
+    with pytest.raises(ValueError, match=r"encoder input length 23 starting at position_offset 2 .*\(max_len=24\)"):
+        apply(np.zeros((1, 23), np.int32), np.zeros((1, 4), np.int32))
+    with pytest.raises(ValueError, match="decoder input length 23"):
+        apply(np.zeros((1, 4), np.int32), np.zeros((1, 23), np.int32))
+    encoded = model.apply({"params": params}, np.zeros((1, 4), np.int32), method=model.encode)
+    with pytest.raises(ValueError, match="decoder cache length 23"):
+        step = jnp.zeros((1, 1), jnp.int32)  # one token at an explicit position: only the cache length can overrun
+        model.init(jax.random.key(0), step, encoded, positions=step, decode=True, max_decode_len=23, method=model.decode)
+    for variant in ("t5_v1_0", "transformer"):  # relative and sinusoidal positions have no table to overrun
+        model, params = _init(variant)
+        long = np.zeros((1, 40), np.int32)
+        chex.assert_shape(model.apply({"params": params}, long, long), (1, 40, 32))
 
 
 @pytest.mark.parametrize(

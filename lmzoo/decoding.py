@@ -1,17 +1,21 @@
-"""Autoregressive decoding: greedy, temperature, top-k, top-p, EOS stop and KV cache for decoders
-(`generate`) and encoder-decoders (`generate_seq2seq`), and beam search for encoder-decoders.
+"""Autoregressive decoding: greedy, temperature, top-k, top-p, EOS and stop-sequence stops and KV cache for decoders
+(`sample`) and encoder-decoders (`sample_seq2seq`), and beam search for encoder-decoders.
+
+`sample` and `sample_seq2seq` are pure jitted functions (settings static, no host syncs), so they run inside an
+outer `jax.jit` and under a mesh; they return `Samples` (tokens, their log-probs, a mask ending at the stop).
+`generate` and `generate_seq2seq` are their host-side wrappers: input checks, numpy in, tokens out.
 
 Decoder-only prompts are left-padded to a common length P (`prompt_mask` marks real tokens), so
-every row's last prompt token sits at column P-1 and new tokens are written in lockstep. Every
-loop is one jitted `lax.while_loop`; with `use_cache=False` each step recomputes the full forward
-pass (the reference the KV-cache path is tested and benchmarked against). Encoder-decoders run the
-encoder once and feed the decoder one token per step against its KV cache, starting from
-`model.config.decoder_start_id`.
-"""
+every row's last prompt token sits at column P-1 and new tokens are written in lockstep. Both samplers
+run the one loop `_sample_loop`, a `lax.while_loop`; with `use_cache=False` each step recomputes the
+full forward pass (the reference the KV-cache path is tested and benchmarked against). Encoder-decoders
+run the encoder once and feed the decoder one token per step against its KV cache, starting from
+`model.config.decoder_start_id`."""
 
 import functools
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,60 +54,130 @@ def _init_cache(model: nn.Module, batch: int, length: int, *args, **kwargs):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id", "pad_id", "use_cache")
-)
-def _generate(model, params, prompts, prompt_mask, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id, use_cache):
+@flax.struct.dataclass
+class Samples:
+    """Sampled continuations. tokens [B, N] (`pad_id` after a row stopped); log_probs [B, N]: log-softmax of the
+    temperature-scaled logits (before top-k/top-p) at each sampled token, 0 where mask is 0; mask [B, N]: 1 up to
+    and including the EOS or the last token of a stop sequence, 0 after."""
+
+    tokens: jax.Array
+    log_probs: jax.Array
+    mask: jax.Array
+
+
+def _ends_with(tokens: jax.Array, last: jax.Array, sequence: tuple[int, ...]) -> jax.Array:
+    """tokens [B, N] -> [B] bool: tokens[:, :last + 1] ends with `sequence` (len(sequence) <= N)."""
+    length = len(sequence)
+    window = jax.lax.dynamic_slice_in_dim(tokens, jnp.maximum(last + 1 - length, 0), length, axis=1)
+    return (last + 1 >= length) & jnp.all(window == jnp.asarray(sequence, tokens.dtype), axis=1)
+
+
+def _sample_loop(step, logits, state, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, stop_sequences, pad_id):
+    """The one sampling loop: `logits` [B, V] predict the first new token; `step(state, token [B], i)` returns the
+    logits [B, V] after new token i and the next state. Stops early once every row has stopped."""
+    batch = logits.shape[0]
+    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    stop_sequences = tuple(s for s in stop_sequences if len(s) <= max_new_tokens)  # longer ones can never match
+
+    def cond(carry):
+        i, *_, done, _ = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        i, tokens, log_probs, mask, logits, state, done, rng = carry
+        rng, step_rng = jax.random.split(rng)
+        logits = logits.astype(jnp.float32)
+        token = jnp.where(done, pad_id, sample(step_rng, logits)).astype(jnp.int32)
+        scaled = logits if temperature == 0.0 else logits / temperature
+        log_prob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], axis=1)[:, 0]
+        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
+        log_probs = jax.lax.dynamic_update_slice(log_probs, jnp.where(done, 0.0, log_prob)[:, None], (0, i))
+        mask = jax.lax.dynamic_update_slice(mask, (~done).astype(jnp.int32)[:, None], (0, i))
+        if eos_id is not None:
+            done = done | (token == eos_id)
+        for sequence in stop_sequences:
+            done = done | _ends_with(tokens, i, sequence)
+        logits, state = step(state, token, i)
+        return i + 1, tokens, log_probs, mask, logits, state, done, rng
+
+    carry = (
+        jnp.int32(0), jnp.full((batch, max_new_tokens), pad_id, jnp.int32), jnp.zeros((batch, max_new_tokens)),
+        jnp.zeros((batch, max_new_tokens), jnp.int32), logits.astype(jnp.float32), state, jnp.zeros((batch,), bool), rng,
+    )  # fmt: skip
+    _, tokens, log_probs, mask, *_ = jax.lax.while_loop(cond, body, carry)
+    return Samples(tokens=tokens, log_probs=log_probs, mask=mask)
+
+
+_SAMPLING_ARGS = ("max_new_tokens", "temperature", "top_k", "top_p", "eos_id", "stop_sequences", "pad_id")
+
+
+@functools.partial(jax.jit, static_argnames=("model", *_SAMPLING_ARGS, "use_cache"))
+def sample(
+    model: nn.Module,
+    params,
+    prompts: jax.Array,
+    prompt_mask: jax.Array,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
+    pad_id: int = 0,
+    use_cache: bool = True,
+) -> Samples:
+    """Decoder sampling, a pure function usable inside `jax.jit` (and under a mesh with sharded params).
+
+    prompts [B, P] int, left-padded (prompt_mask [B, P]: 1 for real tokens) -> Samples of [B, max_new_tokens].
+    temperature 0 is greedy (see `sample_logits`). A row stops after `eos_id` or after the last token of any
+    of `stop_sequences` (token-id tuples matched within the new tokens); the loop ends when every row stopped.
+    """
     batch, prompt_len = prompts.shape
+    max_len = getattr(model.config, "max_len", None)
+    if max_len is not None and prompt_len + max_new_tokens > max_len:
+        raise ValueError(
+            f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"max_len {max_len}; shorten the prompt or ask for fewer tokens"
+        )
     total = prompt_len + max_new_tokens
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
     segment_ids = prompt_mask.astype(jnp.int32)
-    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    tokens = jnp.concatenate([prompts, jnp.full((batch, max_new_tokens), pad_id, prompts.dtype)], axis=1)
     all_positions = jnp.concatenate([positions, positions[:, -1:] + 1 + jnp.arange(max_new_tokens)[None]], axis=1)
-    all_segments = jnp.concatenate([segment_ids, jnp.ones((batch, max_new_tokens), jnp.int32)], axis=1)
 
     if use_cache:
         logits, variables = model.apply(
             {"params": params, "cache": _init_cache(model, batch, total)},
             prompts, positions=positions, segment_ids=segment_ids, decode=True, mutable=["cache"],
         )  # fmt: skip
-        cache = variables["cache"]
-    else:
-        logits, cache = model.apply({"params": params}, prompts, positions=positions, segment_ids=segment_ids), None
-    next_logits = logits[:, -1]
 
-    def cond(carry):
-        i, _, _, _, done, _ = carry
-        return (i < max_new_tokens) & ~jnp.all(done)
-
-    def body(carry):
-        i, tokens, next_logits, cache, done, rng = carry
-        rng, step_rng = jax.random.split(rng)
-        token = sample(step_rng, next_logits)
-        token = jnp.where(done, pad_id, token).astype(tokens.dtype)
-        if eos_id is not None:
-            done = done | (token == eos_id)
-        column = prompt_len + i
-        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, column))
-        if use_cache:
+        def step(cache, token, i):
             logits, variables = model.apply(
                 {"params": params, "cache": cache},
                 token[:, None],
-                positions=jax.lax.dynamic_slice_in_dim(all_positions, column, 1, axis=1),
+                positions=jax.lax.dynamic_slice_in_dim(all_positions, prompt_len + i, 1, axis=1),
                 segment_ids=jnp.ones((batch, 1), jnp.int32),
                 decode=True,
                 mutable=["cache"],
             )
-            cache, next_logits = variables["cache"], logits[:, 0]
-        else:
-            logits = model.apply({"params": params}, tokens, positions=all_positions, segment_ids=all_segments)
-            next_logits = jax.lax.dynamic_index_in_dim(logits, column, axis=1, keepdims=False)
-        return i + 1, tokens, next_logits, cache, done, rng
+            return logits[:, 0], variables["cache"]
 
-    done = jnp.zeros((batch,), bool)
-    _, tokens, _, _, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), tokens, next_logits, cache, done, rng))
-    return tokens[:, prompt_len:]
+        state = variables["cache"]
+    else:
+        logits = model.apply({"params": params}, prompts, positions=positions, segment_ids=segment_ids)
+        all_segments = jnp.concatenate([segment_ids, jnp.ones((batch, max_new_tokens), jnp.int32)], axis=1)
+
+        def step(tokens, token, i):
+            tokens = jax.lax.dynamic_update_slice(tokens, token[:, None].astype(tokens.dtype), (0, prompt_len + i))
+            logits = model.apply({"params": params}, tokens, positions=all_positions, segment_ids=all_segments)
+            return jax.lax.dynamic_index_in_dim(logits, prompt_len + i, axis=1, keepdims=False), tokens
+
+        state = jnp.concatenate([prompts, jnp.full((batch, max_new_tokens), pad_id, prompts.dtype)], axis=1)
+    return _sample_loop(
+        step, logits[:, -1], state, rng, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences, pad_id=pad_id,
+    )  # fmt: skip
 
 
 def generate(
@@ -121,27 +195,17 @@ def generate(
     pad_id: int = 0,
     use_cache: bool = True,
 ) -> jax.Array:
-    """prompts [B, P] (left-padded; prompt_mask [B, P] 1 for real tokens) -> new tokens [B, max_new_tokens].
-
-    Rows that produced `eos_id` continue with `pad_id`; the loop ends early when all rows are done.
-    """
+    """Host-side `sample`: prompts [B, P] (left-padded; prompt_mask [B, P] 1 for real tokens), checked for shape
+    and out-of-vocabulary ids -> new tokens [B, max_new_tokens], `pad_id` after a row's EOS."""
     prompts = jnp.asarray(prompts, jnp.int32)
     if prompts.ndim != 2 or prompts.shape[1] == 0:
         raise ValueError(f"prompts must be [batch, length>0] token ids, got shape {prompts.shape}")
-    max_len = getattr(model.config, "max_len", None)
-    if max_len is not None and prompts.shape[1] + max_new_tokens > max_len:
-        raise ValueError(
-            f"prompt length {prompts.shape[1]} + max_new_tokens {max_new_tokens} exceeds the model's "
-            f"max_len {max_len}; shorten the prompt or ask for fewer tokens"
-        )
     _check_ids(model, prompts, "prompt")
-    if prompt_mask is None:
-        prompt_mask = jnp.ones_like(prompts)
-    return _generate(
-        model, params, prompts, jnp.asarray(prompt_mask, jnp.int32), rng,
-        max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-        eos_id=eos_id, pad_id=int(pad_id), use_cache=use_cache,
-    )  # fmt: skip
+    prompt_mask = jnp.ones_like(prompts) if prompt_mask is None else jnp.asarray(prompt_mask, jnp.int32)
+    return sample(
+        model, params, prompts, prompt_mask, rng, max_new_tokens=max_new_tokens, temperature=float(temperature),
+        top_k=int(top_k), top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id), use_cache=use_cache,
+    ).tokens  # fmt: skip
 
 
 def _check_seq2seq_inputs(model: nn.Module, inputs: jax.Array, max_new_tokens: int) -> jax.Array:
@@ -189,38 +253,43 @@ def _init_decoder_cache(model, encoded, max_decode_len):
     return _init_cache(model, encoded.shape[0], max_decode_len, encoded, max_decode_len=max_decode_len, method="decode")
 
 
-@functools.partial(
-    jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p", "eos_id", "pad_id")
-)
-def _generate_seq2seq(
-    model, params, inputs, encoder_segment_ids, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, pad_id
-):
-    batch = inputs.shape[0]
+@functools.partial(jax.jit, static_argnames=("model", *_SAMPLING_ARGS))
+def sample_seq2seq(
+    model: nn.Module,
+    params,
+    inputs: jax.Array,
+    encoder_segment_ids: jax.Array | None,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
+    pad_id: int = 0,
+) -> Samples:
+    """Encoder-decoder sampling, a pure function usable inside `jax.jit`: inputs [B, S] (encoder_segment_ids
+    [B, S]: 1 real token, 0 padding) -> Samples of [B, max_new_tokens], the decoder start token excluded.
+
+    The encoder runs once; the decoder takes one token per step against its KV cache. Stopping as in `sample`.
+    """
     encoded = _encode(model, params, inputs, encoder_segment_ids)
     step = functools.partial(
         _decoder_step, model, params, encoder_segment_ids=encoder_segment_ids, max_decode_len=max_new_tokens
     )
-    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-
-    def cond(carry):
-        i, _, _, _, done, _ = carry
-        return (i < max_new_tokens) & ~jnp.all(done)
-
-    def body(carry):
-        i, tokens, logits, cache, done, rng = carry
-        rng, step_rng = jax.random.split(rng)
-        token = jnp.where(done, pad_id, sample(step_rng, logits)).astype(jnp.int32)
-        if eos_id is not None:
-            done = done | (token == eos_id)
-        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
-        logits, cache = _next_step(functools.partial(step, encoded=None), cache, token, i + 1, logits, max_new_tokens)
-        return i + 1, tokens, logits, cache, done, rng
-
-    tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
-    start = jnp.full((batch,), model.config.decoder_start_id, jnp.int32)
+    start = jnp.full((inputs.shape[0],), model.config.decoder_start_id, jnp.int32)
     logits, cache = step(_init_decoder_cache(model, encoded, max_new_tokens), start, 0, encoded=encoded)
-    done = jnp.zeros((batch,), bool)
-    return jax.lax.while_loop(cond, body, (jnp.int32(0), tokens, logits, cache, done, rng))[1]
+
+    def step_state(state, token, i):
+        """state (logits, cache): the last logits pass through once the final token is sampled."""
+        logits, cache = _next_step(functools.partial(step, encoded=None), state[1], token, i + 1, state[0], max_new_tokens)
+        return logits, (logits, cache)
+
+    return _sample_loop(
+        step_state, logits, (logits, cache), rng, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_k=top_k, top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences, pad_id=pad_id,
+    )  # fmt: skip
 
 
 def generate_seq2seq(
@@ -237,18 +306,14 @@ def generate_seq2seq(
     eos_id: int | None = None,
     pad_id: int = 0,
 ) -> jax.Array:
-    """Encoder-decoder sampling: inputs [B, S] (encoder_segment_ids [B, S]: 1 real token, 0 padding) ->
-    new tokens [B, max_new_tokens], the decoder start token excluded.
-
-    temperature 0 is greedy (see `sample_logits`). Rows that produced `eos_id` continue with `pad_id`;
-    the loop ends early when all rows are done.
-    """
+    """Host-side `sample_seq2seq`: inputs [B, S] (encoder_segment_ids [B, S]: 1 real token, 0 padding), checked
+    for shape, ids and learned-position limits -> new tokens [B, max_new_tokens], `pad_id` after a row's EOS."""
     inputs = _check_seq2seq_inputs(model, inputs, max_new_tokens)
     segments = None if encoder_segment_ids is None else jnp.asarray(encoder_segment_ids, jnp.int32)
-    return _generate_seq2seq(
+    return sample_seq2seq(
         model, params, inputs, segments, rng, max_new_tokens=max_new_tokens, temperature=float(temperature),
         top_k=int(top_k), top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id),
-    )  # fmt: skip
+    ).tokens  # fmt: skip
 
 
 def _reorder_cache(cache, rows: jax.Array, batch_axis: int):

@@ -154,3 +154,67 @@ def test_seq2seq_input_checks():
     with pytest.raises(ValueError, match="early_stopping must be True, False or 'never'"):
         decoding.beam_search(bart_like, {}, np.ones((1, 3), np.int32), beam_size=2, max_new_tokens=4, eos_id=1,
                              early_stopping="sometimes")  # fmt: skip
+
+
+def reference_sample(model, params, tokens, mask, rng, *, new_tokens, eos_id=None, stop=(), pad_id=0, **settings):
+    """A plain host loop: full forward pass per step, the same rng split per step as `decoding.sample`.
+    -> (tokens [B, N], log-probs of the temperature-scaled logits [B, N], mask [B, N])."""
+    batch = tokens.shape[0]
+    sequence, segments = np.asarray(tokens), np.asarray(mask)
+    done = np.zeros(batch, bool)
+    out, log_probs, out_mask = [], [], []
+    for _ in range(new_tokens):
+        rng, step_rng = jax.random.split(rng)
+        positions = np.maximum(np.cumsum(segments, axis=1) - 1, 0)
+        logits = model.apply({"params": params}, sequence, positions=positions, segment_ids=segments)[:, -1]
+        token = np.where(done, pad_id, np.asarray(decoding.sample_logits(step_rng, logits, **settings)))
+        temperature = settings["temperature"] or 1.0
+        log_prob = np.asarray(jax.nn.log_softmax(logits / temperature))[np.arange(batch), token]
+        out.append(token), log_probs.append(np.where(done, 0.0, log_prob)), out_mask.append(~done)
+        sequence = np.concatenate([sequence, token[:, None]], axis=1)
+        segments = np.concatenate([segments, np.ones((batch, 1), segments.dtype)], axis=1)
+        generated = np.stack(out, axis=1)
+        done = done | (token == eos_id) | np.array([any(row[-len(s):].tolist() == list(s) for s in stop) for row in generated])
+        if done.all():
+            break
+    pad = new_tokens - len(out)
+    tokens = np.pad(np.stack(out, axis=1), ((0, 0), (0, pad)), constant_values=pad_id)
+    return tokens, np.pad(np.stack(log_probs, axis=1), ((0, 0), (0, pad))), np.pad(np.stack(out_mask, axis=1), ((0, 0), (0, pad)))
+
+
+@pytest.mark.parametrize(
+    "settings", [dict(temperature=0.0, top_k=0, top_p=1.0), dict(temperature=1.3, top_k=5, top_p=1.0), dict(temperature=0.8, top_k=0, top_p=0.7)]
+)
+def test_sample_under_an_outer_jit_equals_a_host_loop(gpt2, prompts, settings):
+    tokens, mask, _ = prompts
+    rng = jax.random.key(11)
+
+    @jax.jit
+    def run(params, tokens, mask, rng):
+        return decoding.sample(gpt2[0], params, tokens, mask, rng, max_new_tokens=NEW_TOKENS, **settings)
+
+    samples = run(gpt2[1], tokens, mask, rng)
+    expected_tokens, expected_log_probs, expected_mask = reference_sample(*gpt2, tokens, mask, rng, new_tokens=NEW_TOKENS, **settings)
+    np.testing.assert_array_equal(samples.tokens, expected_tokens)
+    np.testing.assert_allclose(samples.log_probs, expected_log_probs, atol=1e-5)
+    np.testing.assert_array_equal(samples.mask, expected_mask)
+    np.testing.assert_array_equal(samples.tokens, np.asarray(decoding.generate(
+        *gpt2, tokens, prompt_mask=mask, rng=rng, max_new_tokens=NEW_TOKENS, **settings)))  # fmt: skip
+
+
+def test_rows_stop_at_eos_or_a_stop_sequence(gpt2, prompts):
+    tokens, mask, _ = prompts
+    free = greedy(*gpt2, tokens, mask)
+    stop_sequence = tuple(free[1, 2:4].tolist())  # row 1 stops after its 4th token
+    eos_id = int(free[0, 1])  # row 0 stops after its 2nd token (unless stop_sequence comes first)
+    settings = dict(temperature=0.0, top_k=0, top_p=1.0)
+    samples = decoding.sample(
+        *gpt2, tokens, mask, jax.random.key(0), max_new_tokens=NEW_TOKENS, eos_id=eos_id, stop_sequences=(stop_sequence,), pad_id=3, **settings
+    )
+    expected = reference_sample(*gpt2, tokens, mask, jax.random.key(0), new_tokens=NEW_TOKENS, eos_id=eos_id, stop=(stop_sequence,), pad_id=3, **settings)
+    np.testing.assert_array_equal(samples.tokens, expected[0])
+    np.testing.assert_array_equal(samples.mask, expected[2])
+    lengths = np.asarray(samples.mask).sum(axis=1)
+    assert lengths[0] <= 2 and lengths[1] <= 4 and lengths.max() < NEW_TOKENS, lengths
+    for row, length in enumerate(lengths):
+        assert np.all(np.asarray(samples.tokens)[row, length:] == 3) and np.all(np.asarray(samples.log_probs)[row, length:] == 0)

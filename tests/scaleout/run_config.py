@@ -4,8 +4,8 @@
 
 Per job: with "train" (dotted config overrides of configs/default.py:tiny), train in `workdir`;
 then restore its latest checkpoint the way a resumed run does, onto "mesh" (default: the saved
-config's), write the params to "npz" if given, and print one JSON line
-{"step", "param_bytes", "param_bytes_device0"}.
+config's), write the params to "npz" if given, with "sample" write `sample_from_checkpoint` of the
+sharded (never gathered) params there, and print one JSON line {"step", "param_bytes", "param_bytes_device0"}.
 """
 
 import importlib.util
@@ -33,6 +33,17 @@ def tiny_config(overrides: dict):
     return config
 
 
+def sample_from_checkpoint(run, params) -> dict[str, np.ndarray]:
+    """`decoding.sample` in the run's mesh on its params as they are sharded: 4 left-padded prompts, 8 new tokens."""
+    from lmzoo import decoding
+
+    prompts = np.array([[0, 0, 5, 6], [7, 8, 9, 10], [0, 11, 12, 13], [14, 15, 16, 17]], np.int32)
+    with run.context():
+        samples = decoding.sample(run.model, params, prompts, (prompts != 0).astype(np.int32), jax.random.key(3),
+                                  max_new_tokens=8, temperature=1.0, top_k=20)  # fmt: skip
+    return {"tokens": np.asarray(samples.tokens), "log_probs": np.asarray(samples.log_probs)}
+
+
 def main(devices: int, jobs: list[dict]) -> None:
     jax.config.update("jax_num_cpu_devices", devices)
     from lmzoo import config as config_lib
@@ -54,6 +65,8 @@ def main(devices: int, jobs: list[dict]) -> None:
             "param_bytes": sum(x.nbytes for _, x in leaves),
             "param_bytes_device0": sum(s.data.nbytes for _, x in leaves for s in x.addressable_shards if s.device == device0),
         }))  # fmt: skip
+        if "sample" in job:
+            np.savez(job["sample"], **sample_from_checkpoint(run, state.params))
         if "npz" in job:
             np.savez(job["npz"], **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
 

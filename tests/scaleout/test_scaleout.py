@@ -21,6 +21,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from run_config import sample_from_checkpoint  # tests/scaleout is on sys.path (rootdir-relative imports)
 
 from lmzoo import config as config_lib
 from lmzoo.train import loop
@@ -136,12 +137,13 @@ def reference(workspace, env):
 @pytest.fixture(scope="module")
 def mesh_runs(workspace, env):
     """3 steps on 8 simulated devices per mesh, two meshes per process, both processes at once; the
-    (2,2,2) run also writes the params its checkpoint restores to (`2x2x2.npz`)."""
+    (2,2,2) run also writes the params its checkpoint restores to (`2x2x2.npz`) and a sample drawn in
+    that mesh from its sharded params (`2x2x2_sample.npz`)."""
     runs = {}
     for meshes in (MESHES[:2], MESHES[2:]):
         jobs = [
             {"workdir": workspace / mesh_name(m), "train": {**OVERRIDES, "train.steps": 3, "train.checkpoint_every": 3, "sharding.mesh_shape": m}}
-            | ({"npz": workspace / "2x2x2.npz"} if m == (2, 2, 2) else {})
+            | ({"npz": workspace / "2x2x2.npz", "sample": workspace / "2x2x2_sample.npz"} if m == (2, 2, 2) else {})
             for m in meshes
         ]
         run = Run(helper_cmd(8, jobs), env, workspace / f"{mesh_name(meshes[0])}.log")
@@ -251,3 +253,18 @@ def test_corrupt_latest_checkpoint_warns_and_resumes_from_previous(reference, wo
     assert f"checkpoint {workdir}/checkpoints/{STEPS} is unreadable" in rerun
     assert f"resumed from {workdir}/checkpoints/{STEPS - 2}" in rerun
     assert_same_final_state(workdir, workspace / "reference")
+
+
+def test_sampling_in_the_mesh_equals_one_device(mesh_runs, workspace):
+    run, _ = mesh_runs[(2, 2, 2)]
+    run.result()
+    sharded = dict(np.load(workspace / "2x2x2_sample.npz"))
+    config = config_lib.load_saved(str(workspace / "2x2x2"))
+    config.sharding.mesh_shape = (1, 1, 1)
+    one_device = loop.build(config, str(workspace / "2x2x2"))
+    state, _ = loop.restore_or_init(one_device)
+    one_device.checkpointer.close()
+    expected = sample_from_checkpoint(one_device, state.params)
+    np.testing.assert_array_equal(sharded["tokens"], expected["tokens"])
+    np.testing.assert_allclose(sharded["log_probs"], expected["log_probs"], atol=1e-5)
+    assert np.all(expected["log_probs"] < 0)

@@ -42,6 +42,7 @@ OLD_FORMS = {  # change -> [(module, attribute, key or None, the form before the
     "gelu": [(layers, "ACTIVATIONS", "gelu", functools.partial(jax.nn.gelu, approximate=False))],
     "layernorm": [(layers, "normalize", None, autodiff_normalize)],
 }
+OLD_FORMS["gelu+layernorm"] = OLD_FORMS["gelu"] + OLD_FORMS["layernorm"]
 
 
 @contextlib.contextmanager

@@ -46,7 +46,13 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+# /work/shared next to the main checkout; a worktree one level deeper (/work/wt/NAME) finds it one further up.
+DATA = (
+    next((p for p in (ROOT.parent / "shared", ROOT.parents[1] / "shared") if p.exists()), ROOT.parent / "shared")
+    / "data"
+    / "tinyshakespeare"
+    / "input.txt"
+)
 CONFIG = ROOT / "configs" / "shakespeare_char.py"
 
 N_LAYER, N_HEAD, N_EMBD, BLOCK = 4, 4, 128, 64

@@ -3,7 +3,8 @@
     python bench/step_profile.py [--config=configs/shakespeare_char.py] [--steps 30]
 
 Prints (1) forward, forward+backward and the production train step (min and median ms over
-interleaved repeats) and (2) an XLA profile of the train step: the op time (summed over XLA's
+interleaved repeats), (2) the op time of forward and of forward+backward by op kind (XNNPACK
+matmuls, Eigen dots, loop fusions), which shows where backward's extra time goes, and (3) an XLA profile of the train step: the op time (summed over XLA's
 threads) of every compiled HLO op, grouped by the module its metadata names (attention, MLP,
 LayerNorm, embeddings, head + loss, optimizer), plus the 12 most
 expensive ops. Op names ending in `_fusion` are loop fusions; `ynn_fusion` / `dot` are matmuls.
@@ -61,9 +62,25 @@ def classify(op_name: str) -> str:
     return next((group for group, pattern in PARTS if re.search(pattern, op_name)), "other model ops")
 
 
-def profile_ops(run, hlo_text: str, steps: int) -> tuple[dict, list]:
-    """Per-step op time (ms) by module and the top ops, from a jax.profiler trace of `run(steps)`."""
-    metadata = op_metadata(hlo_text)
+def op_kind(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> what runs it: an XNNPACK matmul (`ynn_fusion`), an Eigen `dot`, a loop fusion
+    (elementwise work and reductions), or another op."""
+    pattern = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = \S+ ([\w-]+)\(")
+    kinds = {}
+    for match in map(pattern.match, hlo_text.splitlines()):
+        if match:
+            name, opcode = match.groups()
+            if "ynn_fusion" in name:
+                kinds[name] = "matmul (XNNPACK)"
+            elif opcode == "dot":
+                kinds[name] = "matmul (Eigen dot)"
+            else:
+                kinds[name] = "loop fusion (elementwise, reductions)" if opcode == "fusion" else f"other ({opcode})"
+    return kinds
+
+
+def op_ms(run, names, steps: int) -> collections.Counter:
+    """Per-step time (ms, summed over threads) of each compiled op in `names`, from a jax.profiler trace of `run(steps)`."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             run(steps)
@@ -73,13 +90,30 @@ def profile_ops(run, hlo_text: str, steps: int) -> tuple[dict, list]:
         for plane in data.planes:
             for line in plane.lines:
                 for event in line.events:
-                    if event.name in metadata:
+                    if event.name in names:
                         op_ns[event.name] += event.duration_ns
+    return collections.Counter({name: ns / steps / 1e6 for name, ns in op_ns.items()})
+
+
+def profile_ops(run, hlo_text: str, steps: int) -> tuple[dict, list]:
+    """Per-step op time (ms) by module and the top ops, from a jax.profiler trace of `run(steps)`."""
+    metadata = op_metadata(hlo_text)
+    times = op_ms(run, metadata, steps)
     groups = collections.Counter()
-    for name, ns in op_ns.items():
-        groups[classify(metadata[name])] += ns / steps / 1e6
-    top = [(name, ns / steps / 1e6, metadata[name]) for name, ns in op_ns.most_common(12)]
+    for name, ms in times.items():
+        groups[classify(metadata[name])] += ms
+    top = [(name, ms, metadata[name]) for name, ms in times.most_common(12)]
     return dict(groups), top
+
+
+def profile_by_kind(fn, arg, steps: int) -> tuple[dict, int]:
+    """Per-call op time (ms) of jitted `fn(arg)` by op kind (`op_kind`), and how many distinct ops ran."""
+    kinds = op_kind(fn.lower(arg).compile().as_text())
+    times = op_ms(lambda n: [jax.block_until_ready(fn(arg)) for _ in range(n)], kinds, steps)
+    by_kind = collections.Counter()
+    for name, ms in times.items():
+        by_kind[kinds[name]] += ms
+    return dict(by_kind), len(times)
 
 
 def main():
@@ -105,16 +139,29 @@ def main():
     def loss(p):
         return task.loss(p, {}, {}, batch, rng, step=0, train=True)[0]
 
+    forward, forward_backward = jax.jit(loss), jax.jit(jax.grad(loss))
     with trainer.compiled.context():
         timings = common.interleaved_ms(
-            {"forward": (jax.jit(loss), params), "forward+backward": (jax.jit(jax.grad(loss)), params)}, args.steps
+            {"forward": (forward, params), "forward+backward": (forward_backward, params)}, args.steps
         )
+        by_kind = {  # before the train steps, which donate (delete) these params
+            name: profile_by_kind(fn, params, args.steps)
+            for name, fn in (("forward", forward), ("forward+backward", forward_backward))
+        }
     timings["train step"] = common.interleaved_ms({"train step": (lambda: trainer.run(1), None)}, args.steps)[
         "train step"
     ]
     for name, (fastest, median) in timings.items():
         print(f"{name:>18}: min {fastest:7.2f} ms, median {median:7.2f} ms")
     print(f"backward/forward (min): {timings['forward+backward'][0] / timings['forward'][0] - 1:.2f}")
+
+    print("\nop time per call by kind (summed over threads), forward | forward+backward:")
+    for kind in sorted(set(by_kind["forward"][0]) | set(by_kind["forward+backward"][0])):
+        print(
+            f"  {kind:<40} {by_kind['forward'][0].get(kind, 0.0):7.2f} | {by_kind['forward+backward'][0].get(kind, 0.0):7.2f} ms"
+        )
+    print(f"  {'total':<40} {sum(by_kind['forward'][0].values()):7.2f} | {sum(by_kind['forward+backward'][0].values()):7.2f} ms"
+          f"  ({by_kind['forward'][1]} | {by_kind['forward+backward'][1]} ops)")  # fmt: skip
 
     hlo_text = trainer.compiled.step.lower(trainer.state, trainer.batch).compile().as_text()
     groups, top = profile_ops(trainer.run, hlo_text, args.steps)
@@ -128,7 +175,7 @@ def main():
     load["end"] = os.getloadavg()[0]
     record = {
         "bench": "step_profile", "config": args.config, "matmul_peak_gflops": peak, "timings_ms": timings, "load_average": load,
-        "op_ms": groups,
+        "op_ms": groups, "op_ms_by_kind": {name: kinds for name, (kinds, _) in by_kind.items()},
     }  # fmt: skip
     print(json.dumps(record))
 

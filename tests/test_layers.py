@@ -1,4 +1,4 @@
-"""`layers.project`: the 2-D matmul form of projection einsums (values, gradients, fallback)."""
+"""Shared layers: `project` (the 2-D matmul form of projection einsums), CPU attention, GELU, LayerNorm backward."""
 
 import functools
 
@@ -77,3 +77,39 @@ def test_cpu_attention_equals_jax_attention_with_masks_and_bias():
     ours = loss(functools.partial(layers.dot_product_attention, dropout_rate=0.0, dropout_rng=None))
     reference = loss(jax.nn.dot_product_attention)
     chex.assert_trees_all_close(ours, reference, atol=1e-5)
+
+
+def test_gelu_equals_exact_jax_gelu_in_value_and_gradient():
+    x = np.linspace(-9.0, 9.0, 401, dtype=np.float32)
+    chex.assert_trees_all_close(layers.gelu(x), jax.nn.gelu(x, approximate=False), atol=1e-6)
+    gradient = jax.vmap(jax.grad(layers.gelu))(x)
+    chex.assert_trees_all_close(
+        gradient, jax.vmap(jax.grad(functools.partial(jax.nn.gelu, approximate=False)))(x), atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("use_mean", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_normalize_matches_automatic_differentiation(use_mean, dtype):
+    """The hand-written LayerNorm / RMS norm backward equals autodiff of the plain formula."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(1.0, 2.0, size=(2, 8, 16)), dtype)
+    scale = jnp.asarray(rng.normal(1.0, 0.1, size=16), jnp.float32)
+    weights = rng.normal(size=(2, 8, 16)).astype(np.float32)
+
+    def plain(x, scale):
+        x32 = x.astype(jnp.float32)
+        if use_mean:
+            x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        return x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + 1e-5) * scale
+
+    def loss(norm):
+        return jax.value_and_grad(lambda x, scale: jnp.sum(weights * norm(x, scale)), argnums=(0, 1))(x, scale)
+
+    (value, grads), (expected_value, expected_grads) = (
+        loss(lambda x, s: layers.normalize(x, s, 1e-5, use_mean)),
+        loss(plain),
+    )
+    assert grads[0].dtype == dtype
+    chex.assert_trees_all_close(value, expected_value, rtol=1e-5)
+    chex.assert_trees_all_close(grads, expected_grads, atol=1e-4 if dtype == jnp.float32 else 2e-2)

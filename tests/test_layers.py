@@ -113,3 +113,6 @@ def test_normalize_matches_automatic_differentiation(use_mean, dtype):
     assert grads[0].dtype == dtype
     chex.assert_trees_all_close(value, expected_value, rtol=1e-5)
     chex.assert_trees_all_close(grads, expected_grads, atol=1e-4 if dtype == jnp.float32 else 2e-2)
+    tangents = (jnp.asarray(rng.normal(size=x.shape), dtype), jnp.asarray(rng.normal(size=16), jnp.float32))
+    forward = jax.jvp(lambda x, s: layers.normalize(x, s, 1e-5, use_mean), (x, scale), tangents)
+    chex.assert_trees_all_close(forward, jax.jvp(plain, (x, scale), tangents), atol=1e-4 if dtype == jnp.float32 else 2e-2)

@@ -17,10 +17,14 @@ from ml_collections import config_flags
 
 REPO = pathlib.Path(__file__).resolve().parent
 
-config_flags.DEFINE_config_file(
-    "config", str(REPO / "configs" / "default.py"), "Experiment config file (configs/*.py).", lock_config=True
-)
-flags.DEFINE_string("workdir", "runs/default", "Directory for checkpoints, logs and samples.")
+
+def define_flags() -> None:
+    """--config and --workdir. config_flags applies --config.* overrides when the flag is defined, so this
+    runs after check_overrides has turned a misspelled key into a one-line error."""
+    config_flags.DEFINE_config_file(
+        "config", str(REPO / "configs" / "default.py"), "Experiment config file (configs/*.py).", lock_config=True
+    )
+    flags.DEFINE_string("workdir", "runs/default", "Directory for checkpoints, logs and samples.")
 
 
 def resolve_config_path(argv: list[str]) -> list[str]:
@@ -86,4 +90,5 @@ if __name__ == "__main__":
         check_overrides(sys.argv[1:], default=str(REPO / "configs" / "default.py"))
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
+    define_flags()
     app.run(main)

@@ -97,11 +97,30 @@ def _path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
+class _DropOrbaxNoise(logging.Filter):
+    """Drops orbax's warnings and errors (hundreds of lines of background-thread tracebacks for one failed
+    save) and, once a save failed, asyncio's "exception was never retrieved" reports of orbax's abandoned
+    futures: the Checkpointer raises each failure itself, with its cause in one line."""
+
+    save_failed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio":
+            return not self.save_failed
+        return record.levelno < logging.WARNING or "/orbax/" not in record.pathname.replace("\\", "/")
+
+
+_ORBAX_NOISE = _DropOrbaxNoise()
+
+
 class Checkpointer:
     """Saves and restores (state, data_state) under `directory`; keeps the newest `max_to_keep`."""
 
     def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
         self.directory = pathlib.Path(directory).absolute()
+        self.failed = False
+        for logger in ("absl", "asyncio"):  # orbax logs through absl; adding a filter twice is a no-op
+            logging.getLogger(logger).addFilter(_ORBAX_NOISE)
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -125,6 +144,7 @@ class Checkpointer:
             raise self._save_error(e) from None
 
     def _save_error(self, error: BaseException) -> CheckpointSaveError:
+        self.failed = _ORBAX_NOISE.save_failed = True
         kept = [s for s in self.steps() if (self.directory / str(s)).is_dir()]
         return CheckpointSaveError(
             f"saving a checkpoint in {self.directory} failed: {_save_cause(error)}. Training stopped; "
@@ -147,10 +167,13 @@ class Checkpointer:
 
     def close(self) -> None:
         """Closes the manager; a save error here was already raised by `wait` or is logged (not raised over another error)."""
+        already_reported = self.failed
         try:
             self.manager.close()
         except Exception as e:
-            log.error("%s", self._save_error(e))
+            error = self._save_error(e)
+            if not already_reported:
+                log.error("%s", error)
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())

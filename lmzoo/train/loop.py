@@ -409,6 +409,7 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float, sa
             print(end_summary(run, time.time() - began, max(start, config.train.steps)))
         return final
     finally:
+        progress.close()
         stop_signals.close()
         writer.close()
         run.checkpointer.close()

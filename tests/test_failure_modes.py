@@ -327,6 +327,18 @@ def test_train_py_from_another_folder_prints_start_and_end_summaries(tmp_path):
         assert expected in out, out
 
 
+def test_start_summary_reports_a_decay_past_the_last_step(trained):
+    config = config_lib.load_saved(str(trained))
+    config.train.steps = 3
+    run = loop.build(config, str(trained))
+    try:
+        summary = loop.start_summary(run, run.train_loader(), 0)
+    finally:
+        run.checkpointer.close()
+    assert "note: optim.decay_steps=600 > train.steps=3: the run ends before the learning rate decays" in summary
+    assert "pass --config.optim.decay_steps=3 to decay fully" in summary
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

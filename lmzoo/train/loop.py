@@ -272,6 +272,11 @@ def start_summary(run: Run, loader: Any, start: int) -> str:
         f"per step: {cfg.train.batch_size} sequences x {cfg.data.seq_len} tokens = {cfg.train.batch_size * cfg.data.seq_len:,} tokens",
         f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} process(es); mesh {mesh}",
     ]
+    if cfg.optim.decay_steps > cfg.train.steps:
+        lines.append(
+            f"note: optim.decay_steps={cfg.optim.decay_steps} > train.steps={cfg.train.steps}: the run ends before the "
+            f"learning rate decays to optim.min_learning_rate; pass --config.optim.decay_steps={cfg.train.steps} to decay fully"
+        )
     return "\n".join(lines)
 
 

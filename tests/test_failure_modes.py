@@ -298,6 +298,30 @@ def test_sigterm_and_ctrl_c_save_then_exit_with_their_status(tmp_path, signum, s
     assert _steps(run_dir) == [int(stopped[0].split()[3])]
 
 
+def test_second_ctrl_c_aborts_at_once_without_saving(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = _train_cmd(
+        run_dir,
+        "--config.train.steps=100000",
+        "--config.train.checkpoint_every=100000",
+        "--config.train.eval_every=100000",
+    )
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    deadline = time.time() + 120
+    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    for line in proc.stderr:
+        if line.startswith("Ctrl-C: saving a checkpoint"):
+            proc.send_signal(signal.SIGINT)
+            break
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGINT, stderr
+    assert "second Ctrl-C: aborted without saving" in stderr and "interrupted: saved checkpoint" not in stderr
+    assert _steps(run_dir) == []
+
+
 def test_metrics_have_each_step_once_after_a_resume(trained, tmp_path):
     run_dir = _copy(trained, tmp_path)
     shutil.rmtree(run_dir / "checkpoints" / "4")  # as if killed after logging step 4, before its checkpoint landed

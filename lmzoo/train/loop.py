@@ -11,6 +11,7 @@ the paths the config names, never from the checkpoint.
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import signal
 import sys
@@ -220,7 +221,7 @@ class TrainingStopped(Exception):
 
 class StopSignals:
     """Why the run should checkpoint and stop, if it should: SIGTERM or a multi-host preemption notice
-    (preempted), or Ctrl-C (interrupted). A second Ctrl-C raises KeyboardInterrupt at once."""
+    (preempted), or Ctrl-C (interrupted). A second Ctrl-C kills the process by SIGINT at once, unsaved."""
 
     def __init__(self):
         self.reason: str | None = None
@@ -235,7 +236,11 @@ class StopSignals:
     def _on_signal(self, signum, frame):
         if signum == signal.SIGINT:
             if self.reason == "interrupted":
-                raise KeyboardInterrupt
+                os.write(
+                    2, b"\nsecond Ctrl-C: aborted without saving; a rerun resumes from the last saved checkpoint\n"
+                )
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)  # die of SIGINT at once (the OS drops the workdir lock)
             self.reason = "interrupted"
             print(
                 "\nCtrl-C: saving a checkpoint, then stopping (press Ctrl-C again to abort without saving)",

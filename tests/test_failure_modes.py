@@ -198,6 +198,19 @@ def test_bad_values_are_refused_before_any_work(tmp_path, section, field, value,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lock"]
 
 
+def test_batch_not_divisible_by_the_devices_is_refused_naming_the_field(tmp_path):
+    cmd = _train_cmd(tmp_path / "run", "--config.distributed.cpu_devices_per_process=8", "--config.eval.batch_size=12")
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-3:] == [
+        "error: invalid config values:",
+        "  config.train.batch_size=4: must be a multiple of 8 (grad_accum_steps=1 x 8 data-parallel devices); "
+        "set --config.train.batch_size=8",
+        "  config.eval.batch_size=12: must be a multiple of the 8 data-parallel devices; set --config.eval.batch_size=8",
+    ]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["lock"]
+
+
 def test_unknown_variant_is_refused():
     with pytest.raises(ValueError, match="unknown config variant 'tinyy' in 'tinyy'; known variants: tiny"):
         config_lib.check_overrides(["--config=configs/default.py:tinyy"], default=str(ROOT / "configs" / "default.py"))

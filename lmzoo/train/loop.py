@@ -309,10 +309,15 @@ def _start(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.S
     run = build(config, workdir, stage)
     saved_config = run.workdir / "config.json"
     resumable = has_checkpoints(run.workdir) and saved_config.exists()
-    state, data_state = restore_or_init(run)
-    if resumable and data_state["step"] > 0:
-        config_lib.check_resume(json.loads(saved_config.read_text()), run.config, int(data_state["step"]), run.workdir)
-    loader = run.train_loader()
+    try:
+        state, data_state = restore_or_init(run)
+        if resumable and data_state["step"] > 0:
+            saved = json.loads(saved_config.read_text())
+            config_lib.check_resume(saved, run.config, int(data_state["step"]), run.workdir)
+        loader = run.train_loader()
+    except BaseException:
+        run.checkpointer.close()
+        raise
     if stage is not None:
         stage.write_text("config.json", run.config.to_json_best_effort(indent=2))
     return run, state, data_state, loader
@@ -326,8 +331,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     checks: config.json and tokenizer/ are staged and committed together before the first step.
     Raises TrainingStopped (after saving a checkpoint) on SIGTERM, preemption or Ctrl-C.
     """
-    from lmzoo.evaluation.generation import sample_text
-
     began = time.time()
     is_main = jax.process_index() == 0
     lock = workdir_lib.lock(workdir) if is_main else None
@@ -340,13 +343,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 stage.commit()
         else:
             run, state, data_state, loader = _start(config, workdir, None)
-        return _train(run, state, data_state, loader, began, sample_text)
+        return _train(run, state, data_state, loader, began)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float, sample_text) -> dict[str, float]:
+def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) -> dict[str, float]:
+    """The steps from the restored `state` to config.train.steps, then evaluation, a sample and the end summary."""
+    from lmzoo.evaluation.generation import sample_text
+
     config, compiled, workdir = run.config, run.compiled, str(run.workdir)
     is_main = jax.process_index() == 0
     start = int(data_state["step"])

@@ -240,11 +240,6 @@ class LMLoader:
         return f"{len(self.stream):,} tokens"
 
     @property
-    def dataset_size(self) -> str:
-        """The training split's size, for the start summary."""
-        return f"{len(self.stream):,} tokens"
-
-    @property
     def local_batch_size(self) -> int:
         return self.batch_size // self.process_count
 
@@ -309,11 +304,6 @@ class ExampleLoader:
     @property
     def num_examples(self) -> int:
         return len(next(iter(self.examples.values())))
-
-    @property
-    def dataset_size(self) -> str:
-        """The training split's size, for the start summary."""
-        return f"{self.num_examples:,} examples"
 
     @property
     def dataset_size(self) -> str:

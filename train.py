@@ -1,38 +1,82 @@
 """Train a model: python train.py [--config=configs/NAME.py[:arg]] [--workdir=DIR] [--config.a.b=value ...]
 
 Restarting with the same --workdir resumes from its latest checkpoint. `python train.py --objectives` lists
-every objective (config.objective.name) with its fields and defaults.
+every objective (config.objective.name) with its fields and defaults. A config path that does not exist
+where train.py runs is looked up in the repository (so `configs/NAME.py` works from any folder).
+
+Exit status: 0 trained to config.train.steps; 1 an error (its cause printed on one line where possible);
+75 preempted (SIGTERM) after saving a checkpoint; 130 stopped by Ctrl-C after saving a checkpoint.
+Rerun the same command to resume after 75 or 130.
 """
+
+import pathlib
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-config_flags.DEFINE_config_file("config", "configs/default.py", "Experiment config file (configs/*.py).", lock_config=True)
-flags.DEFINE_string("workdir", "runs/default", "Directory for checkpoints, logs and samples.")
+REPO = pathlib.Path(__file__).resolve().parent
+
+
+def define_flags() -> None:
+    """--config and --workdir. config_flags applies --config.* overrides when the flag is defined, so this
+    runs after check_overrides has turned a misspelled key into a one-line error."""
+    config_flags.DEFINE_config_file(
+        "config", str(REPO / "configs" / "default.py"), "Experiment config file (configs/*.py).", lock_config=True
+    )
+    flags.DEFINE_string("workdir", "runs/default", "Directory for checkpoints, logs and samples.")
+
+
+def resolve_config_path(argv: list[str]) -> list[str]:
+    """argv with a relative `--config=PATH[:arg]` that is missing here but present in the repository made absolute."""
+    resolved = []
+    for arg in argv:
+        if arg.startswith("--config="):
+            path, sep, variant = arg[len("--config=") :].partition(":")
+            if not pathlib.Path(path).exists() and (REPO / path).exists():
+                arg = f"--config={REPO / path}{sep}{variant}"
+        resolved.append(arg)
+    return resolved
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from lmzoo import checkpoint, sharding, workdir
     from lmzoo import config as config_lib
-    from lmzoo import sharding
     from lmzoo.train import loop
 
     logging.set_verbosity(logging.WARNING)
-    config = config_lib.validate(flags.FLAGS.config)
-    if config.distributed.cpu_devices_per_process:
-        import jax
+    try:
+        config = config_lib.validate(flags.FLAGS.config)
+        if config.distributed.cpu_devices_per_process:
+            import jax
 
-        jax.config.update("jax_num_cpu_devices", config.distributed.cpu_devices_per_process)
-    sharding.initialize_distributed(**{k: config.distributed[k] for k in ("coordinator_address", "num_processes", "process_id")})
-    final = loop.train_and_evaluate(config, flags.FLAGS.workdir)
-    if final is not None:
-        print("final validation: " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+            jax.config.update("jax_num_cpu_devices", config.distributed.cpu_devices_per_process)
+        sharding.initialize_distributed(
+            **{k: config.distributed[k] for k in ("coordinator_address", "num_processes", "process_id")}
+        )
+        final = loop.train_and_evaluate(config, flags.FLAGS.workdir)
+    except loop.TrainingStopped as stopped:
+        print(stopped, file=sys.stderr)
+        sys.exit(stopped.exit_code)
+    except (
+        ValueError,
+        OSError,
+        workdir.WorkdirLockedError,
+        loop.NonFiniteLossError,
+        checkpoint.CheckpointSaveError,
+    ) as e:
+        sys.exit(f"error: {e}")
+    batches = int(final.pop("evaluated_batches", 0))
+    scored = {k: v for k, v in final.items() if k not in ("tokens", "examples")}
+    amount = f"{int(final['tokens']):,} tokens" if "tokens" in final else f"{int(final.get('examples', 0)):,} examples"
+    limit = config.eval.max_batches
+    scope = f"the first {batches} batches (config.eval.max_batches={limit})" if limit else f"all {batches} batches"
+    print(f"final validation over {scope}, {amount}: " + ", ".join(f"{k} {v:.4f}" for k, v in scored.items()))
 
 
 if __name__ == "__main__":
-    import sys
-
     if "--objectives" in sys.argv[1:]:
         from lmzoo import objectives
 
@@ -41,8 +85,10 @@ if __name__ == "__main__":
 
     from lmzoo.config import check_overrides
 
+    sys.argv = [sys.argv[0], *resolve_config_path(sys.argv[1:])]
     try:
-        check_overrides(sys.argv[1:])
+        check_overrides(sys.argv[1:], default=str(REPO / "configs" / "default.py"))
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
+    define_flags()
     app.run(main)

@@ -6,10 +6,11 @@ Needs no download and no files outside the Python installation; about 2-3 minute
 cores. Writes checkpoints, TensorBoard logs (runs/default/tb) and a sample (runs/default/sample.txt).
 """
 
-from lmzoo.config import base_config, model_section
+from lmzoo.config import base_config, check_variants, model_section
 
 
 def get_config(arg: str | None = None):
+    tiny = "tiny" in check_variants(arg, known=("tiny",))  # tiny: 1 layer, 4 steps (tests and smoke runs)
     c = base_config()
     c.model_name = "gpt2"
     c.model = model_section(
@@ -36,7 +37,7 @@ def get_config(arg: str | None = None):
     c.optim.decay_steps = 600
     c.eval.max_batches = 20
     c.train.sample_prompt = "def "
-    if arg == "tiny":
+    if tiny:
         c.model.num_layers, c.model.emb_dim, c.model.mlp_dim, c.model.num_heads = 1, 32, 64, 2
         c.data.max_files, c.data.seq_len, c.model.max_len = 5, 32, 32
         c.train.steps, c.train.batch_size, c.train.log_every = 4, 4, 2

@@ -1,14 +1,21 @@
 """Orbax checkpoints of the whole train state plus the data loader's position.
 
 Layout: `<workdir>/checkpoints/<step>/{state,data}`. Restore targets carry shardings, so a
-checkpoint written on one mesh restores onto another. A latest checkpoint that is truncated or
-corrupt is reported and skipped in favour of the previous good one, and replaced once the
-resumed run saves that step again; a checkpoint whose shapes do not match the model names the
-mismatching parameters.
+checkpoint written on one mesh restores onto another. Restoring tells three failures apart:
+- a damaged step (truncated or missing files) is reported, naming the file, and skipped in favour of
+  the previous good one, which is replaced once the resumed run saves that step again;
+- a step whose shapes do not match the model raises IncompatibleCheckpointError naming the parameters;
+- an I/O error that says nothing about the files (permission, device, network filesystem) raises
+  CheckpointReadError at once: nothing is skipped or deleted.
+When steps exist but none restores, restoring raises instead of letting a run start over.
+A failed save raises CheckpointSaveError with its cause (a full disk named as such).
 """
 
+import errno
+import json
 import logging
 import pathlib
+import re
 from typing import Any
 
 import jax
@@ -31,8 +38,79 @@ class IncompatibleCheckpointError(ValueError):
     pass
 
 
+class CheckpointReadError(OSError):
+    """Checkpoints exist but could not be read; the run stops and nothing is deleted."""
+
+
+class CheckpointSaveError(OSError):
+    """Writing a checkpoint failed; the previous checkpoints are intact."""
+
+
+# tensorstore/orbax status words that mean the stored bytes themselves are wrong or missing.
+_DAMAGE = re.compile(
+    r"DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|INVALID_ARGUMENT|Error decoding|Error reading|No such file|not a valid"
+)
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _is_damage(error: BaseException) -> bool:
+    """Whether a restore error shows damaged or missing files (not an I/O failure of the filesystem)."""
+    for e in _causes(error):
+        if isinstance(e, OSError) and e.errno in (
+            errno.EIO,
+            errno.EACCES,
+            errno.EPERM,
+            errno.ESTALE,
+            errno.ETIMEDOUT,
+            errno.ENOMEM,
+        ):
+            return False
+        if re.search(
+            r"PERMISSION_DENIED|UNAVAILABLE|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|Input/output error|Permission denied",
+            str(e),
+        ):
+            return False
+    return any(
+        isinstance(e, (FileNotFoundError, KeyError, json.JSONDecodeError)) or _DAMAGE.search(str(e))
+        for e in _causes(error)
+    )
+
+
+def _save_cause(error: BaseException) -> str:
+    """A short account of why a save failed; a full disk is named as such."""
+    for e in _causes(error):
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
+            return "the disk is full (No space left on device)"
+    root = _causes(error)[-1]
+    return f"{type(root).__name__}: {str(root).splitlines()[0][:300] if str(root) else ''}"
+
+
 def _path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+class _DropOrbaxNoise(logging.Filter):
+    """Drops orbax's warnings and errors (hundreds of lines of background-thread tracebacks for one failed
+    save) and, once a save failed, asyncio's "exception was never retrieved" reports of orbax's abandoned
+    futures: the Checkpointer raises each failure itself, with its cause in one line."""
+
+    save_failed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio":
+            return not self.save_failed
+        return record.levelno < logging.WARNING or "/orbax/" not in record.pathname.replace("\\", "/")
+
+
+_ORBAX_NOISE = _DropOrbaxNoise()
 
 
 class Checkpointer:
@@ -40,9 +118,14 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
         self.directory = pathlib.Path(directory).absolute()
+        self.failed = False
+        for logger in ("absl", "asyncio"):  # orbax logs through absl; adding a filter twice is a no-op
+            logging.getLogger(logger).addFilter(_ORBAX_NOISE)
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+            ),
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()},
         )
 
@@ -51,17 +134,46 @@ class Checkpointer:
         # skip (or, forced, refuse) every save up to the newest of them, so they are dropped first.
         for stale in [s for s in self.steps() if s >= step]:
             self.manager.delete(stale)
-        return self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
-            force=force,
+        try:
+            return self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
+                force=force,
+            )
+        except Exception as e:
+            raise self._save_error(e) from None
+
+    def _save_error(self, error: BaseException) -> CheckpointSaveError:
+        self.failed = _ORBAX_NOISE.save_failed = True
+        kept = [s for s in self.steps() if (self.directory / str(s)).is_dir()]
+        return CheckpointSaveError(
+            f"saving a checkpoint in {self.directory} failed: {_save_cause(error)}. Training stopped; "
+            f"the previous checkpoints {kept} are intact. Fix the cause and rerun the same command to resume."
         )
 
+    def check_for_errors(self) -> None:
+        """Raises CheckpointSaveError if a background save has failed."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:
+            raise self._save_error(e) from None
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for the background save; raises CheckpointSaveError if it failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_error(e) from None
 
     def close(self) -> None:
-        self.manager.close()
+        """Closes the manager; a save error here was already raised by `wait` or is logged (not raised over another error)."""
+        already_reported = self.failed
+        try:
+            self.manager.close()
+        except Exception as e:
+            error = self._save_error(e)
+            if not already_reported:
+                log.error("%s", error)
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -69,15 +181,28 @@ class Checkpointer:
     def check_compatible(self, step: int, target: Any) -> None:
         """Raises IncompatibleCheckpointError naming every leaf whose saved shape differs from `target`."""
         saved = self.manager.item_metadata(step)["state"]
-        saved_shapes = {_path_str(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0] if hasattr(m, "shape")}
+        saved_shapes = {
+            _path_str(p): tuple(m.shape)
+            for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]
+            if hasattr(m, "shape")
+        }
+        if not saved_shapes:
+            raise FileNotFoundError(
+                f"{self.directory / str(step) / 'state' / '_METADATA'}: no parameter metadata (missing or damaged)"
+            )
         target_shapes = {_path_str(p): tuple(t.shape) for p, t in jax.tree_util.tree_flatten_with_path(target)[0]}
-        problems = [f"{k}: checkpoint {saved_shapes[k]} vs model {v}" for k, v in target_shapes.items() if k in saved_shapes and saved_shapes[k] != v]
+        problems = [
+            f"{k}: checkpoint {saved_shapes[k]} vs model {v}"
+            for k, v in target_shapes.items()
+            if k in saved_shapes and saved_shapes[k] != v
+        ]
         problems += [f"{k}: missing from the checkpoint" for k in target_shapes if k not in saved_shapes]
         problems += [f"{k}: in the checkpoint but not in the model" for k in saved_shapes if k not in target_shapes]
         if problems:
             raise IncompatibleCheckpointError(
                 f"checkpoint {self.directory / str(step)} does not match the configured model "
-                f"({len(problems)} mismatching parameters):\n  " + "\n  ".join(problems[:20])
+                f"({len(problems)} mismatching parameters):\n  "
+                + "\n  ".join(problems[:20])
                 + "\nUse the config the checkpoint was written with, or a new workdir."
             )
 
@@ -90,14 +215,33 @@ class Checkpointer:
         return restored["state"], dict(restored["data"])
 
     def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
-        """The newest checkpoint that restores, falling back past corrupt ones; None if there is none."""
+        """The newest checkpoint that restores, falling back past damaged ones; None if there is no step.
+
+        Raises IncompatibleCheckpointError (shapes differ from `target`), CheckpointReadError (an I/O
+        error, or every step damaged): the steps are left as they are.
+        """
+        damaged = []
         for step in reversed(self.steps()):
+            path = self.directory / str(step)
             try:
                 state, data_state = self.restore(step, target)
             except IncompatibleCheckpointError:
                 raise
             except Exception as e:  # orbax raises ValueError/OSError/KeyError variants for damaged files
-                log.warning("checkpoint %s is unreadable (%s: %s); trying the previous one", self.directory / str(step), type(e).__name__, str(e)[:300])
+                summary = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                if not _is_damage(e):
+                    raise CheckpointReadError(
+                        f"reading checkpoint {path} failed with an I/O error ({summary}); nothing was skipped or "
+                        "deleted. Check the filesystem, then rerun the same command."
+                    ) from e
+                log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, summary)
+                damaged.append(f"{path}: {summary}")
                 continue
             return step, state, data_state
+        if damaged:
+            raise CheckpointReadError(
+                f"no checkpoint in {self.directory} could be restored; nothing was deleted:\n  "
+                + "\n  ".join(damaged)
+                + f"\nMove {self.directory} aside to start over, or use a new --workdir."
+            )
         return None

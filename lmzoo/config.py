@@ -21,7 +21,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.init_from_partial = False  # with hf:, load the parameters that fit and initialise the rest (report printed)
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = "python_stdlib"  # "local" (path), "python_stdlib", "tfds" (name, data_dir), "tsv" (labelled), "pairs" (path)
+    c.data.source = (
+        "python_stdlib"  # "local" (path), "python_stdlib", "tfds" (name, data_dir), "tsv" (labelled), "pairs" (path)
+    )
     c.data.path = ""
     c.data.document_unit = "file"  # local .txt files: one document per "file", "paragraph" or "line"
     c.data.text_field = "text"  # field of .jsonl lines / TFDS features holding the text
@@ -30,7 +32,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.data_dir = ""  # tfds data_dir
     c.data.train_path = ""  # tsv: labelled train file (GLUE format, header row)
     c.data.validation_path = ""
-    c.data.text_fields = ("sentence",)  # tsv: one column, or two for sentence pairs; pairs: (source, target) or one + split_marker
+    c.data.text_fields = (
+        "sentence",
+    )  # tsv: one column, or two for sentence pairs; pairs: (source, target) or one + split_marker
     c.data.label_field = "label"
     c.data.train_split = "train"
     c.data.validation_split = "validation"
@@ -152,11 +156,50 @@ def load_saved(workdir: str) -> ml_collections.ConfigDict:
     return config
 
 
-def check_overrides(argv: list[str], flag: str = "config") -> None:
-    """Fails fast, naming the valid keys, on `--config.a.b=v` overrides of keys the config lacks."""
+# Fields a resumed run may change: how long it trains, how often it logs, evaluates and saves, and
+# where it runs. Every other field changes what the checkpoints were trained with.
+RESUMABLE_FIELDS = ("train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
+                    "train.keep_checkpoints", "train.async_checkpoints", "train.sample_prompt", "train.sample_tokens",
+                    "eval.", "sharding.", "distributed.", "init_from", "init_from_partial")  # fmt: skip
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_resume(saved: dict, config: ml_collections.ConfigDict, step: int, workdir) -> None:
+    """Refuses to resume checkpoints of step `step` written with config `saved` (the workdir's config.json)
+    under a config that changes training (any field outside RESUMABLE_FIELDS, or train.steps below
+    `step`), listing each change and suggesting a new --workdir."""
+    before, after = _flatten(saved), _flatten(json.loads(config.to_json_best_effort()))
+    changes = [
+        f"{key}: {before[key]!r} -> {after[key]!r}"
+        for key in sorted(after)
+        if key in before and before[key] != after[key] and not key.startswith(RESUMABLE_FIELDS)
+    ]
+    if config.train.steps < step:
+        changes.append(f"train.steps={config.train.steps} is below the checkpoint's step {step}")
+    if changes:
+        raise ValueError(
+            f"{workdir} holds checkpoints up to step {step} of a run whose config differs from this one:\n  "
+            + "\n  ".join(changes)
+            + f"\nTo train with these settings, pass a new --workdir (e.g. --workdir={workdir}_2); to resume, drop "
+            "the overrides (config.json in the workdir holds the run's config)."
+        )
+
+
+def check_overrides(argv: list[str], flag: str = "config", default: str = "configs/default.py") -> None:
+    """Fails fast, naming the valid keys, on `--config.a.b=v` overrides of keys the config lacks (and on an
+    unknown variant, for config files that check theirs)."""
     import importlib.util
 
-    spec_arg = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{flag}=")), "configs/default.py")
+    spec_arg = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{flag}=")), default)
     path, _, variant = spec_arg.partition(":")
     if not pathlib.Path(path).exists():
         raise FileNotFoundError(f"config file {path!r} not found; pass --{flag}=configs/NAME.py")
@@ -222,18 +265,44 @@ def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int) 
             f"set --config.eval.batch_size={max(data_parallel_size, evals.batch_size // data_parallel_size * data_parallel_size)}",
         )  # fmt: skip
     require(train.sample_tokens >= 0, "train.sample_tokens", "must be >= 0 (0 skips sampling)")
-    require(evals.max_batches is None or evals.max_batches >= 1, "eval.max_batches", "must be None (the whole split) or >= 1")
+    require(
+        evals.max_batches is None or evals.max_batches >= 1,
+        "eval.max_batches",
+        "must be None (the whole split) or >= 1",
+    )
     if config.objective.name == "text_to_text":
-        require(data.target_seq_len >= 1, "data.target_seq_len", "must be a positive integer; set --config.data.target_seq_len=N")
+        require(
+            data.target_seq_len >= 1,
+            "data.target_seq_len",
+            "must be a positive integer; set --config.data.target_seq_len=N",
+        )
     if data.source == "python_stdlib":
         require(data.max_files >= 1, "data.max_files", "must be >= 1 (python_stdlib reads that many files)")
-    require(0 < data.validation_fraction < 1, "data.validation_fraction", "must be between 0 and 1 (exclusive), e.g. 0.1")
-    require(data.document_unit in pipeline.DOCUMENT_UNITS, "data.document_unit", f"choose one of {pipeline.DOCUMENT_UNITS}")
+    require(
+        0 < data.validation_fraction < 1, "data.validation_fraction", "must be between 0 and 1 (exclusive), e.g. 0.1"
+    )
+    require(
+        data.document_unit in pipeline.DOCUMENT_UNITS, "data.document_unit", f"choose one of {pipeline.DOCUMENT_UNITS}"
+    )
     require(data.sampler in ("random", "sequential"), "data.sampler", "choose 'random' or 'sequential'")
+    if data.source not in ("local", "pairs"):
+        require(
+            not data.path,
+            "data.path",
+            f"is ignored by config.data.source={data.source!r}; add --config.data.source=local to train on it",
+        )
     require(optim.learning_rate > 0, "optim.learning_rate", "must be > 0, e.g. 1e-3")
-    require(0 <= optim.min_learning_rate <= optim.learning_rate, "optim.min_learning_rate", "must be in [0, optim.learning_rate]")
+    require(
+        0 <= optim.min_learning_rate <= optim.learning_rate,
+        "optim.min_learning_rate",
+        "must be in [0, optim.learning_rate]",
+    )
     require(optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    require(optim.decay_steps >= 1, "optim.decay_steps", "must be >= 1 (the step where the cosine reaches min_learning_rate)")
+    require(
+        optim.decay_steps >= 1,
+        "optim.decay_steps",
+        "must be >= 1 (the step where the cosine reaches min_learning_rate)",
+    )
     for field in ("optim.b1", "optim.b2"):
         require(0 <= value(field) < 1, field, "must be in [0, 1), e.g. 0.9 / 0.99")
     require(optim.eps > 0, "optim.eps", "must be > 0, e.g. 1e-8")

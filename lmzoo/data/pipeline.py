@@ -235,6 +235,11 @@ class LMLoader:
             raise ValueError(f"batch_size {self.batch_size} is not divisible by {self.process_count} processes")
 
     @property
+    def dataset_size(self) -> str:
+        """The training split's size, for the start summary."""
+        return f"{len(self.stream):,} tokens"
+
+    @property
     def local_batch_size(self) -> int:
         return self.batch_size // self.process_count
 
@@ -299,6 +304,11 @@ class ExampleLoader:
     @property
     def num_examples(self) -> int:
         return len(next(iter(self.examples.values())))
+
+    @property
+    def dataset_size(self) -> str:
+        """The training split's size, for the start summary."""
+        return f"{self.num_examples:,} examples"
 
     def _local(self, flat: np.ndarray) -> np.ndarray:
         local = self.batch_size // self.process_count

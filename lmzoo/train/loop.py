@@ -11,6 +11,7 @@ the paths the config names, never from the checkpoint.
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import signal
 import sys
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from lmzoo import checkpoint, objectives, sharding, tokenizers
 from lmzoo import config as config_lib
+from lmzoo import workdir as workdir_lib
 from lmzoo.objectives import base
 from lmzoo.train import metrics as metrics_lib
 from lmzoo.train import trainer as trainer_lib
@@ -66,7 +68,9 @@ class Run:
         """The raw examples of `split` ("train", "validation", or a name given to `add_split`)."""
         if split not in self.splits:
             if split not in ("train", "validation"):
-                raise ValueError(f"unknown split {split!r}; choose one of {sorted({'train', 'validation', *self.splits})}")
+                raise ValueError(
+                    f"unknown split {split!r}; choose one of {sorted({'train', 'validation', *self.splits})}"
+                )
             self.splits.update(self.objective.read(self.config))
         return self.splits[split]
 
@@ -81,12 +85,19 @@ class Run:
         return self.objective.eval_batches(self.config, self.tokenizer, self.raw(split), self.shard)
 
 
-def _tokenizer(config: ml_collections.ConfigDict, run_splits: dict, objective: base.Objective,
-               workdir: pathlib.Path) -> tokenizers.Tokenizer:  # fmt: skip
-    """The run's tokenizer: reloaded from the workdir when it exists so a resumed run keeps its ids; else
-    built (from the run's data for kinds learnt from a corpus) and saved there."""
+def has_checkpoints(workdir: pathlib.Path) -> bool:
+    """Whether `workdir` holds a saved step (a finished orbax step folder)."""
+    folder = workdir / "checkpoints"
+    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+
+
+def _tokenizer(config: ml_collections.ConfigDict, run_splits: dict, objective: base.Objective, workdir: pathlib.Path,
+               stage: workdir_lib.StagedRunState | None) -> tokenizers.Tokenizer:  # fmt: skip
+    """The run's tokenizer: the workdir's when it has checkpoints (so a resumed run keeps its ids); else
+    built (from the run's data for kinds learnt from a corpus) and, when `stage` is given, staged there.
+    A tokenizer left by a run that never saved a checkpoint is rebuilt, never reused."""
     saved = workdir / "tokenizer" / "spec.json"
-    if saved.exists():
+    if saved.exists() and has_checkpoints(workdir):
         return tokenizers.from_spec(json.loads(saved.read_text()), str(saved.parent))
     spec = config.data.tokenizer.to_dict()
     kind = spec.pop("kind")
@@ -95,33 +106,48 @@ def _tokenizer(config: ml_collections.ConfigDict, run_splits: dict, objective: b
         run_splits.update(objective.read(config))
         corpus = objective.corpus(run_splits["train"]) + objective.corpus(run_splits["validation"])
     tokenizer = tokenizers.build_tokenizer(kind, corpus=corpus, **spec)
-    if jax.process_index() == 0:
-        staging = workdir / "tokenizer.tmp"
-        staging.mkdir(parents=True, exist_ok=True)
-        (staging / "spec.json").write_text(json.dumps(tokenizer.save(str(staging))))
-        staging.rename(saved.parent)
+    if stage is not None:
+        folder = stage.path("tokenizer")
+        folder.mkdir()
+        (folder / "spec.json").write_text(json.dumps(tokenizer.save(str(folder))))
     return tokenizer
 
 
-def build(config: ml_collections.ConfigDict, workdir: str) -> Run:
-    """Validated config, objective, tokenizer, model, compiled trainer and checkpointer for a workdir."""
+def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
+    """Devices a batch is split over: the mesh's data x fsdp axes."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def build(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.StagedRunState | None = None) -> Run:
+    """Validated config, objective, tokenizer, model, compiled trainer and checkpointer for a workdir.
+
+    stage: where a training run stages a newly built tokenizer (None: a new tokenizer is not saved).
+    """
     config = config_lib.validate(config)
+    try:
+        mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape))
+    except ValueError as e:
+        raise ValueError(f"config.sharding.mesh_shape={tuple(config.sharding.mesh_shape)}: {e}") from None
+    config_lib.check_values(config, data_parallel_size=data_parallel_size(mesh))
     workdir_path = pathlib.Path(workdir)
     workdir_path.mkdir(parents=True, exist_ok=True)
-    mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape))
     rules = sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))
     objective = objectives.get(config.objective.name)
     splits: dict[str, Any] = {}
-    tokenizer = _tokenizer(config, splits, objective, workdir_path)
+    tokenizer = _tokenizer(config, splits, objective, workdir_path, stage)
     if config.model.vocab_size < tokenizer.vocab_size:
         raise ValueError(
             f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size}); set --config.model.vocab_size={tokenizer.vocab_size} (or larger)"
         )
     model = objective.model(config)
-    compiled = trainer_lib.compile_trainer(objective.trainer(config, model), mesh=mesh, rules=rules, seed=config.train.seed)
+    compiled = trainer_lib.compile_trainer(
+        objective.trainer(config, model), mesh=mesh, rules=rules, seed=config.train.seed
+    )
     checkpointer = checkpoint.Checkpointer(
-        str(workdir_path / "checkpoints"), max_to_keep=config.train.keep_checkpoints, async_save=config.train.async_checkpoints
+        str(workdir_path / "checkpoints"),
+        max_to_keep=config.train.keep_checkpoints,
+        async_save=config.train.async_checkpoints,
     )
     return Run(config=config, workdir=workdir_path, objective=objective, tokenizer=tokenizer, model=model,
                compiled=compiled, checkpointer=checkpointer, splits=splits)  # fmt: skip
@@ -181,44 +207,159 @@ def evaluate(run: Run, state: Any, split: str = "validation") -> dict[str, float
     return metrics
 
 
-class PreemptionWatch:
-    """True once the run should checkpoint and stop: SIGTERM (single process), or JAX's
-    multi-host preemption sync point, which every process reaches at the same step."""
+EXIT_PREEMPTED = 75  # SIGTERM (or a multi-host preemption notice): checkpoint saved; rerun to resume (EX_TEMPFAIL)
+EXIT_INTERRUPTED = 130  # Ctrl-C: checkpoint saved; rerun to resume (the shell's code for SIGINT)
+
+
+class TrainingStopped(Exception):
+    """Training stopped early after saving a checkpoint; `exit_code` tells a scheduler why."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopSignals:
+    """Why the run should checkpoint and stop, if it should: SIGTERM or a multi-host preemption notice
+    (preempted), or Ctrl-C (interrupted). A second Ctrl-C kills the process by SIGINT at once, unsaved."""
 
     def __init__(self):
-        self.signalled = False
+        self.reason: str | None = None
         self.multi_host = jax.process_count() > 1
-        if not self.multi_host and threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                if signum == signal.SIGTERM and self.multi_host:
+                    continue  # every host must stop at the same step: JAX's preemption sync point decides
+                self.previous[signum] = signal.signal(signum, self._on_signal)
 
-    def _on_sigterm(self, signum, frame):
-        self.signalled = True
+    def _on_signal(self, signum, frame):
+        if signum == signal.SIGINT:
+            if self.reason == "interrupted":
+                os.write(
+                    2, b"\nsecond Ctrl-C: aborted without saving; a rerun resumes from the last saved checkpoint\n"
+                )
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)  # die of SIGINT at once (the OS drops the workdir lock)
+            self.reason = "interrupted"
+            print(
+                "\nCtrl-C: saving a checkpoint, then stopping (press Ctrl-C again to abort without saving)",
+                file=sys.stderr,
+            )
+        else:
+            self.reason = "preempted"
 
-    def __call__(self, step: int) -> bool:
-        if self.multi_host:
-            return checkpoint.reached_preemption(step)
-        return self.signalled
+    def __call__(self, step: int) -> str | None:
+        if self.multi_host and self.reason is None and checkpoint.reached_preemption(step):
+            self.reason = "preempted"
+        return self.reason
 
     def close(self):
-        if hasattr(self, "previous"):
-            signal.signal(signal.SIGTERM, self.previous)
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float] | None:
-    """Trains to `config.train.steps`; returns the final validation metrics (None if preempted)."""
+def _count(tree: Any) -> int:
+    return sum(x.size for x in jax.tree.leaves(tree))
+
+
+def start_summary(run: Run, loader: Any, start: int) -> str:
+    """Parameter count, dataset size, tokens per step and the device mesh, printed when training starts."""
+    cfg, compiled = run.config, run.compiled
+    frozen = _count(compiled.abstract_state.frozen)
+    mesh = ", ".join(f"{name}={size}" for name, size in compiled.mesh.shape.items())
+    lines = [
+        f"workdir {run.workdir.absolute()}: {'resuming at step ' + str(start) if start else 'new run'} of {cfg.train.steps} steps",
+        f"model {cfg.model_name}: {_count(compiled.abstract_state.params):,} trained parameters"
+        + (f" (+ {frozen:,} frozen)" if frozen else ""),
+        f"data {cfg.data.source}: training split of {getattr(loader, 'dataset_size', 'unreported size')}; "
+        f"tokenizer {cfg.data.tokenizer.kind} ({run.tokenizer.vocab_size} ids)",
+        f"per step: {cfg.train.batch_size} sequences x {cfg.data.seq_len} tokens = {cfg.train.batch_size * cfg.data.seq_len:,} tokens",
+        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} process(es); mesh {mesh}",
+    ]
+    if cfg.optim.decay_steps > cfg.train.steps:
+        lines.append(
+            f"note: optim.decay_steps={cfg.optim.decay_steps} > train.steps={cfg.train.steps}: the run ends before the "
+            f"learning rate decays to optim.min_learning_rate; pass --config.optim.decay_steps={cfg.train.steps} to decay fully"
+        )
+    return "\n".join(lines)
+
+
+def end_summary(run: Run, seconds: float, done: int) -> str:
+    """Total time, where the outputs are, and how to evaluate and resume, printed when training ends."""
+    workdir = run.workdir.absolute()
+    lines = [
+        f"trained to step {done} in {seconds / 60:.1f} min",
+        f"checkpoints: {run.checkpointer.directory} (steps {run.checkpointer.steps()})",
+        f"metrics: {workdir / 'metrics.jsonl'}; TensorBoard events: {workdir / 'tb'} "
+        "(view: pip install tensorboard && tensorboard --logdir " + str(workdir / "tb") + ")",
+    ]
+    if (workdir / "sample.txt").exists():
+        lines.append(f"sample: {workdir / 'sample.txt'}")
+    lines += [
+        f"evaluate: python eval.py --workdir={workdir}",
+        f"resume or extend: python train.py <same flags> --workdir={workdir} --config.train.steps=N (N > {done})",
+    ]
+    return "\n".join(lines)
+
+
+def _start(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.StagedRunState | None):
+    """Everything a training run checks before its first step: build, restore (the config must match the
+    checkpoint's), the training data; stages the config to be committed once all passed."""
+    run = build(config, workdir, stage)
+    saved_config = run.workdir / "config.json"
+    resumable = has_checkpoints(run.workdir) and saved_config.exists()
+    try:
+        state, data_state = restore_or_init(run)
+        if resumable and data_state["step"] > 0:
+            saved = json.loads(saved_config.read_text())
+            config_lib.check_resume(saved, run.config, int(data_state["step"]), run.workdir)
+        loader = run.train_loader()
+    except BaseException:
+        run.checkpointer.close()
+        raise
+    if stage is not None:
+        stage.write_text("config.json", run.config.to_json_best_effort(indent=2))
+    return run, state, data_state, loader
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """Trains to `config.train.steps`; returns the final validation metrics.
+
+    Process 0 holds the workdir's lock for the whole run (a second run on it stops, naming this one).
+    Nothing in the workdir changes until the config, data, tokenizer and checkpoint all passed their
+    checks: config.json and tokenizer/ are staged and committed together before the first step.
+    Raises TrainingStopped (after saving a checkpoint) on SIGTERM, preemption or Ctrl-C.
+    """
+    began = time.time()
+    is_main = jax.process_index() == 0
+    lock = workdir_lib.lock(workdir) if is_main else None
+    try:
+        if is_main:
+            for name in workdir_lib.remove_leftovers(workdir):
+                log.warning("removed %s, left in %s by a run that crashed while starting", name, workdir)
+            with workdir_lib.StagedRunState(workdir) as stage:
+                run, state, data_state, loader = _start(config, workdir, stage)
+                stage.commit()
+        else:
+            run, state, data_state, loader = _start(config, workdir, None)
+        return _train(run, state, data_state, loader, began)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) -> dict[str, float]:
+    """The steps from the restored `state` to config.train.steps, then evaluation, a sample and the end summary."""
     from lmzoo.evaluation.generation import sample_text
 
-    run = build(config, workdir)
-    config = run.config
+    config, compiled, workdir = run.config, run.compiled, str(run.workdir)
     is_main = jax.process_index() == 0
-    if is_main:
-        (run.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-    state, data_state = restore_or_init(run)
-    loader = run.train_loader()
-    compiled = run.compiled
-    writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
-    preempted = PreemptionWatch()
     start = int(data_state["step"])
+    if is_main:
+        print(start_summary(run, loader, start), flush=True)
+    writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
+    stop_signals = StopSignals()
     last_good = start
     total, window_start, window_step, window_tokens = None, time.time(), start, 0
     progress = tqdm(
@@ -232,11 +373,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             window_tokens += run.objective.real_tokens(host_batch)
             with run.context():
                 state, step_metrics = compiled.step(state, sharding.put_batch(host_batch, compiled.batch_sharding))
+            run.checkpointer.check_for_errors()
             total = metrics_lib.accumulate(total, step_metrics)
             done = step + 1
             at_log = done % config.train.log_every == 0 or done == config.train.steps
             at_ckpt = done % config.train.checkpoint_every == 0 or done == config.train.steps
-            stop = preempted(done)
+            at_eval = done % config.train.eval_every == 0 or done == config.train.steps
+            stop = stop_signals(done)
             if at_log or at_ckpt or stop:
                 summary = metrics_lib.summarize(total)
                 if not metrics_lib.all_finite(summary):
@@ -251,17 +394,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 progress.set_postfix({k: f"{summary[k]:.4g}" for k in ("loss", "learning_rate") if k in summary})
                 total, window_start, window_step, window_tokens = None, time.time(), done, 0
             if at_ckpt or stop:
-                run.checkpointer.save(done, state.replace(frozen={}), {"step": done}, force=stop)
+                run.checkpointer.save(done, state.replace(frozen={}), {"step": done}, force=bool(stop))
+                if at_eval or stop:
+                    run.checkpointer.wait()  # the step is on disk before an evaluation that might fail
                 last_good = done
-            if done % config.train.eval_every == 0 or done == config.train.steps:
+            if stop:
+                progress.close()
+                code = EXIT_INTERRUPTED if stop == "interrupted" else EXIT_PREEMPTED
+                raise TrainingStopped(
+                    f"{stop}: saved checkpoint {done} in {run.checkpointer.directory}; rerun the same command to resume "
+                    f"(exit status {code})",
+                    code,
+                )
+            if at_eval:
                 final = evaluate(run, state)
                 writer.write(done, final, "validation")
                 progress.write(f"step {done}: validation loss {final['loss']:.4f} ppl {final['perplexity']:.2f}")
             progress.update(1)
-            if stop:
-                run.checkpointer.wait()
-                progress.write(f"preempted: saved checkpoint {done} in {run.checkpointer.directory}; rerun the same command to resume")
-                return None
         progress.close()
         run.checkpointer.wait()
         if final is None:
@@ -272,9 +421,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                           temperature=0.8, top_k=0, top_p=0.95, seed=config.train.seed, fit_to_model=True)  # fmt: skip
             (run.workdir / "sample.txt").write_text(config.train.sample_prompt + text)
             print(f"--- sample (step {int(state.step)}) ---\n{config.train.sample_prompt}{text}\n---")
+        if is_main:
+            print(end_summary(run, time.time() - began, max(start, config.train.steps)))
         return final
     finally:
-        run.checkpointer.wait()
-        preempted.close()
+        progress.close()
+        stop_signals.close()
         writer.close()
         run.checkpointer.close()

@@ -27,16 +27,36 @@ def all_finite(summary: dict[str, float]) -> bool:
     return all(np.isfinite(v) for v in summary.values())
 
 
-class MetricWriter:
-    """Writes scalars to TensorBoard (`<workdir>/tb`) and `<workdir>/metrics.jsonl`; process 0 only."""
+def _row_step(line: str) -> float:
+    """The step of a metrics.jsonl row; infinity for a line cut short by a killed run (dropped on resume)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
-    def __init__(self, workdir: str, *, enabled: bool = True):
+
+class MetricWriter:
+    """Writes scalars to TensorBoard (`<workdir>/tb`) and `<workdir>/metrics.jsonl`; process 0 only.
+
+    resume_step: the step a run resumes from; rows and events of later steps (written after that
+    checkpoint by a run that then stopped) are dropped, so every step appears once.
+    """
+
+    def __init__(self, workdir: str, *, enabled: bool = True, resume_step: int = 0):
         self.enabled = enabled
         if enabled:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(pathlib.Path(workdir) / "tb"))
-            self.jsonl = open(pathlib.Path(workdir) / "metrics.jsonl", "a")
+            from lmzoo import workdir as workdir_lib
+
+            path = pathlib.Path(workdir) / "metrics.jsonl"
+            if path.exists():
+                kept = [line for line in path.read_text().splitlines(keepends=True) if _row_step(line) <= resume_step]
+                workdir_lib.atomic_write_text(path, "".join(kept))
+            self.tb = SummaryWriter(
+                str(pathlib.Path(workdir) / "tb"), purge_step=resume_step + 1 if resume_step else None
+            )
+            self.jsonl = open(path, "a")
 
     def write(self, step: int, scalars: dict[str, float], prefix: str) -> None:
         if not self.enabled:

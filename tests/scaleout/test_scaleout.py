@@ -235,7 +235,7 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(reference, workspace, env
     run = Run(train_cmd(workdir, train__steps=STEPS), env, workspace / "terminated.log")
     wait_for(workdir / "checkpoints" / "2", run)
     run.proc.send_signal(signal.SIGTERM)
-    stopped = int(re.search(r"preempted: saved checkpoint (\d+)", run.result())[1])
+    stopped = int(re.search(r"preempted: saved checkpoint (\d+)", run.result(returncode=75))[1])
     assert 2 <= stopped < STEPS and (workdir / "checkpoints" / str(stopped)).is_dir()
     rerun = Run(train_cmd(workdir, train__steps=STEPS), env, workspace / "terminated_rerun.log").result()
     assert f"resumed from {workdir}/checkpoints/{stopped}" in rerun

@@ -12,7 +12,7 @@ only; `test` and `base` keep ../shared/data/timemachine and both transforms.
 
 import pathlib
 
-from lmzoo.config import base_config, model_section, objective_section
+from lmzoo.config import base_config, check_variants, model_section, objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 SIZES = {
@@ -25,7 +25,7 @@ BART = dict(positions="learned", position_offset=2, pre_norm=False, norm="layer"
 
 
 def get_config(arg: str | None = None):
-    variant = (arg or "tiny").split(",")
+    variant = check_variants(arg or "tiny", known=(*SIZES, "test"))
     size = next((v for v in variant if v in SIZES), "tiny")
     c = base_config()
     c.model_name = "seq2seq"

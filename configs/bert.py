@@ -10,13 +10,13 @@ Documents are chapters (blank-line separated paragraphs of kjv.txt). Needs ../sh
 
 import pathlib
 
-from lmzoo.config import base_config, model_section, objective_section
+from lmzoo.config import base_config, check_variants, model_section, objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def get_config(arg: str | None = None):
-    variant = (arg or "bert").split(",")
+    variant = check_variants(arg or "bert", known=("bert", "roberta", "albert", "tiny"))
     c = base_config()
     c.model_name = "bert"
     model = dict(

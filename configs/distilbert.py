@@ -9,13 +9,13 @@ Student: half the layers (initialised from every other teacher layer), no pooler
 
 import pathlib
 
-from lmzoo.config import base_config, model_section, objective_section
+from lmzoo.config import base_config, check_variants, model_section, objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def get_config(arg: str | None = None):
-    tiny = arg == "tiny"
+    tiny = "tiny" in check_variants(arg, known=("tiny",))
     teacher = dict(vocab_size=30522, max_len=128, emb_dim=256, num_heads=4, num_layers=4, mlp_dim=1024)
     if tiny:
         teacher.update(emb_dim=32, num_heads=2, num_layers=2, mlp_dim=64, max_len=32)

@@ -9,7 +9,7 @@ nanoGPT), clip 1.0, no dropout, no biases, exact GELU, 90/10 split by characters
 
 import pathlib
 
-from lmzoo.config import base_config, model_section
+from lmzoo.config import base_config, check_variants, model_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
@@ -50,7 +50,7 @@ def get_config(arg: str | None = None):
     c.train.checkpoint_every = 500
     c.train.sample_prompt = "ROMEO:"
     c.train.sample_tokens = 300
-    if arg == "tiny":
+    if "tiny" in check_variants(arg, known=("tiny",)):
         c.train.steps, c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 4, 2, 2, 2
         c.model.num_layers, c.eval.max_batches, c.train.sample_tokens = 1, 2, 8
     return c

@@ -15,13 +15,13 @@ The model section matches configs/bert.py (default), all-MiniLM-L6-v2 (`:minilm`
 
 import pathlib
 
-from lmzoo.config import base_config, model_section, objective_section
+from lmzoo.config import base_config, check_variants, model_section, objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def get_config(arg: str | None = None):
-    variant = (arg or "").split(",")
+    variant = check_variants(arg, known=("gpt", "minilm", "tiny"))
     c = base_config()
     c.model_name = "bert"
     model = dict(vocab_size=30522, max_len=128, emb_dim=256, num_heads=4, num_layers=4, mlp_dim=1024)

@@ -12,7 +12,7 @@ seqio). Needs ../shared/data/timemachine.
 
 import pathlib
 
-from lmzoo.config import base_config, model_section, objective_section
+from lmzoo.config import base_config, check_variants, model_section, objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 SIZES = {
@@ -29,7 +29,7 @@ V1_1_SIZES = {
 
 
 def get_config(arg: str | None = None):
-    variant = (arg or "tiny").split(",")
+    variant = check_variants(arg or "tiny", known=(*SIZES, "v1_1", "test"))
     size = next((v for v in variant if v in SIZES), "tiny")
     c = base_config()
     c.model_name = "seq2seq"

@@ -16,7 +16,7 @@ split at the last "\n\nAssistant:" into the conversation so far (source) and the
 
 import pathlib
 
-from lmzoo.config import base_config, model_section, objective_section
+from lmzoo.config import base_config, check_variants, model_section, objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 SIZES = {
@@ -29,7 +29,7 @@ TRANSFORMER = dict(positions="sinusoidal", pre_norm=False, norm="layer", use_bia
 
 
 def get_config(arg: str | None = None):
-    variant = (arg or "tiny").split(",")
+    variant = check_variants(arg or "tiny", known=(*SIZES, "hh", "test"))
     size = next((v for v in variant if v in SIZES), "tiny")
     c = base_config()
     c.model_name = "seq2seq"

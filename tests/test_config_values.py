@@ -1,5 +1,8 @@
 """check_values names every bad field and its fix; check_variants rejects unknown variant words."""
 
+import importlib.util
+import pathlib
+
 import pytest
 
 from lmzoo import config as config_lib
@@ -59,3 +62,12 @@ def test_check_variants():
     assert config_lib.check_variants(None, known=("tiny",)) == ()
     with pytest.raises(ValueError, match="unknown config variant 'tinyy' in 'tinyy'; known variants: tiny"):
         config_lib.check_variants("tinyy", known=("tiny",))
+
+
+@pytest.mark.parametrize("path", sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.py")), ids=lambda p: p.stem)
+def test_every_config_refuses_an_unknown_variant(path):
+    spec = importlib.util.spec_from_file_location(f"config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ValueError, match="unknown config variant 'tinyy'"):
+        module.get_config("tinyy")

@@ -13,6 +13,7 @@ from lmzoo.objectives import (
     denoising,
     distillation,
     mlm,
+    ppo,
     reward_model,
     sft,
     text_to_text,
@@ -39,6 +40,7 @@ for _objective in (
     text_to_text.TextToText(),
     sft.SFT(),
     reward_model.RewardModel(),
+    ppo.PPO(),
 ):
     register(_objective)
 

@@ -7,9 +7,11 @@ prompts are held out (the same ones in configs/hh_rm.py and configs/hh_ppo.py). 
 runs a few steps of a 1-layer model on the same file.
 """
 
+import pathlib
+
 from lmzoo.config import base_config, check_variants, model_section, objective_section
 
-HH_PATH = "/work/shared/data/hh_rlhf/harmless-base_test.jsonl.gz"
+HH_PATH = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "hh_rlhf" / "harmless-base_test.jsonl.gz"
 
 
 def alignment_model(tiny: bool) -> dict:
@@ -26,7 +28,7 @@ def get_config(arg: str | None = None):
     c = base_config()
     c.model = model_section("gpt2", **alignment_model(tiny))
     c.data.source = "local"
-    c.data.path = HH_PATH
+    c.data.path = str(HH_PATH)
     c.data.tokenizer.kind = "byte"  # 256 bytes + <eos> 256 + <pad> 257
     c.data.seq_len = 256
     c.objective = objective_section("sft", heldout_fraction=0.1, split_seed=0)

@@ -309,6 +309,10 @@ class PPO(sft.ComparisonObjective):
 
     def trainer(self, config, model):
         tokenizer = sft.fixed_tokenizer(config)
+        if tokenizer.eos_id is None or tokenizer.eos_id == tokenizer.pad_id:
+            raise ValueError(
+                "PPO stops responses at <eos>: config.data.tokenizer needs an <eos> id distinct from <pad> (e.g. kind='byte')"
+            )
         tx, schedule = optim.make_optimizer(config.optim)
         reward_model = reward.reward_model(
             models.build_model(config.model_name, config.model.to_dict()), config.model.emb_dim

@@ -59,7 +59,7 @@ def reward_examples(raw: list[comparisons.Comparison], tokenizer, config, where:
     reply ranked above the rejected one."""
     arrays = comparisons.reward_model_arrays(
         [comparisons.as_ranked(c) for c in raw], tokenizer.encode, max_len=config.data.seq_len,
-        max_responses=config.objective.max_responses, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+        max_responses=config.objective.max_responses, pad_id=tokenizer.pad_id, eos_id=sft.end_id(tokenizer),
     )  # fmt: skip
     transforms.check_token_ids(arrays["tokens"], config.model.vocab_size, where=where)
     return {**arrays, "lengths": np.sum(arrays["tokens"] != tokenizer.pad_id, axis=-1).astype(np.int32)}

@@ -54,17 +54,24 @@ class ComparisonObjective(base.Objective):
 
 def fixed_tokenizer(config) -> tokenizers.Tokenizer:
     """The run's tokenizer when it needs no corpus (byte, or a file given by path): the reward model and PPO read
-    its <eos> and <pad> ids while building their task, before any data is read."""
+    its special ids while building their task, before any data is read."""
     spec = config.data.tokenizer.to_dict()
     kind = spec.pop("kind")
     if kind != "byte" and not spec.get("path"):
         raise ValueError(f"objective {config.objective.name!r} needs a tokenizer fixed before reading data: "
                          "set config.data.tokenizer.kind='byte' or give config.data.tokenizer.path")  # fmt: skip
     tokenizer = tokenizers.build_tokenizer(kind, **spec)
-    if tokenizer.eos_id is None or tokenizer.pad_id is None or tokenizer.pad_id == tokenizer.eos_id:
-        raise ValueError(f"objective {config.objective.name!r} needs a tokenizer with distinct <eos> and <pad> ids "
-                         "(e.g. config.data.tokenizer.kind='byte')")  # fmt: skip
+    if tokenizer.pad_id is None:
+        raise ValueError(f"objective {config.objective.name!r} needs a tokenizer with a <pad> id (e.g. kind='byte')")
     return tokenizer
+
+
+def end_id(tokenizer: tokenizers.Tokenizer) -> int:
+    """The token closing every prompt ⊕ response: <eos>, or an encoder vocabulary's [SEP]."""
+    end = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.sep_id
+    if end is None or end == tokenizer.pad_id:
+        raise ValueError("the tokenizer needs an <eos> (or [SEP]) id distinct from <pad> to close each response")
+    return end
 
 
 def sft_examples(raw: list[comparisons.Comparison], tokenizer, config, where: str) -> dict[str, np.ndarray]:

@@ -200,10 +200,6 @@ class PPOTrainer:
                    "policy/rollout_entropy": ppo.masked_stats(entropy, mask)}  # fmt: skip
         rollout = {**targets, **inputs, "responses": responses, "scores": scores,
                    "sequence_kl": jnp.sum((logprobs - ref_logprobs) * mask, axis=1), "sequence_returns": sequence_returns}  # fmt: skip
-        if s.algorithm != "ppo":
-            baseline = "mean" if s.algorithm == "reinforce" else "leave_one_out"
-            grouped = sequence_returns.reshape(-1, samples_per_prompt)
-            rollout["sequence_advantages"] = ppo.reinforce_advantages(grouped, baseline=baseline).reshape(-1)
         return jax.tree.map(jax.lax.stop_gradient, rollout), metrics
 
     def minibatch_loss(self, params, minibatch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
@@ -248,6 +244,10 @@ class PPOTrainer:
         rng, sample_rng, shuffle_rng = jax.random.split(jax.random.wrap_key_data(state.rng), 3)
         rollout, metrics = self.rollout(state.params, state.frozen, state.kl_coef, batch, sample_rng,
                                         samples_per_prompt=s.samples_per_prompt)  # fmt: skip
+        if s.algorithm != "ppo":
+            baseline = "mean" if s.algorithm == "reinforce" else "leave_one_out"
+            grouped = rollout["sequence_returns"].reshape(-1, s.samples_per_prompt)
+            rollout["sequence_advantages"] = ppo.reinforce_advantages(grouped, baseline=baseline).reshape(-1)
         params, opt_state, update_metrics = self.update(state.params, state.opt_state, rollout, shuffle_rng)
         controller = ppo.KLController(state.kl_coef, s.kl_target or None, s.kl_horizon)
         kl_coef = ppo.update_kl_controller(

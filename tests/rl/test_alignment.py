@@ -161,3 +161,14 @@ def test_eight_devices_give_the_numbers_of_one(stages, straight_ppo, tmp_path):
     assert eight.keys() == straight_ppo[1].keys()
     for key, value in straight_ppo[1].items():
         np.testing.assert_allclose(eight[key], value, rtol=2e-4, atol=2e-5, err_msg=key)
+
+
+def test_rloo_trains_and_evaluates_on_the_same_rollout_code(stages, tmp_path):
+    config = ppo_config(stages["data"], stages["sft"], stages["rm"], steps=1, eval_every=1, checkpoint_every=1)
+    config.objective.update(algorithm="rloo", samples_per_prompt=2, epochs=1)
+    final = loop.train_and_evaluate(config, str(tmp_path / "rloo"))
+    train = [r for r in _rows(tmp_path / "rloo") if r["split"] == "train"][0]
+    assert train["tokens/response_len"] > 0 and np.isfinite(train["loss/policy"]) and train["objective/kl"] == 0.0
+    assert final["loss"] == pytest.approx(
+        -(final["score"] - config.objective.kl_coef * final["kl"]), rel=1e-4, abs=1e-5
+    )

@@ -167,3 +167,59 @@ def sft_arrays(
             1.0  # targets[t] = sequence[t + 1]: the response from t = prompt_len − 1
         )
     return out
+
+
+def read_splits(path: str, heldout_fraction: float, seed: int = 0) -> dict[str, list[Comparison]]:
+    """{"train", "validation"}: the comparisons of `path` split by `split_heldout` (every stage splits alike)."""
+    train, heldout = split_heldout(read_comparisons(path), heldout_fraction, seed)
+    if not train or not heldout:
+        raise ValueError(
+            f"{path}: {len(train)} training and {len(heldout)} held-out comparisons with heldout_fraction="
+            f"{heldout_fraction}; both sides need at least one (use more data or change config.objective.heldout_fraction)"
+        )
+    return {"train": train, "validation": heldout}
+
+
+def pack_examples(examples: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
+    """Rows of `sft_arrays` (one example each, right-padded) packed first-fit, longest first, into as few rows as fit.
+
+    Every array is [N, L] -> [M, L]; inside a row the examples get segment ids 1, 2, ... (attention and
+    positions stay within an example), and padding keeps segment id 0, weight 0 and `pad_id`."""
+    lengths = examples["segment_ids"].sum(axis=1)
+    width = examples["inputs"].shape[1]
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        fit = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if fit is None:
+            rows.append([])
+            room.append(width)
+            fit = len(rows) - 1
+        rows[fit].append(int(i))
+        room[fit] -= int(lengths[i])
+    packed = {k: np.zeros((len(rows), width), v.dtype) for k, v in examples.items()}
+    packed["inputs"][:], packed["targets"][:] = pad_id, pad_id
+    for r, members in enumerate(rows):
+        start = 0
+        for segment, i in enumerate(members, 1):
+            n = int(lengths[i])
+            for key in ("inputs", "targets", "weights", "positions"):
+                packed[key][r, start : start + n] = examples[key][i, :n]
+            packed["segment_ids"][r, start : start + n] = segment
+            start += n
+    return packed
+
+
+def prompt_arrays(
+    prompts: Sequence[str], encode: Callable[[str], list[int]], *, prompt_len: int, pad_id: int
+) -> dict[str, np.ndarray]:
+    """Prompts left-padded to prompt_len (a long one keeps its end): "prompts" [N, prompt_len] int32 and
+    "prompt_mask" [N, prompt_len] int32, 1 on real tokens, so every response starts at column prompt_len."""
+    tokens = np.full((len(prompts), prompt_len), pad_id, np.int32)
+    mask = np.zeros((len(prompts), prompt_len), np.int32)
+    for i, prompt in enumerate(prompts):
+        ids = encode(prompt)[-prompt_len:]
+        if not ids:
+            raise ValueError(f"prompt {i} encodes to no tokens; every prompt needs at least one")
+        tokens[i, prompt_len - len(ids) :], mask[i, prompt_len - len(ids) :] = ids, 1
+    return {"prompts": tokens, "prompt_mask": mask}

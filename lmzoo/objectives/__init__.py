@@ -6,7 +6,18 @@ every objective with its fields and defaults (`python train.py --objectives`).
 
 import dataclasses
 
-from lmzoo.objectives import base, causal_lm, classification, denoising, distillation, mlm, text_to_text
+from lmzoo.objectives import (
+    base,
+    causal_lm,
+    classification,
+    denoising,
+    distillation,
+    mlm,
+    ppo,
+    reward_model,
+    sft,
+    text_to_text,
+)
 
 REGISTRY: dict[str, base.Objective] = {}
 
@@ -27,6 +38,9 @@ for _objective in (
     denoising.SpanCorruption(),
     denoising.Denoising(),
     text_to_text.TextToText(),
+    sft.SFT(),
+    reward_model.RewardModel(),
+    ppo.PPO(),
 ):
     register(_objective)
 

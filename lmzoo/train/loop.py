@@ -34,6 +34,9 @@ from lmzoo.train import trainer as trainer_lib
 log = logging.getLogger(__name__)
 
 
+HEADLINE_METRICS = ("loss", "perplexity", "accuracy", "score", "kl")  # printed after each in-loop evaluation, when present
+
+
 class NonFiniteLossError(FloatingPointError):
     pass
 
@@ -409,7 +412,8 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
             if at_eval:
                 final = evaluate(run, state)
                 writer.write(done, final, "validation")
-                progress.write(f"step {done}: validation loss {final['loss']:.4f} ppl {final['perplexity']:.2f}")
+                headline = ", ".join(f"{k} {final[k]:.4g}" for k in HEADLINE_METRICS if k in final)
+                progress.write(f"step {done}: validation {headline}")
             progress.update(1)
         progress.close()
         run.checkpointer.wait()

@@ -128,3 +128,38 @@ def test_real_harmless_base_test_file():
     )
     last = 255 - np.argmax(arrays["tokens"][..., ::-1] != PAD, axis=-1)
     np.testing.assert_array_equal(np.take_along_axis(arrays["tokens"], last[..., None], axis=-1), EOS)
+
+
+def test_packing_keeps_every_example_and_weights_only_the_replies():
+    read = comparisons.read_comparisons(str(REAL_FILE))[:12]
+    single = comparisons.sft_arrays(read, TOKENIZER.encode, max_len=1024, pad_id=PAD, eos_id=EOS)
+    packed = comparisons.pack_examples(single, PAD)
+    assert len(packed["inputs"]) < len(read)  # short examples share rows
+    replies = []
+    for row in range(len(packed["inputs"])):
+        for segment in range(1, packed["segment_ids"][row].max() + 1):
+            columns = packed["segment_ids"][row] == segment
+            np.testing.assert_array_equal(packed["positions"][row, columns], np.arange(columns.sum()))
+            weighted = packed["targets"][row, columns][packed["weights"][row, columns] > 0]
+            assert weighted[-1] == EOS
+            replies.append(weighted[:-1].tolist())
+    padding = packed["segment_ids"] == 0
+    assert np.all(packed["weights"][padding] == 0) and np.all(packed["inputs"][padding] == PAD)
+    assert sorted(replies) == sorted(TOKENIZER.encode(c.chosen) for c in read)
+
+
+def test_prompts_are_left_padded_and_keep_their_end():
+    arrays = comparisons.prompt_arrays(["abc", "abcdefgh"], TOKENIZER.encode, prompt_len=5, pad_id=PAD)
+    np.testing.assert_array_equal(arrays["prompts"], [[PAD, PAD, 97, 98, 99], list(b"defgh")])
+    np.testing.assert_array_equal(arrays["prompt_mask"], [[0, 0, 1, 1, 1], [1] * 5])
+    with pytest.raises(ValueError, match="prompt 0 encodes to no tokens"):
+        comparisons.prompt_arrays([""], TOKENIZER.encode, prompt_len=5, pad_id=PAD)
+
+
+def test_read_splits_are_disjoint_by_prompt_and_need_both_sides(tmp_path):
+    splits = comparisons.read_splits(str(REAL_FILE), 0.1, seed=0)
+    train_prompts = {c.prompt for c in splits["train"]}
+    assert splits["validation"] and not train_prompts & {c.prompt for c in splits["validation"]}
+    path = _write(tmp_path / "one.jsonl", [json.dumps(ROWS[0])])
+    with pytest.raises(ValueError, match="both sides need at least one"):
+        comparisons.read_splits(path, 0.5, seed=0)

@@ -1,0 +1,55 @@
+"""Alignment stage 3: PPO of the SFT policy against the frozen HH reward model (REINFORCE / RLOO as variants).
+
+    python train.py --config=configs/hh_ppo.py --workdir=runs/hh_ppo \
+        --config.objective.sft=ckpt:runs/hh_sft --config.objective.reward_model=ckpt:runs/hh_rm
+
+Rollouts of 32 prompts (the last 64 bytes of each training prompt) with 32-byte responses; the
+reward is normalised so SFT samples score mean 0, std 1; adaptive KL towards `kl_target` nats per
+response. Variants: `nokl` (β = 0: the reward-hacking run), `rloo` (4 samples per prompt, leave-one-out
+baseline), `tiny` (a few steps of the 1-layer model of configs/hh_sft.py:tiny).
+"""
+
+import importlib.util
+import pathlib
+
+from lmzoo.config import check_variants, objective_section
+
+
+def _sft_config(arg):
+    spec = importlib.util.spec_from_file_location("hh_sft", pathlib.Path(__file__).with_name("hh_sft.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def get_config(arg: str | None = None):
+    variants = check_variants(arg, ("tiny", "nokl", "rloo"))
+    tiny = "tiny" in variants
+    c = _sft_config("tiny" if tiny else None)
+    objective = dict(prompt_len=64, response_len=32, temperature=1.0, epochs=4, minibatches=2, kl_coef=0.1,
+                     kl_target=4.0, kl_horizon=2000.0, missing_eos_penalty=1.0, normalize_samples=128)  # fmt: skip
+    if "nokl" in variants:
+        objective.update(kl_coef=0.0, kl_target=0.0)
+    if "rloo" in variants:
+        objective.update(algorithm="rloo", samples_per_prompt=4, epochs=1)
+    if tiny:
+        objective.update(prompt_len=24, response_len=8, normalize_samples=8)
+    c.objective = objective_section("ppo", **objective)
+    c.optim.learning_rate, c.optim.min_learning_rate = 2e-5, 2e-5
+    c.optim.warmup_steps = 0
+    c.optim.weight_decay = 0.0
+    c.optim.grad_clip = 1.0
+    c.optim.groups = (
+        ("value_head", {"learning_rate": 1e-3, "min_learning_rate": 1e-3}),
+    )  # the zero-init head learns fast
+    c.train.batch_size = 8 if "rloo" in variants else 32
+    c.train.steps = c.optim.decay_steps = 60
+    c.train.log_every = 1
+    c.train.eval_every = c.train.checkpoint_every = 20
+    c.eval.batch_size = 64
+    c.eval.max_batches = 2
+    if tiny:
+        c.train.steps, c.train.batch_size, c.train.log_every = 3, 4, 1
+        c.train.eval_every = c.train.checkpoint_every = 2
+        c.eval.batch_size, c.eval.max_batches = 4, 1
+    return c

@@ -1,0 +1,92 @@
+"""Curves and samples of PPO runs: per-iteration metrics as one PNG, and responses to held-out prompts.
+
+    PYTHONPATH=$PWD python scripts/rlhf_report.py --out docs/rlhf \
+        --run ppo=runs/hh_ppo --run nokl=runs/hh_ppo_nokl --samples 4
+
+Reads each run's metrics.jsonl for the curves (docs: <out>/ppo_curves.png). For the samples it restores
+the run's last checkpoint (the frozen SFT reference and reward model are read again from their paths),
+samples one response per held-out prompt with a fixed key and prints each with its normalised
+reward-model score and its KL to the reference (Σ_t log π − log π_ref), as Markdown.
+"""
+
+import argparse
+import json
+import pathlib
+
+import jax
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from lmzoo import sharding  # noqa: E402
+from lmzoo.train import loop, restore  # noqa: E402
+
+CURVES = (
+    ("objective/scores", "mean RM score (normalised)"),
+    ("objective/kl", "KL to reference (nats / response)"),
+    ("objective/kl_coef", "β"),
+    ("policy/approxkl", "approx KL between iterations"),
+    ("policy/clipfrac", "clip fraction"),
+    ("value/explained_variance", "value explained variance"),
+    ("policy/entropy", "token entropy"),
+    ("tokens/response_len", "response length"),
+)
+
+
+def plot(runs: dict[str, str], path: pathlib.Path) -> None:
+    fig, axes = plt.subplots(2, 4, figsize=(18, 7))
+    for name, workdir in runs.items():
+        rows = [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if r["split"] == "train"]
+        for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
+            ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=name)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("PPO iteration")
+    axes.flat[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    print(f"wrote {path}")
+
+
+def samples(name: str, workdir: str, count: int) -> None:
+    run = restore.open_run(workdir)
+    _, state = restore.restore_step(run)
+    state = state.replace(frozen=loop.load_frozen(run))
+    run.checkpointer.close()
+    batch = next(iter(run.eval_batches("validation")))
+    trainer, compiled = run.compiled.trainer, run.compiled
+    rollout_fn = jax.jit(
+        lambda st, b: trainer.rollout(st.params, st.frozen, st.kl_coef, b, jax.random.key(0), samples_per_prompt=1)[0]
+    )
+    with run.context():
+        rollout = jax.device_get(rollout_fn(state, sharding.put_batch(batch, compiled.batch_sharding)))
+    keep = np.flatnonzero(batch["example_weights"] > 0)
+    print(f"\n### {name} ({workdir}, step {int(state.step)}): held-out prompts, mean score "
+          f"{rollout['scores'][keep].mean():.3f}, mean KL {rollout['sequence_kl'][keep].mean():.2f}\n")  # fmt: skip
+    tokenizer = run.tokenizer
+    for i in keep[:count]:
+        prompt = tokenizer.decode(batch["prompts"][i][batch["prompt_mask"][i] > 0].tolist())
+        response = tokenizer.decode(rollout["responses"][i][rollout["mask"][i] > 0].tolist())
+        print(
+            f"- score {rollout['scores'][i]:+.2f}, KL {rollout['sequence_kl'][i]:.1f}: `…{prompt[-60:]!r}` → `{response!r}`"
+        )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", action="append", required=True, help="NAME=WORKDIR of a ppo run (repeatable)")
+    parser.add_argument("--out", default="docs/rlhf")
+    parser.add_argument("--samples", type=int, default=4)
+    args = parser.parse_args()
+    runs = dict(spec.split("=", 1) for spec in args.run)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(runs, out / "ppo_curves.png")
+    for name, workdir in runs.items():
+        samples(name, workdir, args.samples)
+
+
+if __name__ == "__main__":
+    main()

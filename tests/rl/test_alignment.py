@@ -1,0 +1,174 @@
+"""The alignment stages through the one training loop on a slice of the real HH-RLHF file:
+SFT -> reward model (initialised from the SFT checkpoint) -> PPO against both (frozen, read by path)."""
+
+import gzip
+import importlib.util
+import itertools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from lmzoo import sharding
+from lmzoo.data import comparisons
+from lmzoo.train import loop, restore
+from lmzoo.train import metrics as metrics_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REAL_FILE = "/work/shared/data/hh_rlhf/harmless-base_test.jsonl.gz"
+
+
+def stage_config(name: str, data_path: str, **train):
+    """configs/<name>.py:tiny on `data_path`, with config.train fields replaced."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("tiny")
+    config.data.path = data_path
+    config.train.update(train)
+    return config
+
+
+def _rows(workdir) -> list[dict]:
+    return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    """A 120-pair slice of the real file, a 2-step SFT run and a 2-step reward model from it."""
+    root = tmp_path_factory.mktemp("alignment")
+    data = root / "hh.jsonl"
+    with gzip.open(REAL_FILE, "rt", encoding="utf-8") as f:
+        data.write_text("".join(itertools.islice(f, 120)))
+    sft, rm = root / "sft", root / "rm"
+    loop.train_and_evaluate(stage_config("hh_sft", str(data), steps=2), str(sft))
+    rm_config = stage_config("hh_rm", str(data), steps=2)
+    rm_config.init_from = f"ckpt:{sft}"
+    final = loop.train_and_evaluate(rm_config, str(rm))
+    return {"data": str(data), "sft": str(sft), "rm": str(rm), "rm_final": final}
+
+
+def test_sft_trains_on_replies_of_training_prompts_only(stages):
+    run = restore.open_run(stages["sft"])
+    heldout = {c.prompt for c in run.raw("validation")}
+    assert heldout and not heldout & {c.prompt for c in run.raw("train")}
+    batch = run.train_loader().batch(0)
+    assert set(batch) >= {"inputs", "targets", "weights", "segment_ids", "positions"}
+    assert 0 < batch["weights"].sum() < np.count_nonzero(batch["segment_ids"])  # prompts carry no loss
+    run.checkpointer.close()
+    validation = [r for r in _rows(stages["sft"]) if r["split"] == "validation"]
+    assert validation and np.isfinite(validation[-1]["loss"])
+
+
+def test_reward_model_starts_from_sft_and_reports_accuracy_next_to_length_baselines(stages):
+    sft_params = restore.load(stages["sft"]).params
+    run = restore.open_run(stages["rm"])
+    _, state = restore.restore_step(run, 2)
+    run.checkpointer.close()
+    assert set(state.params) == {"backbone", "classifier"}
+    assert state.params["backbone"]["wpe"]["embedding"].shape == sft_params["wpe"]["embedding"].shape
+    final = stages["rm_final"]
+    for key in ("pairwise_accuracy", "length_longer_accuracy", "length_shorter_accuracy"):
+        assert 0.0 <= final[key] <= 1.0
+    # Every pair is counted by exactly one length direction, up to ties (½ each).
+    assert final["length_longer_accuracy"] + final["length_shorter_accuracy"] == pytest.approx(1.0)
+    assert final["pairs"] == len(comparisons.read_splits(stages["data"], 0.1, 0)["validation"])
+    assert final["pairwise_accuracy"] == pytest.approx(final["accuracy"])
+
+
+def ppo_config(data: str, sft: str, rm: str, **train):
+    """configs/hh_ppo.py:tiny against the given SFT and reward-model workdirs, with an adaptive β that moves."""
+    config = stage_config("hh_ppo", data, **train)
+    config.objective.update(sft=f"ckpt:{sft}", reward_model=f"ckpt:{rm}", kl_target=0.5, kl_horizon=10.0)
+    return config
+
+
+def state_arrays(state) -> dict[str, np.ndarray]:
+    """Everything a PPO state carries besides the frozen models, flattened by path."""
+    leaves = jax.tree_util.tree_flatten_with_path(
+        (state.params, state.opt_state, state.kl_coef, state.rng, state.step)
+    )[0]
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def test_ppo_iteration_starts_at_the_reference_and_updates_only_the_policy(stages):
+    config = ppo_config(stages["data"], stages["sft"], stages["rm"])
+    config.objective.update(epochs=1, minibatches=1)
+    run = loop.build(config, stages["sft"] + "_ppo_first")
+    state, _ = loop.restore_or_init(run)
+    before = jax.device_get(state)
+    batch = sharding.put_batch(run.train_loader().batch(0), run.compiled.batch_sharding)
+    with run.context():
+        after, metrics = run.compiled.step(state, batch)
+    summary = metrics_lib.summarize(metrics)
+    run.checkpointer.close()
+    # The policy starts as the SFT reference: zero KL, and the single update starts from ratio 1.
+    assert summary["objective/kl"] == 0.0
+    assert summary["policy/ratio"] == pytest.approx(1.0, abs=1e-5) and summary["policy/clipfrac"] == 0.0
+    assert summary["policy/approxkl"] < 1e-9
+    assert summary["tokens/response_len"] <= config.objective.response_len
+    after = jax.device_get(after)
+    jax.tree.map(np.testing.assert_array_equal, after.frozen, before.frozen)
+    np.testing.assert_array_equal(before.params["value_head"]["kernel"], 0.0)
+    assert np.any(after.params["value_head"]["kernel"] != 0.0)
+    assert not np.array_equal(after.params["decoder"]["wte"]["embedding"], before.params["decoder"]["wte"]["embedding"])
+    np.testing.assert_array_equal(
+        before.params["decoder"]["wte"]["embedding"], before.frozen["reference"]["wte"]["embedding"]
+    )
+    assert 0.0 < float(after.kl_coef) != float(before.kl_coef)  # adaptive: KL 0 is below target, β shrinks
+
+
+@pytest.fixture(scope="module")
+def straight_ppo(stages):
+    """3 PPO iterations in one go (the reference of the resume and device tests)."""
+    workdir = stages["sft"] + "_ppo_straight"
+    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], steps=3), workdir)
+    run = restore.open_run(workdir)
+    _, state = restore.restore_step(run)
+    run.checkpointer.close()
+    return workdir, state_arrays(state)
+
+
+def test_resumed_ppo_continues_exactly(stages, straight_ppo):
+    workdir = stages["sft"] + "_ppo_resumed"
+    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], steps=2), workdir)
+    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], steps=3), workdir)
+    run = restore.open_run(workdir)
+    _, state = restore.restore_step(run)
+    run.checkpointer.close()
+    resumed = state_arrays(state)
+    assert resumed.keys() == straight_ppo[1].keys()
+    for key, value in straight_ppo[1].items():
+        np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+    straight_rows = [r for r in _rows(straight_ppo[0]) if r["split"] == "train" and r["step"] == 3]
+    resumed_rows = [r for r in _rows(workdir) if r["split"] == "train" and r["step"] == 3]
+    for key in ("objective/scores", "objective/kl", "objective/kl_coef", "loss/total"):
+        assert resumed_rows[0][key] == straight_rows[0][key]
+
+
+def test_eight_devices_give_the_numbers_of_one(stages, straight_ppo, tmp_path):
+    job = {"workdir": str(tmp_path / "ppo8"), "data": stages["data"], "sft": stages["sft"], "rm": stages["rm"],
+           "mesh": [2, 2, 2], "steps": 3, "npz": str(tmp_path / "state.npz")}  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, str(ROOT / "tests" / "rl" / "ppo_devices.py"), "8", json.dumps(job)], check=True, env=env,
+                   cwd=ROOT, timeout=900)  # fmt: skip
+    eight = dict(np.load(job["npz"]))
+    assert eight.keys() == straight_ppo[1].keys()
+    for key, value in straight_ppo[1].items():
+        np.testing.assert_allclose(eight[key], value, rtol=2e-4, atol=2e-5, err_msg=key)
+
+
+def test_rloo_trains_and_evaluates_on_the_same_rollout_code(stages, tmp_path):
+    config = ppo_config(stages["data"], stages["sft"], stages["rm"], steps=1, eval_every=1, checkpoint_every=1)
+    config.objective.update(algorithm="rloo", samples_per_prompt=2, epochs=1)
+    final = loop.train_and_evaluate(config, str(tmp_path / "rloo"))
+    train = [r for r in _rows(tmp_path / "rloo") if r["split"] == "train"][0]
+    assert train["tokens/response_len"] > 0 and np.isfinite(train["loss/policy"]) and train["objective/kl"] == 0.0
+    assert final["loss"] == pytest.approx(
+        -(final["score"] - config.objective.kl_coef * final["kl"]), rel=1e-4, abs=1e-5
+    )

@@ -18,6 +18,23 @@ EVALUATORS = {
 }
 
 
+def scorable(objective) -> bool:
+    """Whether eval.py can score `objective`: it lists evaluators and every one of them is registered."""
+    return bool(objective.evaluators) and all(name in EVALUATORS for name in objective.evaluators)
+
+
+def check_scorable(objective) -> None:
+    """Raises unless eval.py can score `objective`, naming the objectives it can."""
+    from lmzoo import objectives
+
+    if not scorable(objective):
+        missing = [name for name in objective.evaluators if name not in EVALUATORS]
+        able = sorted(name for name, o in objectives.REGISTRY.items() if scorable(o))
+        why = f"its evaluators {missing} are not registered" if missing else "it lists no evaluators"
+        raise ValueError(f"eval.py cannot score objective {objective.name!r}: {why} in lmzoo.evaluation.EVALUATORS; "
+                         f"objectives it can score: {able}")  # fmt: skip
+
+
 def check_evaluator(objective, name: str) -> None:
     """Raises unless evaluator `name` applies to `objective`, naming those that do."""
     if name not in objective.evaluators:

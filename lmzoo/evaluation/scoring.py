@@ -136,15 +136,16 @@ def loglikelihoods(
 def rolling_windows(ids: Sequence[int], *, max_len: int, prefix_id: int, stride: int | None = None) -> list[Pair]:
     """(context, continuation) pairs that together predict every token of `ids` once: the first window predicts
     up to max_len tokens after `prefix_id` (EOS), each later one the next `stride` (default max_len) tokens after
-    the max_len + 1 - stride tokens before them. stride = max_len gives lm-eval's disjoint windows; a smaller
-    stride gives every token more context at more compute."""
+    the tokens that fill the rest of its max_len + 1. stride = max_len gives lm-eval's disjoint windows
+    (`get_rolling_token_windows` + `make_disjoint_window`); a smaller stride gives every token more context."""
     stride = max_len if stride is None else stride
     if not 0 < stride <= max_len:
         raise ValueError(f"stride={stride} must be in [1, max_len={max_len}]")
     ids = list(ids)
     windows = [([prefix_id], ids[:max_len])]
     for start in range(max_len, len(ids), stride):
-        windows.append((ids[max(start - (max_len + 1 - stride), 0) : start], ids[start : start + stride]))
+        continuation = ids[start : start + stride]
+        windows.append((ids[start - (max_len + 1 - len(continuation)) : start], continuation))
     return windows
 
 

@@ -80,7 +80,7 @@ def test_rolling_windows_cover_every_token_once():
     for stride in (None, 5):
         windows = scoring.rolling_windows(ids, max_len=16, prefix_id=0, stride=stride)
         assert sum((continuation for _, continuation in windows), []) == ids
-        assert all(len(c) + len(n) == 17 for c, n in windows[1:-1]) and windows[0][0] == [0]  # the last may be short
+        assert all(len(c) + len(n) == 17 for c, n in windows[1:]) and windows[0][0] == [0]
     with pytest.raises(ValueError, match="stride"):
         scoring.rolling_windows(ids, max_len=16, prefix_id=0, stride=17)
 
@@ -91,9 +91,9 @@ def test_rolling_loglikelihood_sums_its_windows():
     short = ids[:10]
     np.testing.assert_allclose(scoring.rolling_loglikelihood(model, params, short, prefix_id=0),
                                direct_decoder_score(model, params, [0], short), rtol=1e-5)  # fmt: skip
-    # Disjoint windows (lm-eval's): tokens 0-15 after the prefix, 16-31 after token 15, 32-39 after token 31.
+    # lm-eval's windows: tokens 0-15 after the prefix, 16-31 after token 15, 32-39 after tokens 23-31.
     expected = (direct_decoder_score(model, params, [0], ids[:16]) + direct_decoder_score(model, params, ids[15:16], ids[16:32])
-                + direct_decoder_score(model, params, ids[31:32], ids[32:]))  # fmt: skip
+                + direct_decoder_score(model, params, ids[23:32], ids[32:]))  # fmt: skip
     np.testing.assert_allclose(scoring.rolling_loglikelihood(model, params, ids, prefix_id=0), expected, rtol=1e-5)
 
 

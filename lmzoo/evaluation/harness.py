@@ -19,6 +19,7 @@ import collections
 import sys
 
 import jax
+import lm_eval.models  # noqa: F401  (lm-eval's own models, registered before this one so `--model hf` still works)
 import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model

@@ -143,3 +143,9 @@ def test_same_accuracy_on_a_local_task(models, hf_folder, tmp_path):
         for lm in (ours, reference)
     ]
     assert results[0] == results[1]
+
+
+def test_registered_next_to_lm_evals_own_models():
+    from lm_eval.api.registry import get_model
+
+    assert get_model("lmzoo") is harness.LmzooLM and get_model("hf") is HFLM

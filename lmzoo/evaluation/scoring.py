@@ -122,15 +122,17 @@ def loglikelihoods(
     else:
         raise ValueError(f"{type(model).__name__} cannot score continuations; loglikelihood needs a decoder (gpt2) "
                          "or an encoder-decoder (seq2seq)")  # fmt: skip
-    totals, greedy = [], []
+    # Longest first, so each batch pads to rows of similar length; results go back to the given order.
+    order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+    totals, greedy = np.zeros(len(pairs), np.float64), np.zeros(len(pairs), bool)
     for start in range(0, len(pairs), batch_size):
-        chunk = list(pairs[start : start + batch_size])
+        rows = order[start : start + batch_size]
+        chunk = [pairs[i] for i in rows]
         filler = [chunk[-1]] * (batch_size - len(chunk))  # a fixed batch shape; the filler rows are dropped
         batch = make_rows(chunk + filler, max_len=max_positions(model), length_multiple=length_multiple, pad_id=pad_id)
         total, is_greedy = jax.device_get(score(model, params, *batch.values()))
-        totals.append(total[: len(chunk)])
-        greedy.append(is_greedy[: len(chunk)])
-    return np.concatenate(totals).astype(np.float64), np.concatenate(greedy)
+        totals[rows], greedy[rows] = total[: len(chunk)], is_greedy[: len(chunk)]
+    return totals, greedy
 
 
 def rolling_windows(ids: Sequence[int], *, max_len: int, prefix_id: int, stride: int | None = None) -> list[Pair]:

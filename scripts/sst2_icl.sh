@@ -45,8 +45,9 @@ metric_list:
 YAML
 for k in ${KS//,/ }; do
   python -m lmzoo.evaluation.harness run --model lmzoo --model_args workdir=$OUT/lm --tasks sst2_icl \
-    --include_path $OUT/tasks --num_fewshot $k --limit $EXAMPLES --batch_size 16 --output_path $OUT/lm_eval/lmzoo_k$k
+    --include_path $OUT/tasks --num_fewshot $k --limit $EXAMPLES --batch_size 16 --log_samples --output_path $OUT/lm_eval/lmzoo_k$k
   python -m lmzoo.evaluation.harness run --model hf --model_args pretrained=$OUT/hf,dtype=float32 --device cpu \
     --tasks sst2_icl --include_path $OUT/tasks --num_fewshot $k --limit $EXAMPLES --batch_size 16 \
-    --output_path $OUT/lm_eval/hf_k$k
+    --log_samples --output_path $OUT/lm_eval/hf_k$k
 done
+python scripts/sst2_icl_compare.py --workdir=$OUT/lm --hf=$OUT/hf --lm_eval=$OUT/lm_eval

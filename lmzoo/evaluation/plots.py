@@ -4,6 +4,8 @@ import collections
 import json
 import pathlib
 
+COUNTS = frozenset({"tokens", "examples", "evaluated_batches"})  # how much an evaluation read: not curves
+
 
 def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """{metric: {split: [(step, value), ...]}} from `<workdir>/metrics.jsonl` (written by the training loop)."""
@@ -22,7 +24,7 @@ def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
         except (json.JSONDecodeError, KeyError, ValueError) as e:
             raise ValueError(f"{path}:{number}: not a metrics line ({e})") from None
         for name, value in row.items():
-            if isinstance(value, int | float):
+            if isinstance(value, int | float) and name not in COUNTS:
                 series[name][split].append((step, float(value)))
     if not series:
         raise ValueError(f"{path} holds no metrics yet")
@@ -30,7 +32,7 @@ def read_metrics(workdir: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
 
 
 def plot_metrics(workdir: str, out_dir: str | None = None) -> list[pathlib.Path]:
-    """Writes `<out_dir or workdir/plots>/<metric>.png` for every metric; returns the paths written."""
+    """Writes `<out_dir or workdir/plots>/<metric>.png` for every metric (not the COUNTS); returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")

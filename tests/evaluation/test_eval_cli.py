@@ -72,7 +72,7 @@ def test_fewshot_and_dumped_prompts(workdir, tmp_path, capsys):
 def test_plot_writes_one_png_per_metric_with_both_splits(workdir, capsys):
     out = run_eval(capsys, f"--workdir={workdir}", "--plot")
     written = {pathlib.Path(p).name for p in out.split()}
-    assert {"loss.png", "accuracy.png"} <= written
+    assert {"loss.png", "accuracy.png"} <= written and "evaluated_batches.png" not in written
     assert (workdir / "plots" / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 

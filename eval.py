@@ -1,15 +1,25 @@
 """Evaluate a checkpoint: python eval.py --workdir=DIR [--split=validation | --data=FILE] [--step=N] [--generate="prompt" ...]
 
 Restores the latest checkpoint (or the kept one of --step) of a train.py run from its workdir alone (its
-saved config, tokenizer and checkpoints; the training data is not read unless --split asks for it) and
-prints the objective's metrics as one JSON line (also written to DIR/eval_<split>[_step<N>].json): loss,
-perplexity, bits per token and per character; accuracy and F1 for classifiers. --data scores a file the run
-never saw, in the objective's format (text for language models, a TSV for classifiers, pairs for
-text_to_text). Optionally samples a continuation of a prompt with the KV cache.
+saved config, tokenizer and checkpoints; the training data is not read unless --split asks for it), runs
+every evaluator of its objective and prints one JSON line (also written to DIR/eval_<split>[_step<N>]
+[_max<B>batches].json) and the same metrics as a table: loss, perplexity, bits per token and per character;
+accuracy and F1 for classifiers; each with the number of batches and tokens or examples it was computed
+over. --data scores a file the run never saw, in the objective's format (text for language models, a TSV
+for classifiers, pairs for text_to_text). --max_batches evaluates part of the split (its result goes to
+its own file).
 
 Denoising encoder-decoders (T5 span corruption, BART denoising): --reconstruct=N adds BLEU, ROUGE-1/2/L,
 exact match and teacher-forced target token accuracy of the reconstructions of N examples to the line
 (greedy decoding; beam search with --beam_size=K) and prints a few of them; see lmzoo/evaluation/reconstruction.py.
+
+Other modes (each instead of scoring the split):
+  --generate="prompt"   sample a continuation with the KV cache.
+  --fewshot=TASK.jsonl  in-context multiple choice for each k of --fewshot_k, demonstrations drawn from
+                        --fewshot_train (lmzoo/evaluation/fewshot.py), next to a majority-class baseline;
+                        --dump_prompts=FILE writes the prompts used. Result: DIR/eval_fewshot_<task>.json.
+  --plot                PNG training curves from DIR/metrics.jsonl into DIR/plots/ (one per metric, train
+                        and validation together).
 """
 
 import json
@@ -27,13 +37,83 @@ flags.DEFINE_integer("max_new_tokens", 200, "Tokens to sample.")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
-flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("seed", 0, "Sampling seed; --fewshot: demonstration seed.")
 flags.DEFINE_integer("reconstruct", 0, "Denoising runs: score the reconstructions of this many examples (0 = off).")
 flags.DEFINE_integer("beam_size", 1, "--reconstruct decoding: 1 = greedy, more = beam search with this many beams.")
 flags.DEFINE_integer("show", 2, "--reconstruct: examples to print.")
-flags.DEFINE_string("mesh_shape", None, "(data,fsdp,tensor) mesh for evaluation, e.g. '-1,1,1'; default: the run's "
-                    "mesh if this machine has enough devices, else all devices data-parallel.")
+flags.DEFINE_string("fewshot", None, "JSONL task {context, choices, gold} to evaluate in context.")
+flags.DEFINE_string("fewshot_train", None, "JSONL split the demonstrations are drawn from (needed for k > 0).")
+flags.DEFINE_list("fewshot_k", ["0"], "Numbers of demonstrations, e.g. 0,1,4,8.")
+flags.DEFINE_string("fewshot_template", "{context}", "Prompt of one example; choices are appended to it.")
+flags.DEFINE_string("fewshot_separator", "\n\n", "Text between demonstrations.")
+flags.DEFINE_integer("fewshot_examples", None, "Evaluate the first N examples of the task (default: all).")
+flags.DEFINE_integer("batch_size", 16, "--fewshot: scored continuations per batch.")
+flags.DEFINE_string("dump_prompts", None, "--fewshot: write the prompts used here (JSONL: k, index, prompt).")
+flags.DEFINE_bool("plot", False, "Write PNG training curves to DIR/plots/ and exit.")
+flags.DEFINE_string(
+    "mesh_shape",
+    None,
+    "(data,fsdp,tensor) mesh for evaluation, e.g. '-1,1,1'; default: the run's "
+    "mesh if this machine has enough devices, else all devices data-parallel.",
+)
 FLAGS = flags.FLAGS
+
+
+def format_table(result: dict) -> str:
+    """Two aligned columns, one row per metric (nested lists and dicts as JSON)."""
+    rows = [
+        (k, f"{v:.4f}" if isinstance(v, float) else json.dumps(v) if isinstance(v, list | dict) else str(v))
+        for k, v in result.items()
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def fewshot_table(baseline: dict, results: list[dict]) -> str:
+    lines = [f"{'k':>8}  {'examples':>8}  {'accuracy':>8}  {'95% CI':>15}  {'acc_norm':>8}  {'95% CI':>15}  truncated"]
+    for r in [{"k": "majority", **baseline, "accuracy_norm": None}, *results]:
+        norm = (
+            ("-", "")
+            if r["accuracy_norm"] is None
+            else (f"{r['accuracy_norm']:.4f}", "{:.3f}-{:.3f}".format(*r["accuracy_norm_ci95"]))
+        )
+        lines.append(f"{r['k']!s:>8}  {r['examples']:>8}  {r['accuracy']:>8.4f}  {'{:.3f}-{:.3f}'.format(*r['accuracy_ci95']):>15}  "
+                     f"{norm[0]:>8}  {norm[1]:>15}  {r.get('truncated_prompts', '-')}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run_fewshot(loaded) -> None:
+    from lmzoo.evaluation import fewshot
+
+    ks = [int(k) for k in FLAGS.fewshot_k]
+    if any(k > 0 for k in ks) and not FLAGS.fewshot_train:
+        raise SystemExit(
+            "error: --fewshot_k asks for demonstrations; pass --fewshot_train=TRAIN.jsonl to draw them from"
+        )
+    try:
+        examples = fewshot.read_task(FLAGS.fewshot)[: FLAGS.fewshot_examples]
+        train = fewshot.read_task(FLAGS.fewshot_train) if FLAGS.fewshot_train else []
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    baseline = {"examples": len(examples), **fewshot.majority_baseline(train or examples, examples)}
+    results, dumped = [], []
+    for k in ks:
+        try:
+            result, prompts = fewshot.evaluate_fewshot(
+                loaded.model, loaded.params, loaded.tokenizer, examples, train, k=k, template=FLAGS.fewshot_template,
+                separator=FLAGS.fewshot_separator, seed=FLAGS.seed, batch_size=FLAGS.batch_size,
+            )  # fmt: skip
+        except ValueError as e:
+            raise SystemExit(f"error: --fewshot k={k}: {e}") from None
+        results.append(result)
+        dumped += [{"k": k, "index": i, "prompt": p} for i, p in enumerate(prompts)]
+    line = json.dumps({"step": loaded.step, "task": FLAGS.fewshot, "template": FLAGS.fewshot_template, "seed": FLAGS.seed,
+                       "majority": baseline, "fewshot": results})  # fmt: skip
+    print(line)
+    print(fewshot_table(baseline, results))
+    (pathlib.Path(FLAGS.workdir) / f"eval_fewshot_{pathlib.Path(FLAGS.fewshot).stem}.json").write_text(line + "\n")
+    if FLAGS.dump_prompts:
+        pathlib.Path(FLAGS.dump_prompts).write_text("".join(json.dumps(d) + "\n" for d in dumped))
 
 
 def main(argv):
@@ -45,18 +125,33 @@ def main(argv):
     from lmzoo.train import loop, restore
 
     logging.set_verbosity(logging.WARNING)
+    if FLAGS.plot:
+        from lmzoo.evaluation import plots
+
+        try:
+            written = plots.plot_metrics(FLAGS.workdir)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"error: {e}") from None
+        print("\n".join(str(p) for p in written))
+        return
     mesh_shape = tuple(int(x) for x in FLAGS.mesh_shape.strip("()").split(",")) if FLAGS.mesh_shape else None
     try:
         objective = objectives.get(config_lib.load_saved(FLAGS.workdir).objective.name)
+        evaluation.check_scorable(objective)
         if FLAGS.reconstruct:
             evaluation.check_evaluator(objective, "reconstruction")
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+    if FLAGS.fewshot:
+        try:
+            loaded = restore.load(FLAGS.workdir, FLAGS.step, mesh_shape=mesh_shape)
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: {e}") from None
+        return run_fewshot(loaded)
     try:
         run = restore.open_run(FLAGS.workdir, mesh_shape=mesh_shape)
     except FileNotFoundError as e:
         raise SystemExit(f"error: {e}") from None
-    names = ["loss"] + [n for n in objective.evaluators if n not in ("loss", "reconstruction")]
     split = FLAGS.split
     if FLAGS.data:
         if not pathlib.Path(FLAGS.data).exists():
@@ -69,24 +164,6 @@ def main(argv):
         step, state = restore.restore_step(run, FLAGS.step)
     except FileNotFoundError as e:
         raise SystemExit(str(e)) from None
-    result = {"step": step, "split": split, **({"data": FLAGS.data} if FLAGS.data else {})}
-    examples = []
-    for name in names:
-        metrics, _ = evaluation.EVALUATORS[name](run, state, split, max_batches=FLAGS.max_batches)
-        result.update(metrics)
-    if FLAGS.reconstruct:
-        scores, examples = evaluation.EVALUATORS["reconstruction"](run, state, split, num_examples=FLAGS.reconstruct,
-                                                                    beam_size=FLAGS.beam_size)  # fmt: skip
-        result.update(scores)
-    line = json.dumps(result)
-    print(line)
-    name = f"data_{pathlib.Path(FLAGS.data).name}" if FLAGS.data else split
-    suffix = "" if FLAGS.step is None else f"_step{step}"
-    (pathlib.Path(FLAGS.workdir) / f"eval_{name}{suffix}.json").write_text(line + "\n")
-    for i, example in enumerate(examples[: FLAGS.show]):
-        print(f"--- example {i} ---")
-        for key in ("corrupted", "reconstruction", "original"):
-            print(f"[{key}]\n{example[key]}")
     if FLAGS.generate is not None:
         try:
             text = sample_text(
@@ -96,6 +173,31 @@ def main(argv):
         except ValueError as e:
             raise SystemExit(f"--generate: {e}") from None
         print(FLAGS.generate + text)
+        run.checkpointer.close()
+        return
+    result = {"step": step, "split": split, **({"data": FLAGS.data} if FLAGS.data else {})}
+    if FLAGS.max_batches is not None:
+        result["max_batches"] = FLAGS.max_batches
+    examples = []
+    for name in [n for n in objective.evaluators if n != "reconstruction"]:
+        metrics, _ = evaluation.EVALUATORS[name](run, state, split, max_batches=FLAGS.max_batches)
+        result.update(metrics)
+    if FLAGS.reconstruct:
+        scores, examples = evaluation.EVALUATORS["reconstruction"](run, state, split, num_examples=FLAGS.reconstruct,
+                                                                    beam_size=FLAGS.beam_size)  # fmt: skip
+        result.update(scores)
+    line = json.dumps(result)
+    print(line)
+    print(format_table(result))
+    name = f"data_{pathlib.Path(FLAGS.data).name}" if FLAGS.data else split
+    suffix = ("" if FLAGS.step is None else f"_step{step}") + (
+        "" if FLAGS.max_batches is None else f"_max{FLAGS.max_batches}batches"
+    )
+    (pathlib.Path(FLAGS.workdir) / f"eval_{name}{suffix}.json").write_text(line + "\n")
+    for i, example in enumerate(examples[: FLAGS.show]):
+        print(f"--- example {i} ---")
+        for key in ("corrupted", "reconstruction", "original"):
+            print(f"[{key}]\n{example[key]}")
     run.checkpointer.close()
 
 

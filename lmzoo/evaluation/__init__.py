@@ -4,7 +4,7 @@ Each evaluator is `fn(run, state, split, **options) -> (metrics, examples)`; an 
 ones that apply to it (`Objective.evaluators`), and `eval.py` runs those asked for.
 """
 
-from lmzoo.evaluation import classification, loss, preference, reconstruction
+from lmzoo.evaluation import classification, generation, loss, preference, reconstruction
 
 
 def _loss(run, state, split="validation", *, max_batches=None):
@@ -16,7 +16,25 @@ EVALUATORS = {
     "reconstruction": reconstruction.evaluate_reconstruction,
     "classification": classification.evaluate_classification,
     "preference": preference.evaluate_preference,
+    "generation": generation.evaluate_generation,  # text_to_text: greedy generations vs references (BLEU, ROUGE)
 }
+
+
+def scorable(objective) -> bool:
+    """Whether eval.py can score `objective`: it lists evaluators and every one of them is registered."""
+    return bool(objective.evaluators) and all(name in EVALUATORS for name in objective.evaluators)
+
+
+def check_scorable(objective) -> None:
+    """Raises unless eval.py can score `objective`, naming the objectives it can."""
+    from lmzoo import objectives
+
+    if not scorable(objective):
+        missing = [name for name in objective.evaluators if name not in EVALUATORS]
+        able = sorted(name for name, o in objectives.REGISTRY.items() if scorable(o))
+        why = f"its evaluators {missing} are not registered" if missing else "it lists no evaluators"
+        raise ValueError(f"eval.py cannot score objective {objective.name!r}: {why} in lmzoo.evaluation.EVALUATORS; "
+                         f"objectives it can score: {able}")  # fmt: skip
 
 
 def check_evaluator(objective, name: str) -> None:

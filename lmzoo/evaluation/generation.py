@@ -1,10 +1,13 @@
-"""Text continuations of a prompt from a trained decoder or encoder-decoder."""
+"""Text continuations of a prompt from a trained decoder or encoder-decoder, and text-to-text generations
+scored against their references."""
 
 import jax
 import numpy as np
 
 from lmzoo import decoding
+from lmzoo.evaluation import reconstruction
 from lmzoo.models import gpt2, seq2seq
+from lmzoo.train import loop
 
 
 def sample_text(run, params, prompt: str, *, max_new_tokens: int, temperature: float,
@@ -16,24 +19,73 @@ def sample_text(run, params, prompt: str, *, max_new_tokens: int, temperature: f
     tokenizer, model = run.tokenizer, run.model
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0)
+    sampling = dict(
+        temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0
+    )
     if isinstance(model, seq2seq.Seq2Seq):
         inputs = np.asarray([tokenizer.encode(prompt) + [tokenizer.eos_id]])
-        new = decoding.generate_seq2seq(model, params, inputs, rng=jax.random.key(seed), max_new_tokens=max_new_tokens, **sampling)
+        new = decoding.generate_seq2seq(
+            model, params, inputs, rng=jax.random.key(seed), max_new_tokens=max_new_tokens, **sampling
+        )
     elif isinstance(model, gpt2.GPT2):
         ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
         room = model.config.max_len - len(ids)
         if room <= 0:
-            raise ValueError(f"the prompt is {len(ids)} tokens and the model's max_len is {model.config.max_len}; shorten the prompt")
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens and the model's max_len is {model.config.max_len}; shorten the prompt"
+            )
         if fit_to_model:
             max_new_tokens = min(max_new_tokens, room)
         elif max_new_tokens > room:
             raise ValueError(f"max_new_tokens={max_new_tokens} does not fit: the prompt is {len(ids)} tokens and the model's "
                              f"max_len is {model.config.max_len}; ask for at most {room}")  # fmt: skip
-        new = decoding.generate(model, params, np.asarray([ids]), rng=jax.random.key(seed), max_new_tokens=max_new_tokens, **sampling)
+        new = decoding.generate(
+            model, params, np.asarray([ids]), rng=jax.random.key(seed), max_new_tokens=max_new_tokens, **sampling
+        )
     else:
-        raise ValueError(f"{type(model).__name__} is not generative; --generate needs a decoder (gpt2) or an encoder-decoder (seq2seq)")
+        raise ValueError(
+            f"{type(model).__name__} is not generative; --generate needs a decoder (gpt2) or an encoder-decoder (seq2seq)"
+        )
     out = [int(t) for t in np.asarray(new[0])]
     if tokenizer.eos_id in out:
         out = out[: out.index(tokenizer.eos_id)]
     return tokenizer.decode(out)
+
+
+def evaluate_generation(
+    run, state, split: str = "validation", *, max_batches: int | None = None
+) -> tuple[dict, list[dict]]:
+    """(metrics, examples) of greedy generations for a text-to-text run's evaluation examples.
+
+    Each example's encoder input is decoded greedily (`decoding.sample_seq2seq`, jitted) until EOS or the
+    target length, and the text before EOS is scored against the reference target's: BLEU, ROUGE-1/2/L and
+    exact match (`reconstruction.text_metrics`), over `generated_examples` examples of `evaluated_batches`
+    batches. Examples are {"source", "generation", "reference"}. Padding rows are skipped.
+    """
+    tokenizer, model = run.tokenizer, run.model
+    if not isinstance(model, seq2seq.Seq2Seq):
+        raise ValueError(f"generation scoring needs an encoder-decoder (seq2seq), not {type(model).__name__}")
+    params, eos, pad = loop.host_params(run, state), tokenizer.eos_id, tokenizer.pad_id or 0
+
+    def text(ids) -> str:
+        ids = [int(i) for i in ids if i != pad]
+        return tokenizer.decode(ids[: ids.index(eos)] if eos in ids else ids)
+
+    examples, count = [], 0
+    for batch in run.eval_batches(split):
+        if max_batches is not None and count >= max_batches:
+            break
+        count += 1
+        keep = batch["example_weights"] > 0
+        inputs, segments, targets = batch["inputs"][keep], batch["encoder_segment_ids"][keep], batch["targets"][keep]
+        samples = decoding.sample_seq2seq(model, params, inputs, segments, jax.random.key(0), max_new_tokens=targets.shape[1],
+                                          temperature=0.0, eos_id=eos, pad_id=pad)  # fmt: skip
+        tokens, mask = jax.device_get((samples.tokens, samples.mask))
+        for source, generated, generated_mask, target in zip(inputs, tokens, mask, targets, strict=True):
+            examples.append(
+                {"source": text(source), "generation": text(generated[generated_mask > 0]), "reference": text(target)}
+            )
+    if not examples:
+        raise ValueError(f"the {split} split has no examples to generate for")
+    metrics = reconstruction.text_metrics([e["generation"] for e in examples], [e["reference"] for e in examples])
+    return {**metrics, "generated_examples": len(examples), "evaluated_batches": count}, examples

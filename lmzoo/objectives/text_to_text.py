@@ -44,6 +44,7 @@ class TextToText(base.Objective):
     `data.validation_fraction` of the pairs are held out."""
 
     name = "text_to_text"
+    evaluators = ("loss", "generation")
 
     def check(self, config):
         if config.data.source != "pairs":

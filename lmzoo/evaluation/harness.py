@@ -1,0 +1,153 @@
+"""An EleutherAI lm-eval model ("lmzoo") on lmzoo's scoring functions and jitted sampler.
+
+    python -m lmzoo.evaluation.harness run --model lmzoo --model_args workdir=runs/gpt2 \\
+        --tasks my_task --include_path tasks/ [--num_fewshot 4] [--limit 100]
+
+`python -m lmzoo.evaluation.harness` is lm-eval's own command line with the model registered first: lm-eval
+0.4.13 finds third-party models only through `register_model` in the running process (it has no plugin
+entry points), so the `lm_eval` script itself cannot see it. From Python, importing this module is enough:
+`lm_eval.simple_evaluate(model="lmzoo", model_args="workdir=...")`, or pass `LmzooLM.from_loaded(lmzoo.load(...))`.
+
+Requests are tokenized as lm-eval's HF backend does (trailing context spaces move to the continuation; a
+decoder's continuation is the whole text's ids after the context's; an empty context becomes EOS; an
+encoder-decoder's context is encoded with EOS appended), so a checkpoint exported to HF
+(`lmzoo.convert.export`) scores the same through both. model_args: workdir, step, batch_size,
+max_gen_toks (default 256).
+"""
+
+import collections
+import sys
+
+import jax
+import lm_eval.models  # noqa: F401  (lm-eval's own models, registered before this one so `--model hf` still works)
+import numpy as np
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from lmzoo import decoding
+from lmzoo.evaluation import scoring
+from lmzoo.models import gpt2, seq2seq
+
+
+@register_model("lmzoo")
+class LmzooLM(LM):
+    """lm-eval's LM interface over a loaded lmzoo checkpoint (`lmzoo.load`)."""
+
+    def __init__(self, workdir: str | None = None, step: int | None = None, batch_size: int | str | None = 16,
+                 max_gen_toks: int = 256, loaded=None, **unused):  # fmt: skip
+        super().__init__()
+        if loaded is None:
+            if workdir is None:
+                raise ValueError("the lmzoo model needs --model_args workdir=PATH (a train.py run)")
+            from lmzoo.train import restore
+
+            loaded = restore.load(workdir, None if step is None else int(step))
+        if not isinstance(loaded.model, gpt2.GPT2 | seq2seq.Seq2Seq):
+            raise ValueError(
+                f"lm-eval needs a decoder (gpt2) or an encoder-decoder (seq2seq); this run is {type(loaded.model).__name__}"
+            )
+        self.model, self.params, self.tokenizer = loaded.model, loaded.params, loaded.tokenizer
+        self.batch_size = 16 if batch_size in (None, "auto") else int(batch_size)
+        self.max_gen_toks = int(max_gen_toks)
+        self.is_seq2seq = isinstance(self.model, seq2seq.Seq2Seq)
+
+    @classmethod
+    def from_loaded(cls, loaded, **kwargs) -> "LmzooLM":
+        return cls(loaded=loaded, **kwargs)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return type(self.tokenizer).__name__
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        if self.is_seq2seq:
+            return self.tokenizer.encode(context) + [self.tokenizer.eos_id], self.tokenizer.encode(continuation)
+        if not context:
+            return [self.tokenizer.eos_id], self.tokenizer.encode(continuation)
+        context_ids = self.tokenizer.encode(context)
+        return context_ids, self.tokenizer.encode(context + continuation)[len(context_ids) :]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = [self._encode_pair(*request.args) for request in requests]
+        totals, greedy = scoring.loglikelihoods(self.model, self.params, pairs, batch_size=self.batch_size,
+                                                pad_id=self.tokenizer.pad_id or 0)  # fmt: skip
+        return [(float(t), bool(g)) for t, g in zip(totals, greedy, strict=True)]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        return [
+            scoring.rolling_loglikelihood(
+                self.model,
+                self.params,
+                self.tokenizer.encode(request.args[0]),
+                prefix_id=self.tokenizer.eos_id,
+                batch_size=self.batch_size,
+            )  # fmt: skip
+            for request in requests
+        ]
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or sampled, with do_sample and a temperature) continuations cut before the first `until` string;
+        requests with the same settings run as left-padded batches through `decoding.sample` / `sample_seq2seq`."""
+        groups = collections.defaultdict(list)
+        for index, request in enumerate(requests):
+            context, kwargs = request.args
+            groups[repr(sorted(kwargs.items()))].append((index, context, kwargs))
+        outputs = [""] * len(requests)
+        for members in groups.values():
+            for start in range(0, len(members), self.batch_size):
+                chunk = members[start : start + self.batch_size]
+                texts = self._generate([context for _, context, _ in chunk], chunk[0][2])
+                for (index, _, _), text in zip(chunk, texts, strict=True):
+                    outputs[index] = text
+        return outputs
+
+    def _generate(self, contexts: list[str], kwargs: dict) -> list[str]:
+        until = kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+        temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample", False) else 0.0
+        eos, pad = self.tokenizer.eos_id, self.tokenizer.pad_id or 0
+        stops = tuple(tuple(ids) for ids in (self.tokenizer.encode(s) for s in until) if ids)
+        settings = dict(max_new_tokens=max_new, temperature=temperature, eos_id=eos, stop_sequences=stops, pad_id=pad)
+        rows = [self.tokenizer.encode(c) + ([eos] if self.is_seq2seq else []) or [eos] for c in contexts]
+        limit = scoring.max_positions(self.model)
+        keep = None if limit is None else limit - (0 if self.is_seq2seq else max_new)
+        if keep is not None and keep < 1:
+            raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt in the model's {limit} positions")
+        rows = [row[-keep:] if keep else row for row in rows]
+        width = -(-max(len(r) for r in rows) // 16) * 16
+        width = width if keep is None else min(width, keep)
+        prompts, mask = np.full((len(rows), width), pad, np.int32), np.zeros((len(rows), width), np.int32)
+        for i, row in enumerate(rows):
+            if self.is_seq2seq:  # encoder inputs: right-padded
+                prompts[i, : len(row)], mask[i, : len(row)] = row, 1
+            else:  # decoder prompts: left-padded
+                prompts[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+        rng = jax.random.key(int(kwargs.get("seed", 0)))
+        if self.is_seq2seq:
+            samples = decoding.sample_seq2seq(self.model, self.params, prompts, mask, rng, **settings)
+        else:
+            samples = decoding.sample(self.model, self.params, prompts, mask, rng, **settings)
+        tokens, keep_mask = jax.device_get((samples.tokens, samples.mask))
+        texts = []
+        for row, row_mask in zip(tokens, keep_mask, strict=True):
+            ids = [int(t) for t, m in zip(row, row_mask, strict=True) if m and t != eos]
+            text = self.tokenizer.decode(ids)
+            for stop in until:
+                text = text.split(stop)[0] if stop else text
+            texts.append(text)
+        return texts
+
+
+def main() -> None:
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv[0] = "lm_eval"
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

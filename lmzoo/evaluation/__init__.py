@@ -4,7 +4,7 @@ Each evaluator is `fn(run, state, split, **options) -> (metrics, examples)`; an 
 ones that apply to it (`Objective.evaluators`), and `eval.py` runs those asked for.
 """
 
-from lmzoo.evaluation import classification, loss, reconstruction
+from lmzoo.evaluation import classification, loss, reconstruction, recurrent
 
 
 def _loss(run, state, split="validation", *, max_batches=None):
@@ -15,6 +15,7 @@ EVALUATORS = {
     "loss": _loss,
     "reconstruction": reconstruction.evaluate_reconstruction,
     "classification": classification.evaluate_classification,
+    "recurrent_samples": recurrent.evaluate_samples,
 }
 
 

@@ -6,7 +6,7 @@ every objective with its fields and defaults (`python train.py --objectives`).
 
 import dataclasses
 
-from lmzoo.objectives import base, causal_lm, classification, denoising, distillation, mlm, text_to_text
+from lmzoo.objectives import base, causal_lm, classification, denoising, distillation, mlm, recurrent_lm, text_to_text
 
 REGISTRY: dict[str, base.Objective] = {}
 
@@ -27,6 +27,7 @@ for _objective in (
     denoising.SpanCorruption(),
     denoising.Denoising(),
     text_to_text.TextToText(),
+    recurrent_lm.RecurrentLM(),
 ):
     register(_objective)
 

@@ -91,13 +91,12 @@ def stream_rows(tokens: np.ndarray, rows: int, *, pad: bool) -> tuple[np.ndarray
 def window(ids: np.ndarray, weights: np.ndarray, index: int, seq_len: int) -> dict[str, np.ndarray]:
     """Window `index` of every row: inputs, targets, weights [B, T] (padded with weight 0), reset [B]."""
     start = index * seq_len
-    inputs = ids[:, start : start + seq_len]
-    targets = ids[:, start + 1 : start + seq_len + 1]
-    w = weights[:, start : start + seq_len]
-    missing = seq_len - inputs.shape[1]
-    pad = lambda x: np.pad(x, ((0, 0), (0, missing)))  # noqa: E731
+    pad = lambda x: np.pad(x, ((0, 0), (0, seq_len - x.shape[1])))  # noqa: E731
+    inputs = pad(ids[:, start : start + seq_len])
+    targets = pad(ids[:, start + 1 : start + seq_len + 1])
+    w = pad(weights[:, start : start + seq_len])
     reset = np.full(ids.shape[0], float(index == 0), np.float32)
-    return {"inputs": pad(inputs), "targets": pad(targets), "weights": pad(w), "reset": reset}
+    return {"inputs": inputs, "targets": targets, "weights": w, "reset": reset}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,17 @@ every objective with its fields and defaults (`python train.py --objectives`).
 
 import dataclasses
 
-from lmzoo.objectives import base, causal_lm, classification, denoising, distillation, mlm, recurrent_lm, text_to_text
+from lmzoo.objectives import (
+    base,
+    causal_lm,
+    classification,
+    denoising,
+    distillation,
+    mlm,
+    ngram_lm,
+    recurrent_lm,
+    text_to_text,
+)
 
 REGISTRY: dict[str, base.Objective] = {}
 
@@ -28,6 +38,7 @@ for _objective in (
     denoising.Denoising(),
     text_to_text.TextToText(),
     recurrent_lm.RecurrentLM(),
+    ngram_lm.NgramLM(),
 ):
     register(_objective)
 

@@ -4,7 +4,7 @@ Each evaluator is `fn(run, state, split, **options) -> (metrics, examples)`; an 
 ones that apply to it (`Objective.evaluators`), and `eval.py` runs those asked for.
 """
 
-from lmzoo.evaluation import classification, loss, reconstruction, recurrent
+from lmzoo.evaluation import classification, latent, loss, reconstruction, recurrent
 
 
 def _loss(run, state, split="validation", *, max_batches=None):
@@ -16,6 +16,7 @@ EVALUATORS = {
     "reconstruction": reconstruction.evaluate_reconstruction,
     "classification": classification.evaluate_classification,
     "recurrent_samples": recurrent.evaluate_samples,
+    "latent": latent.evaluate_latent,
 }
 
 

@@ -12,6 +12,7 @@ from lmzoo.objectives import (
     classification,
     denoising,
     distillation,
+    elbo,
     mlm,
     ngram_lm,
     recurrent_lm,
@@ -39,6 +40,7 @@ for _objective in (
     text_to_text.TextToText(),
     recurrent_lm.RecurrentLM(),
     ngram_lm.NgramLM(),
+    elbo.VAELanguageModel(),
 ):
     register(_objective)
 

@@ -8,6 +8,7 @@ import dataclasses
 
 from lmzoo.objectives import (
     base,
+    bilm,
     causal_lm,
     classification,
     denoising,
@@ -41,6 +42,7 @@ for _objective in (
     recurrent_lm.RecurrentLM(),
     ngram_lm.NgramLM(),
     elbo.VAELanguageModel(),
+    bilm.BiLMObjective(),
 ):
     register(_objective)
 

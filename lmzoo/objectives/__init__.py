@@ -14,6 +14,7 @@ from lmzoo.objectives import (
     denoising,
     distillation,
     elbo,
+    elmo_classify,
     mlm,
     ngram_lm,
     recurrent_lm,
@@ -43,6 +44,7 @@ for _objective in (
     ngram_lm.NgramLM(),
     elbo.VAELanguageModel(),
     bilm.BiLMObjective(),
+    elmo_classify.ELMoClassify(),
 ):
     register(_objective)
 

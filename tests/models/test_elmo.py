@@ -9,8 +9,8 @@ import numpy as np
 import optax
 
 from lmzoo.models import elmo
-from lmzoo.objectives import bilm, recurrent_lm
-from lmzoo.train import loop
+from lmzoo.objectives import bilm, elmo_classify, recurrent_lm
+from lmzoo.train import loop, restore
 
 CONFIG = elmo.ELMoConfig(vocab_size=11, emb_dim=8, num_layers=2, dropout_rate=0.0, init_scale=0.4)
 
@@ -110,6 +110,35 @@ def test_bilm_pretrains_through_the_loop(tmp_path):
     final = loop.train_and_evaluate(config, str(tmp_path / "run"))
     assert abs(final["loss"] - (final["forward_loss"] + final["backward_loss"]) / 2) < 1e-5
     assert final["perplexity"] < 16
+    _classify_on_frozen_features(tmp_path, config)
     batch = bilm.framed({"targets": np.array([[3, 4, 15, 0]]), "weights": np.array([[1, 1, 1, 0]], np.float32)}, 15)
     np.testing.assert_array_equal(batch["tokens"], [[15, 3, 4, 15, 0]])
     np.testing.assert_array_equal(batch["weights"], [[1, 1, 1, 1, 0]])
+
+
+def _classify_on_frozen_features(tmp_path, bilm_config):
+    """elmo_classify on the biLM run above: the head trains, the frozen biLM stays exactly the checkpoint's."""
+    from configs import sst2_elmo
+
+    rng = np.random.default_rng(1)
+    for name, rows in (("train", 48), ("dev", 16)):
+        lines = ["sentence\tlabel"] + [
+            f"{' '.join(rng.choice(['w1', 'w2', 'w3', 'w4'], size=4))}\t{rng.integers(0, 2)}" for _ in range(rows)
+        ]
+        (tmp_path / f"{name}.tsv").write_text("\n".join(lines) + "\n")
+    pretrained = restore.load(str(tmp_path / "run")).params
+    for features, mixed_layers in (("elmo", 3), ("static", 1)):
+        config = sst2_elmo.get_config("tiny")
+        config.model.vocab_size = 16
+        config.data.train_path, config.data.validation_path = str(tmp_path / "train.tsv"), str(tmp_path / "dev.tsv")
+        config.objective.bilm, config.objective.features = f"ckpt:{tmp_path / 'run'}", features
+        workdir = tmp_path / f"sst2_{features}"
+        elmo_classify.copy_tokenizer(str(tmp_path / "run"), str(workdir))
+        final = loop.train_and_evaluate(config, str(workdir))
+        assert 0.0 <= final["accuracy"] <= 1.0 and final["examples" if "examples" in final else "tokens"] == 16
+        run = restore.open_run(str(workdir))
+        _, state = restore.restore_step(run)
+        assert set(state.params) == {"head"} and state.params["head"]["ScalarMix_0"]["scores"].shape == (mixed_layers,)
+        frozen = loop.load_frozen(run)["bilm"]
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), frozen, pretrained)
+        run.checkpointer.close()

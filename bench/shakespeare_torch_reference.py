@@ -30,8 +30,8 @@ Two modes:
       whole-split validation loss on lmzoo's own evaluation batches.
 
 Run (one run at a time; add --threads 1 when other processes load the 2 cores):
-    cd /work/main && PYTHONPATH=/work/main /work/venv/bin/python bench/shakespeare_torch_reference.py --mode lockstep
-    cd /work/main && PYTHONPATH=/work/main /work/venv/bin/python bench/shakespeare_torch_reference.py --mode independent --seed 0
+    python bench/shakespeare_torch_reference.py --mode lockstep
+    python bench/shakespeare_torch_reference.py --mode independent --seed 0
 """
 
 import argparse

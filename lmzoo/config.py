@@ -220,12 +220,15 @@ def check_overrides(argv: list[str], flag: str = "config", default: str = "confi
             node, seen = node[key], seen + [key]
 
 
-def check_variants(arg: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
-    """The comma-separated variant words of `--config=FILE:arg`; an unknown word (a typo) is an error."""
+def check_variants(arg: str | None, known: tuple[str, ...], *, single: bool = False) -> tuple[str, ...]:
+    """The comma-separated variant words of `--config=FILE:arg`; an unknown word (a typo) is an error, and
+    so is more than one word for a config whose variants exclude each other (`single`)."""
     words = tuple(w for w in (arg or "").split(",") if w)
     unknown = [w for w in words if w not in known]
     if unknown:
         raise ValueError(f"unknown config variant {unknown[0]!r} in {arg!r}; known variants: {', '.join(known)}")
+    if single and len(words) > 1:
+        raise ValueError(f"config variants {arg!r}: choose one of {', '.join(known)}")
     return words
 
 

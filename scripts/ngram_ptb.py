@@ -1,6 +1,6 @@
 """Kneser-Ney and add-k n-gram models on Penn Treebank (Mikolov's split): valid/test perplexity and wall time.
 
-    python scripts/ngram_ptb.py --data_dir=/work/shared/data/ptb
+    python scripts/ngram_ptb.py --data_dir=../shared/data/ptb
 
 Perplexity counts every word and every `<eos>` (929,589 / 73,760 / 82,430 tokens+eos). Mikolov et al. (2011)
 report KN 5-gram test perplexity 141.2.
@@ -8,6 +8,7 @@ report KN 5-gram test perplexity 141.2.
 
 import argparse
 import os
+import pathlib
 import platform
 import time
 
@@ -19,7 +20,7 @@ from lmzoo.tokenizers import WordTokenizer
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data_dir", default="/work/shared/data/ptb")
+    parser.add_argument("--data_dir", default=str(pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"))
     parser.add_argument("--kn_orders", default="3,4,5")
     parser.add_argument("--add_k_orders", default="2,3")
     parser.add_argument("--add_k_values", default="1,0.1,0.01")

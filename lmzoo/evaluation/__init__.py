@@ -4,7 +4,7 @@ Each evaluator is `fn(run, state, split, **options) -> (metrics, examples)`; an 
 ones that apply to it (`Objective.evaluators`), and `eval.py` runs those asked for.
 """
 
-from lmzoo.evaluation import classification, generation, loss, preference, reconstruction
+from lmzoo.evaluation import classification, generation, latent, loss, preference, reconstruction, recurrent
 
 
 def _loss(run, state, split="validation", *, max_batches=None):
@@ -17,6 +17,8 @@ EVALUATORS = {
     "classification": classification.evaluate_classification,
     "preference": preference.evaluate_preference,
     "generation": generation.evaluate_generation,  # text_to_text: greedy generations vs references (BLEU, ROUGE)
+    "recurrent_samples": recurrent.evaluate_samples,
+    "latent": latent.evaluate_latent,
 }
 
 

@@ -10,12 +10,16 @@ from typing import Any
 
 import flax.linen as nn
 
-from lmzoo.models import bert, gpt2, seq2seq
+from lmzoo.models import bert, elmo, gpt2, lstm, ngram, seq2seq, vae_lm
 
 REGISTRY: dict[str, tuple[type, type[nn.Module]]] = {
     "gpt2": (gpt2.GPT2Config, gpt2.GPT2),
     "bert": (bert.BertConfig, bert.Bert),
     "seq2seq": (seq2seq.Seq2SeqConfig, seq2seq.Seq2Seq),
+    "lstm": (lstm.LSTMConfig, lstm.LSTM),
+    "vae_lm": (vae_lm.VAELMConfig, vae_lm.VAELM),
+    "elmo": (elmo.ELMoConfig, elmo.BiLM),
+    "ngram": (ngram.NgramConfig, lambda config: config),  # counted, not a Flax module: the model is its config
 }
 
 

@@ -8,12 +8,17 @@ import dataclasses
 
 from lmzoo.objectives import (
     base,
+    bilm,
     causal_lm,
     classification,
     denoising,
     distillation,
+    elbo,
+    elmo_classify,
     mlm,
+    ngram_lm,
     ppo,
+    recurrent_lm,
     reward_model,
     sft,
     text_to_text,
@@ -41,6 +46,11 @@ for _objective in (
     sft.SFT(),
     reward_model.RewardModel(),
     ppo.PPO(),
+    recurrent_lm.RecurrentLM(),
+    ngram_lm.NgramLM(),
+    elbo.VAELanguageModel(),
+    bilm.BiLMObjective(),
+    elmo_classify.ELMoClassify(),
 ):
     register(_objective)
 

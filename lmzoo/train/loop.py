@@ -105,7 +105,7 @@ def _tokenizer(config: ml_collections.ConfigDict, run_splits: dict, objective: b
     spec = config.data.tokenizer.to_dict()
     kind = spec.pop("kind")
     corpus = None
-    if kind in ("char", "sentencepiece") and not spec.get("path"):
+    if kind in ("char", "word", "sentencepiece") and not spec.get("path"):
         run_splits.update(objective.read(config))
         corpus = objective.corpus(run_splits["train"]) + objective.corpus(run_splits["validation"])
     tokenizer = tokenizers.build_tokenizer(kind, corpus=corpus, **spec)

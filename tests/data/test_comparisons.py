@@ -10,7 +10,7 @@ import pytest
 from lmzoo import tokenizers
 from lmzoo.data import comparisons
 
-REAL_FILE = pathlib.Path("/work/shared/data/hh_rlhf/harmless-base_test.jsonl.gz")
+REAL_FILE = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "hh_rlhf" / "harmless-base_test.jsonl.gz"
 TOKENIZER = tokenizers.ByteTokenizer()
 EOS, PAD = TOKENIZER.eos_id, TOKENIZER.pad_id
 

@@ -20,7 +20,7 @@ from lmzoo.train import loop, restore
 from lmzoo.train import metrics as metrics_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-REAL_FILE = "/work/shared/data/hh_rlhf/harmless-base_test.jsonl.gz"
+REAL_FILE = str(pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "hh_rlhf" / "harmless-base_test.jsonl.gz")
 
 
 def stage_config(name: str, data_path: str, **train):

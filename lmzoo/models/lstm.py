@@ -1,0 +1,151 @@
+"""LSTM language model (Zaremba et al. 2014): embedding, stacked LSTM layers scanned over time, softmax.
+
+The recurrent state is an explicit carry {"c", "h"} [B, L, D] that the caller threads from one window
+of a stream to the next (truncated backpropagation through time), so the module itself is pure.
+Dropout acts on the non-recurrent connections only: after the embedding and after every layer.
+Every parameter starts uniform in [-init_scale, init_scale], as in the paper.
+"""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lmzoo import decoding, sharding
+
+Carry = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class LSTMConfig:
+    """Sizes of the LSTM LM; the field names are exactly the keys of `config.model`.
+
+    emb_dim is both the embedding and the hidden width (D), as in Zaremba et al."""
+
+    vocab_size: int = 10000
+    emb_dim: int = 200
+    num_layers: int = 2
+    dropout_rate: float = 0.0
+    init_scale: float = 0.1
+    dtype: str = "float32"
+
+
+def symmetric_uniform(scale: float):
+    """Initializer drawing every entry uniformly from [-scale, scale]."""
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -scale, scale)
+
+    return init
+
+
+class LSTMLayer(nn.Module):
+    """One LSTM layer over a window: gates i, f, g, o from one [D_in + D, 4D] affine map.
+
+    Attributes:
+        hidden: width D of the cell and hidden state.
+        init_scale: half-width of the uniform initializer.
+    """
+
+    hidden: int
+    init_scale: float = 0.1
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, state: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """x [B, T, D_in], state (c, h) each [B, D] -> outputs [B, T, D], final (c, h)."""
+        init = symmetric_uniform(self.init_scale)
+        gates = 4 * self.hidden
+        wi = self.param("wi", nn.with_logical_partitioning(init, ("embed", "mlp")), (x.shape[-1], gates))
+        wh = self.param("wh", nn.with_logical_partitioning(init, ("embed", "mlp")), (self.hidden, gates))
+        bias = self.param("bias", nn.with_logical_partitioning(init, ("mlp",)), (gates,))
+        # The input half of every step's gates in one matmul, time-major for the scan: [T, B, 4D].
+        input_gates = jnp.einsum("BTD,DG->TBG", x.astype(self.dtype), wi.astype(self.dtype)) + bias
+
+        def cell(carry, step_gates):
+            c, h = carry
+            i, f, g, o = jnp.split(step_gates + h @ wh.astype(self.dtype), 4, axis=-1)
+            c = nn.sigmoid(f) * c + nn.sigmoid(i) * jnp.tanh(g)
+            h = nn.sigmoid(o) * jnp.tanh(c)
+            return (c, h), h
+
+        state = tuple(s.astype(self.dtype) for s in state)
+        (c, h), outputs = jax.lax.scan(cell, state, input_gates)
+        return jnp.swapaxes(outputs, 0, 1), (c, h)  # [T, B, D] -> [B, T, D]
+
+
+class LSTM(nn.Module):
+    """Stacked LSTM LM with an untied softmax layer (weights and bias).
+
+    Attributes:
+        config: an `LSTMConfig`.
+    """
+
+    config: LSTMConfig
+
+    def initial_carry(self, batch_size: int) -> Carry:
+        """Zero state {"c", "h"} [B, L, D]."""
+        zeros = jnp.zeros((batch_size, self.config.num_layers, self.config.emb_dim), jnp.float32)
+        return {"c": zeros, "h": zeros}
+
+    @nn.compact
+    def __call__(
+        self, tokens: jax.Array, carry: Carry, *, deterministic: bool = True, return_layers: bool = False
+    ) -> tuple[jax.Array, Carry] | tuple[jax.Array, Carry, list[jax.Array]]:
+        """tokens [B, T], carry [B, L, D] each -> logits [B, T, V], carry after the window.
+
+        With `return_layers`, also the outputs of the embedding and of every layer, each [B, T, D]."""
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        init = symmetric_uniform(cfg.init_scale)
+        embedding = self.param(
+            "embedding", nn.with_logical_partitioning(init, ("vocab", "embed")), (cfg.vocab_size, cfg.emb_dim)
+        )
+        x = jnp.take(embedding, tokens, axis=0).astype(dtype)
+        x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
+        layers = [x]
+        cs, hs = [], []
+        for layer in range(cfg.num_layers):
+            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+            x, (c, h) = LSTMLayer(cfg.emb_dim, cfg.init_scale, dtype, name=f"layer_{layer}")(
+                x, (carry["c"][:, layer], carry["h"][:, layer])
+            )
+            layers.append(x)
+            cs.append(c)
+            hs.append(h)
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        out = self.param("out", nn.with_logical_partitioning(init, ("embed", "vocab")), (cfg.emb_dim, cfg.vocab_size))
+        out_bias = self.param("out_bias", nn.with_logical_partitioning(init, ("vocab",)), (cfg.vocab_size,))
+        logits = jnp.einsum(
+            "BTD,DV->BTV", x, out.astype(dtype), preferred_element_type=jnp.promote_types(dtype, jnp.float32)
+        )
+        logits = logits + out_bias
+        new_carry = {
+            "c": jnp.stack(cs, axis=1).astype(carry["c"].dtype),
+            "h": jnp.stack(hs, axis=1).astype(carry["h"].dtype),
+        }
+        if return_layers:
+            return logits, new_carry, layers
+        return logits, new_carry
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p"))
+def generate(
+    model: LSTM, params, prompt: jax.Array, rng: jax.Array, *, max_new_tokens: int, temperature: float = 1.0,
+    top_k: int = 0, top_p: float = 1.0,
+) -> jax.Array:  # fmt: skip
+    """prompt [B, P] (P >= 1) -> [B, max_new_tokens] ids sampled one at a time, the carry threaded through."""
+    logits, carry = model.apply({"params": params}, prompt, model.initial_carry(prompt.shape[0]))
+
+    def step(state, key):
+        last_logits, carry = state
+        token = decoding.sample_logits(key, last_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        logits, carry = model.apply({"params": params}, token[:, None], carry)
+        return (logits[:, -1], carry), token
+
+    _, tokens = jax.lax.scan(step, (logits[:, -1], carry), jax.random.split(rng, max_new_tokens))
+    return tokens.T

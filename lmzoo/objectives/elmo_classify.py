@@ -1,0 +1,138 @@
+"""Sentence classification on frozen ELMo features (Peters et al. 2018): a pretrained biLM (model_name "elmo",
+read from `config.objective.bilm` = "ckpt:WORKDIR" of a `bilm` run) stays frozen; only the scalar mix, gamma
+and a linear classifier over the mean of the mixed layers are trained.
+
+`features` = "elmo" mixes every layer; "static" uses layer 0 alone (the biLM's token embeddings, no
+context), the static-embedding baseline. Rows are the TSV's sentences (GLUE format) encoded with the biLM
+run's word tokenizer (copy its workdir's tokenizer/ with `copy_tokenizer` before training) and framed by
+`<eos>` on both sides as in pretraining; the "loss" evaluator reports loss and accuracy.
+"""
+
+import dataclasses
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmzoo.data import pipeline, transforms
+from lmzoo.models import elmo
+from lmzoo.objectives import base, losses
+from lmzoo.train.state import Task
+
+FEATURES = ("elmo", "static")
+
+
+def copy_tokenizer(bilm_workdir: str, workdir: str) -> None:
+    """Puts the biLM run's tokenizer into `workdir`, where `loop.build` reloads it (ids must match the biLM's)."""
+    target = pathlib.Path(workdir) / "tokenizer"
+    if not target.exists():
+        shutil.copytree(pathlib.Path(bilm_workdir) / "tokenizer", target)
+
+
+@dataclasses.dataclass(frozen=True)
+class ELMoClassifyConfig:
+    bilm: str = ""  # "ckpt:WORKDIR" of a pretrained `bilm` run (frozen)
+    num_classes: int = 2
+    features: str = "elmo"  # "elmo" (scalar mix of every layer) or "static" (layer 0: token embeddings only)
+    head_dropout_rate: float = 0.0
+
+    def __post_init__(self):
+        if self.features not in FEATURES:
+            raise ValueError(f"unknown config.objective.features {self.features!r}; choose one of {FEATURES}")
+        if self.num_classes < 2:
+            raise ValueError(f"config.objective.num_classes={self.num_classes} must be at least 2")
+
+
+def elmo_classify_task(bilm: elmo.BiLM, head: elmo.ELMoClassifier, features: str) -> Task:
+    def layers_of(frozen, batch):
+        layers = bilm.apply({"params": frozen["bilm"]}, batch["tokens"], batch["weights"])[2]
+        return jax.lax.stop_gradient(layers[:1] if features == "static" else layers)
+
+    def init(rng, batch):
+        bilm_params = bilm.init(rng, batch["tokens"], batch["weights"])["params"]
+        layers = jax.eval_shape(lambda: layers_of({"bilm": bilm_params}, batch))
+        head_params = head.init(rng, jnp.zeros(layers.shape, layers.dtype), batch["weights"])["params"]
+        return {"head": head_params}, {"bilm": bilm_params}
+
+    def loss(params, frozen, carry, batch, rng, *, step, train):
+        logits = head.apply({"params": params["head"]}, layers_of(frozen, batch), batch["weights"],
+                            deterministic=not train, rngs={"dropout": rng})  # fmt: skip
+        value, metrics = losses.weighted_loss(logits, batch["labels"], batch["example_weights"])
+        return value, (metrics, carry)
+
+    return Task(init=init, loss=loss)
+
+
+def framed_examples(texts: list[str], labels: np.ndarray, tokenizer, max_len: int) -> dict[str, np.ndarray]:
+    """tokens, weights [N, max_len] (`<eos>` words `<eos>`, cut to max_len), labels [N]."""
+    eos = tokenizer.eos_id
+    rows = [([eos] + tokenizer.encode(text)[: max_len - 2] + [eos]) for text in texts]
+    tokens = np.zeros((len(rows), max_len), np.int32)
+    weights = np.zeros((len(rows), max_len), np.float32)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)], weights[i, : len(row)] = row, 1.0
+    return {"tokens": tokens, "weights": weights, "labels": np.asarray(labels, np.int32)}
+
+
+def _rows(rows, ids, epochs):
+    return {**rows, "example_weights": np.ones(len(ids), np.float32)}
+
+
+class ELMoClassify(base.Objective):
+    """Frozen-feature sentence classification on (sentence, label) TSV files (data.train_path / validation_path)."""
+
+    name = "elmo_classify"
+    Config = ELMoClassifyConfig
+
+    def check(self, config):
+        super().check(config)
+        if not config.objective.bilm.startswith("ckpt:"):
+            raise ValueError(
+                f"config.objective.bilm={config.objective.bilm!r}: name the pretrained biLM as 'ckpt:WORKDIR' of a bilm run"
+            )
+
+    def model(self, config):
+        return elmo.BiLM(elmo.ELMoConfig(**config.model.to_dict()))
+
+    def task(self, config, model):
+        fields = self.fields(config)
+        return elmo_classify_task(
+            model, elmo.ELMoClassifier(fields.num_classes, fields.head_dropout_rate), fields.features
+        )
+
+    def load_frozen(self, config, frozen):
+        from lmzoo.train import restore
+
+        return {"bilm": restore.merge_pretrained(frozen["bilm"], config.objective.bilm, "elmo", config.model.to_dict())}
+
+    def read(self, config):
+        return {split: self.read_file(config, config.data[f"{split}_path"]) for split in ("train", "validation")}
+
+    def read_file(self, config, path):
+        return pipeline.read_labelled_tsv(path, tuple(config.data.text_fields), config.data.label_field)
+
+    def corpus(self, raw):
+        return [" ".join(texts) for texts in raw[0]]
+
+    def input_shapes(self, config, batch_size):
+        shape = (batch_size, config.data.seq_len)
+        return {"tokens": base.int_inputs(shape), "weights": base.float_inputs(shape)}
+
+    def _loader(self, config, tokenizer, raw, shard, batch_size: int, where: str) -> pipeline.ExampleLoader:
+        texts, labels = raw
+        examples = framed_examples([" ".join(t) for t in texts], labels, tokenizer, config.data.seq_len)
+        transforms.check_token_ids(examples["tokens"], config.model.vocab_size, where=where)
+        return pipeline.ExampleLoader(
+            examples, batch_size, seed=config.train.seed, transform=_rows, **dataclasses.asdict(shard)
+        )
+
+    def train_loader(self, config, tokenizer, raw, shard):
+        return self._loader(config, tokenizer, raw, shard, config.train.batch_size, "train split")
+
+    def eval_batches(self, config, tokenizer, raw, shard):
+        return self._loader(config, tokenizer, raw, shard, config.eval.batch_size, "evaluation split").eval_batches()
+
+    def real_tokens(self, batch):
+        return int(np.sum(batch["weights"]))

@@ -1,0 +1,96 @@
+"""VAE-LM: closed-form KL, the importance-weighted bound against the ELBO, annealing and free bits, and the
+vae_lm objective with its "latent" evaluator through the real loop."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmzoo.models import vae_lm
+from lmzoo.objectives import elbo
+from lmzoo.train import loop, restore
+
+CONFIG = vae_lm.VAELMConfig(vocab_size=11, emb_dim=8, latent_dim=3, init_scale=0.8)
+
+
+def test_kl_of_the_prior_to_itself_is_zero_and_matches_monte_carlo():
+    zeros = jnp.zeros((4, 3))
+    np.testing.assert_array_equal(vae_lm.gaussian_kl(zeros, zeros), 0.0)
+    mu, logvar = jnp.array([0.5, -1.0, 2.0]), jnp.array([0.3, -1.2, 0.0])
+    z = mu + jnp.exp(0.5 * logvar) * jax.random.normal(jax.random.key(0), (400_000, 3))
+    zero = jnp.zeros(3)
+    monte_carlo = jnp.mean(vae_lm.gaussian_log_density(z, mu, logvar) - vae_lm.gaussian_log_density(z, zero, zero))
+    np.testing.assert_allclose(jnp.sum(vae_lm.gaussian_kl(mu, logvar)), monte_carlo, rtol=1e-2)
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    targets = rng.integers(0, 10, size=(4, 6)).astype(np.int32)
+    weights = (np.arange(6) < np.array([[6], [4], [5], [2]])).astype(np.float32)
+    targets[np.arange(4), weights.sum(1).astype(int) - 1] = 10  # each sentence ends in <eos> = 10
+    return elbo.with_inputs({"targets": targets, "weights": weights}, 10)
+
+
+def test_importance_weighted_bound_is_above_the_elbo_and_tightens_with_k():
+    model = vae_lm.VAELM(CONFIG)
+    batch = _batch()
+    params = model.init(jax.random.key(1), batch["targets"], batch["inputs"], batch["weights"], rng=jax.random.key(2))[
+        "params"
+    ]
+    repeats = 16  # every sentence 16 times in one batch: independent samples, one call per K
+    tiled = jax.tree.map(lambda x: np.tile(x, (repeats, 1)), batch)
+    means = {}
+    for k in (1, 5, 50):
+        iw, bound, _, _ = elbo.importance_weighted_bound(model, params, tiled, jax.random.key(k), num_samples=k)
+        means[k] = np.asarray(iw).reshape(repeats, -1).mean(axis=0)  # [B]: E[IW_k] per sentence
+        if k == 50:
+            elbo_estimate = np.asarray(bound).reshape(repeats, -1).mean(axis=0)
+    assert np.all(means[50] > elbo_estimate)
+    assert means[50].sum() > means[5].sum() > means[1].sum()  # summed over sentences: the gaps exceed the noise
+    np.testing.assert_allclose(means[1], elbo_estimate, atol=0.05 * np.abs(elbo_estimate).max())
+
+
+def test_kl_annealing_and_free_bits():
+    assert [float(elbo.kl_weight(s, 4)) for s in (0, 2, 4, 9)] == [0.0, 0.5, 1.0, 1.0]
+    assert float(elbo.kl_weight(0, 0)) == 1.0
+    kl = jnp.array([[0.1, 2.0], [0.3, 1.0]])  # per-dimension batch means 0.2 and 1.5
+    assert float(elbo.kl_term(kl, 0.0)) == pytest.approx(3.4)
+    assert float(elbo.kl_term(kl, 0.5)) == pytest.approx((0.5 + 1.5) * 2)
+
+
+def test_vae_lm_trains_with_annealing_and_reports_latent_metrics(tmp_path):
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(14)] + ["<unk>"]
+    for name, lines in (("train", 64), ("valid", 16)):
+        (tmp_path / f"ptb.{name}.txt").write_text(
+            "".join(" ".join(rng.choice(words, size=rng.integers(2, 8))) + "\n" for _ in range(lines))
+        )
+    from configs import ptb_vae
+
+    config = ptb_vae.get_config("tiny")
+    config.data.train_path, config.data.validation_path = (
+        str(tmp_path / "ptb.train.txt"),
+        str(tmp_path / "ptb.valid.txt"),
+    )
+    config.model.vocab_size = 16
+    final = loop.train_and_evaluate(config, str(tmp_path / "run"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kl_weight"] for r in rows if r["split"] == "train"] == pytest.approx([0.0, 0.25, 0.5, 0.75])
+    assert final["kl"] > 0 and final["reconstruction"] < final["loss"]
+    run = restore.open_run(str(tmp_path / "run"))
+    _, state = restore.restore_step(run)
+    metrics, examples = elbo_evaluator(run, state)
+    assert 0 <= metrics["active_units"] <= 4 and metrics["iw_samples"] == 5
+    assert metrics["iw_perplexity"] <= metrics["elbo_perplexity"] * 1.05
+    assert (
+        len([e for e in examples if "interpolation" in e]) == 5
+        and len([e for e in examples if "prior_sample" in e]) == 3
+    )
+
+
+def elbo_evaluator(run, state):
+    from lmzoo import evaluation
+
+    return evaluation.EVALUATORS["latent"](run, state, "validation", max_batches=2)

@@ -232,11 +232,12 @@ def check_variants(arg: str | None, known: tuple[str, ...], *, single: bool = Fa
     return words
 
 
-def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int) -> None:
+def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, batches: bool = True) -> None:
     """Raises one ValueError listing every out-of-range value, each naming its field and the fix.
 
     data_parallel_size: devices the batch is split over (the mesh's data x fsdp axes), so a global
-    batch, and each gradient-accumulation microbatch of it, must be a multiple of it.
+    batch, and each gradient-accumulation microbatch of it, must be a multiple of it (checked with
+    `batches`; a run opened only to restore its params never splits a batch).
     """
     from lmzoo.data import pipeline
 
@@ -254,7 +255,7 @@ def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int) 
     for field in ("train.steps", "train.batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
                   "train.checkpoint_every", "train.keep_checkpoints", "eval.batch_size", "data.seq_len"):  # fmt: skip
         require(value(field) >= 1, field, f"must be a positive integer; set --config.{field}=N with N >= 1")
-    if not problems:
+    if batches and not problems:
         accum = train.grad_accum_steps
         multiple = accum * data_parallel_size
         require(

@@ -121,17 +121,19 @@ def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def build(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.StagedRunState | None = None) -> Run:
+def build(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.StagedRunState | None = None, *,
+          batches: bool = True) -> Run:  # fmt: skip
     """Validated config, objective, tokenizer, model, compiled trainer and checkpointer for a workdir.
 
     stage: where a training run stages a newly built tokenizer (None: a new tokenizer is not saved).
+    batches: check that batch sizes split over the mesh (False for a run opened only to restore params).
     """
     config = config_lib.validate(config)
     try:
         mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape))
     except ValueError as e:
         raise ValueError(f"config.sharding.mesh_shape={tuple(config.sharding.mesh_shape)}: {e}") from None
-    config_lib.check_values(config, data_parallel_size=data_parallel_size(mesh))
+    config_lib.check_values(config, data_parallel_size=data_parallel_size(mesh), batches=batches)
     workdir_path = pathlib.Path(workdir)
     workdir_path.mkdir(parents=True, exist_ok=True)
     rules = sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))

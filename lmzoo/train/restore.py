@@ -38,7 +38,7 @@ def load(workdir: str, step: int | None = None, *, mesh_shape: tuple[int, ...] |
     from lmzoo.train import loop
 
     workdir = str(pathlib.Path(workdir).expanduser().absolute())
-    run = open_run(workdir, mesh_shape=mesh_shape)
+    run = open_run(workdir, mesh_shape=mesh_shape, batches=False)
     try:
         step, state = restore_step(run, step)
         params = loop.host_params(run, state)
@@ -47,8 +47,9 @@ def load(workdir: str, step: int | None = None, *, mesh_shape: tuple[int, ...] |
     return Loaded(model=run.model, params=params, tokenizer=run.tokenizer, config=run.config, step=step)
 
 
-def open_run(workdir: str, *, mesh_shape: tuple[int, ...] | None = None):
-    """A `loop.Run` of an existing workdir, for evaluation (fails if the workdir has no run)."""
+def open_run(workdir: str, *, mesh_shape: tuple[int, ...] | None = None, batches: bool = True):
+    """A `loop.Run` of an existing workdir, for evaluation (fails if the workdir has no run); `batches=False`
+    when only its params are wanted (`loop.build`)."""
     from lmzoo.train import loop
 
     config = config_lib.load_saved(workdir)
@@ -58,7 +59,7 @@ def open_run(workdir: str, *, mesh_shape: tuple[int, ...] | None = None):
         config.sharding.mesh_shape = (-1, 1, 1)
     if not (pathlib.Path(workdir) / "tokenizer" / "spec.json").exists():
         raise FileNotFoundError(f"{workdir}/tokenizer is missing: is {workdir!r} the workdir of a train.py run?")
-    return loop.build(config, workdir)
+    return loop.build(config, workdir, batches=batches)
 
 
 def restore_step(run, step: int | None = None) -> tuple[int, Any]:

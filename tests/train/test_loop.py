@@ -34,7 +34,7 @@ def test_train_writes_checkpoints_logs_sample_and_eval(tmp_path):
     assert any(p.name.startswith("events") for p in (tmp_path / "tb").iterdir())
     assert (tmp_path / "sample.txt").read_text().startswith("def ")
     result = subprocess.run(
-        [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", "--generate=def", "--max_new_tokens=5", "--max_batches=2"],
+        [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", "--max_batches=2"],
         capture_output=True, text=True, cwd=ROOT, check=True,
     )  # fmt: skip
     line = json.loads(result.stdout.splitlines()[0])
@@ -49,7 +49,7 @@ def test_train_writes_checkpoints_logs_sample_and_eval(tmp_path):
     assert earlier.returncode == 0, earlier.stderr
     earlier_line = json.loads(earlier.stdout.splitlines()[0])
     assert earlier_line["step"] == 2 and earlier_line["loss"] != line["loss"]
-    assert (tmp_path / "eval_validation_step2.json").exists()
+    assert (tmp_path / "eval_validation_step2_max2batches.json").exists()
     missing = eval_step(3)
     assert missing.returncode != 0 and "no checkpoint for step 3" in missing.stderr and "[2, 4]" in missing.stderr
 

@@ -99,7 +99,20 @@ def classification_rows(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np
     return {"inputs": rows["tokens"], **{k: v for k, v in rows.items() if k != "tokens"}}
 
 
-class Classification(base.Objective):
+class LabelledTSVObjective(base.Objective):
+    """Reads (text[, text pair], label) rows of `data.train_path` / `data.validation_path` TSV files."""
+
+    def read(self, config):
+        return {split: self.read_file(config, config.data[f"{split}_path"]) for split in ("train", "validation")}
+
+    def read_file(self, config, path):
+        return pipeline.read_labelled_tsv(path, tuple(config.data.text_fields), config.data.label_field)
+
+    def corpus(self, raw):
+        return [" ".join(texts) for texts in raw[0]]
+
+
+class Classification(LabelledTSVObjective):
     """Fine-tuning on (text[, text pair], label) rows of `data.train_path` / `data.validation_path` TSV files."""
 
     name = "classify"
@@ -113,15 +126,6 @@ class Classification(base.Objective):
 
     def task(self, config, model):
         return classification_task(model)
-
-    def read(self, config):
-        return {split: self.read_file(config, config.data[f"{split}_path"]) for split in ("train", "validation")}
-
-    def read_file(self, config, path):
-        return pipeline.read_labelled_tsv(path, tuple(config.data.text_fields), config.data.label_field)
-
-    def corpus(self, raw):
-        return [" ".join(texts) for texts in raw[0]]
 
     def input_shapes(self, config, batch_size):
         shape = (batch_size, config.data.seq_len)

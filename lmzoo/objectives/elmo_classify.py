@@ -18,7 +18,7 @@ import numpy as np
 
 from lmzoo.data import pipeline, transforms
 from lmzoo.models import elmo
-from lmzoo.objectives import base, losses
+from lmzoo.objectives import base, classification, losses
 from lmzoo.train.state import Task
 
 FEATURES = ("elmo", "static")
@@ -80,7 +80,7 @@ def _rows(rows, ids, epochs):
     return {**rows, "example_weights": np.ones(len(ids), np.float32)}
 
 
-class ELMoClassify(base.Objective):
+class ELMoClassify(classification.LabelledTSVObjective):
     """Frozen-feature sentence classification on (sentence, label) TSV files (data.train_path / validation_path)."""
 
     name = "elmo_classify"
@@ -106,15 +106,6 @@ class ELMoClassify(base.Objective):
         from lmzoo.train import restore
 
         return {"bilm": restore.merge_pretrained(frozen["bilm"], config.objective.bilm, "elmo", config.model.to_dict())}
-
-    def read(self, config):
-        return {split: self.read_file(config, config.data[f"{split}_path"]) for split in ("train", "validation")}
-
-    def read_file(self, config, path):
-        return pipeline.read_labelled_tsv(path, tuple(config.data.text_fields), config.data.label_field)
-
-    def corpus(self, raw):
-        return [" ".join(texts) for texts in raw[0]]
 
     def input_shapes(self, config, batch_size):
         shape = (batch_size, config.data.seq_len)

@@ -10,7 +10,6 @@ the split can be checked against it. Numbers depend on the machine's load: print
 """
 
 import argparse
-import importlib.util
 import pathlib
 import sys
 
@@ -26,10 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def hh_ppo_config(tiny: bool):
-    spec = importlib.util.spec_from_file_location("hh_ppo", ROOT / "configs" / "hh_ppo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("tiny" if tiny else None)
+    config = config_lib.load_config_file(ROOT / "configs" / "hh_ppo.py", "tiny" if tiny else None)
     config.objective.update(sft="ckpt:unused", reward_model="ckpt:unused")
     return config_lib.validate(config)
 

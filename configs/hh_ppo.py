@@ -9,23 +9,15 @@ response. Variants: `nokl` (β = 0: the reward-hacking run), `rloo` (4 samples p
 baseline), `tiny` (a few steps of the 1-layer model of configs/hh_sft.py:tiny).
 """
 
-import importlib.util
 import pathlib
 
-from lmzoo.config import check_variants, objective_section
-
-
-def _sft_config(arg):
-    spec = importlib.util.spec_from_file_location("hh_sft", pathlib.Path(__file__).with_name("hh_sft.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+from lmzoo.config import check_variants, load_config_file, objective_section
 
 
 def get_config(arg: str | None = None):
     variants = check_variants(arg, ("tiny", "nokl", "rloo"))
     tiny = "tiny" in variants
-    c = _sft_config("tiny" if tiny else None)
+    c = load_config_file(pathlib.Path(__file__).with_name("hh_sft.py"), "tiny" if tiny else None)
     objective = dict(prompt_len=64, response_len=32, temperature=1.0, epochs=4, minibatches=2, kl_coef=0.1,
                      kl_target=4.0, kl_horizon=2000.0, missing_eos_penalty=1.0, normalize_samples=128)  # fmt: skip
     if "nokl" in variants:

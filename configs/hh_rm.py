@@ -13,25 +13,17 @@ the held-out pairwise accuracy next to length-only baselines. Variant `tiny`: a 
 1-layer model of configs/hh_sft.py:tiny.
 """
 
-import importlib.util
 import pathlib
 
-from lmzoo.config import check_variants, model_section, objective_section
+from lmzoo.config import check_variants, load_config_file, model_section, objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def _sft_config(arg):
-    spec = importlib.util.spec_from_file_location("hh_sft", pathlib.Path(__file__).with_name("hh_sft.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
 
 
 def get_config(arg: str | None = None):
     variants = check_variants(arg, ("tiny", "minilm"))
     tiny = "tiny" in variants
-    c = _sft_config("tiny" if tiny else None)
+    c = load_config_file(pathlib.Path(__file__).with_name("hh_sft.py"), "tiny" if tiny else None)
     c.objective = objective_section("reward_model", heldout_fraction=0.1, split_seed=0, max_responses=2)
     c.optim.learning_rate, c.optim.min_learning_rate = 1e-4, 1e-5
     c.optim.warmup_steps = 10

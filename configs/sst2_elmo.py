@@ -10,15 +10,14 @@ static-embedding baseline), `tiny` (tests). Only the mix, gamma and a linear cla
 import os
 import pathlib
 
-from configs import ptb_elmo
-from lmzoo.config import check_variants, objective_section
+from lmzoo.config import check_variants, load_config_file, objective_section
 
 SST2 = pathlib.Path(os.environ.get("LMZOO_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data")) / "sst2"
 
 
 def get_config(arg: str | None = None):
     (variant,) = check_variants(arg or "elmo", known=("elmo", "static", "tiny"), single=True)
-    c = ptb_elmo.get_config("tiny" if variant == "tiny" else None)
+    c = load_config_file(pathlib.Path(__file__).with_name("ptb_elmo.py"), "tiny" if variant == "tiny" else None)
     c.data.source = "tsv"
     c.data.train_path, c.data.validation_path = str(SST2 / "train.tsv"), str(SST2 / "dev.tsv")
     c.data.text_fields, c.data.label_field = ("sentence",), "label"

@@ -194,19 +194,24 @@ def check_resume(saved: dict, config: ml_collections.ConfigDict, step: int, work
         )
 
 
+def load_config_file(path: str | pathlib.Path, arg: str | None = None) -> ml_collections.ConfigDict:
+    """`get_config(arg)` of the config file at `path` (`configs/NAME.py`), executed as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_lmzoo_config_{pathlib.Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
 def check_overrides(argv: list[str], flag: str = "config", default: str = "configs/default.py") -> None:
     """Fails fast, naming the valid keys, on `--config.a.b=v` overrides of keys the config lacks (and on an
     unknown variant, for config files that check theirs)."""
-    import importlib.util
-
     spec_arg = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{flag}=")), default)
     path, _, variant = spec_arg.partition(":")
     if not pathlib.Path(path).exists():
         raise FileNotFoundError(f"config file {path!r} not found; pass --{flag}=configs/NAME.py")
-    module_spec = importlib.util.spec_from_file_location("_lmzoo_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    config = module.get_config(variant or None)
+    config = load_config_file(path, variant or None)
     for arg in argv:
         if not arg.startswith(f"--{flag}."):
             continue

@@ -25,16 +25,11 @@ def random_tokens(shape=(2, 8), vocab_size: int = 32, seed: int = 0) -> np.ndarr
 def tiny_config(objective: str = "causal_lm", **train):
     """configs/default.py:tiny (a 1-layer GPT-2 on 5 standard-library files, 4 steps) with `objective`
     and config.train fields replaced."""
-    import importlib.util
     import pathlib
 
     from lmzoo import config as config_lib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
-    spec = importlib.util.spec_from_file_location("default_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("tiny")
+    config = config_lib.load_config_file(pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py", "tiny")
     if objective != config.objective.name:
         config.objective = config_lib.objective_section(objective)
     config.train.update(train)

@@ -1,12 +1,12 @@
 """Text-to-text generations scored against their references, on a tiny trained Transformer."""
 
-import importlib.util
 import json
 import pathlib
 
 import jax
 import numpy as np
 
+from lmzoo import config as config_lib
 from lmzoo import decoding, evaluation
 from lmzoo.evaluation import reconstruction
 from lmzoo.train import loop, restore
@@ -24,10 +24,7 @@ def test_generation_evaluator_decodes_greedily_to_eos_and_scores_references(tmp_
             words = " ".join(rng.choice(WORDS, size=3))
             targets.add(words[::-1][:10])
             f.write(json.dumps({"chosen": f"Human: {words}\n\nAssistant: {words[::-1][:10]}"}) + "\n")
-    spec = importlib.util.spec_from_file_location("transformer_config", ROOT / "configs" / "transformer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("tiny,hh,test")
+    config = config_lib.load_config_file(ROOT / "configs" / "transformer.py", "tiny,hh,test")
     config.data.path, config.data.tokenizer, config.model.vocab_size = str(pairs), {"kind": "byte"}, 258
     loop.train_and_evaluate(config, str(tmp_path / "run"))
 

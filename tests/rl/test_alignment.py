@@ -2,7 +2,6 @@
 SFT -> reward model (initialised from the SFT checkpoint) -> PPO against both (frozen, read by path)."""
 
 import gzip
-import importlib.util
 import itertools
 import json
 import os
@@ -14,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from lmzoo import config as config_lib
 from lmzoo import sharding
 from lmzoo.data import comparisons
 from lmzoo.train import loop, restore
@@ -25,10 +25,7 @@ REAL_FILE = str(pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" 
 
 def stage_config(name: str, data_path: str, **train):
     """configs/<name>.py:tiny on `data_path`, with config.train fields replaced."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("tiny")
+    config = config_lib.load_config_file(ROOT / "configs" / f"{name}.py", "tiny")
     config.data.path = data_path
     config.train.update(train)
     return config

@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGETS = {"wall_ratio": 1.0, "wall_ratio_stretch": 0.8, "rss_ratio": 1.25}
 LOSS_TOLERANCE = 0.01  # seed-to-seed spread of this recipe's whole-split loss is of this order
 LOSS_PATTERNS = {  # the last match in the output is the final whole-split validation loss
-    "lmzoo": re.compile(r"final validation: .*?\bloss ([0-9.]+)"),
+    "lmzoo": re.compile(r"final validation .*?\bloss ([0-9.]+)"),
     "torch": re.compile(r"whole-split val loss ([0-9.]+)"),
 }
 
@@ -85,6 +85,7 @@ def main():
     peak = common.matmul_peak()
     print("matmul peak (f32, best of 5): " + ", ".join(f"{n}: {g:.1f} GFLOP/s" for n, g in peak.items()), flush=True)
     log_dir = pathlib.Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
     env = {"lmzoo": {}, "torch": {}}
     if args.compilation_cache:
         env["lmzoo"] = {

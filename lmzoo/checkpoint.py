@@ -11,6 +11,7 @@ When steps exist but none restores, restoring raises instead of letting a run st
 A failed save raises CheckpointSaveError with its cause (a full disk named as such).
 """
 
+import asyncio
 import errno
 import json
 import logging
@@ -113,6 +114,28 @@ class _DropOrbaxNoise(logging.Filter):
 _ORBAX_NOISE = _DropOrbaxNoise()
 
 
+class _LoopTakingLateCallbacks(asyncio.SelectorEventLoop):
+    """An event loop that drops callbacks arriving from other threads after it closed.
+
+    orbax runs each save on a fresh loop and closes it when the save coroutine ends. When one tensorstore
+    write fails (a full disk), that coroutine ends while the other writes are still in flight; each of
+    them later hands its result to the closed loop, and tensorstore prints the RuntimeError of every such
+    call as a traceback from its own thread. The results have nobody left to read them, so they are dropped.
+    """
+
+    def call_soon_threadsafe(self, callback, *args, context=None):
+        try:
+            return super().call_soon_threadsafe(callback, *args, context=context)
+        except RuntimeError:
+            if self.is_closed():
+                return None
+            raise
+
+
+class _EventLoopPolicy(asyncio.DefaultEventLoopPolicy):
+    _loop_factory = _LoopTakingLateCallbacks
+
+
 class Checkpointer:
     """Saves and restores (state, data_state) under `directory`; keeps the newest `max_to_keep`."""
 
@@ -121,6 +144,8 @@ class Checkpointer:
         self.failed = False
         for logger in ("absl", "asyncio"):  # orbax logs through absl; adding a filter twice is a no-op
             logging.getLogger(logger).addFilter(_ORBAX_NOISE)
+        if type(asyncio.get_event_loop_policy()) is asyncio.DefaultEventLoopPolicy:
+            asyncio.set_event_loop_policy(_EventLoopPolicy())  # the loops orbax makes for its saves
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(

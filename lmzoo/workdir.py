@@ -103,21 +103,28 @@ class WorkdirLock:
     """An exclusive lock on a workdir, held until `release()` or the process ends."""
 
     def __init__(self, workdir: str | os.PathLike):
-        self.path = pathlib.Path(workdir) / LOCK_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for the lock's lifetime)
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = _read_holder(self._file)
-            self._file.close()
-            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-                raise
-            who = holder.describe() if holder else "another process (no holder info yet)"
-            raise WorkdirLockedError(
-                f"workdir {str(self.path.parent)!r} is in use by {who}. Wait for that run to finish, stop it, "
-                "or use another --workdir."
-            ) from None
+        self.workdir = pathlib.Path(workdir)
+        self.path = self.workdir / LOCK_NAME
+        self.created_workdir = not self.workdir.exists()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.entries_before = {p.name for p in self.workdir.iterdir()}
+        while True:
+            self._file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for the lock's lifetime)
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read_holder(self._file)
+                self._file.close()
+                if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise
+                who = holder.describe() if holder else "another process (no holder info yet)"
+                raise WorkdirLockedError(
+                    f"workdir {str(self.workdir)!r} is in use by {who}. Wait for that run to finish, stop it, "
+                    "or use another --workdir."
+                ) from None
+            if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino:
+                break
+            self._file.close()  # a failed start removed this file after we opened it: lock the current one
         stale = _read_holder(self._file)
         if stale is not None:
             log.warning(
@@ -136,10 +143,23 @@ class WorkdirLock:
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def release(self) -> None:
-        """Clears the holder info (so the next run sees no stale info) and drops the lock."""
+    def release(self, *, failed_start: bool = False) -> None:
+        """Clears the holder info (so the next run sees no stale info) and drops the lock.
+
+        failed_start: the run stopped before changing the workdir; what taking the lock and starting added
+        (the lock file, empty folders such as checkpoints/, the workdir itself if it was created) is removed,
+        so the workdir is as it was.
+        """
         if self._file.closed:
             return
+        if failed_start:
+            for entry in self.workdir.iterdir():
+                if entry.name not in self.entries_before and entry.is_dir() and not any(entry.iterdir()):
+                    entry.rmdir()
+            if LOCK_NAME not in self.entries_before:
+                self.path.unlink()  # while still holding it: a waiting run re-checks the file it locked
+                if self.created_workdir and not any(self.workdir.iterdir()):
+                    self.workdir.rmdir()
         self._file.truncate(0)
         self._file.flush()
         fcntl.flock(self._file, fcntl.LOCK_UN)

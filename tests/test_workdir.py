@@ -48,6 +48,31 @@ def test_released_lock_leaves_no_stale_info(tmp_path):
         assert lock.stale_holder is None
 
 
+def test_failed_start_removes_only_what_taking_the_lock_added(tmp_path):
+    new = tmp_path / "new"
+    lock = workdir.lock(new)
+    (new / "checkpoints").mkdir()
+    lock.release(failed_start=True)
+    assert not new.exists()
+    used = tmp_path / "used"
+    workdir.lock(used).release()
+    (used / "config.json").write_text("{}")
+    lock = workdir.lock(used)
+    (used / "checkpoints").mkdir()
+    lock.release(failed_start=True)
+    assert sorted(p.name for p in used.iterdir()) == ["config.json", "lock"]
+
+
+def test_a_run_that_waited_on_a_removed_lock_file_locks_the_new_one(tmp_path):
+    first = workdir.lock(tmp_path / "run")
+    first.path.unlink()  # as a failed start does, while holding the lock
+    second = workdir.lock(tmp_path / "run")  # opens a new file; the old inode is no longer the lock
+    with pytest.raises(workdir.WorkdirLockedError):
+        workdir.lock(tmp_path / "run")
+    second.release()
+    first.release()
+
+
 def test_lock_is_exclusive_within_one_process_too(tmp_path):
     with workdir.lock(tmp_path):
         with pytest.raises(workdir.WorkdirLockedError, match=f"pid {os.getpid()}"):

@@ -339,6 +339,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     began = time.time()
     is_main = jax.process_index() == 0
     lock = workdir_lib.lock(workdir) if is_main else None
+    started = False
     try:
         if is_main:
             for name in workdir_lib.remove_leftovers(workdir):
@@ -348,10 +349,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 stage.commit()
         else:
             run, state, data_state, loader = _start(config, workdir, None)
+        started = True
         return _train(run, state, data_state, loader, began)
     finally:
         if lock is not None:
-            lock.release()
+            lock.release(failed_start=not started)
 
 
 def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) -> dict[str, float]:

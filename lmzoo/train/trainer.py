@@ -181,6 +181,12 @@ def _with_shardings(boxed: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings)
 
 
+def _init_compiler_options(mesh: jax.sharding.Mesh) -> dict | None:
+    """XLA options of the one-time init program. On CPU, LLVM at O1 compiles it (one threefry expansion per
+    parameter) ~40% faster than the default and gives bit-identical parameters."""
+    return {"xla_backend_optimization_level": 1} if mesh.devices.flat[0].platform == "cpu" else None
+
+
 def compile_trainer(trainer: Any, *, mesh: jax.sharding.Mesh, rules: tuple, seed: int) -> CompiledTrainer:
     """Shardings of the state (from the logical axes of its boxed leaves; optimizer state follows its
     params) and of batches (batch axis over data and fsdp), and the jitted trainer functions."""
@@ -194,7 +200,8 @@ def compile_trainer(trainer: Any, *, mesh: jax.sharding.Mesh, rules: tuple, seed
         return CompiledTrainer(
             trainer=trainer, mesh=mesh, rules=rules, abstract_state=abstract_state, state_shardings=state_shardings,
             batch_sharding=batch_sharding,
-            init=jax.jit(lambda rng: nn.unbox(trainer.init(rng)), out_shardings=state_shardings),
+            init=jax.jit(lambda rng: nn.unbox(trainer.init(rng)), out_shardings=state_shardings,
+                         compiler_options=_init_compiler_options(mesh)),
             step=jax.jit(
                 lambda state, batch: trainer.step(state, batch),
                 in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated), donate_argnums=0,

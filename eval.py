@@ -18,8 +18,9 @@ Other modes (each instead of scoring the split):
   --fewshot=TASK.jsonl  in-context multiple choice for each k of --fewshot_k, demonstrations drawn from
                         --fewshot_train (lmzoo/evaluation/fewshot.py), next to a majority-class baseline;
                         --dump_prompts=FILE writes the prompts used. Result: DIR/eval_fewshot_<task>.json.
-  --plot                PNG training curves from DIR/metrics.jsonl into DIR/plots/ (one per metric, train
-                        and validation together).
+  --plot                PNG training curves from the run's TensorBoard event files (DIR/tb) into DIR/plots/:
+                        one figure per metric group (loss, accuracy, schedule, throughput, ...), one panel
+                        per metric with its train and validation series (lmzoo/evaluation/plots.py).
 """
 
 import json

@@ -69,11 +69,11 @@ def test_fewshot_and_dumped_prompts(workdir, tmp_path, capsys):
     assert (workdir / "eval_fewshot_task.json").exists()
 
 
-def test_plot_writes_one_png_per_metric_with_both_splits(workdir, capsys):
+def test_plot_draws_the_event_files_one_png_per_metric_group(workdir, capsys):
     out = run_eval(capsys, f"--workdir={workdir}", "--plot")
     written = {pathlib.Path(p).name for p in out.split()}
-    assert {"loss.png", "accuracy.png"} <= written and "evaluated_batches.png" not in written
-    assert (workdir / "plots" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert written == {"loss.png", "accuracy.png", "schedule.png", "throughput.png", "gradients.png"}
+    assert all((workdir / "plots" / name).read_bytes()[:4] == b"\x89PNG" for name in written)
 
 
 def test_an_objective_without_registered_evaluators_is_refused_by_name():

@@ -3,9 +3,9 @@
 Restores the latest checkpoint (or the kept one of --step) of a train.py run from its workdir alone (its
 saved config, tokenizer and checkpoints; the training data is not read unless --split asks for it), runs
 every evaluator of its objective and prints one JSON line (also written to DIR/eval_<split>[_step<N>]
-[_max<B>batches].json) and the same metrics as a table: loss, perplexity, bits per token and per character;
-accuracy and F1 for classifiers; each with the number of batches and tokens or examples it was computed
-over. --data scores a file the run never saw, in the objective's format (text for language models, a TSV
+[_max<B>batches].json) and the same metrics as a table: loss, perplexity, bits per token, per character and
+per UTF-8 byte; accuracy and F1 for classifiers; each with the number of batches and tokens or examples it
+was computed over. --data scores a file the run never saw, in the objective's format (text for language models, a TSV
 for classifiers, pairs for text_to_text). --max_batches evaluates part of the split (its result goes to
 its own file).
 

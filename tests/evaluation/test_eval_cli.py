@@ -45,6 +45,7 @@ def test_partial_evaluation_writes_its_own_file_and_says_how_much(workdir, capsy
     out = run_eval(capsys, f"--workdir={workdir}", "--max_batches=1")
     line = json.loads(out.splitlines()[0])
     assert line["max_batches"] == 1 and line["evaluated_batches"] == 1 and line["tokens"] > 0
+    assert line["bits_per_byte"] == pytest.approx(line["bits_per_char"])  # ASCII text: one byte per character
     assert (workdir / "eval_validation_max1batches.json").exists() and not (workdir / "eval_validation.json").exists()
     assert any(row.split() == ["evaluated_batches", "1"] for row in out.splitlines()[1:])  # the table
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 from absl import logging
 
+SPLIT_COLORS = {"train": "C0", "validation": "C1"}  # the same in every panel
 # Sizes of what an evaluation read, not curves.
 COUNTS = frozenset(
     {"tokens", "examples", "evaluated_batches", "pairs", "generated_examples", "reconstruct_examples", "iw_samples",
@@ -135,8 +136,14 @@ def plot_metrics(workdir: str, out_dir: str | None = None) -> list[pathlib.Path]
         for panel, (name, splits) in zip(axes.flat, sorted(metrics.items()), strict=False):
             for split, points in sorted(splits.items()):
                 steps, values = zip(*points, strict=True)
-                panel.plot(steps, values, marker="o" if len(points) < 20 else None, label=split)
-            panel.set(xlabel="step", title=name)
+                panel.plot(
+                    steps,
+                    values,
+                    marker="o" if len(points) < 20 else None,
+                    label=split,
+                    color=SPLIT_COLORS.get(split, "C2"),
+                )
+            panel.set(xlabel="step", title=name, yscale="log" if "perplexity" in name else "linear")
             panel.grid(alpha=0.3)
             panel.legend()
         for panel in axes.flat[len(metrics) :]:

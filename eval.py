@@ -3,9 +3,9 @@
 Restores the latest checkpoint (or the kept one of --step) of a train.py run from its workdir alone (its
 saved config, tokenizer and checkpoints; the training data is not read unless --split asks for it), runs
 every evaluator of its objective and prints one JSON line (also written to DIR/eval_<split>[_step<N>]
-[_max<B>batches].json) and the same metrics as a table: loss, perplexity, bits per token and per character;
-accuracy and F1 for classifiers; each with the number of batches and tokens or examples it was computed
-over. --data scores a file the run never saw, in the objective's format (text for language models, a TSV
+[_max<B>batches].json) and the same metrics as a table: loss, perplexity, bits per token, per character and
+per UTF-8 byte; accuracy and F1 for classifiers; each with the number of batches and tokens or examples it
+was computed over. --data scores a file the run never saw, in the objective's format (text for language models, a TSV
 for classifiers, pairs for text_to_text). --max_batches evaluates part of the split (its result goes to
 its own file).
 
@@ -18,8 +18,9 @@ Other modes (each instead of scoring the split):
   --fewshot=TASK.jsonl  in-context multiple choice for each k of --fewshot_k, demonstrations drawn from
                         --fewshot_train (lmzoo/evaluation/fewshot.py), next to a majority-class baseline;
                         --dump_prompts=FILE writes the prompts used. Result: DIR/eval_fewshot_<task>.json.
-  --plot                PNG training curves from DIR/metrics.jsonl into DIR/plots/ (one per metric, train
-                        and validation together).
+  --plot                PNG training curves from the run's TensorBoard event files (DIR/tb) into DIR/plots/:
+                        one figure per metric group (loss, accuracy, schedule, throughput, ...), one panel
+                        per metric with its train and validation series (lmzoo/evaluation/plots.py).
 """
 
 import json

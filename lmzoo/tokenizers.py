@@ -90,6 +90,10 @@ class Tokenizer(abc.ABC):
         """[vocab_size] int32: unicode characters each id decodes to (0 for specials), for bits per character."""
 
     @abc.abstractmethod
+    def token_byte_lengths(self) -> np.ndarray:
+        """[vocab_size] int32: UTF-8 bytes each id stands for (0 for specials), for bits per byte."""
+
+    @abc.abstractmethod
     def save(self, directory: str) -> dict:
         """Write needed files into `directory`; return a JSON-able spec for `from_spec` (paths relative)."""
 
@@ -133,6 +137,9 @@ class CharTokenizer(Tokenizer):
 
     def token_char_lengths(self) -> np.ndarray:
         return np.array([1] * len(self.chars) + [0] * len(self.specials), dtype=np.int32)
+
+    def token_byte_lengths(self) -> np.ndarray:
+        return np.array([len(c.encode()) for c in self.chars] + [0] * len(self.specials), dtype=np.int32)
 
     def save(self, directory: str) -> dict:
         return {"kind": "char", "chars": self.chars, "specials": list(self.specials)}
@@ -200,6 +207,10 @@ class WordTokenizer(Tokenizer):
         """Characters of each word (inter-word spaces not counted); 0 for specials."""
         return np.array([len(w) for w in self.words] + [0] * len(self.specials), dtype=np.int32)
 
+    def token_byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes of each word (inter-word spaces not counted); 0 for specials."""
+        return np.array([len(w.encode()) for w in self.words] + [0] * len(self.specials), dtype=np.int32)
+
     def save(self, directory: str) -> dict:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "words.txt"), "w", encoding="utf-8") as f:
@@ -235,6 +246,9 @@ class ByteTokenizer(Tokenizer):
 
     def token_char_lengths(self) -> np.ndarray:
         return np.concatenate([_utf8_char_counts(np.arange(256)), np.zeros(len(self.SPECIALS), np.int32)])
+
+    def token_byte_lengths(self) -> np.ndarray:
+        return np.concatenate([np.ones(256, np.int32), np.zeros(len(self.SPECIALS), np.int32)])
 
     def save(self, directory: str) -> dict:
         return {"kind": "byte"}
@@ -332,6 +346,18 @@ class SentencePieceTokenizer(Tokenizer):
             self._char_lengths = lengths
         return self._char_lengths
 
+    def token_byte_lengths(self) -> np.ndarray:
+        """Byte-fallback pieces are one byte; "▁" is a space."""
+        sp = self.sp
+        lengths = np.zeros(self.vocab_size, np.int32)
+        for i in range(sp.get_piece_size()):
+            if sp.is_byte(i):
+                lengths[i] = 1
+            elif not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)):
+                lengths[i] = len(sp.id_to_piece(i).replace("\u2581", " ").encode())
+        lengths[list(self.special_ids.values())] = 0
+        return lengths
+
     def save(self, directory: str) -> dict:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "spm.model"), "wb") as f:
@@ -407,6 +433,22 @@ class HFTokenizer(Tokenizer):
             lengths.flags.writeable = False
             self._char_lengths = lengths
         return self._char_lengths
+
+    def token_byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes of each id: a byte-level BPE token's characters are one byte each (GPT-2's byte-to-unicode
+        map); WordPiece drops the `##` prefix and does not count inter-word spaces."""
+        tok = self.tokenizer
+        if isinstance(tok.decoder, hf.decoders.ByteLevel):
+            pieces = [tok.id_to_token(i) for i in range(self.vocab_size)]
+            lengths = np.array([len(p) for p in pieces], dtype=np.int32)
+        else:
+            pieces = tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+            if isinstance(tok.model, hf.models.WordPiece):
+                pieces = [p.removeprefix(tok.model.continuing_subword_prefix) for p in pieces]
+            lengths = np.array([len(p.encode()) for p in pieces], dtype=np.int32)
+        added = [i for i, t in tok.get_added_tokens_decoder().items() if t.special]
+        lengths[added + list(self.special_ids.values())] = 0
+        return lengths
 
     def save(self, directory: str) -> dict:
         os.makedirs(directory, exist_ok=True)

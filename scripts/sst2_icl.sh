@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Issue 13 evidence: in-context SST-2 (k = 0, 1, 4, 8) for a GPT-2 decoder trained here on SST-2's sentences,
 # next to a majority-class baseline, through eval.py --fewshot and through lm-eval with both the lmzoo model and
-# lm-eval's HF backend on the exported weights (pip install -r requirements-test.txt). Writes runs/sst2_icl/.
-# STEPS / EXAMPLES / KS shrink it; CPU: the training dominates (about 3-6 s per step on 2 shared cores).
+# lm-eval's HF backend on the exported weights (pip install -r requirements-test.txt). Writes $OUT (default
+# runs/sst2_icl/). STEPS / EXAMPLES (eval.py) / LM_EVAL_EXAMPLES (each lm-eval run; default EXAMPLES) / KS shrink it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/sst2_icl}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the lm-eval task file names its data files
 SST2=${SST2:-../shared/data/sst2}
 GPT2_BPE=${GPT2_BPE:-$(dirname "$SST2")/tokenizers/gpt2}
 STEPS=${STEPS:-1000}
 KS=${KS:-0,1,4,8}
 EXAMPLES=${EXAMPLES:-872}
+LM_EVAL_EXAMPLES=${LM_EVAL_EXAMPLES:-$EXAMPLES}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 python scripts/sst2_icl_data.py --out=$OUT/data --sst2=$SST2
@@ -29,8 +31,8 @@ task: sst2_icl
 dataset_path: json
 dataset_kwargs:
   data_files:
-    train: $PWD/$OUT/data/train.jsonl
-    validation: $PWD/$OUT/data/dev.jsonl
+    train: $OUT/data/train.jsonl
+    validation: $OUT/data/dev.jsonl
 output_type: multiple_choice
 training_split: train
 validation_split: validation
@@ -45,9 +47,9 @@ metric_list:
 YAML
 for k in ${KS//,/ }; do
   python -m lmzoo.evaluation.harness run --model lmzoo --model_args workdir=$OUT/lm --tasks sst2_icl \
-    --include_path $OUT/tasks --num_fewshot $k --limit $EXAMPLES --batch_size 16 --log_samples --output_path $OUT/lm_eval/lmzoo_k$k
+    --include_path $OUT/tasks --num_fewshot $k --limit $LM_EVAL_EXAMPLES --batch_size 16 --log_samples --output_path $OUT/lm_eval/lmzoo_k$k
   python -m lmzoo.evaluation.harness run --model hf --model_args pretrained=$OUT/hf,dtype=float32 --device cpu \
-    --tasks sst2_icl --include_path $OUT/tasks --num_fewshot $k --limit $EXAMPLES --batch_size 16 \
+    --tasks sst2_icl --include_path $OUT/tasks --num_fewshot $k --limit $LM_EVAL_EXAMPLES --batch_size 16 \
     --log_samples --output_path $OUT/lm_eval/hf_k$k
 done
 python scripts/sst2_icl_compare.py --workdir=$OUT/lm --hf=$OUT/hf --lm_eval=$OUT/lm_eval

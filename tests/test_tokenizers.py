@@ -189,6 +189,20 @@ def test_save_from_spec_round_trip(request: pytest.FixtureRequest, tmp_path: Pat
         assert loaded.special_ids == tok.special_ids, name
         assert loaded.encode_batch([UNICODE, ASCII]) == tok.encode_batch([UNICODE, ASCII]), name
         assert (loaded.token_char_lengths() == tok.token_char_lengths()).all(), name
+        assert (loaded.token_byte_lengths() == tok.token_byte_lengths()).all(), name
+
+
+def test_byte_lengths_sum_to_the_utf8_size_of_the_text(request: pytest.FixtureRequest) -> None:
+    """Bits per byte: the lossless tokenizers count every UTF-8 byte of a text once (byte-level pieces of a
+    multi-byte character included); word-level ones count the words' bytes; specials count 0."""
+    for name, tok in _all_tokenizers(request).items():
+        lengths = tok.token_byte_lengths()
+        assert lengths.shape == (tok.vocab_size,) and not lengths[list(tok.special_ids.values())].any(), name
+        if name in ("word", "wordpiece"):
+            words = ["tokenizing", "text"] if name == "wordpiece" else UNICODE.split()  # wordpiece: "##izing"
+            assert int(lengths[tok.encode(" ".join(words))].sum()) == len("".join(words).encode()), name
+        else:
+            assert int(lengths[tok.encode(UNICODE)].sum()) == len(UNICODE.encode()), name
 
 
 def test_build_tokenizer_kinds(shakespeare: str, tmp_path: Path) -> None:

@@ -2,8 +2,8 @@
 
 Config translation (config.json <-> config.model) and the tensor table of each model_type. HF
 nn.Linear weights are [out, in] and are transposed into Flax [in, out] kernels; query/key/value then
-reshape to (D, N, H) and the attention output to (N, H, D). `classifier_from_hf` reads the
-*ForSequenceClassification checkpoints.
+reshape to (D, N, H) and the attention output to (N, H, D). `classifier_from_hf` and `classifier_to_hf`
+read and write the *ForSequenceClassification checkpoints.
 """
 
 import dataclasses
@@ -313,18 +313,38 @@ def classifier_from_hf(state_dict: Mapping[str, np.ndarray], cfg: BertConfig, *,
     """
     cfg = dataclasses.replace(cfg, sentence_head=False)
     _check_family(cfg, model_type)
-    modules = _CLASSIFIER_MODULES[model_type]
-    out_weight = f"{modules['classifier']}.weight"
+    out_weight = f"{_CLASSIFIER_MODULES[model_type]['classifier']}.weight"
     num_labels = np.shape(state_dict[out_weight])[0] if out_weight in state_dict else 0
-    table = [entry for entry in entries(cfg, model_type) if entry.group != "mlm"]
-    for name, module in modules.items():
-        n_out = num_labels if name == "classifier" else cfg.emb_dim
-        table += mapping.linear(module, (name,), cfg.emb_dim, n_out, group="classifier")
+    table = _classifier_entries(cfg, model_type, num_labels)
     tensors, table = mapping.read_hf(state_dict, layout(model_type, tied=False), table)
     backbone = mapping.to_params(tensors, [entry for entry in table if entry.group != "classifier"])
     backbone["mlm_bias"] = np.zeros(cfg.vocab_size, np.float32)
     head = mapping.to_params(tensors, [entry for entry in table if entry.group == "classifier"])
     return {"backbone": backbone, **head}
+
+
+def _classifier_entries(cfg: BertConfig, model_type: str, num_labels: int) -> list[Entry]:
+    """The tensors of HF *ForSequenceClassification: the encoder (no MLM or sentence head) and the classifier."""
+    table = [entry for entry in entries(cfg, model_type) if entry.group != "mlm"]
+    for name, module in _CLASSIFIER_MODULES[model_type].items():
+        n_out = num_labels if name == "classifier" else cfg.emb_dim
+        table += mapping.linear(module, (name,), cfg.emb_dim, n_out, group="classifier")
+    return table
+
+
+def classifier_to_hf(
+    params: Params, cfg: BertConfig, *, model_type: str
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Params of `heads.SequenceClassifier(Bert(cfg), num_labels, head=CLASSIFIER_HEADS[model_type])` -> (HF
+    *ForSequenceClassification config.json dict without its labels, state dict of float32 numpy arrays)."""
+    cfg = dataclasses.replace(cfg, sentence_head=False)
+    hf_config = config_to_hf(cfg, model_type=model_type)
+    hf_config["architectures"] = [_CLASS_PREFIX[model_type] + "ForSequenceClassification"]
+    backbone = {key: value for key, value in params["backbone"].items() if key != "mlm_bias"}
+    head = {name: params[name] for name in _CLASSIFIER_MODULES[model_type]}
+    table = _classifier_entries(cfg, model_type, np.shape(params["classifier"]["kernel"])[-1])
+    heads = frozenset(entry.hf for entry in table if entry.group == "classifier")
+    return hf_config, mapping.to_hf({**backbone, **head}, layout(model_type, heads=heads, tied=False), table)
 
 
 def to_hf(params: Params, cfg: BertConfig, *, model_type: str) -> dict[str, np.ndarray]:

@@ -1,10 +1,16 @@
 """lmzoo checkpoints -> HuggingFace folders (config.json, model.safetensors, tokenizer files) for transformers.
 
     python -m lmzoo.convert.export --workdir=runs/gpt2 --out=exported/gpt2 [--step=N]
+    python -m lmzoo.convert.export --workdir=runs/sst2 --out=exported/sst2 --labels=negative,positive
 
 The families with an HF counterpart: gpt2 (GPT2LMHeadModel), bert (BERT / RoBERTa / ALBERT / DistilBERT
 *ForMaskedLM, or *ForPreTraining with a sentence head; the model type follows from the config, see
 `hf_model_type`) and seq2seq (T5 with relative positions, BART with learned ones; *ForConditionalGeneration).
+Sequence classifiers (`classify` runs, reward models) export to *ForSequenceClassification when their head
+is the one HF builds: BERT/ALBERT "pooler", RoBERTa "dense_tanh" and DistilBERT "dense_relu" on the first
+token, GPT-2 "linear" on the last real token (`pad_token_id` from the tokenizer); num_labels and
+id2label (`--labels`, default LABEL_0, LABEL_1, ...) go to config.json. A PPO policy exports its decoder as
+the language model (the value head has no HF counterpart).
 The weights and config.json come from the per-family tables of gpt2.py, bert.py and seq2seq.py, which
 refuse a config HF cannot express. A run's HF tokenizer (GPT-2 BPE, WordPiece, tokenizer.json) is written
 as tokenizer.json + tokenizer_config.json that `AutoTokenizer` reads; others (char, byte, word,
@@ -14,13 +20,14 @@ sentencepiece) have no HF form and are left out, which `export_hf` reports.
 import argparse
 import json
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from lmzoo import tokenizers
 from lmzoo.convert import bert, gpt2, seq2seq
-from lmzoo.models import make_config
+from lmzoo.models import heads, make_config
 
 EXPORTABLE = ("gpt2", "bert", "seq2seq")
 
@@ -40,13 +47,33 @@ def hf_model_type(model_name: str, cfg: Any) -> str:
     raise ValueError(f"model_name {model_name!r} has no HF counterpart to export to; exportable families: {EXPORTABLE}")
 
 
-def to_hf(model_name: str, cfg: Any, params: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(config.json dict, state dict) of lmzoo params; raises if the config has no HF equivalent."""
+def classifier_to_hf(
+    model_type: str, cfg: Any, params: Any, classifier: heads.SequenceClassifier
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(config.json dict without labels, state dict) of a SequenceClassifier's params; raises unless its head and
+    pooling are those of the HF *ForSequenceClassification of `model_type`."""
+    hf_heads = {"gpt2": ("linear", "last"), **{kind: (head, "first") for kind, head in bert.CLASSIFIER_HEADS.items()}}
+    hf_head = hf_heads.get(model_type)
+    ours = (classifier.head, "first" if classifier.head == "pooler" else classifier.pooling)
+    if hf_head is None or ours != hf_head:
+        supported = "none" if hf_head is None else f"head={hf_head[0]!r}, pooling={hf_head[1]!r}"
+        raise ValueError(f"a {model_type} classifier with head={ours[0]!r}, pooling={ours[1]!r} has no HF "
+                         f"*ForSequenceClassification equivalent; that class reads {supported}")  # fmt: skip
+    if model_type == "gpt2":
+        return gpt2.classifier_to_hf(params, cfg)
+    return bert.classifier_to_hf(params, cfg, model_type=model_type)
+
+
+def to_hf(
+    model_name: str, cfg: Any, params: Any, classifier: heads.SequenceClassifier | None = None
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(config.json dict, state dict) of lmzoo params, of a language model or, given the SequenceClassifier they
+    belong to, of that classifier; raises if the config has no HF equivalent."""
     model_type = hf_model_type(model_name, cfg)
+    if classifier is not None:
+        return classifier_to_hf(model_type, cfg, params, classifier)
     if "backbone" in params:
-        raise ValueError(
-            "a classifier checkpoint (params with a 'backbone') has no HF export here; export language-model runs"
-        )
+        raise ValueError("params with a 'backbone' belong to a task head: pass the SequenceClassifier they belong to")
     if model_type == "gpt2":
         return gpt2.config_to_hf(cfg), gpt2.to_hf(params, cfg)
     if model_type == "t5":
@@ -70,18 +97,27 @@ def save_tokenizer(tokenizer: tokenizers.Tokenizer, out: pathlib.Path) -> bool:
 
 
 def export_hf(
-    model_name: str, model_fields: Any, params: Any, out_dir: str, tokenizer: tokenizers.Tokenizer | None = None
-) -> dict[str, Any]:
+    model_name: str, model_fields: Any, params: Any, out_dir: str, tokenizer: tokenizers.Tokenizer | None = None,
+    *, classifier: heads.SequenceClassifier | None = None, labels: Sequence[str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Writes an HF folder for `params` of family `model_name` (config.model fields or dataclass) to `out_dir`.
 
-    Returns {"path", "model_type", "tensors", "tokenizer"} (tokenizer: whether tokenizer files were written)."""
+    classifier: the SequenceClassifier `params` belong to (a *ForSequenceClassification export); labels: its
+    class names (default LABEL_0, LABEL_1, ...). Returns {"path", "model_type", "architecture", "tensors",
+    "tokenizer"} (tokenizer: whether tokenizer files were written), plus "labels" for a classifier."""
     from safetensors.numpy import save_file
 
     cfg = make_config(model_name, model_fields) if not hasattr(model_fields, "__dataclass_fields__") else model_fields
-    hf_config, state_dict = to_hf(model_name, cfg, params)
+    if labels is not None and (classifier is None or len(labels) != classifier.num_classes):
+        raise ValueError(f"--labels gives {len(labels)} names; the run's classifier has "
+                         f"{'no' if classifier is None else classifier.num_classes} classes")  # fmt: skip
+    hf_config, state_dict = to_hf(model_name, cfg, params, classifier)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_config = {**hf_config, "torch_dtype": "float32"}
+    if classifier is not None:
+        labels = list(labels or (f"LABEL_{i}" for i in range(classifier.num_classes)))
+        hf_config |= {"id2label": dict(enumerate(labels)), "label2id": {name: i for i, name in enumerate(labels)}}
     if tokenizer is not None:
         hf_config.update(
             {f"{role}_token_id": i for role, i in tokenizer.special_ids.items() if role in ("eos", "pad", "bos")}
@@ -90,23 +126,35 @@ def export_hf(
     save_file({k: np.ascontiguousarray(v, np.float32) for k, v in state_dict.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})  # fmt: skip
     wrote_tokenizer = tokenizer is not None and save_tokenizer(tokenizer, out)
-    return {
-        "path": str(out),
-        "model_type": hf_config["model_type"],
-        "tensors": len(state_dict),
-        "tokenizer": wrote_tokenizer,
-    }
+    summary = {"path": str(out), "model_type": hf_config["model_type"], "architecture": hf_config["architectures"][0],
+               "tensors": len(state_dict), "tokenizer": wrote_tokenizer}  # fmt: skip
+    return summary if classifier is None else {**summary, "labels": labels}
 
 
-def export_workdir(workdir: str, out_dir: str, step: int | None = None) -> dict[str, Any]:
-    """Exports a train.py run's latest (or `step`'s) checkpoint with its tokenizer; adds "step" to the summary."""
+def export_workdir(
+    workdir: str, out_dir: str, step: int | None = None, labels: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Exports a train.py run's latest (or `step`'s) checkpoint with its tokenizer; adds "step" to the summary.
+    A run whose model is a SequenceClassifier exports as one (labels: its class names)."""
     from lmzoo.train import restore
 
     loaded = restore.load(workdir, step)
-    summary = export_hf(
-        loaded.config.model_name, loaded.config.model.to_dict(), loaded.params, out_dir, loaded.tokenizer
-    )
+    params, classifier = exported_part(loaded.model, loaded.params)
+    summary = export_hf(loaded.config.model_name, loaded.config.model.to_dict(), params, out_dir, loaded.tokenizer,
+                        classifier=classifier, labels=labels)  # fmt: skip
+    if isinstance(loaded.model, heads.LMWithValueHead):
+        summary["left_out"] = "value_head (PPO's value estimate has no HF counterpart)"
     return {**summary, "step": loaded.step}
+
+
+def exported_part(model: Any, params: Any) -> tuple[Any, heads.SequenceClassifier | None]:
+    """(params to export, the SequenceClassifier they belong to or None) of a run's model: a classifier as
+    itself, a PPO policy (LMWithValueHead) as its decoder language model, a family model as it is."""
+    if isinstance(model, heads.SequenceClassifier):
+        return params, model
+    if isinstance(model, heads.LMWithValueHead):
+        return params["decoder"], None
+    return params, None
 
 
 def main() -> None:
@@ -114,9 +162,10 @@ def main() -> None:
     parser.add_argument("--workdir", required=True, help="Workdir of a train.py run.")
     parser.add_argument("--out", required=True, help="Folder to write the HF checkpoint to.")
     parser.add_argument("--step", type=int, default=None, help="Checkpoint step (default: the latest).")
+    parser.add_argument("--labels", default=None, help="A classifier's class names, comma-separated (id2label).")
     args = parser.parse_args()
     try:
-        summary = export_workdir(args.workdir, args.out, args.step)
+        summary = export_workdir(args.workdir, args.out, args.step, args.labels.split(",") if args.labels else None)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(json.dumps(summary))

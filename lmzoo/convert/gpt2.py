@@ -5,6 +5,7 @@ splits into query, key, value, each reshaped to (D, N, H), and attn.c_proj [D, D
 The untied lm_head is an nn.Linear [V, D] and is transposed.
 """
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -134,6 +135,30 @@ def to_hf(params: Params, cfg: GPT2Config) -> dict[str, np.ndarray]:
     """lmzoo "gpt2" params (per-layer or scanned) -> HF GPT2LMHeadModel state dict of float32 numpy arrays."""
     config_to_hf(cfg)
     return mapping.to_hf(params, layout(cfg), entries(cfg))
+
+
+def classifier_to_hf(params: Params, cfg: GPT2Config) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Params of `heads.SequenceClassifier(GPT2(cfg), num_labels, head="linear", pooling="last")` -> (HF
+    GPT2ForSequenceClassification config.json dict without its labels and pad id, state dict).
+
+    HF's `score` layer has no bias: the classifier's bias b is folded into the final LayerNorm's bias,
+    which feeds only that layer there: ln_f.bias + delta with score(delta) = b (the least-norm delta,
+    exact since the score kernel's C <= D columns are independent; anything else is an error).
+    """
+    hf_config = config_to_hf(cfg) | {"architectures": ["GPT2ForSequenceClassification"]}
+    kernel = np.asarray(params["classifier"]["kernel"], np.float64)  # [D, C]
+    bias = np.asarray(params["classifier"]["bias"], np.float64)  # [C]
+    delta = np.linalg.lstsq(kernel.T, bias, rcond=None)[0]  # [D]
+    if not np.allclose(delta @ kernel, bias, rtol=0, atol=1e-6 * max(1.0, float(np.abs(bias).max()))):
+        raise ValueError("the classifier's bias cannot be folded into ln_f (its kernel's columns are dependent)")
+    backbone = dict(params["backbone"])
+    ln_bias = np.asarray(backbone["ln_final"]["bias"], np.float64) + delta
+    backbone["ln_final"] = {**backbone["ln_final"], "bias": ln_bias}
+    backbone.pop("lm_head", None)  # an untied LM head is not part of the classifier
+    table = entries(dataclasses.replace(cfg, tie_embeddings=True))  # without an lm_head
+    table += mapping.linear("score", ("score",), cfg.emb_dim, kernel.shape[1], bias=False)
+    naming = layout(cfg)._replace(heads=frozenset({"score.weight"}), tied={})
+    return hf_config, mapping.to_hf({**backbone, "score": {"kernel": kernel}}, naming, table)
 
 
 def read_checkpoint(

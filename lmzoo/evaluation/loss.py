@@ -12,16 +12,17 @@ from lmzoo.train import metrics as metrics_lib
 def evaluate_loss(run, state: Any, split: str = "validation", *, max_batches: int | None = None) -> dict[str, float]:
     """Metrics of `run`'s eval step over `split` (each target once; at most `max_batches` batches),
     threading the evaluation carry through the batches in order. Token-level objectives add
-    perplexity, bits per token and bits per character; `evaluated_batches` says how much was read."""
-    char_lengths = run.tokenizer.token_char_lengths()
+    perplexity, bits per token, per character and per UTF-8 byte; `evaluated_batches` says how much was read."""
+    char_lengths, byte_lengths = run.tokenizer.token_char_lengths(), run.tokenizer.token_byte_lengths()
     compiled = run.compiled
     carry = compiled.initial_carry(run.config.eval.batch_size)
-    total, num_chars, count = None, 0.0, 0
+    total, num_chars, num_bytes, count = None, 0.0, 0.0, 0
     for batch in run.eval_batches(split):
         if max_batches is not None and count >= max_batches:
             break
         if "targets" in batch:
             num_chars += float(np.sum(char_lengths[batch["targets"]] * batch["weights"]))
+            num_bytes += float(np.sum(byte_lengths[batch["targets"]] * batch["weights"]))
         with run.context():
             metrics, carry = compiled.eval_step(state, sharding.put_batch(batch, compiled.batch_sharding), carry)
         total = metrics_lib.accumulate(total, metrics)
@@ -32,8 +33,9 @@ def evaluate_loss(run, state: Any, split: str = "validation", *, max_batches: in
     summary["examples" if "targets" not in batch else "tokens"] = float(jax.device_get(total["loss"][1]))
     summary["evaluated_batches"] = count
     if "targets" in batch:
-        num_chars = float(np.sum(jax.device_get(_allsum(num_chars))))
-        summary["bits_per_char"] = float(jax.device_get(total["loss"][0])) / np.log(2) / max(num_chars, 1.0)
+        bits = float(jax.device_get(total["loss"][0])) / np.log(2)
+        summary["bits_per_char"] = bits / max(float(np.sum(jax.device_get(_allsum(num_chars)))), 1.0)
+        summary["bits_per_byte"] = bits / max(float(np.sum(jax.device_get(_allsum(num_bytes)))), 1.0)
     return summary
 
 

@@ -1,4 +1,7 @@
-"""Export to HF folders: transformers' from_pretrained gives the lmzoo model's logits, AutoTokenizer its ids."""
+"""Export to HF folders: transformers' from_pretrained gives the lmzoo model's logits (language models, sequence
+classifiers, a PPO policy's decoder), AutoTokenizer its ids; models HF cannot express are refused."""
+
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -6,13 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import lmzoo
+from lmzoo import config as config_lib
 from lmzoo import testing, tokenizers
 from lmzoo.convert import bert, export, seq2seq
-from lmzoo.models import build_model, make_config
+from lmzoo.models import build_model, heads, make_config
+from lmzoo.objectives import classification
+from lmzoo.train import loop
 
 torch = pytest.importorskip("torch", reason="export tests need torch (pip install -r requirements-test.txt)")
 transformers = pytest.importorskip("transformers")
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENCODER = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=37, hidden_dropout_prob=0.0,
                attention_probs_dropout_prob=0.0, vocab_size=40, max_position_embeddings=24)  # fmt: skip
 HF_CONFIGS = {
@@ -79,6 +87,80 @@ def test_exported_folder_loads_in_transformers_with_the_same_logits(tmp_path, mo
     np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parity
+@pytest.mark.parametrize("model_type", ["gpt2", "bert", "roberta", "albert", "distilbert"])
+def test_exported_sequence_classifier_gives_the_same_logits_and_labels(tmp_path, model_type):
+    """A `classify` model (configs/sst2.py; gpt2: its :gpt variant, byte tokens plus three markers, a right-padded
+    row read at its last real token) -> *ForSequenceClassification with num_labels and id2label."""
+    model_name, fields = lmzoo_fields(model_type)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 32, (2, 9)).astype(np.int32)
+    tokenizer = None
+    if model_type == "gpt2":
+        tokenizer = tokenizers.build_tokenizer("byte")
+        fields = dict(fields, vocab_size=tokenizer.vocab_size + 3)
+        tokens[1, 6:] = tokenizer.pad_id
+        classifier = heads.SequenceClassifier(build_model("gpt2", fields), 3, head="linear", pooling="last")
+    else:
+        fields = dict(fields, pooler=model_type in ("bert", "albert"))
+        classifier = heads.SequenceClassifier(build_model("bert", fields), 3, head=bert.CLASSIFIER_HEADS[model_type])
+    segment_ids = jnp.asarray(tokens != (tokenizer.pad_id if tokenizer else -1), jnp.int32)
+    params = perturbed_params(classifier, jnp.asarray(tokens))
+    labels = ["negative", "neutral", "positive"]
+    summary = export.export_hf(
+        model_name, fields, params, str(tmp_path), tokenizer, classifier=classifier, labels=labels
+    )
+    assert summary["architecture"].endswith("ForSequenceClassification") and summary["labels"] == labels
+
+    hf_model = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path)).eval()
+    assert hf_model.config.num_labels == 3 and hf_model.config.id2label == dict(enumerate(labels))
+    with torch.no_grad():
+        theirs = hf_model(input_ids=torch.from_numpy(tokens).long()).logits.numpy()
+    ours = np.asarray(classifier.apply({"params": params}, jnp.asarray(tokens), segment_ids=segment_ids))
+    assert ours.shape == theirs.shape == (2, 3)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parity
+def test_a_classify_workdir_exports_its_classifier(tmp_path):
+    """train.py's configs/sst2.py:gpt,tiny on a small TSV, then `python -m lmzoo.convert.export --labels=...`."""
+    sentences = ["a charming and affecting journey", "bleak and desperate", "the acting is terrible", "great fun"]
+    tsv = "sentence\tlabel\n" + "".join(f"{s}\t{i % 3 == 0:d}\n" for i, s in enumerate(sentences * 8))
+    for split in ("train", "dev"):
+        (tmp_path / f"{split}.tsv").write_text(tsv)
+    config = config_lib.load_config_file(ROOT / "configs" / "sst2.py", "gpt,tiny")
+    config.data.train_path, config.data.validation_path = str(tmp_path / "train.tsv"), str(tmp_path / "dev.tsv")
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+    summary = export.export_workdir(str(tmp_path / "run"), str(tmp_path / "hf"), labels=["negative", "positive"])
+    assert summary["architecture"] == "GPT2ForSequenceClassification" and summary["step"] == config.train.steps
+
+    loaded = lmzoo.load(str(tmp_path / "run"))
+    batch = classification.classification_examples([(s,) for s in sentences], np.zeros(4, np.int32), loaded.tokenizer,
+                                                   config.data.seq_len, "gpt")  # fmt: skip
+    assert (batch["segment_ids"] == 0).any()  # right-padded rows, read at their [EXTRACT] token
+    ours = loaded.model.apply({"params": loaded.params}, jnp.asarray(batch["tokens"]), segment_ids=batch["segment_ids"])
+    hf_model = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf")).eval()
+    assert hf_model.config.id2label == {0: "negative", 1: "positive"}
+    with torch.no_grad():
+        theirs = hf_model(input_ids=torch.from_numpy(batch["tokens"]).long()).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parity
+def test_a_ppo_policy_exports_its_decoder(tmp_path):
+    policy = heads.LMWithValueHead(build_model("gpt2", testing.TINY_GPT2))
+    ids = np.random.default_rng(0).integers(3, 32, (2, 9))
+    tokens = jnp.asarray(ids, jnp.int32)
+    params = perturbed_params(policy, tokens)
+    decoder_params, classifier = export.exported_part(policy, params)
+    assert classifier is None and "value_head" not in decoder_params
+    export.export_hf("gpt2", testing.TINY_GPT2, decoder_params, str(tmp_path))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        theirs = hf_model(input_ids=torch.from_numpy(ids).long()).logits.numpy()
+    np.testing.assert_allclose(np.asarray(policy.apply({"params": params}, tokens)[0]), theirs, atol=1e-4, rtol=1e-4)
+
+
 def test_hf_tokenizer_files_load_with_autotokenizer(tmp_path):
     import tokenizers as hf
 
@@ -108,3 +190,12 @@ def test_unexportable_models_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="pre-norm"):
         export.export_hf("gpt2", fields, {}, str(tmp_path))
     assert make_config("gpt2", fields).pre_norm is False and not (tmp_path / "config.json").exists()
+    _, encoder = lmzoo_fields("bert")
+    # configs/hh_rm.py:minilm: a scalar head on an encoder's last real token
+    last_token = heads.SequenceClassifier(build_model("bert", encoder), 1, head="linear", pooling="last")
+    with pytest.raises(ValueError, match="head='linear', pooling='last' has no HF .*reads head='pooler'"):
+        export.export_hf("bert", encoder, {"backbone": {}}, str(tmp_path), classifier=last_token)
+    with pytest.raises(ValueError, match="pass the SequenceClassifier"):
+        export.export_hf("bert", encoder, {"backbone": {}, "classifier": {}}, str(tmp_path))
+    with pytest.raises(ValueError, match="--labels gives 3 names; the run's classifier has 1 classes"):
+        export.export_hf("bert", encoder, {}, str(tmp_path), classifier=last_token, labels=["a", "b", "c"])

@@ -45,6 +45,7 @@ def test_partial_evaluation_writes_its_own_file_and_says_how_much(workdir, capsy
     out = run_eval(capsys, f"--workdir={workdir}", "--max_batches=1")
     line = json.loads(out.splitlines()[0])
     assert line["max_batches"] == 1 and line["evaluated_batches"] == 1 and line["tokens"] > 0
+    assert line["bits_per_byte"] == pytest.approx(line["bits_per_char"])  # ASCII text: one byte per character
     assert (workdir / "eval_validation_max1batches.json").exists() and not (workdir / "eval_validation.json").exists()
     assert any(row.split() == ["evaluated_batches", "1"] for row in out.splitlines()[1:])  # the table
 
@@ -69,11 +70,11 @@ def test_fewshot_and_dumped_prompts(workdir, tmp_path, capsys):
     assert (workdir / "eval_fewshot_task.json").exists()
 
 
-def test_plot_writes_one_png_per_metric_with_both_splits(workdir, capsys):
+def test_plot_draws_the_event_files_one_png_per_metric_group(workdir, capsys):
     out = run_eval(capsys, f"--workdir={workdir}", "--plot")
     written = {pathlib.Path(p).name for p in out.split()}
-    assert {"loss.png", "accuracy.png"} <= written and "evaluated_batches.png" not in written
-    assert (workdir / "plots" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert written == {"loss.png", "accuracy.png", "schedule.png", "throughput.png", "gradients.png"}
+    assert all((workdir / "plots" / name).read_bytes()[:4] == b"\x89PNG" for name in written)
 
 
 def test_an_objective_without_registered_evaluators_is_refused_by_name():

@@ -1,80 +1,188 @@
-"""Time of one PPO iteration on this CPU, split into rollout (KV-cache sampling), scoring (policy, reference and
-reward-model forwards, shaped rewards, GAE) and update (epochs x minibatches of clipped PPO steps).
+"""Time of one PPO iteration on this CPU, split into the three jitted pure functions `PPOTrainer.step` is made of:
+rollout (`generate`: KV-cache sampling), scoring (`score`: policy, reference and reward-model forwards, shaped
+rewards, GAE) and update (`update`: epochs x minibatches of clipped PPO steps), next to the whole jitted step.
 
-    PYTHONPATH=$PWD python bench/ppo_bench.py                 # the model and rollout sizes of configs/hh_ppo.py
-    PYTHONPATH=$PWD python bench/ppo_bench.py --repeats 3 --tiny
+    PYTHONPATH=$PWD python bench/ppo_bench.py                  # the model and rollout sizes of configs/hh_ppo.py
+    PYTHONPATH=$PWD python bench/ppo_bench.py --variant value_model --ptx_coef 0.5
+    PYTHONPATH=$PWD venv-trl/bin/python bench/ppo_bench.py --variant rloo --trl   # + trl's RLOOTrainer
 
-Random weights (nothing is read); every part is jitted on its own and timed after warm-up, the parts in
-alternating order (`common.interleaved_ms`). The whole jitted step (`PPOTrainer.step`) is timed too, so
-the split can be checked against it. Numbers depend on the machine's load: print them with the CPU model.
+Random weights (nothing is read). Each part is jitted on its own, called on the shapes the step passes it
+and timed with `block_until_ready` after warm-up, the parts and the step in alternating order
+(`common.interleaved_ms`). The step fuses the parts into one program, so their sum need not equal it.
+
+`--trl` times trl's RLOOTrainer on the same shapes (an HF GPT2 of the same config, a GPT2 reward model, the
+same prompts x samples, response length and updates per rollout). trl 1.16 has no PPOTrainer (moved to
+`trl.experimental.ppo` in 1.10, removed in huggingface/trl#7020), so its RLOO is the comparison, against
+`--variant rloo`. trl is no requirement of lmzoo: put it in a venv of its own that sees the lmzoo venv's
+packages, so pip keeps their torch and transformers (check that it installs nothing but trl):
+
+    python -m venv venv-trl && echo $VIRTUAL_ENV/lib/python3.11/site-packages > venv-trl/lib/python3.11/site-packages/lmzoo.pth
+    venv-trl/bin/pip install trl==1.16.0
 """
 
 import argparse
+import os
 import pathlib
+import statistics
 import sys
+import tempfile
+import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from lmzoo import config as config_lib  # noqa: E402
-from lmzoo import decoding, objectives  # noqa: E402
+from lmzoo import objectives  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+VARIANTS = ("ppo", "rloo", "value_model")
 
 
-def hh_ppo_config(tiny: bool):
-    config = config_lib.load_config_file(ROOT / "configs" / "hh_ppo.py", "tiny" if tiny else None)
-    config.objective.update(sft="ckpt:unused", reward_model="ckpt:unused")
+def hh_ppo_config(variant: str, tiny: bool, ptx_coef: float):
+    names = [name for name in ("tiny" if tiny else "", "" if variant == "ppo" else variant) if name]
+    config = config_lib.load_config_file(ROOT / "configs" / "hh_ppo.py", ",".join(names) or None)
+    config.objective.update(sft="ckpt:unused", reward_model="ckpt:unused", ptx_coef=ptx_coef)
     return config_lib.validate(config)
+
+
+def lmzoo_parts(config, repeats: int) -> dict[str, tuple[float, float]]:
+    """(min, median) ms of the jitted rollout, scoring, update and whole step of configs/hh_ppo.py's trainer."""
+    objective = objectives.get("ppo")
+    trainer = objective.trainer(config, objective.model(config))
+    s = trainer.settings
+    state = jax.jit(trainer.init)(jax.random.key(0))
+    prompts = jax.random.randint(jax.random.key(1), (config.train.batch_size, s.prompt_len), 0, 256)
+    batch = {"prompts": prompts, "prompt_mask": jnp.ones_like(prompts)}
+    if s.ptx_coef > 0:
+        tokens = jax.random.randint(jax.random.key(3), (s.ptx_batch_size, config.data.seq_len + 1), 0, 256)
+        rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": jnp.ones(tokens[:, 1:].shape),
+                "segment_ids": jnp.ones_like(tokens[:, 1:]), "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1] - 1), tokens[:, 1:].shape)}  # fmt: skip
+        batch |= {"ptx_" + k: v for k, v in rows.items()}
+    key = jax.random.key(2)
+    generate = jax.jit(lambda params: trainer.generate(params, batch, key, samples_per_prompt=s.samples_per_prompt))
+    samples = generate(state.params)
+    score = jax.jit(lambda st: trainer.score(st.params, st.frozen, st.kl_coef, samples)[0])
+    rollout = score(state)
+    demonstrations = trainer.demonstrations(batch)
+    update = jax.jit(lambda st: trainer.update(st.params, st.opt_state, rollout, key, demonstrations)[:2])
+    step = jax.jit(lambda st: trainer.step(st, batch)[0])
+    return common.interleaved_ms(
+        {
+            "rollout": (generate, state.params),
+            "scoring": (score, state),
+            "update": (update, state),
+            "step": (step, state),
+        },
+        repeats,
+    )
+
+
+def trl_rloo_iterations(config, iterations: int) -> dict[str, list[float]]:
+    """Seconds per iteration of trl's RLOOTrainer on the shapes of `config` (`--variant rloo`): total, and its
+    rollout (`transformers.generate`), scoring (the rest of generating and scoring) and update, from trl's own
+    profiling hooks. The first iteration (warm-up) is dropped."""
+    import datasets
+    import torch
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from trl import RLOOConfig, RLOOTrainer
+    from trl.extras import profiling
+
+    torch.set_num_threads(os.cpu_count())
+    s, m = objectives.get("ppo").fields(config), config.model
+    vocab = {chr(i): i for i in range(256)} | {"<eos>": 256, "<pad>": 257}  # lmzoo's byte ids: 256 bytes, eos, pad
+    byte_tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    byte_tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    byte_tokenizer.decoder = decoders.Fuse()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer, eos_token="<eos>", pad_token="<pad>",
+                                                     unk_token="<pad>", padding_side="left")  # fmt: skip
+    gpt2 = dict(vocab_size=m.vocab_size, n_positions=m.max_len, n_embd=m.emb_dim, n_layer=m.num_layers, n_head=m.num_heads,
+                n_inner=m.mlp_dim, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=256, eos_token_id=256,
+                pad_token_id=257)  # fmt: skip
+    torch.manual_seed(0)
+    workdir = tempfile.mkdtemp(prefix="trl_rloo_")
+    policy_dir = os.path.join(workdir, "policy")  # trl builds the reference model from the policy's path
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2)).save_pretrained(policy_dir)
+    tokenizer.save_pretrained(policy_dir)
+    reward_model = transformers.GPT2ForSequenceClassification(transformers.GPT2Config(**gpt2, num_labels=1))
+    rng = np.random.default_rng(0)
+    prompts = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz "), s.prompt_len)) for _ in range(256)]
+    updates = s.epochs * s.minibatches
+    rows = config.train.batch_size * s.samples_per_prompt
+    args = RLOOConfig(
+        output_dir=workdir, use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=10**6,
+        per_device_train_batch_size=rows // s.minibatches, steps_per_generation=s.minibatches, num_iterations=s.epochs,
+        num_generations=s.samples_per_prompt, max_completion_length=s.response_len, temperature=s.temperature,
+        learning_rate=config.optim.learning_rate, max_grad_norm=config.optim.grad_clip, beta=s.kl_coef,
+        max_steps=updates * (iterations + 1), seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = RLOOTrainer(model=policy_dir, reward_funcs=reward_model, args=args, processing_class=tokenizer,
+                          reward_processing_classes=tokenizer, train_dataset=datasets.Dataset.from_dict({"prompt": prompts}))  # fmt: skip
+    events = []  # (name, seconds) from trl's profiling contexts, in order
+    step_ends = [time.perf_counter()]
+
+    def record(context, duration):
+        events.append((context.name.split(".", 1)[1], duration))
+
+    class StepTimes(transformers.TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            step_ends.append(time.perf_counter())
+
+    profiling.ProfilingContext._log_metrics = record
+    trainer.add_callback(StepTimes())
+    step_ends[0] = time.perf_counter()
+    trainer.train()
+    generate = [d for name, d in events if name == "transformers.generate"]
+    prepare = [d for name, d in events if name == "_prepare_inputs"]
+    totals = [step_ends[(i + 1) * updates] - step_ends[i * updates] for i in range(iterations + 1)]
+    prepared = [sum(prepare[i * updates : (i + 1) * updates]) for i in range(iterations + 1)]
+    return {
+        "rollout": generate[1:],
+        "scoring": [p - g for p, g in zip(prepared[1:], generate[1:], strict=True)],
+        "update": [t - p for t, p in zip(totals[1:], prepared[1:], strict=True)],
+        "step": totals[1:],
+    }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="the 1-layer model of configs/hh_ppo.py:tiny")
+    parser.add_argument("--variant", choices=VARIANTS, default="ppo", help="configs/hh_ppo.py's variant")
+    parser.add_argument("--ptx_coef", type=float, default=0.0, help="PPO-ptx on ptx_batch_size random rows")
+    parser.add_argument(
+        "--trl", action="store_true", help="also time trl's RLOOTrainer on the same shapes (--variant rloo)"
+    )
     args = parser.parse_args()
-    config = hh_ppo_config(args.tiny)
-    objective = objectives.get("ppo")
-    trainer = objective.trainer(config, objective.model(config))
-    s = trainer.settings
-    state = jax.jit(trainer.init)(jax.random.key(0))
-    batch_size = config.train.batch_size
-    batch = {
-        "prompts": jax.random.randint(jax.random.key(1), (batch_size, s.prompt_len), 0, 256),
-        "prompt_mask": jax.numpy.ones((batch_size, s.prompt_len), jax.numpy.int32),
-    }
-    key = jax.random.key(2)
-    sample = jax.jit(lambda params: decoding.sample(trainer.decoder, params["decoder"], batch["prompts"], batch["prompt_mask"], key,
-                                                    max_new_tokens=s.response_len, temperature=s.temperature,
-                                                    eos_id=trainer.eos_id, pad_id=trainer.pad_id))  # fmt: skip
-    rollout = jax.jit(
-        lambda st: trainer.rollout(
-            st.params, st.frozen, st.kl_coef, batch, key, samples_per_prompt=s.samples_per_prompt
-        )[0]
+    if args.trl and args.variant != "rloo":
+        parser.error("--trl compares trl's RLOOTrainer (trl has no PPOTrainer any more): use --variant rloo")
+    config = hh_ppo_config(args.variant, args.tiny, args.ptx_coef)
+    s = objectives.get("ppo").fields(config)
+    common.announce("ppo", args.variant, f"emb_dim {config.model.emb_dim}, {config.model.num_layers} layers", 1)
+    print("f32 matmul peak (GFLOP/s): " + ", ".join(f"{n}: {g:.0f}" for n, g in common.matmul_peak().items()))
+    rows = config.train.batch_size * s.samples_per_prompt
+    print(f"rollout {config.train.batch_size} prompts x {s.samples_per_prompt} samples = {rows} x ({s.prompt_len} + "
+          f"{s.response_len}) tokens, {s.epochs} epochs x {s.minibatches} minibatches; value_model {s.value_model}, "
+          f"ptx_coef {s.ptx_coef} ({s.ptx_batch_size} x {config.data.seq_len} rows)")  # fmt: skip
+    columns = {"lmzoo": {name: ms[1] for name, ms in lmzoo_parts(config, args.repeats).items()}}
+    if args.trl:
+        import trl
+
+        seconds = trl_rloo_iterations(config, args.repeats)
+        columns[f"trl {trl.__version__}"] = {name: 1e3 * statistics.median(v) for name, v in seconds.items()}
+    print(f"median ms per iteration; load average now {os.getloadavg()[0]:.2f}")
+    print(f"{'part':18s}" + "".join(f"{name:>14s}" for name in columns))
+    for part in ("rollout", "scoring", "update", "step"):
+        label = "whole iteration" if part == "step" else part
+        print(f"{label:18s}" + "".join(f"{column[part]:14.1f}" for column in columns.values()))
+    print(
+        f"{'sum of the parts':18s}"
+        + "".join(f"{sum(c[p] for p in ('rollout', 'scoring', 'update')):14.1f}" for c in columns.values())
     )
-    fixed_rollout = rollout(state)
-    update = jax.jit(lambda st: trainer.update(st.params, st.opt_state, fixed_rollout, key)[0])
-    step = jax.jit(lambda st: trainer.step(st, batch)[0])
-    times = common.interleaved_ms(
-        {
-            "sampling": (sample, state.params),
-            "rollout": (rollout, state),
-            "update": (update, state),
-            "step": (step, state),
-        },
-        args.repeats,
-    )
-    model, isa = common.cpu_model_and_isa()
-    rows = batch_size * s.samples_per_prompt
-    print(f"CPU: {model} ({isa}), {jax.device_count()} device(s); rollout {rows} x ({s.prompt_len} + {s.response_len}) tokens, "
-          f"{s.epochs} epochs x {s.minibatches} minibatches; emb_dim {config.model.emb_dim}, {config.model.num_layers} layers")  # fmt: skip
-    sampling, scoring = times["sampling"][1], times["rollout"][1] - times["sampling"][1]
-    print(f"{'part':10s} {'median ms':>10s} {'share':>7s}")
-    for name, value in (("rollout", sampling), ("scoring", scoring), ("update", times["update"][1])):
-        print(f"{name:10s} {value:10.1f} {value / times['step'][1]:7.1%}")
-    print(f"{'step':10s} {times['step'][1]:10.1f}   (whole jitted iteration; min {times['step'][0]:.1f})")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@
 Rollouts of 32 prompts (the last 64 bytes of each training prompt) with 32-byte responses; the
 reward is normalised so SFT samples score mean 0, std 1; adaptive KL towards `kl_target` nats per
 response. Variants: `nokl` (β = 0: the reward-hacking run), `rloo` (4 samples per prompt, leave-one-out
-baseline), `tiny` (a few steps of the 1-layer model of configs/hh_sft.py:tiny).
+baseline), `value_model` (a separate value network initialised from the reward model, at its own learning
+rate, instead of the value head on the policy), `tiny` (a few steps of the 1-layer model of
+configs/hh_sft.py:tiny). PPO-ptx: `--config.objective.ptx_coef=0.5` mixes in the SFT loss on
+`ptx_batch_size` packed training demonstrations per iteration.
 """
 
 import pathlib
@@ -15,7 +18,7 @@ from lmzoo.config import check_variants, load_config_file, objective_section
 
 
 def get_config(arg: str | None = None):
-    variants = check_variants(arg, ("tiny", "nokl", "rloo"))
+    variants = check_variants(arg, ("tiny", "nokl", "rloo", "value_model"))
     tiny = "tiny" in variants
     c = load_config_file(pathlib.Path(__file__).with_name("hh_sft.py"), "tiny" if tiny else None)
     objective = dict(prompt_len=64, response_len=32, temperature=1.0, epochs=4, minibatches=2, kl_coef=0.1,
@@ -24,6 +27,8 @@ def get_config(arg: str | None = None):
         objective.update(kl_coef=0.0, kl_target=0.0)
     if "rloo" in variants:
         objective.update(algorithm="rloo", samples_per_prompt=4, epochs=1)
+    if "value_model" in variants:
+        objective.update(value_model="reward")
     if tiny:
         objective.update(prompt_len=24, response_len=8, normalize_samples=8)
     c.objective = objective_section("ppo", **objective)
@@ -34,6 +39,8 @@ def get_config(arg: str | None = None):
     c.optim.groups = (
         ("value_head", {"learning_rate": 1e-3, "min_learning_rate": 1e-3}),
     )  # the zero-init head learns fast
+    if "value_model" in variants:  # a whole network that starts as the reward model: a smaller step
+        c.optim.groups = (("value_model", {"learning_rate": 1e-4, "min_learning_rate": 1e-4}),)
     c.train.batch_size = 8 if "rloo" in variants else 32
     c.train.steps = c.optim.decay_steps = 60
     c.train.log_every = 1

@@ -4,6 +4,7 @@
                         real token (the GPT classifier on `[START] a [DELIM] b [EXTRACT]`), or the mean.
     TokenClassifier     one output per token (the separate PPO value model: one output).
     LMWithValueHead     a decoder's logits plus a scalar value per token (the PPO policy with a shared trunk).
+    LMWithValueModel    a decoder's logits plus the values of a separate value network (its own trunk).
 
 Head styles of the HF checkpoints: "pooler" (BERT, ALBERT: the backbone's tanh pooler, then a
 linear layer), "dense_tanh" (RoBERTa), "dense_relu" (DistilBERT), "linear" (GPT).
@@ -112,3 +113,21 @@ class LMWithValueHead(nn.Module):
         d = hidden.shape[-1]
         head = layers.Einsum((d, 1), ("embed", "classes"), use_bias=True, kernel_init=nn.initializers.zeros, name="value_head")
         return logits, head("BTD,DC->BTC", hidden)[..., 0]
+
+
+class LMWithValueModel(nn.Module):
+    """tokens [B, T] -> (logits [B, T, V], values [B, T]): a decoder LM and a separate value network.
+
+    The two share no parameters ("decoder" and "value_model"), so the policy loss never reaches the
+    value network and the value loss never reaches the policy (InstructGPT, TRL's PPO). value_model
+    maps tokens to [B, T, 1] (`lmzoo.rl.reward.value_model`) and must be a module instance of its own.
+    """
+
+    decoder: nn.Module
+    value_model: nn.Module
+
+    @nn.compact
+    def __call__(self, tokens, *, segment_ids=None, positions=None, deterministic: bool = True):
+        logits = self.decoder(tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic)
+        values = self.value_model(tokens, segment_ids=segment_ids, positions=positions, deterministic=deterministic)
+        return logits, values[..., 0]

@@ -1,15 +1,19 @@
 """RLHF policy optimisation against a frozen reward model (InstructGPT's third stage): PPO, REINFORCE and RLOO.
 
-One trainer step is one iteration, jitted whole: sample responses to left-padded prompts with the
-KV-cache sampler (stop at EOS, mask after it), score prompt ⊕ response with the frozen reward
-model (normalised so SFT samples score mean 0, std 1; a penalty for no EOS), read the log-probs of
-the frozen SFT reference, shape per-token rewards −β·KL with the score on the last token, then
-GAE and `epochs` passes of `minibatches` clipped PPO updates (or one REINFORCE/RLOO update on the
-same rollout); β follows the adaptive controller, whose value lives in the state. The policy is
-the SFT decoder with a zero-initialised value head on its trunk (`heads.LMWithValueHead`;
-`optim.groups` gives "value_head" its own learning rate). The reference and reward model are
-frozen subtrees read from `objective.sft` and `objective.reward_model` at every start, never
-checkpointed; the data position is the step, so a resumed run continues exactly.
+One trainer step is one iteration, jitted whole and composed of three pure functions (the benchmark
+jits and times them apart): `generate` samples responses to left-padded prompts with the KV-cache
+sampler (stop at EOS, mask after it); `score` scores prompt ⊕ response with the frozen reward model
+(normalised so SFT samples score mean 0, std 1; a penalty for no EOS), reads the log-probs of the
+frozen SFT reference, shapes per-token rewards −β·KL with the score on the last token and runs GAE;
+`update` makes `epochs` passes of `minibatches` clipped PPO updates (or one REINFORCE/RLOO update on
+the same rollout), each optionally adding γ_ptx times the LM loss on packed SFT demonstrations
+(PPO-ptx). β follows the adaptive controller, whose value lives in the state. The policy is the SFT
+decoder with a zero-initialised value head on its trunk (`heads.LMWithValueHead`), or beside a
+separate value network initialised from the reward model or the SFT trunk (`heads.LMWithValueModel`);
+`optim.groups` gives "value_head" / "value_model" its own learning rate. The reference and reward
+model are frozen subtrees read from `objective.sft` and `objective.reward_model` at every start,
+never checkpointed; the data position (prompts and demonstrations) is the step, so a resumed run
+continues exactly.
 """
 
 import dataclasses
@@ -24,12 +28,15 @@ from flax import struct
 from lmzoo import decoding, models
 from lmzoo.data import comparisons, pipeline, transforms
 from lmzoo.models import heads
-from lmzoo.objectives import base, sft
+from lmzoo.objectives import base, causal_lm, sft
 from lmzoo.rl import ppo, reward
 from lmzoo.train import optim
+from lmzoo.train import trainer as trainer_lib
 from lmzoo.train.state import Metrics
 
 ALGORITHMS = ("ppo", "reinforce", "rloo")
+VALUE_MODELS = ("head", "reward", "sft")
+PTX_PREFIX = "ptx_"  # batch keys of the PPO-ptx demonstrations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,13 @@ class PPOConfig(sft.ComparisonSplitConfig):
     missing_eos_penalty: subtracted from the score of responses without EOS (0 = none).
     whiten_rewards: scale the shaped rewards to unit variance before GAE.
     normalize_samples: SFT samples (on training prompts) whose reward-model scores fix the normalisation.
+    value_model: "head" (a zero-initialised value head on the policy's trunk) or a separate value network with its own
+        trunk, initialised from "reward" (the reward model, its head rescaled by the reward normalisation so the value
+        of a whole sequence is its normalised score) or "sft" (the SFT decoder's trunk under a zero head).
+    ptx_coef: γ of PPO-ptx (InstructGPT): every update adds γ x the token-mean LM loss of packed SFT demonstrations of
+        the training prompts (0 = off: no demonstrations are read); ptx_batch_size: demonstration rows
+        [·, data.seq_len] per iteration (like train.batch_size, a multiple of the data-parallel devices), split over
+        the `minibatches` updates of each epoch.
     """
 
     sft: str = ""
@@ -73,6 +87,9 @@ class PPOConfig(sft.ComparisonSplitConfig):
     missing_eos_penalty: float = 1.0
     whiten_rewards: bool = False
     normalize_samples: int = 64
+    value_model: str = "head"
+    ptx_coef: float = 0.0
+    ptx_batch_size: int = 8
 
     def __post_init__(self):
         super().__post_init__()
@@ -85,9 +102,14 @@ class PPOConfig(sft.ComparisonSplitConfig):
             )
         if self.algorithm != "ppo" and self.epochs != 1:
             problems.append(f"epochs={self.epochs}: {self.algorithm} is on-policy, set epochs=1")
+        if self.value_model not in VALUE_MODELS:
+            problems.append(f"value_model={self.value_model!r}: choose one of {VALUE_MODELS}")
+        if self.ptx_coef < 0:
+            problems.append(f"ptx_coef={self.ptx_coef}: must be >= 0 (0 = no pretraining mix)")
         if self.kl_estimator not in ppo.KL_ESTIMATORS:
             problems.append(f"kl_estimator={self.kl_estimator!r}: choose one of {ppo.KL_ESTIMATORS}")
-        for name in ("prompt_len", "response_len", "samples_per_prompt", "epochs", "minibatches", "normalize_samples"):
+        counts = ("prompt_len", "response_len", "samples_per_prompt", "epochs", "minibatches", "normalize_samples")
+        for name in counts + ("ptx_batch_size",):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)}: must be >= 1")
         if self.temperature <= 0:
@@ -100,7 +122,7 @@ class PPOConfig(sft.ComparisonSplitConfig):
 
 @struct.dataclass
 class PPOState:
-    """The policy (decoder + value head), its optimizer, the KL controller's β, the rng and the frozen models."""
+    """The policy (decoder + value head or network), its optimizer, the KL controller's β, the rng, the frozen models."""
 
     step: jax.Array
     params: Any
@@ -125,11 +147,10 @@ def rollout_inputs(
 
 @dataclasses.dataclass(frozen=True)
 class PPOTrainer:
-    """The trainer protocol for RLHF: `step` = rollout, scoring, targets, updates; `eval_step` = a rollout on held-out
-    prompts with a fixed key. `rollout` and `update` are the two halves, pure and jittable on their own (the benchmark
-    times them apart)."""
+    """The trainer protocol for RLHF: `step` = `generate`, `score`, `update` (each pure and jittable on its own: the
+    benchmark times them apart) and the KL controller; `eval_step` = a rollout on held-out prompts with a fixed key."""
 
-    policy: heads.LMWithValueHead
+    policy: heads.LMWithValueHead | heads.LMWithValueModel
     reward_model: heads.SequenceClassifier
     settings: PPOConfig
     tx: optax.GradientTransformation
@@ -166,17 +187,23 @@ class PPOTrainer:
         return ppo.response_logprobs(ppo.align_to_responses(logits, self.settings.prompt_len), responses,
                                      temperature=self.settings.temperature)  # fmt: skip
 
-    def rollout(
-        self, params, frozen, kl_coef, batch, rng, *, samples_per_prompt: int
-    ) -> tuple[dict[str, jax.Array], Metrics]:
-        """Samples `samples_per_prompt` responses to each of batch "prompts"/"prompt_mask" [B, P], scores them and
-        returns the fixed targets of the updates (every array [B·K, ...]) with the rollout metrics."""
+    def generate(self, params, batch, rng, *, samples_per_prompt: int) -> dict[str, jax.Array]:
+        """`samples_per_prompt` responses to each of batch "prompts"/"prompt_mask" [B, P] from the KV-cache sampler ->
+        "prompts", "prompt_mask" [B·K, P], "responses" [B·K, T] (pad after the EOS) and "mask" [B·K, T] (float)."""
         s = self.settings
         prompts = jnp.repeat(batch["prompts"], samples_per_prompt, axis=0)
         prompt_mask = jnp.repeat(batch["prompt_mask"], samples_per_prompt, axis=0)
         samples = decoding.sample(self.decoder, params["decoder"], prompts, prompt_mask, rng, max_new_tokens=s.response_len,
                                   temperature=s.temperature, eos_id=self.eos_id, pad_id=self.pad_id)  # fmt: skip
-        responses, mask = samples.tokens, samples.mask.astype(jnp.float32)
+        return {"prompts": prompts, "prompt_mask": prompt_mask, "responses": samples.tokens,
+                "mask": samples.mask.astype(jnp.float32)}  # fmt: skip
+
+    def score(self, params, frozen, kl_coef, samples: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], Metrics]:
+        """Scores `generate`'s samples with the frozen reward model, reads the policy's and the reference's log-probs
+        and the values, shapes the rewards and runs GAE -> the fixed targets of the updates (every array [B·K, ...])
+        with the rollout metrics."""
+        s = self.settings
+        prompts, prompt_mask, responses, mask = (samples[k] for k in ("prompts", "prompt_mask", "responses", "mask"))
         has_eos = jnp.any((responses == self.eos_id) & (mask > 0), axis=1)
         inputs = rollout_inputs(prompts, prompt_mask, responses, mask)
         forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
@@ -202,7 +229,28 @@ class PPOTrainer:
                    "sequence_kl": jnp.sum((logprobs - ref_logprobs) * mask, axis=1), "sequence_returns": sequence_returns}  # fmt: skip
         return jax.tree.map(jax.lax.stop_gradient, rollout), metrics
 
-    def minibatch_loss(self, params, minibatch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
+    def rollout(
+        self, params, frozen, kl_coef, batch, rng, *, samples_per_prompt: int
+    ) -> tuple[dict[str, jax.Array], Metrics]:
+        """`generate` then `score`."""
+        samples = self.generate(params, batch, rng, samples_per_prompt=samples_per_prompt)
+        return self.score(params, frozen, kl_coef, samples)
+
+    def minibatch_loss(
+        self, params, minibatch: dict[str, jax.Array], demonstrations: dict[str, jax.Array] | None = None
+    ) -> tuple[jax.Array, Metrics]:
+        """The PPO (or REINFORCE) loss of a rollout minibatch, plus ptx_coef x the SFT loss of the policy's decoder on
+        `demonstrations` (packed "inputs", "targets", "weights", "segment_ids", "positions" [R, L]) when given."""
+        loss, metrics = self._policy_loss(params, minibatch)
+        if demonstrations is None:
+            return loss, metrics
+        ptx_loss, (ptx_metrics, _) = causal_lm.causal_lm_task(self.decoder).loss(
+            params["decoder"], {}, {}, demonstrations, jax.random.key(0), step=0, train=False
+        )
+        ptx_metrics = {"ptx/loss": ptx_metrics["loss"], "ptx/accuracy": ptx_metrics["accuracy"]}
+        return loss + self.settings.ptx_coef * ptx_loss, {**metrics, **jax.tree.map(jax.lax.stop_gradient, ptx_metrics)}
+
+    def _policy_loss(self, params, minibatch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
         s = self.settings
         logits, values = self.policy.apply({"params": params}, minibatch["sequences"],
                                            segment_ids=minibatch["segment_ids"], positions=minibatch["positions"])  # fmt: skip
@@ -215,20 +263,33 @@ class PPOTrainer:
         loss = loss - s.entropy_coef * ppo.masked_mean(entropy, mask)
         return loss, {**metrics, "policy/entropy": jax.lax.stop_gradient(ppo.masked_stats(entropy, mask))}
 
-    def update(self, params, opt_state, rollout: dict[str, jax.Array], rng: jax.Array):
+    def update(
+        self, params, opt_state, rollout: dict[str, jax.Array], rng: jax.Array,
+        demonstrations: dict[str, jax.Array] | None = None,
+    ):  # fmt: skip
         """`epochs` passes over the rollout, each a fresh permutation split into `minibatches` optimizer updates
-        -> (params, opt_state, metrics summed over the updates)."""
+        -> (params, opt_state, metrics summed over the updates). REINFORCE/RLOO first turn the sequence returns into
+        per-prompt baselined advantages. `demonstrations` (PPO-ptx, [R, L] arrays) are split into `minibatches` strided
+        parts, part m joining minibatch m of every epoch."""
         s = self.settings
         rows = rollout["mask"].shape[0]
         if rows % s.minibatches:
             raise ValueError(f"{rows} rollout rows do not split into config.objective.minibatches={s.minibatches}")
+        if s.algorithm != "ppo":
+            baseline = "mean" if s.algorithm == "reinforce" else "leave_one_out"
+            grouped = rollout["sequence_returns"].reshape(-1, s.samples_per_prompt)
+            advantages = ppo.reinforce_advantages(grouped, baseline=baseline).reshape(-1)
+            rollout = {**rollout, "sequence_advantages": advantages}
         order = jnp.stack([jax.random.permutation(jax.random.fold_in(rng, e), rows) for e in range(s.epochs)])
         indices = order.reshape(s.epochs * s.minibatches, rows // s.minibatches)
+        parts = None if demonstrations is None else trainer_lib.split_microbatches(demonstrations, s.minibatches)
         grad_fn = jax.value_and_grad(self.minibatch_loss, has_aux=True)
 
-        def one_update(carry, index):
+        def one_update(carry, xs):
             params, opt_state = carry
-            (_, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[index], rollout))
+            index, part = xs
+            part_demonstrations = None if parts is None else jax.tree.map(lambda x: x[part], parts)
+            (_, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[index], rollout), part_demonstrations)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             one = jnp.ones((), jnp.float32)
             return (optax.apply_updates(params, updates), opt_state), {
@@ -236,19 +297,29 @@ class PPOTrainer:
                 "grad_norm": (optax.global_norm(grads), one),
             }
 
-        (params, opt_state), metrics = jax.lax.scan(one_update, (params, opt_state), indices)
+        part_ids = jnp.arange(s.epochs * s.minibatches) % s.minibatches
+        (params, opt_state), metrics = jax.lax.scan(one_update, (params, opt_state), (indices, part_ids))
         return params, opt_state, jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics)
+
+    def demonstrations(self, batch) -> dict[str, jax.Array] | None:
+        """The PPO-ptx rows of a training batch (its "ptx_*" arrays, prefix removed); None when ptx_coef is 0."""
+        if self.settings.ptx_coef == 0:
+            return None
+        rows = {k.removeprefix(PTX_PREFIX): v for k, v in batch.items() if k.startswith(PTX_PREFIX)}
+        if not rows:
+            raise ValueError(
+                "ptx_coef > 0 but the batch has no ptx_* demonstration rows (PPO's train_loader adds them)"
+            )
+        return rows
 
     def step(self, state: PPOState, batch) -> tuple[PPOState, Metrics]:
         s = self.settings
         rng, sample_rng, shuffle_rng = jax.random.split(jax.random.wrap_key_data(state.rng), 3)
-        rollout, metrics = self.rollout(state.params, state.frozen, state.kl_coef, batch, sample_rng,
-                                        samples_per_prompt=s.samples_per_prompt)  # fmt: skip
-        if s.algorithm != "ppo":
-            baseline = "mean" if s.algorithm == "reinforce" else "leave_one_out"
-            grouped = rollout["sequence_returns"].reshape(-1, s.samples_per_prompt)
-            rollout["sequence_advantages"] = ppo.reinforce_advantages(grouped, baseline=baseline).reshape(-1)
-        params, opt_state, update_metrics = self.update(state.params, state.opt_state, rollout, shuffle_rng)
+        samples = self.generate(state.params, batch, sample_rng, samples_per_prompt=s.samples_per_prompt)
+        rollout, metrics = self.score(state.params, state.frozen, state.kl_coef, samples)
+        params, opt_state, update_metrics = self.update(
+            state.params, state.opt_state, rollout, shuffle_rng, self.demonstrations(batch)
+        )
         controller = ppo.KLController(state.kl_coef, s.kl_target or None, s.kl_horizon)
         kl_coef = ppo.update_kl_controller(
             controller, jnp.mean(rollout["sequence_kl"]), rollout["mask"].shape[0]
@@ -281,8 +352,25 @@ def _unique_prompts(raw: list[comparisons.Comparison]) -> list[str]:
     return list(dict.fromkeys(c.prompt for c in raw))
 
 
-def _prompt_rows(rows, ids, epochs):
+def _as_batch(rows, ids, epochs):
     return dict(rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptsAndDemonstrations:
+    """PPO-ptx training batches: the rollout prompts and packed SFT demonstrations (keys prefixed "ptx_"), each
+    loader's batch a function of the step, so a resumed run reads the same demonstrations."""
+
+    prompts: pipeline.ExampleLoader
+    demonstrations: pipeline.ExampleLoader
+
+    @property
+    def dataset_size(self) -> str:
+        return f"{self.prompts.num_examples:,} prompts + {self.demonstrations.num_examples:,} packed demonstration rows"
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        rows = self.demonstrations.batch(step)
+        return {**self.prompts.batch(step), **{PTX_PREFIX + k: v for k, v in rows.items()}}
 
 
 class PPO(sft.ComparisonObjective):
@@ -303,9 +391,18 @@ class PPO(sft.ComparisonObjective):
         if rollout_rows % o.minibatches:
             raise ValueError(f"train.batch_size x samples_per_prompt = {rollout_rows} rollout rows must split into "
                              f"config.objective.minibatches={o.minibatches} equal minibatches")  # fmt: skip
+        if o.ptx_coef > 0:
+            base.check_length(config, "seq_len", config.data.seq_len)
+            if o.ptx_batch_size % o.minibatches:
+                raise ValueError(f"config.objective.ptx_batch_size={o.ptx_batch_size} must split into "
+                                 f"config.objective.minibatches={o.minibatches} equal parts")  # fmt: skip
 
     def model(self, config):
-        return heads.LMWithValueHead(super().model(config))
+        decoder = super().model(config)
+        if self.fields(config).value_model == "head":
+            return heads.LMWithValueHead(decoder)
+        backbone = models.build_model(config.model_name, config.model.to_dict())  # its own trunk, not shared
+        return heads.LMWithValueModel(decoder, reward.value_model(backbone))
 
     def trainer(self, config, model):
         tokenizer = sft.fixed_tokenizer(config)
@@ -322,7 +419,14 @@ class PPO(sft.ComparisonObjective):
 
     def input_shapes(self, config, batch_size):
         shape = (batch_size, config.objective.prompt_len)
-        return {"prompts": base.int_inputs(shape), "prompt_mask": base.int_inputs(shape)}
+        shapes = {"prompts": base.int_inputs(shape), "prompt_mask": base.int_inputs(shape)}
+        o = self.fields(config)
+        if o.ptx_coef > 0:
+            rows = (o.ptx_batch_size, config.data.seq_len)
+            for key in ("inputs", "targets", "segment_ids", "positions"):
+                shapes[PTX_PREFIX + key] = base.int_inputs(rows)
+            shapes[PTX_PREFIX + "weights"] = base.float_inputs(rows)
+        return shapes
 
     def _prompts(self, config, raw, where):
         tokenizer = sft.fixed_tokenizer(config)
@@ -332,12 +436,18 @@ class PPO(sft.ComparisonObjective):
         return arrays
 
     def train_loader(self, config, tokenizer, raw, shard):
-        return pipeline.ExampleLoader(self._prompts(config, raw, "train split"), config.train.batch_size, seed=config.train.seed,
-                                      transform=_prompt_rows, **dataclasses.asdict(shard))  # fmt: skip
+        prompts = pipeline.ExampleLoader(self._prompts(config, raw, "train split"), config.train.batch_size,
+                                         seed=config.train.seed, transform=_as_batch, **dataclasses.asdict(shard))  # fmt: skip
+        o = self.fields(config)
+        if o.ptx_coef == 0:
+            return prompts
+        demonstrations = pipeline.ExampleLoader(sft.sft_examples(raw, tokenizer, config, "train split"), o.ptx_batch_size,
+                                                seed=config.train.seed, transform=_as_batch, **dataclasses.asdict(shard))  # fmt: skip
+        return PromptsAndDemonstrations(prompts, demonstrations)
 
     def eval_batches(self, config, tokenizer, raw, shard):
         return pipeline.ExampleLoader(self._prompts(config, raw, "evaluation split"), config.eval.batch_size, seed=0,
-                                      transform=_prompt_rows, **dataclasses.asdict(shard)).eval_batches()  # fmt: skip
+                                      transform=_as_batch, **dataclasses.asdict(shard)).eval_batches()  # fmt: skip
 
     def real_tokens(self, batch):
         return int(np.sum(batch["prompt_mask"]))
@@ -384,5 +494,24 @@ class PPO(sft.ComparisonObjective):
         return float(gain), float(bias)
 
     def init_params(self, config, params, frozen):
-        """The policy's decoder starts as the SFT reference; the value head stays at zero."""
-        return {**params, "decoder": jax.tree.map(np.array, frozen["reference"])}
+        """The policy's decoder starts as the SFT reference. The value head stays at zero; a separate value network
+        starts as the reward model with its head rescaled by the reward normalisation (gain·head + bias, so its
+        value at a sequence's last token is the normalised score), or as the SFT trunk under a zero head."""
+        params = {**params, "decoder": jax.tree.map(np.array, frozen["reference"])}
+        value_model = self.fields(config).value_model
+        if value_model == "reward":
+            head, gain, bias = frozen["reward"]["classifier"], frozen["reward_gain"], frozen["reward_bias"]
+            params["value_model"] = {
+                "backbone": jax.tree.map(np.array, frozen["reward"]["backbone"]),
+                "classifier": {
+                    "kernel": np.asarray(head["kernel"]) * gain,
+                    "bias": np.asarray(head["bias"]) * gain + bias,
+                },
+            }
+        elif value_model == "sft":
+            fresh = params["value_model"]
+            params["value_model"] = {
+                "backbone": {name: jax.tree.map(np.array, frozen["reference"][name]) for name in fresh["backbone"]},
+                "classifier": jax.tree.map(np.zeros_like, fresh["classifier"]),
+            }
+        return params

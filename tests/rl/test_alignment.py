@@ -78,10 +78,20 @@ def test_reward_model_starts_from_sft_and_reports_accuracy_next_to_length_baseli
     assert final["pairwise_accuracy"] == pytest.approx(final["accuracy"])
 
 
-def ppo_config(data: str, sft: str, rm: str, **train):
-    """configs/hh_ppo.py:tiny against the given SFT and reward-model workdirs, with an adaptive β that moves."""
+# config.objective overrides of the PPO runs that resume and shard: today's default, and a separate value network
+# initialised from the reward model with the PPO-ptx term on packed demonstrations.
+PPO_VARIANTS = {
+    "value_head": {},
+    "value_model_ptx": {"value_model": "reward", "ptx_coef": 0.5, "ptx_batch_size": 4},
+}
+
+
+def ppo_config(data: str, sft: str, rm: str, objective: dict | None = None, **train):
+    """configs/hh_ppo.py:tiny against the given SFT and reward-model workdirs, with an adaptive β that moves, and
+    `objective` overrides."""
     config = stage_config("hh_ppo", data, **train)
     config.objective.update(sft=f"ckpt:{sft}", reward_model=f"ckpt:{rm}", kl_target=0.5, kl_horizon=10.0)
+    config.objective.update(objective or {})
     return config
 
 
@@ -120,43 +130,51 @@ def test_ppo_iteration_starts_at_the_reference_and_updates_only_the_policy(stage
     assert 0.0 < float(after.kl_coef) != float(before.kl_coef)  # adaptive: KL 0 is below target, β shrinks
 
 
-@pytest.fixture(scope="module")
-def straight_ppo(stages):
-    """3 PPO iterations in one go (the reference of the resume and device tests)."""
-    workdir = stages["sft"] + "_ppo_straight"
-    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], steps=3), workdir)
+@pytest.fixture(scope="module", params=sorted(PPO_VARIANTS))
+def straight_ppo(stages, request):
+    """3 PPO iterations in one go of each PPO_VARIANTS entry (the reference of the resume and device tests)."""
+    objective = PPO_VARIANTS[request.param]
+    workdir = stages["sft"] + "_ppo_straight_" + request.param
+    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, steps=3), workdir)
     run = restore.open_run(workdir)
     _, state = restore.restore_step(run)
     run.checkpointer.close()
-    return workdir, state_arrays(state)
+    return {"workdir": workdir, "arrays": state_arrays(state), "objective": objective}
 
 
 def test_resumed_ppo_continues_exactly(stages, straight_ppo):
-    workdir = stages["sft"] + "_ppo_resumed"
-    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], steps=2), workdir)
-    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], steps=3), workdir)
+    objective = straight_ppo["objective"]
+    workdir = straight_ppo["workdir"].replace("_straight_", "_resumed_")
+    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, steps=2), workdir)
+    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, steps=3), workdir)
     run = restore.open_run(workdir)
     _, state = restore.restore_step(run)
     run.checkpointer.close()
     resumed = state_arrays(state)
-    assert resumed.keys() == straight_ppo[1].keys()
-    for key, value in straight_ppo[1].items():
+    assert resumed.keys() == straight_ppo["arrays"].keys()
+    if objective.get("value_model", "head") != "head":
+        assert any("value_model" in key for key in resumed)  # the value network is checkpointed with the policy
+    for key, value in straight_ppo["arrays"].items():
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
-    straight_rows = [r for r in _rows(straight_ppo[0]) if r["split"] == "train" and r["step"] == 3]
+    straight_rows = [r for r in _rows(straight_ppo["workdir"]) if r["split"] == "train" and r["step"] == 3]
     resumed_rows = [r for r in _rows(workdir) if r["split"] == "train" and r["step"] == 3]
-    for key in ("objective/scores", "objective/kl", "objective/kl_coef", "loss/total"):
-        assert resumed_rows[0][key] == straight_rows[0][key]
+    keys = ("objective/scores", "objective/kl", "objective/kl_coef", "loss/total")
+    if objective.get("ptx_coef", 0) > 0:
+        keys += ("ptx/loss",)  # the same demonstrations after the restart
+        assert resumed_rows[0]["ptx/loss"] > 0
+    for key in keys:
+        assert resumed_rows[0][key] == straight_rows[0][key], key
 
 
 def test_eight_devices_give_the_numbers_of_one(stages, straight_ppo, tmp_path):
     job = {"workdir": str(tmp_path / "ppo8"), "data": stages["data"], "sft": stages["sft"], "rm": stages["rm"],
-           "mesh": [2, 2, 2], "steps": 3, "npz": str(tmp_path / "state.npz")}  # fmt: skip
+           "objective": straight_ppo["objective"], "mesh": [2, 2, 2], "steps": 3, "npz": str(tmp_path / "state.npz")}  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, str(ROOT / "tests" / "rl" / "ppo_devices.py"), "8", json.dumps(job)], check=True, env=env,
                    cwd=ROOT, timeout=900)  # fmt: skip
     eight = dict(np.load(job["npz"]))
-    assert eight.keys() == straight_ppo[1].keys()
-    for key, value in straight_ppo[1].items():
+    assert eight.keys() == straight_ppo["arrays"].keys()
+    for key, value in straight_ppo["arrays"].items():
         np.testing.assert_allclose(eight[key], value, rtol=2e-4, atol=2e-5, err_msg=key)
 
 

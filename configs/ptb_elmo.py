@@ -2,8 +2,8 @@
 
     python train.py --config=configs/ptb_elmo.py --workdir=runs/ptb_elmo
 
-2 layers x 256, dropout 0.1, Adam 1e-3, batch 32 sentences in file order, 5 epochs; the "loss" metric is the
-mean of the forward and backward per-token losses. `tiny` shrinks everything for tests.
+2 layers x 256, dropout 0.1, Adam 1e-3, batch 32 shuffled sentences of similar length, 5 epochs; the "loss"
+metric is the mean of the forward and backward per-token losses. `tiny` shrinks everything for tests.
 """
 
 import os

@@ -4,7 +4,9 @@
     python train.py --config=configs/sst2_elmo.py:elmo --workdir=runs/sst2_elmo --config.objective.bilm=ckpt:runs/ptb_elmo
 
 Variants: `elmo` (scalar mix of every biLM layer), `static` (layer 0 only: the biLM's token embeddings, the
-static-embedding baseline), `tiny` (tests). Only the mix, gamma and a linear classifier train (Adam 1e-3).
+static-embedding baseline), `scratch` (the same classifier over an embedding table trained from random
+initialisation on SST-2 alone: no biLM, so no --config.objective.bilm; it still needs the biLM run's tokenizer),
+`tiny` (tests). Only the mix, gamma and a linear classifier train (Adam 1e-3), and with `scratch` the table.
 """
 
 import os
@@ -16,13 +18,13 @@ SST2 = pathlib.Path(os.environ.get("LMZOO_DATA", pathlib.Path(__file__).resolve(
 
 
 def get_config(arg: str | None = None):
-    (variant,) = check_variants(arg or "elmo", known=("elmo", "static", "tiny"), single=True)
+    (variant,) = check_variants(arg or "elmo", known=("elmo", "static", "scratch", "tiny"), single=True)
     c = load_config_file(pathlib.Path(__file__).with_name("ptb_elmo.py"), "tiny" if variant == "tiny" else None)
     c.data.source = "tsv"
     c.data.train_path, c.data.validation_path = str(SST2 / "train.tsv"), str(SST2 / "dev.tsv")
     c.data.text_fields, c.data.label_field = ("sentence",), "label"
     c.data.seq_len = 64
-    c.objective = objective_section("elmo_classify", features="static" if variant == "static" else "elmo")
+    c.objective = objective_section("elmo_classify", features="elmo" if variant == "tiny" else variant)
     c.train.batch_size = 32
     c.train.steps = c.optim.decay_steps = 2000
     c.optim.learning_rate, c.optim.warmup_steps = 1e-3, 50

@@ -3,15 +3,18 @@
 Rows are sentences of word-level text files framed by `<eos>` on both sides ("tokens" [B, S + 1]: `<eos>`, the
 words, `<eos>`); the forward direction predicts tokens 1.. from their left context, the backward direction
 tokens ..S - 1 from their right context. The loss is the mean of the two directions' per-token losses.
+Training batches are shuffled sentences of similar length (`ngram_lm.ShuffledSentences`), evaluation batches
+the split sorted by length; each is cut to its longest sentence rounded up to `length_multiple`.
 """
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 
 from lmzoo.objectives import base, losses
-from lmzoo.objectives.ngram_lm import SentenceLoader, sentence_rows
+from lmzoo.objectives.ngram_lm import SentenceLoader, ShuffledSentences, length_sorted_batches, sentence_rows
 from lmzoo.objectives.recurrent_lm import TextFiles
 from lmzoo.train.state import Task
 
@@ -45,20 +48,20 @@ def bilm_task(model) -> Task:
 
 
 @dataclasses.dataclass(frozen=True)
-class FramedSentences:
-    """Sentence batches in file order (repeating every epoch), framed for the biLM."""
+class BiLMConfig:
+    length_multiple: int = 16  # batches are padded to their longest sentence rounded up to this (0: to data.seq_len)
+    length_pool: int = 64  # training batches are drawn from pools of this many batches sorted by length (1: no sorting)
 
-    sentences: SentenceLoader
-    eos_id: int
-
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        return framed(self.sentences.batch(step % self.sentences.num_batches), self.eos_id)
+    def __post_init__(self):
+        if self.length_multiple < 0 or self.length_pool < 1:
+            raise ValueError("config.objective needs length_multiple >= 0 and length_pool >= 1")
 
 
 class BiLMObjective(TextFiles):
     """ELMo's biLM on word-level text files (model_name "elmo")."""
 
     name = "bilm"
+    Config = BiLMConfig
 
     def task(self, config, model):
         return bilm_task(model)
@@ -67,18 +70,21 @@ class BiLMObjective(TextFiles):
         shape = (batch_size, config.data.seq_len + 1)
         return {"tokens": base.int_inputs(shape), "weights": base.float_inputs(shape)}
 
-    def _loader(self, config, tokenizer, raw, shard, batch_size: int, where: str) -> FramedSentences:
+    def _sentences(self, config, tokenizer, raw, batch_size: int, where: str, shard) -> SentenceLoader:
         ids, weights = sentence_rows(
             self.token_ids(config, tokenizer, raw, where), tokenizer.eos_id, config.data.seq_len
         )
-        return FramedSentences(SentenceLoader(ids, weights, batch_size, **dataclasses.asdict(shard)), tokenizer.eos_id)
+        return SentenceLoader(ids, weights, batch_size, **dataclasses.asdict(shard),
+                              length_multiple=self.fields(config).length_multiple)  # fmt: skip
 
     def train_loader(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, config.train.batch_size, "train split")
+        sentences = self._sentences(config, tokenizer, raw, config.train.batch_size, "train split", shard)
+        return ShuffledSentences(sentences, config.train.seed, self.fields(config).length_pool,
+                                 functools.partial(framed, eos_id=tokenizer.eos_id))  # fmt: skip
 
     def eval_batches(self, config, tokenizer, raw, shard):
-        loader = self._loader(config, tokenizer, raw, shard, config.eval.batch_size, "evaluation split")
-        return (loader.batch(step) for step in range(loader.sentences.num_batches))
+        sentences = self._sentences(config, tokenizer, raw, config.eval.batch_size, "evaluation split", shard)
+        return (framed(batch, tokenizer.eos_id) for batch in length_sorted_batches(sentences))
 
     def real_tokens(self, batch):
         return int(np.sum(batch["weights"]))

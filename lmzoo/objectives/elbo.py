@@ -10,7 +10,9 @@ token (exp of it bounds the perplexity from above); the "latent" evaluator adds 
 log p(x) >= log mean_k p(x, z_k) / q(z_k | x) with K samples, the KL and the active units.
 
 Data: sentences of the text files (one a line) as rows: targets = the sentence and its `<eos>`, inputs =
-`<eos>` (as beginning of sentence) and the sentence; the encoder reads the targets.
+`<eos>` (as beginning of sentence) and the sentence; the encoder reads the targets. Batches group sentences
+of similar length (`ngram_lm.ShuffledSentences`, `length_sorted_batches`) and each is cut to its longest
+sentence rounded up to `length_multiple`: PTB's sentences average 22 tokens against a longest of 83.
 """
 
 import dataclasses
@@ -20,10 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmzoo.data import pipeline
 from lmzoo.models import vae_lm
 from lmzoo.objectives import base, losses
-from lmzoo.objectives.ngram_lm import SentenceLoader, sentence_rows
+from lmzoo.objectives.ngram_lm import SentenceLoader, ShuffledSentences, length_sorted_batches, sentence_rows
 from lmzoo.objectives.recurrent_lm import TextFiles
 from lmzoo.train.state import Task
 
@@ -110,30 +111,18 @@ def with_inputs(batch: dict[str, np.ndarray], bos_id: int) -> dict[str, np.ndarr
 
 
 @dataclasses.dataclass(frozen=True)
-class ShuffledSentences:
-    """Batch `step`: `batch_size` sentences of a fresh permutation per epoch from (seed, epoch)."""
-
-    sentences: SentenceLoader
-    seed: int
-    bos_id: int
-
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        size, count = self.sentences.batch_size, len(self.sentences.ids)
-        _, order = pipeline.epoch_permutation(np.arange(step * size, (step + 1) * size), count, self.seed)
-        local = size // self.sentences.process_count
-        mine = order[self.sentences.process_index * local : (self.sentences.process_index + 1) * local]
-        return with_inputs({"targets": self.sentences.ids[mine], "weights": self.sentences.weights[mine]}, self.bos_id)
-
-
-@dataclasses.dataclass(frozen=True)
 class ElboConfig:
     kl_anneal_steps: int = 0  # KL weight rises linearly from 0 to 1 over these steps (0: weight 1 from the start)
     free_bits: float = 0.0  # nats per latent dimension not penalised (0: off)
     num_iw_samples: int = 50  # K of the importance-weighted bound (the "latent" evaluator)
+    length_multiple: int = 16  # batches are padded to their longest sentence rounded up to this (0: to data.seq_len)
+    length_pool: int = 64  # training batches are drawn from pools of this many batches sorted by length (1: no sorting)
 
     def __post_init__(self):
         if self.kl_anneal_steps < 0 or self.free_bits < 0 or self.num_iw_samples < 1:
             raise ValueError("config.objective needs kl_anneal_steps >= 0, free_bits >= 0 and num_iw_samples >= 1")
+        if self.length_multiple < 0 or self.length_pool < 1:
+            raise ValueError("config.objective needs length_multiple >= 0 and length_pool >= 1")
 
 
 class VAELanguageModel(TextFiles):
@@ -159,13 +148,17 @@ class VAELanguageModel(TextFiles):
 
     def train_loader(self, config, tokenizer, raw, shard):
         ids, weights = self._rows(config, tokenizer, raw, "train split")
-        sentences = SentenceLoader(ids, weights, config.train.batch_size, **dataclasses.asdict(shard))
-        return ShuffledSentences(sentences, config.train.seed, tokenizer.eos_id)
+        fields = self.fields(config)
+        sentences = SentenceLoader(ids, weights, config.train.batch_size, **dataclasses.asdict(shard),
+                                   length_multiple=fields.length_multiple)  # fmt: skip
+        return ShuffledSentences(sentences, config.train.seed, fields.length_pool,
+                                 functools.partial(with_inputs, bos_id=tokenizer.eos_id))  # fmt: skip
 
     def eval_batches(self, config, tokenizer, raw, shard):
         ids, weights = self._rows(config, tokenizer, raw, "evaluation split")
-        loader = SentenceLoader(ids, weights, config.eval.batch_size, **dataclasses.asdict(shard))
-        return (with_inputs(loader.batch(step), tokenizer.eos_id) for step in range(loader.num_batches))
+        loader = SentenceLoader(ids, weights, config.eval.batch_size, **dataclasses.asdict(shard),
+                                length_multiple=self.fields(config).length_multiple)  # fmt: skip
+        return (with_inputs(batch, tokenizer.eos_id) for batch in length_sorted_batches(loader))
 
     def real_tokens(self, batch):
         return int(np.sum(batch["weights"]))

@@ -3,15 +3,18 @@ read from `config.objective.bilm` = "ckpt:WORKDIR" of a `bilm` run) stays frozen
 and a linear classifier over the mean of the mixed layers are trained.
 
 `features` = "elmo" mixes every layer; "static" uses layer 0 alone (the biLM's token embeddings, no
-context), the static-embedding baseline. Rows are the TSV's sentences (GLUE format) encoded with the biLM
-run's word tokenizer (copy its workdir's tokenizer/ with `copy_tokenizer` before training) and framed by
-`<eos>` on both sides as in pretraining; the "loss" evaluator reports loss and accuracy.
+context), the static-embedding baseline; "scratch" reads no biLM and trains layer 0's embedding table, from
+the biLM's random initialisation, with the head: the same classifier trained from scratch. Rows are the TSV's
+sentences (GLUE format) encoded with the biLM run's word tokenizer (copy its workdir's tokenizer/ with
+`copy_tokenizer` before training) and framed by `<eos>` on both sides as in pretraining; the "loss" evaluator
+reports loss and accuracy.
 """
 
 import dataclasses
 import pathlib
 import shutil
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +24,7 @@ from lmzoo.models import elmo
 from lmzoo.objectives import base, classification, losses
 from lmzoo.train.state import Task
 
-FEATURES = ("elmo", "static")
+FEATURES = ("elmo", "static", "scratch")
 
 
 def copy_tokenizer(bilm_workdir: str, workdir: str) -> None:
@@ -33,9 +36,9 @@ def copy_tokenizer(bilm_workdir: str, workdir: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ELMoClassifyConfig:
-    bilm: str = ""  # "ckpt:WORKDIR" of a pretrained `bilm` run (frozen)
+    bilm: str = ""  # "ckpt:WORKDIR" of a pretrained `bilm` run (frozen); empty with features "scratch"
     num_classes: int = 2
-    features: str = "elmo"  # "elmo" (scalar mix of every layer) or "static" (layer 0: token embeddings only)
+    features: str = "elmo"  # "elmo": every layer mixed; "static": layer 0 (embeddings); "scratch": layer 0 trained
     head_dropout_rate: float = 0.0
 
     def __post_init__(self):
@@ -46,18 +49,25 @@ class ELMoClassifyConfig:
 
 
 def elmo_classify_task(bilm: elmo.BiLM, head: elmo.ELMoClassifier, features: str) -> Task:
-    def layers_of(frozen, batch):
+    def layers_of(params, frozen, batch):
+        """[L + 1, B, T, 2D] (elmo) or [1, B, T, 2D]: what the head mixes."""
+        if features == "scratch":
+            x = jnp.take(params["embedding"], batch["tokens"], axis=0)
+            return jnp.concatenate([x, x], axis=-1)[None]  # layer 0 as BiLM builds it, from a trained table
         layers = bilm.apply({"params": frozen["bilm"]}, batch["tokens"], batch["weights"])[2]
         return jax.lax.stop_gradient(layers[:1] if features == "static" else layers)
 
     def init(rng, batch):
         bilm_params = bilm.init(rng, batch["tokens"], batch["weights"])["params"]
-        layers = jax.eval_shape(lambda: layers_of({"bilm": bilm_params}, batch))
+        params, frozen = {"embedding": bilm_params["embedding"]}, {"bilm": bilm_params}
+        layers = jax.eval_shape(lambda: layers_of(nn.unbox(params), nn.unbox(frozen), batch))
         head_params = head.init(rng, jnp.zeros(layers.shape, layers.dtype), batch["weights"])["params"]
-        return {"head": head_params}, {"bilm": bilm_params}
+        if features == "scratch":
+            return {**params, "head": head_params}, {}
+        return {"head": head_params}, frozen
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
-        logits = head.apply({"params": params["head"]}, layers_of(frozen, batch), batch["weights"],
+        logits = head.apply({"params": params["head"]}, layers_of(params, frozen, batch), batch["weights"],
                             deterministic=not train, rngs={"dropout": rng})  # fmt: skip
         value, metrics = losses.weighted_loss(logits, batch["labels"], batch["example_weights"])
         return value, (metrics, carry)
@@ -88,7 +98,11 @@ class ELMoClassify(classification.LabelledTSVObjective):
 
     def check(self, config):
         super().check(config)
-        if not config.objective.bilm.startswith("ckpt:"):
+        if config.objective.features == "scratch":
+            if config.objective.bilm:
+                raise ValueError(f"config.objective.bilm={config.objective.bilm!r}: features 'scratch' reads no biLM; "
+                                 "leave it empty")  # fmt: skip
+        elif not config.objective.bilm.startswith("ckpt:"):
             raise ValueError(
                 f"config.objective.bilm={config.objective.bilm!r}: name the pretrained biLM as 'ckpt:WORKDIR' of a bilm run"
             )

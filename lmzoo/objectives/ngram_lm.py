@@ -13,12 +13,14 @@ negative log-likelihood over tokens and sentence ends, so exp(loss) is the usual
 import dataclasses
 import hashlib
 import math
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from lmzoo.data import pipeline
 from lmzoo.models import ngram
 from lmzoo.objectives import base
 from lmzoo.objectives.recurrent_lm import TextFiles
@@ -211,24 +213,79 @@ class NgramLM(TextFiles):
         return int(np.sum(batch["weights"]))
 
 
+def padded_width(weights: np.ndarray, multiple: int) -> int:
+    """weights [B, T] -> the columns a batch needs: its last weighted column + 1 rounded up to `multiple`, at
+    most T (T when multiple is 0). The rounding bounds the distinct widths, hence the recompilations of a jitted
+    step, by T / multiple."""
+    t = weights.shape[1]
+    if multiple <= 0:
+        return t
+    used = int(np.max(np.flatnonzero(np.any(weights > 0, axis=0)), initial=-1)) + 1
+    return min(t, max(multiple, -(-used // multiple) * multiple))
+
+
 @dataclasses.dataclass(frozen=True)
 class SentenceLoader:
-    """Batch `step` is sentences [step * B, (step + 1) * B) in file order; the last batch is padded with weight 0."""
+    """Batch `step` is sentences [step * B, (step + 1) * B) in file order; the last batch is padded with weight 0.
+
+    With length_multiple > 0 the columns past the global batch's longest sentence, rounded up to that
+    multiple, are cut (`padded_width`), so short sentences are not padded to the corpus's longest."""
 
     ids: np.ndarray
     weights: np.ndarray
     batch_size: int
     process_index: int = 0
     process_count: int = 1
+    length_multiple: int = 0
 
     @property
     def num_batches(self) -> int:
         return math.ceil(len(self.ids) / self.batch_size)
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
+        first = step * self.batch_size
+        return self.rows(np.arange(first, min(first + self.batch_size, len(self.ids))))
+
+    def rows(self, order: np.ndarray) -> dict[str, np.ndarray]:
+        """The global batch of sentences `order` [<= B]: this process's rows, padded to B / processes with weight 0."""
+        width = padded_width(self.weights[order], self.length_multiple)
         local = self.batch_size // self.process_count
-        first = step * self.batch_size + self.process_index * local
-        ids, weights = self.ids[first : first + local], self.weights[first : first + local]
+        mine = order[self.process_index * local : (self.process_index + 1) * local]
+        ids, weights = self.ids[mine, :width], self.weights[mine, :width]
         missing = local - len(ids)
         pad = lambda x: np.pad(x, ((0, missing), (0, 0)))  # noqa: E731
         return {"targets": pad(ids), "weights": pad(weights)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffledSentences:
+    """Training batch `step`: `batch_size` sentences of a fresh permutation per epoch from (seed, epoch), bucketed
+    by length, then `transform`ed (e.g. decoder inputs added).
+
+    The permuted stream is cut into pools of `pool_batches` batches; a pool's sentences are sorted by length
+    and cut into batches, taken in an order shuffled from (seed, pool). Each sentence is still read once an
+    epoch, and a batch holds sentences of similar length, so the loader's `length_multiple` trims most padding."""
+
+    sentences: SentenceLoader
+    seed: int
+    pool_batches: int = 1
+    transform: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        size, count = self.sentences.batch_size, len(self.sentences.ids)
+        pool, slot = divmod(step, self.pool_batches)
+        first = pool * self.pool_batches * size
+        _, members = pipeline.epoch_permutation(np.arange(first, first + self.pool_batches * size), count, self.seed)
+        members = members[np.argsort(np.sum(self.sentences.weights[members], axis=1), kind="stable")]
+        position = np.random.default_rng([self.seed, pool, 1]).permutation(self.pool_batches)[slot]
+        batch = self.sentences.rows(members[position * size : (position + 1) * size])
+        return batch if self.transform is None else self.transform(batch)
+
+
+def length_sorted_batches(sentences: SentenceLoader) -> Iterator[dict[str, np.ndarray]]:
+    """Every sentence once, in batches of similar length (the split sorted by length), the batches in a fixed
+    shuffled order: the first batch holds sentences of a typical length, not the shortest."""
+    order = np.argsort(np.sum(sentences.weights, axis=1), kind="stable")
+    size = sentences.batch_size
+    for index in np.random.default_rng(0).permutation(sentences.num_batches):
+        yield sentences.rows(order[index * size : (index + 1) * size])

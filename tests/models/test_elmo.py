@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from lmzoo.models import elmo
-from lmzoo.objectives import bilm, elmo_classify
+from lmzoo.objectives import bilm, elmo_classify, ngram_lm
 from lmzoo.train import loop, restore
 
 CONFIG = elmo.ELMoConfig(vocab_size=11, emb_dim=8, num_layers=2, dropout_rate=0.0, init_scale=0.4)
@@ -115,6 +116,17 @@ def test_bilm_pretrains_through_the_loop(tmp_path):
     np.testing.assert_array_equal(batch["weights"], [[1, 1, 1, 1, 0]])
 
 
+def test_bilm_batches_are_cut_to_their_longest_sentence():
+    ids, weights = ngram_lm.sentence_rows(np.array([3, 4, 15, 5, 15, 6, 7, 8, 9, 15]), 15, max_len=12)
+    loader = ngram_lm.SentenceLoader(ids, weights, 2, length_multiple=4)
+    first, second = (bilm.framed(b, 15) for b in (loader.batch(0), loader.batch(1)))
+    assert first["tokens"].shape == (2, 5)  # longest sentence 3 tokens -> 4 columns, and the leading <eos>
+    np.testing.assert_array_equal(first["tokens"], [[15, 3, 4, 15, 0], [15, 5, 15, 0, 0]])
+    assert second["tokens"].shape == (2, 9)  # 5 tokens -> 8 columns; the missing row weighs 0
+    np.testing.assert_array_equal(second["weights"].sum(1), [6, 0])
+    assert bilm.framed(ngram_lm.SentenceLoader(ids, weights, 2).batch(0), 15)["tokens"].shape == (2, 13)
+
+
 def _classify_on_frozen_features(tmp_path, bilm_config):
     """elmo_classify on the biLM run above: the head trains, the frozen biLM stays exactly the checkpoint's."""
     from configs import sst2_elmo
@@ -126,18 +138,28 @@ def _classify_on_frozen_features(tmp_path, bilm_config):
         ]
         (tmp_path / f"{name}.tsv").write_text("\n".join(lines) + "\n")
     pretrained = restore.load(str(tmp_path / "run")).params
-    for features, mixed_layers in (("elmo", 3), ("static", 1)):
+    for features, mixed_layers in (("elmo", 3), ("static", 1), ("scratch", 1)):
         config = sst2_elmo.get_config("tiny")
         config.model.vocab_size = 16
         config.data.train_path, config.data.validation_path = str(tmp_path / "train.tsv"), str(tmp_path / "dev.tsv")
         config.objective.bilm, config.objective.features = f"ckpt:{tmp_path / 'run'}", features
+        if features == "scratch":
+            with pytest.raises(ValueError, match="reads no biLM"):
+                elmo_classify.ELMoClassify().check(config)
+            config.objective.bilm = ""
         workdir = tmp_path / f"sst2_{features}"
         elmo_classify.copy_tokenizer(str(tmp_path / "run"), str(workdir))
         final = loop.train_and_evaluate(config, str(workdir))
         assert 0.0 <= final["accuracy"] <= 1.0 and final["examples" if "examples" in final else "tokens"] == 16
         run = restore.open_run(str(workdir))
         _, state = restore.restore_step(run)
-        assert set(state.params) == {"head"} and state.params["head"]["ScalarMix_0"]["scores"].shape == (mixed_layers,)
-        frozen = loop.load_frozen(run)["bilm"]
-        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), frozen, pretrained)
+        assert state.params["head"]["ScalarMix_0"]["scores"].shape == (mixed_layers,)
+        if features == "scratch":  # no biLM: the embedding table trains from its random initialisation
+            assert set(state.params) == {"head", "embedding"} and not jax.tree.leaves(state.frozen)
+            initial = run.compiled.init(jax.random.key(config.train.seed)).params["embedding"]
+            assert not np.allclose(np.asarray(state.params["embedding"]), np.asarray(initial))
+        else:
+            assert set(state.params) == {"head"}
+            frozen = loop.load_frozen(run)["bilm"]
+            jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), frozen, pretrained)
         run.checkpointer.close()

@@ -52,6 +52,20 @@ def test_importance_weighted_bound_is_above_the_elbo_and_tightens_with_k():
     np.testing.assert_allclose(means[1], elbo_estimate, atol=0.05 * np.abs(elbo_estimate).max())
 
 
+def test_trailing_padding_changes_no_sentence_bound():
+    """What lets the loaders cut each batch to its longest sentence: the bound of a sentence is the same at any width."""
+    model = vae_lm.VAELM(CONFIG)
+    batch = _batch()
+    wide = elbo.with_inputs({k: np.pad(batch[k], ((0, 0), (0, 10))) for k in ("targets", "weights")}, 10)
+    params = model.init(jax.random.key(1), batch["targets"], batch["inputs"], batch["weights"], rng=jax.random.key(2))[
+        "params"
+    ]
+    narrow_bound = elbo.importance_weighted_bound(model, params, batch, jax.random.key(3), num_samples=4)
+    wide_bound = elbo.importance_weighted_bound(model, params, wide, jax.random.key(3), num_samples=4)
+    for narrow, wide in zip(narrow_bound, wide_bound, strict=True):
+        np.testing.assert_allclose(np.asarray(narrow), np.asarray(wide), rtol=1e-6, atol=1e-6)
+
+
 def test_kl_annealing_and_free_bits():
     assert [float(elbo.kl_weight(s, 4)) for s in (0, 2, 4, 9)] == [0.0, 0.5, 1.0, 1.0]
     assert float(elbo.kl_weight(0, 0)) == 1.0

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lmzoo.data import pipeline
 from lmzoo.models import ngram
 from lmzoo.objectives import ngram_lm
 from lmzoo.tokenizers import WordTokenizer
@@ -37,6 +38,53 @@ def test_merging_batches_into_the_table_equals_counting_the_stream():
     assert int(distinct) == used.sum() == len(expected["counts"])
     np.testing.assert_array_equal(np.asarray(table[0])[used], expected["ngrams"])
     np.testing.assert_array_equal(np.asarray(table[1])[used], expected["counts"])
+
+
+def _rows_of_lengths(lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sentence rows with the given lengths; row i holds the id i + 1 throughout, to find it in a batch."""
+    weights = (np.arange(max_len) < lengths[:, None]).astype(np.float32)
+    return np.where(weights > 0, np.arange(len(lengths))[:, None] + 1, 0).astype(np.int32), weights
+
+
+def test_length_bucketed_batches_read_each_sentence_once_an_epoch_and_cut_the_padding():
+    count, size, max_len = 96, 8, 40
+    lengths = np.random.default_rng(0).integers(1, max_len + 1, size=count)
+    ids, weights = _rows_of_lengths(lengths, max_len)
+
+    def shuffled(pool_batches, length_multiple=8, **shard):
+        loader = ngram_lm.SentenceLoader(ids, weights, size, **shard, length_multiple=length_multiple)
+        return ngram_lm.ShuffledSentences(loader, seed=3, pool_batches=pool_batches)
+
+    sorted_pools, unsorted = shuffled(4), shuffled(1)
+    for epoch in range(2):
+        batches = [sorted_pools.batch(step) for step in range(epoch * count // size, (epoch + 1) * count // size)]
+        seen = np.concatenate([b["targets"][:, 0] - 1 for b in batches])
+        assert sorted(seen) == list(range(count))
+        for b in batches:
+            longest = int(lengths[b["targets"][:, 0] - 1].max())
+            assert b["targets"].shape == b["weights"].shape == (size, min(max_len, -(-longest // 8) * 8))
+            np.testing.assert_array_equal(b["weights"].sum(1), lengths[b["targets"][:, 0] - 1])
+        # Sorted pools: a batch's lengths are close, so its padded area is well below that of unsorted batches.
+        unsorted_area = sum(unsorted.batch(step)["weights"].size for step in range(count // size))
+        assert sum(b["weights"].size for b in batches) < 0.8 * unsorted_area
+    # Pools of one batch: the sentences of an epoch permutation, uncut without length_multiple.
+    _, order = pipeline.epoch_permutation(np.arange(size, 2 * size), count, 3)
+    assert sorted(shuffled(1, 0).batch(1)["targets"][:, 0] - 1) == sorted(order)
+    assert shuffled(1, 0).batch(1)["targets"].shape == (size, max_len)
+    # Two processes cut their halves of a global batch to the same width.
+    halves = [shuffled(4, process_index=i, process_count=2).batch(5)["targets"] for i in range(2)]
+    np.testing.assert_array_equal(np.concatenate(halves), sorted_pools.batch(5)["targets"])
+
+
+def test_length_sorted_evaluation_batches_hold_every_sentence_once():
+    lengths = np.random.default_rng(1).integers(1, 30, size=21)
+    ids, weights = _rows_of_lengths(lengths, 32)
+    batches = list(ngram_lm.length_sorted_batches(ngram_lm.SentenceLoader(ids, weights, 4, length_multiple=4)))
+    assert len(batches) == 6
+    seen = np.concatenate([b["targets"][:, 0] for b in batches])
+    assert sorted(seen[seen > 0] - 1) == list(range(21))  # the last batch's 3 missing rows weigh 0
+    assert sum(b["weights"].sum() for b in batches) == lengths.sum()
+    assert sum(b["weights"].size for b in batches) < 0.7 * 24 * 32
 
 
 def test_sentence_rows_reject_a_sentence_longer_than_seq_len():

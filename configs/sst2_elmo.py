@@ -1,11 +1,11 @@
 """SST-2 sentiment from frozen ELMo features of a biLM pretrained with configs/ptb_elmo.py.
 
-    python -c "from lmzoo.objectives import elmo_classify; elmo_classify.copy_tokenizer('runs/ptb_elmo', 'runs/sst2_elmo')"
-    python train.py --config=configs/sst2_elmo.py:elmo --workdir=runs/sst2_elmo --config.objective.bilm=ckpt:runs/ptb_elmo
+    python train.py --config=configs/sst2_elmo.py:elmo --workdir=runs/sst2_elmo --config.objective.bilm=ckpt:runs/ptb_elmo \
+        --config.data.tokenizer.path=runs/ptb_elmo/tokenizer/words.txt
 
 Variants: `elmo` (scalar mix of every biLM layer), `static` (layer 0 only: the biLM's token embeddings, the
 static-embedding baseline), `scratch` (the same classifier over an embedding table trained from random
-initialisation on SST-2 alone: no biLM, so no --config.objective.bilm; it still needs the biLM run's tokenizer),
+initialisation on SST-2 alone: no biLM, so no --config.objective.bilm; it still reads the biLM run's words),
 `tiny` (tests). Only the mix, gamma and a linear classifier train (Adam 1e-3), and with `scratch` the table.
 """
 
@@ -23,6 +23,7 @@ def get_config(arg: str | None = None):
     c.data.source = "tsv"
     c.data.train_path, c.data.validation_path = str(SST2 / "train.tsv"), str(SST2 / "dev.tsv")
     c.data.text_fields, c.data.label_field = ("sentence",), "label"
+    c.data.tokenizer.path = ""  # WORKDIR/tokenizer/words.txt of the biLM run (required): the biLM's word ids
     c.data.seq_len = 64
     c.objective = objective_section("elmo_classify", features="elmo" if variant == "tiny" else variant)
     c.train.batch_size = 32

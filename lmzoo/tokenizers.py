@@ -477,7 +477,7 @@ def from_spec(spec: dict, base_dir: str | None = None) -> Tokenizer:
 
 def build_tokenizer(kind: str, *, corpus: Iterable[str] | None = None, path: str | None = None,
                     vocab_size: int | None = None, **kwargs) -> Tokenizer:
-    """Tokenizer from config. kinds: char (corpus), word (corpus), byte, sentencepiece (path to .model, or corpus +
+    """Tokenizer from config. kinds: char (corpus), word (corpus, or path = a saved words.txt), byte, sentencepiece (path to .model, or corpus +
     vocab_size to train), gpt2 (path = folder with vocab.json + merges.txt), wordpiece (path = vocab.txt),
     hf_json (path = tokenizer.json). `kwargs` go to the constructor/trainer."""
     if kind not in KINDS:
@@ -487,8 +487,10 @@ def build_tokenizer(kind: str, *, corpus: Iterable[str] | None = None, path: str
             raise ValueError("tokenizer kind 'char' needs corpus= to build its character vocabulary")
         return CharTokenizer.from_corpus(corpus, **kwargs)
     if kind == "word":
+        if path:  # the words.txt a run saved (e.g. a pretrained model's vocabulary, so the ids match)
+            return from_spec({"kind": "word", "path": path, "specials": kwargs.get("specials", ("<eos>",))})
         if corpus is None:
-            raise ValueError("tokenizer kind 'word' needs corpus= to build its word vocabulary")
+            raise ValueError("tokenizer kind 'word' needs corpus= to build its word vocabulary, or path= to a words.txt")
         return WordTokenizer.from_corpus(corpus, **kwargs)
     if kind == "byte":
         return ByteTokenizer(**kwargs)

@@ -10,7 +10,7 @@ Sequence classifiers (`classify` runs, reward models) export to *ForSequenceClas
 is the one HF builds: BERT/ALBERT "pooler", RoBERTa "dense_tanh" and DistilBERT "dense_relu" on the first
 token, GPT-2 "linear" on the last real token (`pad_token_id` from the tokenizer); num_labels and
 id2label (`--labels`, default LABEL_0, LABEL_1, ...) go to config.json. A PPO policy exports its decoder as
-the language model (the value head has no HF counterpart).
+the language model (its value head or separate value network is left out).
 The weights and config.json come from the per-family tables of gpt2.py, bert.py and seq2seq.py, which
 refuse a config HF cannot express. A run's HF tokenizer (GPT-2 BPE, WordPiece, tokenizer.json) is written
 as tokenizer.json + tokenizer_config.json that `AutoTokenizer` reads; others (char, byte, word,
@@ -142,17 +142,17 @@ def export_workdir(
     params, classifier = exported_part(loaded.model, loaded.params)
     summary = export_hf(loaded.config.model_name, loaded.config.model.to_dict(), params, out_dir, loaded.tokenizer,
                         classifier=classifier, labels=labels)  # fmt: skip
-    if isinstance(loaded.model, heads.LMWithValueHead):
-        summary["left_out"] = "value_head (PPO's value estimate has no HF counterpart)"
+    if isinstance(loaded.model, heads.LMWithValueHead | heads.LMWithValueModel):
+        summary["left_out"] = "the value head or value network (PPO's value estimate)"
     return {**summary, "step": loaded.step}
 
 
 def exported_part(model: Any, params: Any) -> tuple[Any, heads.SequenceClassifier | None]:
     """(params to export, the SequenceClassifier they belong to or None) of a run's model: a classifier as
-    itself, a PPO policy (LMWithValueHead) as its decoder language model, a family model as it is."""
+    itself, a PPO policy (LMWithValueHead, LMWithValueModel) as its decoder language model, a family model as it is."""
     if isinstance(model, heads.SequenceClassifier):
         return params, model
-    if isinstance(model, heads.LMWithValueHead):
+    if isinstance(model, heads.LMWithValueHead | heads.LMWithValueModel):
         return params["decoder"], None
     return params, None
 

@@ -20,7 +20,9 @@ from lmzoo.models.lstm import LSTMLayer, symmetric_uniform
 
 @dataclasses.dataclass(frozen=True)
 class VAELMConfig:
-    """Sizes of the VAE-LM; the field names are exactly the keys of `config.model`. emb_dim is also the LSTM width."""
+    """Sizes of the VAE-LM; the field names are exactly the keys of `config.model`. emb_dim is also the LSTM width.
+
+    latent_dim 0 leaves the decoder alone: an LSTM LM from a zero state (no encoder, KL 0, exact likelihood)."""
 
     vocab_size: int = 10000
     emb_dim: int = 256
@@ -64,6 +66,8 @@ class VAELM(nn.Module):
     def encode(self, tokens: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
         """tokens, weights [B, T] (a sentence, padding weighted 0) -> mu, logvar [B, Z]."""
         b, d = tokens.shape[0], self.config.emb_dim
+        if self.config.latent_dim == 0:  # no latent: no encoder (and no zero-size parameters, which orbax cannot save)
+            return jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.float32)
         zeros = jnp.zeros((b, d), jnp.float32)
         hidden, _ = self.encoder(jnp.take(self.embedding, tokens, axis=0), (zeros, zeros))
         last = jnp.maximum(jnp.sum(weights, axis=1).astype(jnp.int32) - 1, 0)
@@ -72,7 +76,10 @@ class VAELM(nn.Module):
         return mu, logvar
 
     def start_state(self, z: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """z [B, Z] -> the decoder's initial (c, h), each [B, D]."""
+        """z [B, Z] -> the decoder's initial (c, h), each [B, D] (zeros when Z = 0)."""
+        if self.config.latent_dim == 0:
+            zeros = jnp.zeros((z.shape[0], self.config.emb_dim), jnp.float32)
+            return zeros, zeros
         c, h = jnp.split(self.initial_state(z), 2, axis=-1)
         return c, jnp.tanh(h)
 

@@ -5,14 +5,12 @@ and a linear classifier over the mean of the mixed layers are trained.
 `features` = "elmo" mixes every layer; "static" uses layer 0 alone (the biLM's token embeddings, no
 context), the static-embedding baseline; "scratch" reads no biLM and trains layer 0's embedding table, from
 the biLM's random initialisation, with the head: the same classifier trained from scratch. Rows are the TSV's
-sentences (GLUE format) encoded with the biLM run's word tokenizer (copy its workdir's tokenizer/ with
-`copy_tokenizer` before training) and framed by `<eos>` on both sides as in pretraining; the "loss" evaluator
-reports loss and accuracy.
+sentences (GLUE format) encoded with the biLM run's word tokenizer (config.data.tokenizer.path = its
+WORKDIR/tokenizer/words.txt, so the ids are the biLM's) and framed by `<eos>` on both sides as in pretraining;
+the "loss" evaluator reports loss and accuracy.
 """
 
 import dataclasses
-import pathlib
-import shutil
 
 import flax.linen as nn
 import jax
@@ -25,13 +23,6 @@ from lmzoo.objectives import base, classification, losses
 from lmzoo.train.state import Task
 
 FEATURES = ("elmo", "static", "scratch")
-
-
-def copy_tokenizer(bilm_workdir: str, workdir: str) -> None:
-    """Puts the biLM run's tokenizer into `workdir`, where `loop.build` reloads it (ids must match the biLM's)."""
-    target = pathlib.Path(workdir) / "tokenizer"
-    if not target.exists():
-        shutil.copytree(pathlib.Path(bilm_workdir) / "tokenizer", target)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +89,9 @@ class ELMoClassify(classification.LabelledTSVObjective):
 
     def check(self, config):
         super().check(config)
+        if not config.data.tokenizer.get("path"):
+            raise ValueError("set --config.data.tokenizer.path=WORKDIR/tokenizer/words.txt of the biLM run: the "
+                             "classifier must read the biLM's word ids")  # fmt: skip
         if config.objective.features == "scratch":
             if config.objective.bilm:
                 raise ValueError(f"config.objective.bilm={config.objective.bilm!r}: features 'scratch' reads no biLM; "

@@ -15,6 +15,7 @@ from lmzoo import testing, tokenizers
 from lmzoo.convert import bert, export, seq2seq
 from lmzoo.models import build_model, heads, make_config
 from lmzoo.objectives import classification
+from lmzoo.rl import reward
 from lmzoo.train import loop
 
 torch = pytest.importorskip("torch", reason="export tests need torch (pip install -r requirements-test.txt)")
@@ -147,13 +148,18 @@ def test_a_classify_workdir_exports_its_classifier(tmp_path):
 
 
 @pytest.mark.parity
-def test_a_ppo_policy_exports_its_decoder(tmp_path):
-    policy = heads.LMWithValueHead(build_model("gpt2", testing.TINY_GPT2))
+@pytest.mark.parametrize("value", ["head", "value_model"])
+def test_a_ppo_policy_exports_its_decoder(tmp_path, value):
+    decoder = build_model("gpt2", testing.TINY_GPT2)
+    if value == "head":
+        policy = heads.LMWithValueHead(decoder)
+    else:  # configs/hh_ppo.py:value_model
+        policy = heads.LMWithValueModel(decoder, reward.value_model(build_model("gpt2", testing.TINY_GPT2)))
     ids = np.random.default_rng(0).integers(3, 32, (2, 9))
     tokens = jnp.asarray(ids, jnp.int32)
     params = perturbed_params(policy, tokens)
     decoder_params, classifier = export.exported_part(policy, params)
-    assert classifier is None and "value_head" not in decoder_params
+    assert classifier is None
     export.export_hf("gpt2", testing.TINY_GPT2, decoder_params, str(tmp_path))
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     with torch.no_grad():

@@ -138,20 +138,24 @@ def _classify_on_frozen_features(tmp_path, bilm_config):
         ]
         (tmp_path / f"{name}.tsv").write_text("\n".join(lines) + "\n")
     pretrained = restore.load(str(tmp_path / "run")).params
+    bilm_words = restore.load(str(tmp_path / "run")).tokenizer.words
     for features, mixed_layers in (("elmo", 3), ("static", 1), ("scratch", 1)):
         config = sst2_elmo.get_config("tiny")
         config.model.vocab_size = 16
         config.data.train_path, config.data.validation_path = str(tmp_path / "train.tsv"), str(tmp_path / "dev.tsv")
         config.objective.bilm, config.objective.features = f"ckpt:{tmp_path / 'run'}", features
+        with pytest.raises(ValueError, match="the biLM's word ids"):
+            elmo_classify.ELMoClassify().check(config)
+        config.data.tokenizer.path = str(tmp_path / "run" / "tokenizer" / "words.txt")
         if features == "scratch":
             with pytest.raises(ValueError, match="reads no biLM"):
                 elmo_classify.ELMoClassify().check(config)
             config.objective.bilm = ""
         workdir = tmp_path / f"sst2_{features}"
-        elmo_classify.copy_tokenizer(str(tmp_path / "run"), str(workdir))
         final = loop.train_and_evaluate(config, str(workdir))
         assert 0.0 <= final["accuracy"] <= 1.0 and final["examples" if "examples" in final else "tokens"] == 16
         run = restore.open_run(str(workdir))
+        assert run.tokenizer.words == bilm_words  # the biLM's ids, not a vocabulary rebuilt from the TSV
         _, state = restore.restore_step(run)
         assert state.params["head"]["ScalarMix_0"]["scores"].shape == (mixed_layers,)
         if features == "scratch":  # no biLM: the embedding table trains from its random initialisation

@@ -1,6 +1,7 @@
 """VAE-LM: closed-form KL, the importance-weighted bound against the ELBO, annealing and free bits, and the
 vae_lm objective with its "latent" evaluator through the real loop."""
 
+import dataclasses
 import json
 
 import jax
@@ -64,6 +65,21 @@ def test_trailing_padding_changes_no_sentence_bound():
     wide_bound = elbo.importance_weighted_bound(model, params, wide, jax.random.key(3), num_samples=4)
     for narrow, wide in zip(narrow_bound, wide_bound, strict=True):
         np.testing.assert_allclose(np.asarray(narrow), np.asarray(wide), rtol=1e-6, atol=1e-6)
+
+
+def test_without_a_latent_the_bound_is_the_decoders_exact_likelihood():
+    model = vae_lm.VAELM(dataclasses.replace(CONFIG, latent_dim=0))
+    batch = _batch()
+    params = model.init(jax.random.key(1), batch["targets"], batch["inputs"], batch["weights"], rng=jax.random.key(2))[
+        "params"
+    ]
+    assert set(params) == {"embedding", "decoder", "out"}  # no encoder, no zero-size kernels
+    iw, bound, mu, kl = elbo.importance_weighted_bound(model, params, batch, jax.random.key(3), num_samples=3)
+    zeros = jnp.zeros((4, CONFIG.emb_dim))
+    logits, _ = model.apply({"params": params}, mu, batch["inputs"], (zeros, zeros), method=model.decode)
+    np.testing.assert_allclose(np.asarray(iw), -np.asarray(elbo.sentence_nll(logits, batch)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(bound), np.asarray(iw), rtol=1e-6)
+    assert mu.shape == (4, 0) and np.all(np.asarray(kl) == 0)
 
 
 def test_kl_annealing_and_free_bits():

@@ -29,10 +29,11 @@ def evaluate_loss(run, state: Any, split: str = "validation", *, max_batches: in
         count += 1
     if total is None:
         raise ValueError(f"the {split} split produced no evaluation batches; check config.data and config.eval")
-    summary = metrics_lib.summarize(total)
+    token_nll = run.objective.loss_is_token_nll
+    summary = metrics_lib.summarize(total, token_nll=token_nll)
     summary["examples" if "targets" not in batch else "tokens"] = float(jax.device_get(total["loss"][1]))
     summary["evaluated_batches"] = count
-    if "targets" in batch:
+    if "targets" in batch and token_nll:
         bits = float(jax.device_get(total["loss"][0])) / np.log(2)
         summary["bits_per_char"] = bits / max(float(np.sum(jax.device_get(_allsum(num_chars)))), 1.0)
         summary["bits_per_byte"] = bits / max(float(np.sum(jax.device_get(_allsum(num_bytes)))), 1.0)

@@ -56,6 +56,7 @@ class Objective:
     name: str = ""
     Config: type = NoFields
     evaluators: tuple[str, ...] = ("loss",)  # names in lmzoo.evaluation.EVALUATORS
+    loss_is_token_nll: bool = True  # "loss" is a mean token NLL: metrics add perplexity and bits per token/char/byte
 
     def fields(self, config: ml_collections.ConfigDict) -> Any:
         """config.objective's fields as this objective's Config (which validates them)."""

@@ -102,6 +102,8 @@ def classification_rows(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np
 class LabelledTSVObjective(base.Objective):
     """Reads (text[, text pair], label) rows of `data.train_path` / `data.validation_path` TSV files."""
 
+    loss_is_token_nll = False  # a cross-entropy per example
+
     def read(self, config):
         return {split: self.read_file(config, config.data[f"{split}_path"]) for split in ("train", "validation")}
 

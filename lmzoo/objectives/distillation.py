@@ -89,6 +89,7 @@ class Distillation(mlm.MaskedLM):
 
     name = "distill"
     Config = DistillationConfig
+    loss_is_token_nll = False  # soft cross-entropy + MLM + cosine terms
 
     def task(self, config, model):
         fields = self.fields(config)

@@ -156,6 +156,7 @@ class SentencePairMLM(base.Objective):
     BERT) or sentence-order prediction ("sop", ALBERT). Pairs are drawn once from the seed per split."""
 
     Config = SentencePairConfig
+    loss_is_token_nll = False  # MLM plus the sentence-level loss
 
     def __init__(self, name: str, kind: str):
         self.name, self.kind = name, kind

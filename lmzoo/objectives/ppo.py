@@ -378,6 +378,7 @@ class PPO(sft.ComparisonObjective):
 
     name = "ppo"
     Config = PPOConfig
+    loss_is_token_nll = False  # the policy-gradient surrogate
 
     def check(self, config):
         o = self.fields(config)

@@ -70,6 +70,7 @@ class RewardModel(sft.ComparisonObjective):
 
     name = "reward_model"
     Config = RewardModelConfig
+    loss_is_token_nll = False  # -log sigmoid of reward margins
     evaluators = ("loss", "preference")
 
     def model(self, config):

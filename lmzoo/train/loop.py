@@ -388,7 +388,7 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
             at_eval = done % config.train.eval_every == 0 or done == config.train.steps
             stop = stop_signals(done)
             if at_log or at_ckpt or stop:
-                summary = metrics_lib.summarize(total)
+                summary = metrics_lib.summarize(total, token_nll=run.objective.loss_is_token_nll)
                 if not metrics_lib.all_finite(summary):
                     raise NonFiniteLossError(
                         f"non-finite training metrics between steps {window_step} and {done}: {summary}. "

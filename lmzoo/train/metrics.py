@@ -14,11 +14,11 @@ def accumulate(total: dict | None, metrics: dict) -> dict:
     return metrics if total is None else jax.tree.map(lambda a, b: a + b, total, metrics)
 
 
-def summarize(total: dict) -> dict[str, float]:
-    """(sum, count) pairs -> means on the host; adds perplexity and bits per token for "loss"."""
+def summarize(total: dict, *, token_nll: bool = True) -> dict[str, float]:
+    """(sum, count) pairs -> means on the host; adds perplexity and bits per token when "loss" is a token NLL."""
     host = jax.device_get(total)
     out = {name: float(s) / max(float(c), 1e-12) for name, (s, c) in host.items()}
-    if "loss" in out:
+    if "loss" in out and token_nll:
         out["perplexity"] = math.exp(min(out["loss"], 50.0))
         out["bits_per_token"] = out["loss"] / math.log(2)
     return out

@@ -130,3 +130,15 @@ def test_weight_decay_mask_spares_biases_norms_and_embeddings():
     mask = optim.weight_decay_mask(params, decay_embeddings=False)
     assert mask == {"wte": {"embedding": False}, "mlp": {"wi": {"kernel": True, "bias": False}}, "ln": {"scale": False}, "mlm_bias": False}
     assert optim.weight_decay_mask(params, decay_embeddings=True)["wte"]["embedding"] is True
+
+
+def test_perplexity_and_bits_only_for_token_nll_losses():
+    from lmzoo import objectives
+    from lmzoo.train import metrics as metrics_lib
+
+    total = {"loss": (np.float32(6.0), np.float32(3.0))}
+    assert metrics_lib.summarize(total)["perplexity"] == pytest.approx(np.exp(2.0))
+    assert set(metrics_lib.summarize(total, token_nll=False)) == {"loss"}
+    not_nll = {"classify", "reward_model", "ppo", "distill", "mlm_nsp", "mlm_sop", "elmo_classify"}
+    for name in ("causal_lm", "sft", "mlm", "recurrent_lm", "bilm", "text_to_text", *not_nll):
+        assert objectives.get(name).loss_is_token_nll == (name not in not_nll), name

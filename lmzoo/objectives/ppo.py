@@ -312,11 +312,19 @@ class PPOTrainer:
             )
         return rows
 
-    def step(self, state: PPOState, batch) -> tuple[PPOState, Metrics]:
+    phases = ("rollout", "scoring", "update")
+
+    def run_phase(self, name: str, state: PPOState, batch, carry):
+        """One part of `step`: "rollout" -> `generate`'s samples; "scoring" (carry: the samples) -> (`score`'s
+        targets, metrics); "update" (carry: those) -> (the next state, metrics). Every phase reads `state` as it was
+        before the step; the loop times them apart."""
         s = self.settings
         rng, sample_rng, shuffle_rng = jax.random.split(jax.random.wrap_key_data(state.rng), 3)
-        samples = self.generate(state.params, batch, sample_rng, samples_per_prompt=s.samples_per_prompt)
-        rollout, metrics = self.score(state.params, state.frozen, state.kl_coef, samples)
+        if name == "rollout":
+            return self.generate(state.params, batch, sample_rng, samples_per_prompt=s.samples_per_prompt)
+        if name == "scoring":
+            return self.score(state.params, state.frozen, state.kl_coef, carry)
+        rollout, metrics = carry
         params, opt_state, update_metrics = self.update(
             state.params, state.opt_state, rollout, shuffle_rng, self.demonstrations(batch)
         )
@@ -329,6 +337,9 @@ class PPOTrainer:
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=jax.random.key_data(rng),
                                   kl_coef=jnp.asarray(kl_coef, jnp.float32))  # fmt: skip
         return new_state, metrics
+
+    def step(self, state: PPOState, batch) -> tuple[PPOState, Metrics]:
+        return trainer_lib.run_phases(self, state, batch)
 
     def eval_step(self, state: PPOState, batch, carry) -> tuple[Metrics, Any]:
         """One response per held-out prompt (fixed key): "loss" = −(score − β·KL) per response, "score", "kl", "response_len";

@@ -22,6 +22,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import ml_collections
+import numpy as np
 from tqdm import tqdm
 
 from lmzoo import checkpoint, objectives, sharding, tokenizers
@@ -356,6 +357,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             lock.release(failed_start=not started)
 
 
+def run_timed_phases(phases: dict, state: Any, batch: Any) -> tuple[Any, dict]:
+    """One step of a trainer with phases, each jitted phase waited for: (state, metrics + "time/<phase>_ms")."""
+    carry, times = None, {}
+    for name, phase in phases.items():
+        began = time.perf_counter()
+        carry = jax.block_until_ready(phase(state, batch, carry))
+        times[f"time/{name}_ms"] = (np.float32(1e3 * (time.perf_counter() - began)), np.float32(1.0))
+    state, metrics = carry
+    return state, {**metrics, **times}
+
+
 def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) -> dict[str, float]:
     """The steps from the restored `state` to config.train.steps, then evaluation, a sample and the end summary."""
     from lmzoo.evaluation.generation import sample_text
@@ -379,7 +391,11 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
             host_batch = loader.batch(step)
             window_tokens += run.objective.real_tokens(host_batch)
             with run.context():
-                state, step_metrics = compiled.step(state, sharding.put_batch(host_batch, compiled.batch_sharding))
+                device_batch = sharding.put_batch(host_batch, compiled.batch_sharding)
+                if compiled.phases:
+                    state, step_metrics = run_timed_phases(compiled.phases, state, device_batch)
+                else:
+                    state, step_metrics = compiled.step(state, device_batch)
             run.checkpointer.check_for_errors()
             total = metrics_lib.accumulate(total, step_metrics)
             done = step + 1

@@ -6,6 +6,10 @@ metrics)`, and for evaluation `initial_carry(batch_size)` and `eval_step(state, 
 are written once around it, so a trainer may do anything inside `step`: one gradient update
 (`SupervisedTrainer`), a rollout followed by epochs of minibatch updates (PPO), or counting with no
 gradients at all; `with_params(state, params)` puts other (pretrained) params into a fresh state.
+A trainer whose step has parts worth timing names them in `phases` and runs one with
+`run_phase(name, state, batch, carry) -> carry` (the first gets carry None, the last returns
+(state, metrics)); its `step` is `run_phases`, and the loop runs the jitted phases one after another,
+logging each one's wall time as `time/<phase>_ms`.
 The state is a pytree with a `params` field (what evaluation and generation use: weights, or the
 counts of a count-based model) and a `frozen` field (parameters read from elsewhere, never
 checkpointed); its leaves may be boxed with logical axes (`nn.LogicallyPartitioned`), from
@@ -39,6 +43,14 @@ class Trainer(Protocol):
     def eval_step(self, state: Any, batch: Batch, carry: Any) -> tuple[Metrics, Any]: ...
 
     def with_params(self, state: Any, params: Any) -> Any: ...
+
+
+def run_phases(trainer: Any, state: Any, batch: Batch) -> tuple[Any, Metrics]:
+    """The step of a trainer with `phases`: each phase of `state` and `batch` in order, threading the carry."""
+    carry = None
+    for name in trainer.phases:
+        carry = trainer.run_phase(name, state, batch, carry)
+    return carry
 
 
 def _add(a, b):
@@ -148,8 +160,9 @@ class CompiledTrainer:
     """A trainer's functions jitted over a mesh with shardings from the logical-axis rules.
 
     init(rng) -> state; step(state, batch) -> (state, metrics) donates the old state;
-    initial_carry(batch_size) -> carry; eval_step(state, batch, carry) -> (metrics, carry).
-    Call them inside `context()`.
+    initial_carry(batch_size) -> carry; eval_step(state, batch, carry) -> (metrics, carry);
+    phases: {name: phase(state, batch, carry) -> carry} of a trainer with phases (the last donates the state),
+    else empty. Call them inside `context()`.
     """
 
     trainer: Any
@@ -162,6 +175,7 @@ class CompiledTrainer:
     step: Callable
     eval_step: Callable
     with_params: Callable
+    phases: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
     @contextlib.contextmanager
     def context(self):
@@ -179,6 +193,18 @@ class CompiledTrainer:
 def _with_shardings(boxed: Any, shardings: Any) -> Any:
     # Unboxed outside the mesh context: inside it, unboxing would attach sharding constraints.
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings)
+
+
+def _jit_phases(trainer: Any, state_shardings: Any, batch_sharding: Any, replicated: Any) -> dict[str, Callable]:
+    names = tuple(getattr(trainer, "phases", ()))
+    jitted = {}
+    for name in names:
+        last = name == names[-1]
+        jitted[name] = jax.jit(
+            functools.partial(trainer.run_phase, name), in_shardings=(state_shardings, batch_sharding, None),
+            out_shardings=(state_shardings, replicated) if last else None, donate_argnums=0 if last else (),
+        )  # fmt: skip
+    return jitted
 
 
 def _init_compiler_options(mesh: jax.sharding.Mesh) -> dict | None:
@@ -209,5 +235,6 @@ def compile_trainer(trainer: Any, *, mesh: jax.sharding.Mesh, rules: tuple, seed
             eval_step=jax.jit(lambda state, batch, carry: trainer.eval_step(state, batch, carry),
                               in_shardings=(state_shardings, batch_sharding, None), out_shardings=(replicated, None)),
             with_params=jax.jit(lambda state, params: trainer.with_params(state, params), out_shardings=state_shardings),
+            phases=_jit_phases(trainer, state_shardings, batch_sharding, replicated),
         )  # fmt: skip
 

@@ -1,6 +1,7 @@
 """The alignment stages through the one training loop on a slice of the real HH-RLHF file:
 SFT -> reward model (initialised from the SFT checkpoint) -> PPO against both (frozen, read by path)."""
 
+import functools
 import gzip
 import itertools
 import json
@@ -112,8 +113,17 @@ def test_ppo_iteration_starts_at_the_reference_and_updates_only_the_policy(stage
     batch = sharding.put_batch(run.train_loader().batch(0), run.compiled.batch_sharding)
     with run.context():
         after, metrics = run.compiled.step(state, batch)
+        again = jax.device_put(before, run.compiled.state_shardings)
+        phased, phased_metrics = loop.run_timed_phases(run.compiled.phases, again, batch)
     summary = metrics_lib.summarize(metrics)
     run.checkpointer.close()
+    # The loop runs the step as its jitted phases, timing each: the same iteration as the one-program step.
+    assert list(run.compiled.phases) == ["rollout", "scoring", "update"]
+    assert all(phased_metrics[f"time/{name}_ms"][0] > 0 for name in run.compiled.phases)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6),
+                 jax.device_get(phased.params), jax.device_get(after.params))  # fmt: skip
+    untimed = {k: v for k, v in phased_metrics.items() if not k.startswith("time/")}
+    assert metrics_lib.summarize(untimed) == pytest.approx(summary, rel=1e-4, abs=1e-6)
     # The policy starts as the SFT reference: zero KL, and the single update starts from ratio 1.
     assert summary["objective/kl"] == 0.0
     assert summary["policy/ratio"] == pytest.approx(1.0, abs=1e-5) and summary["policy/clipfrac"] == 0.0
@@ -184,6 +194,7 @@ def test_rloo_trains_and_evaluates_on_the_same_rollout_code(stages, tmp_path):
     final = loop.train_and_evaluate(config, str(tmp_path / "rloo"))
     train = [r for r in _rows(tmp_path / "rloo") if r["split"] == "train"][0]
     assert train["tokens/response_len"] > 0 and np.isfinite(train["loss/policy"]) and train["objective/kl"] == 0.0
+    assert all(train[f"time/{name}_ms"] > 0 for name in ("rollout", "scoring", "update"))  # logged per iteration
     assert final["loss"] == pytest.approx(
         -(final["score"] - config.objective.kl_coef * final["kl"]), rel=1e-4, abs=1e-5
     )

@@ -1,12 +1,13 @@
-"""Time of one PPO iteration on this CPU, split into the three jitted pure functions `PPOTrainer.step` is made of:
-rollout (`generate`: KV-cache sampling), scoring (`score`: policy, reference and reward-model forwards, shaped
-rewards, GAE) and update (`update`: epochs x minibatches of clipped PPO steps), next to the whole jitted step.
+"""Time of one PPO iteration on this CPU, split into the phases `PPOTrainer.step` is made of (the ones the training
+loop runs and logs as time/<phase>_ms): rollout (`generate`: KV-cache sampling), scoring (`score`: policy, reference
+and reward-model forwards, shaped rewards, GAE) and update (`update`: epochs x minibatches of clipped PPO steps and
+the KL controller), next to the whole step jitted as one program.
 
     PYTHONPATH=$PWD python bench/ppo_bench.py                  # the model and rollout sizes of configs/hh_ppo.py
     PYTHONPATH=$PWD python bench/ppo_bench.py --variant value_model --ptx_coef 0.5
     PYTHONPATH=$PWD venv-trl/bin/python bench/ppo_bench.py --variant rloo --trl   # + trl's RLOOTrainer
 
-Random weights (nothing is read). Each part is jitted on its own, called on the shapes the step passes it
+Random weights (nothing is read). Each phase is jitted on its own (`trainer.run_phase`), called on what the step passes it
 and timed with `block_until_ready` after warm-up, the parts and the step in alternating order
 (`common.interleaved_ms`). The step fuses the parts into one program, so their sum need not equal it.
 
@@ -21,6 +22,7 @@ packages, so pip keeps their torch and transformers (check that it installs noth
 """
 
 import argparse
+import functools
 import os
 import pathlib
 import statistics
@@ -50,7 +52,8 @@ def hh_ppo_config(variant: str, tiny: bool, ptx_coef: float):
 
 
 def lmzoo_parts(config, repeats: int) -> dict[str, tuple[float, float]]:
-    """(min, median) ms of the jitted rollout, scoring, update and whole step of configs/hh_ppo.py's trainer."""
+    """(min, median) ms of the jitted phases (rollout, scoring, update: what the training loop times) and the whole
+    step of configs/hh_ppo.py's trainer."""
     objective = objectives.get("ppo")
     trainer = objective.trainer(config, objective.model(config))
     s = trainer.settings
@@ -62,19 +65,15 @@ def lmzoo_parts(config, repeats: int) -> dict[str, tuple[float, float]]:
         rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": jnp.ones(tokens[:, 1:].shape),
                 "segment_ids": jnp.ones_like(tokens[:, 1:]), "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1] - 1), tokens[:, 1:].shape)}  # fmt: skip
         batch |= {"ptx_" + k: v for k, v in rows.items()}
-    key = jax.random.key(2)
-    generate = jax.jit(lambda params: trainer.generate(params, batch, key, samples_per_prompt=s.samples_per_prompt))
-    samples = generate(state.params)
-    score = jax.jit(lambda st: trainer.score(st.params, st.frozen, st.kl_coef, samples)[0])
-    rollout = score(state)
-    demonstrations = trainer.demonstrations(batch)
-    update = jax.jit(lambda st: trainer.update(st.params, st.opt_state, rollout, key, demonstrations)[:2])
+    phase = {name: jax.jit(functools.partial(trainer.run_phase, name)) for name in trainer.phases}
+    samples = phase["rollout"](state, batch, None)
+    targets = phase["scoring"](state, batch, samples)
     step = jax.jit(lambda st: trainer.step(st, batch)[0])
     return common.interleaved_ms(
         {
-            "rollout": (generate, state.params),
-            "scoring": (score, state),
-            "update": (update, state),
+            "rollout": (lambda st: phase["rollout"](st, batch, None), state),
+            "scoring": (lambda st: phase["scoring"](st, batch, samples), state),
+            "update": (lambda st: phase["update"](st, batch, targets)[0], state),
             "step": (step, state),
         },
         repeats,

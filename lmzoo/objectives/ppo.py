@@ -1,10 +1,10 @@
 """RLHF policy optimisation against a frozen reward model (InstructGPT's third stage): PPO, REINFORCE and RLOO.
 
-One trainer step is one iteration, jitted whole and composed of three pure functions (the benchmark
-jits and times them apart): `generate` samples responses to left-padded prompts with the KV-cache
-sampler (stop at EOS, mask after it); `score` scores prompt ⊕ response with the frozen reward model
-(normalised so SFT samples score mean 0, std 1; a penalty for no EOS), reads the log-probs of the
-frozen SFT reference, shapes per-token rewards −β·KL with the score on the last token and runs GAE;
+One trainer step is one iteration, composed of three phases that the training loop jits and times
+apart (`phases`, `run_phase`; `step` runs them as one program): `generate` samples responses to
+left-padded prompts with the KV-cache sampler (stop at EOS, mask after it); `score` scores
+prompt ⊕ response with the frozen reward model (normalised so SFT samples score mean 0, std 1; a
+penalty for no EOS), reads the log-probs of the frozen SFT reference, shapes per-token rewards −β·KL with the score on the last token and runs GAE;
 `update` makes `epochs` passes of `minibatches` clipped PPO updates (or one REINFORCE/RLOO update on
 the same rollout), each optionally adding γ_ptx times the LM loss on packed SFT demonstrations
 (PPO-ptx). β follows the adaptive controller, whose value lives in the state. The policy is the SFT

@@ -13,6 +13,7 @@ def evaluate_loss(run, state: Any, split: str = "validation", *, max_batches: in
     """Metrics of `run`'s eval step over `split` (each target once; at most `max_batches` batches),
     threading the evaluation carry through the batches in order. Token-level objectives add
     perplexity, bits per token, per character and per UTF-8 byte; `evaluated_batches` says how much was read."""
+    token_nll = run.objective.loss_is_token_nll
     char_lengths, byte_lengths = run.tokenizer.token_char_lengths(), run.tokenizer.token_byte_lengths()
     compiled = run.compiled
     carry = compiled.initial_carry(run.config.eval.batch_size)
@@ -20,7 +21,7 @@ def evaluate_loss(run, state: Any, split: str = "validation", *, max_batches: in
     for batch in run.eval_batches(split):
         if max_batches is not None and count >= max_batches:
             break
-        if "targets" in batch:
+        if "targets" in batch and token_nll:
             num_chars += float(np.sum(char_lengths[batch["targets"]] * batch["weights"]))
             num_bytes += float(np.sum(byte_lengths[batch["targets"]] * batch["weights"]))
         with run.context():
@@ -29,7 +30,6 @@ def evaluate_loss(run, state: Any, split: str = "validation", *, max_batches: in
         count += 1
     if total is None:
         raise ValueError(f"the {split} split produced no evaluation batches; check config.data and config.eval")
-    token_nll = run.objective.loss_is_token_nll
     summary = metrics_lib.summarize(total, token_nll=token_nll)
     summary["examples" if "targets" not in batch else "tokens"] = float(jax.device_get(total["loss"][1]))
     summary["evaluated_batches"] = count

@@ -4,8 +4,9 @@
     python eval.py --workdir=runs/ptb_vae --data=../shared/data/ptb/ptb.test.txt
 
 One sentence a row (PTB's longest is 83 tokens with <eos>), LSTM encoder and decoder of 256 units sharing a
-256-dim embedding, 32 latent dimensions, word dropout none, Adam 1e-3. `annealed` raises the KL weight
-linearly over 4 epochs; `plain` keeps it at 1 from the start (the setting in which the posterior collapses);
+256-dim embedding, 32 latent dimensions, Adam 1e-3; word dropout off (`--config.objective.word_dropout=0.25`
+replaces a quarter of the decoder's input words by <unk> in training, as Bowman et al. do to keep z in use).
+`annealed` raises the KL weight linearly over 4 epochs; `plain` keeps it at 1 from the start (the setting in which the posterior collapses);
 `tiny` shrinks everything for tests. eval.py adds the K-sample importance-weighted perplexity, the KL, the
 active units, prior samples and an interpolation (the "latent" evaluator). `plain` with
 `--config.model.latent_dim=0` is the decoder alone, an LSTM LM on the same sentences (KL 0, exact likelihood).

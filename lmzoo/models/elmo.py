@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lmzoo.models.lstm import LSTMLayer, symmetric_uniform
+from lmzoo.models.lstm import LSTMLayer, per_position, symmetric_uniform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +68,10 @@ class BiLM(nn.Module):
             forward, _ = forward_layer(self.dropout(forward, deterministic=deterministic), (zeros, zeros))
             backward, _ = backward_layer(self.dropout(backward, deterministic=deterministic), (zeros, zeros))
             layers.append(jnp.concatenate([forward, reverse_within_length(backward, lengths)], axis=-1))
-        forward_logits = self.out(self.dropout(forward, deterministic=deterministic))
-        backward_logits = reverse_within_length(self.out(self.dropout(backward, deterministic=deterministic)), lengths)
+        forward_logits = per_position(self.out, self.dropout(forward, deterministic=deterministic))
+        backward_logits = reverse_within_length(
+            per_position(self.out, self.dropout(backward, deterministic=deterministic)), lengths
+        )
         return forward_logits, backward_logits, jnp.stack(layers)
 
 

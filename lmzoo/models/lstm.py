@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lmzoo import decoding, sharding
+from lmzoo import decoding, layers, sharding
 
 Carry = dict[str, jax.Array]
 
@@ -41,6 +41,11 @@ def symmetric_uniform(scale: float):
     return init
 
 
+def per_position(dense: nn.Dense, hidden: jax.Array) -> jax.Array:
+    """`dense` at every position, hidden [B, T, D] -> [B, T, F], as one [B*T, D] x [D, F] matmul (see `layers.project`)."""
+    return dense(hidden.reshape(-1, hidden.shape[-1])).reshape(hidden.shape[:-1] + (-1,))
+
+
 class LSTMLayer(nn.Module):
     """One LSTM layer over a window: gates i, f, g, o from one [D_in + D, 4D] affine map.
 
@@ -64,7 +69,8 @@ class LSTMLayer(nn.Module):
         wh = self.param("wh", nn.with_logical_partitioning(init, ("embed", "mlp")), (self.hidden, gates))
         bias = self.param("bias", nn.with_logical_partitioning(init, ("mlp",)), (gates,))
         # The input half of every step's gates in one matmul, time-major for the scan: [T, B, 4D].
-        input_gates = jnp.einsum("BTD,DG->TBG", x.astype(self.dtype), wi.astype(self.dtype)) + bias
+        x = jnp.swapaxes(x, 0, 1).astype(self.dtype)
+        input_gates = layers.project("TBD,DG->TBG", x, wi.astype(self.dtype)) + bias
 
         def cell(carry, step_gates):
             c, h = carry
@@ -107,20 +113,20 @@ class LSTM(nn.Module):
         )
         x = jnp.take(embedding, tokens, axis=0).astype(dtype)
         x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
-        layers = [x]
+        layer_outputs = [x]
         cs, hs = [], []
         for layer in range(cfg.num_layers):
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
             x, (c, h) = LSTMLayer(cfg.emb_dim, cfg.init_scale, dtype, name=f"layer_{layer}")(
                 x, (carry["c"][:, layer], carry["h"][:, layer])
             )
-            layers.append(x)
+            layer_outputs.append(x)
             cs.append(c)
             hs.append(h)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         out = self.param("out", nn.with_logical_partitioning(init, ("embed", "vocab")), (cfg.emb_dim, cfg.vocab_size))
         out_bias = self.param("out_bias", nn.with_logical_partitioning(init, ("vocab",)), (cfg.vocab_size,))
-        logits = jnp.einsum(
+        logits = layers.project(
             "BTD,DV->BTV", x, out.astype(dtype), preferred_element_type=jnp.promote_types(dtype, jnp.float32)
         )
         logits = logits + out_bias
@@ -129,7 +135,7 @@ class LSTM(nn.Module):
             "h": jnp.stack(hs, axis=1).astype(carry["h"].dtype),
         }
         if return_layers:
-            return logits, new_carry, layers
+            return logits, new_carry, layer_outputs
         return logits, new_carry
 
 

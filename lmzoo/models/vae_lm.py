@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from lmzoo import decoding
-from lmzoo.models.lstm import LSTMLayer, symmetric_uniform
+from lmzoo.models.lstm import LSTMLayer, per_position, symmetric_uniform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ class VAELM(nn.Module):
         x = self.dropout(x, deterministic=deterministic)
         x = jnp.concatenate([x, jnp.broadcast_to(z[:, None], x.shape[:2] + z.shape[-1:])], axis=-1)
         hidden, state = self.decoder(x, state)
-        return self.out(self.dropout(hidden, deterministic=deterministic)), state
+        return per_position(self.out, self.dropout(hidden, deterministic=deterministic)), state
 
     def __call__(self, tokens, inputs, weights, *, rng: jax.Array, deterministic: bool = True):
         """One reparameterised sample: tokens/inputs/weights [B, T] -> logits [B, T, V], mu, logvar [B, Z]."""

@@ -8,7 +8,6 @@ the split sorted by length; each is cut to its longest sentence rounded up to `l
 """
 
 import dataclasses
-import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -80,7 +79,7 @@ class BiLMObjective(TextFiles):
     def train_loader(self, config, tokenizer, raw, shard):
         sentences = self._sentences(config, tokenizer, raw, config.train.batch_size, "train split", shard)
         return ShuffledSentences(sentences, config.train.seed, self.fields(config).length_pool,
-                                 functools.partial(framed, eos_id=tokenizer.eos_id))  # fmt: skip
+                                 lambda batch, rng: framed(batch, tokenizer.eos_id))  # fmt: skip
 
     def eval_batches(self, config, tokenizer, raw, shard):
         sentences = self._sentences(config, tokenizer, raw, config.eval.batch_size, "evaluation split", shard)

@@ -110,17 +110,33 @@ def with_inputs(batch: dict[str, np.ndarray], bos_id: int) -> dict[str, np.ndarr
     return {**batch, "inputs": inputs}
 
 
+def with_dropped_words(
+    batch: dict[str, np.ndarray], rng: np.random.Generator, *, bos_id: int, word_dropout: float, unk_id: int | None
+) -> dict[str, np.ndarray]:
+    """`with_inputs` for training, each real decoder input word but the first (`bos_id`) replaced by `unk_id`
+    with probability `word_dropout` (Bowman et al. 2016), so the decoder leans on z; the targets stay."""
+    batch = with_inputs(batch, bos_id)
+    if word_dropout <= 0:
+        return batch
+    drop = (rng.random(batch["inputs"].shape) < word_dropout) & (batch["weights"] > 0)
+    drop[:, 0] = False
+    return {**batch, "inputs": np.where(drop, unk_id, batch["inputs"]).astype(batch["inputs"].dtype)}
+
+
 @dataclasses.dataclass(frozen=True)
 class ElboConfig:
     kl_anneal_steps: int = 0  # KL weight rises linearly from 0 to 1 over these steps (0: weight 1 from the start)
     free_bits: float = 0.0  # nats per latent dimension not penalised (0: off)
     num_iw_samples: int = 50  # K of the importance-weighted bound (the "latent" evaluator)
+    word_dropout: float = 0.0  # fraction of the decoder's input words replaced by <unk> in training (0: off)
     length_multiple: int = 16  # batches are padded to their longest sentence rounded up to this (0: to data.seq_len)
     length_pool: int = 64  # training batches are drawn from pools of this many batches sorted by length (1: no sorting)
 
     def __post_init__(self):
         if self.kl_anneal_steps < 0 or self.free_bits < 0 or self.num_iw_samples < 1:
             raise ValueError("config.objective needs kl_anneal_steps >= 0, free_bits >= 0 and num_iw_samples >= 1")
+        if not 0.0 <= self.word_dropout < 1.0:
+            raise ValueError(f"config.objective.word_dropout={self.word_dropout} must be in [0, 1)")
         if self.length_multiple < 0 or self.length_pool < 1:
             raise ValueError("config.objective needs length_multiple >= 0 and length_pool >= 1")
 
@@ -151,8 +167,12 @@ class VAELanguageModel(TextFiles):
         fields = self.fields(config)
         sentences = SentenceLoader(ids, weights, config.train.batch_size, **dataclasses.asdict(shard),
                                    length_multiple=fields.length_multiple)  # fmt: skip
-        return ShuffledSentences(sentences, config.train.seed, fields.length_pool,
-                                 functools.partial(with_inputs, bos_id=tokenizer.eos_id))  # fmt: skip
+        if fields.word_dropout > 0 and tokenizer.unk_id is None:
+            raise ValueError("config.objective.word_dropout replaces words by <unk>, which this tokenizer does not "
+                             "have; use a word tokenizer with <unk> or set --config.objective.word_dropout=0")  # fmt: skip
+        transform = functools.partial(with_dropped_words, bos_id=tokenizer.eos_id, word_dropout=fields.word_dropout,
+                                      unk_id=tokenizer.unk_id)  # fmt: skip
+        return ShuffledSentences(sentences, config.train.seed, fields.length_pool, transform)
 
     def eval_batches(self, config, tokenizer, raw, shard):
         ids, weights = self._rows(config, tokenizer, raw, "evaluation split")

@@ -264,12 +264,13 @@ class ShuffledSentences:
 
     The permuted stream is cut into pools of `pool_batches` batches; a pool's sentences are sorted by length
     and cut into batches, taken in an order shuffled from (seed, pool). Each sentence is still read once an
-    epoch, and a batch holds sentences of similar length, so the loader's `length_multiple` trims most padding."""
+    epoch, and a batch holds sentences of similar length, so the loader's `length_multiple` trims most padding.
+    `transform(batch, rng)` gets a generator fixed by (seed, step, process), so random edits survive restarts."""
 
     sentences: SentenceLoader
     seed: int
     pool_batches: int = 1
-    transform: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+    transform: Callable[[dict[str, np.ndarray], np.random.Generator], dict[str, np.ndarray]] | None = None
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         size, count = self.sentences.batch_size, len(self.sentences.ids)
@@ -279,7 +280,9 @@ class ShuffledSentences:
         members = members[np.argsort(np.sum(self.sentences.weights[members], axis=1), kind="stable")]
         position = np.random.default_rng([self.seed, pool, 1]).permutation(self.pool_batches)[slot]
         batch = self.sentences.rows(members[position * size : (position + 1) * size])
-        return batch if self.transform is None else self.transform(batch)
+        if self.transform is None:
+            return batch
+        return self.transform(batch, np.random.default_rng([self.seed, step, self.sentences.process_index, 2]))
 
 
 def length_sorted_batches(sentences: SentenceLoader) -> Iterator[dict[str, np.ndarray]]:

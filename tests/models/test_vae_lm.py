@@ -90,7 +90,23 @@ def test_kl_annealing_and_free_bits():
     assert float(elbo.kl_term(kl, 0.5)) == pytest.approx((0.5 + 1.5) * 2)
 
 
-def test_vae_lm_trains_with_annealing_and_reports_latent_metrics(tmp_path):
+def test_word_dropout_replaces_only_real_decoder_inputs_after_the_first():
+    batch = {k: np.tile(v, (200, 1)) for k, v in _batch().items() if k != "inputs"}  # 800 sentences, 3,400 real words
+    dropped = elbo.with_dropped_words(batch, np.random.default_rng(0), bos_id=10, word_dropout=0.3, unk_id=99)
+    kept = elbo.with_inputs(batch, 10)
+    np.testing.assert_array_equal(dropped["targets"], batch["targets"])
+    changed = dropped["inputs"] != kept["inputs"]
+    assert np.all(dropped["inputs"][changed] == 99)
+    assert not changed[:, 0].any() and not changed[batch["weights"] == 0].any()
+    eligible = (batch["weights"] > 0)[:, 1:]
+    assert changed[:, 1:][eligible].mean() == pytest.approx(0.3, abs=0.03)
+    again = elbo.with_dropped_words(batch, np.random.default_rng(0), bos_id=10, word_dropout=0.3, unk_id=99)
+    np.testing.assert_array_equal(again["inputs"], dropped["inputs"])
+    off = elbo.with_dropped_words(batch, np.random.default_rng(0), bos_id=10, word_dropout=0.0, unk_id=None)
+    np.testing.assert_array_equal(off["inputs"], kept["inputs"])
+
+
+def _tiny_corpus_config(tmp_path):
     rng = np.random.default_rng(0)
     words = [f"w{i}" for i in range(14)] + ["<unk>"]
     for name, lines in (("train", 64), ("valid", 16)):
@@ -105,6 +121,26 @@ def test_vae_lm_trains_with_annealing_and_reports_latent_metrics(tmp_path):
         str(tmp_path / "ptb.valid.txt"),
     )
     config.model.vocab_size = 16
+    return config
+
+
+def test_word_dropout_in_the_training_loader_only(tmp_path):
+    config = _tiny_corpus_config(tmp_path)
+    config.objective.word_dropout = 0.5
+    run = loop.build(config, str(tmp_path / "run"))
+    unk = run.tokenizer.unk_id
+    loader = run.train_loader()
+    first, again = loader.batch(3), loader.batch(3)
+    np.testing.assert_array_equal(first["inputs"], again["inputs"])  # a function of the step: resumes exactly
+    real = first["weights"][:, 1:] > 0
+    assert 0.3 < np.mean(first["inputs"][:, 1:][real] == unk) < 0.7  # <unk> is ~1/15 of the corpus itself
+    for batch in run.eval_batches("validation"):
+        np.testing.assert_array_equal(batch["inputs"], elbo.with_inputs(batch, run.tokenizer.eos_id)["inputs"])
+    run.checkpointer.close()
+
+
+def test_vae_lm_trains_with_annealing_and_reports_latent_metrics(tmp_path):
+    config = _tiny_corpus_config(tmp_path)
     final = loop.train_and_evaluate(config, str(tmp_path / "run"))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["kl_weight"] for r in rows if r["split"] == "train"] == pytest.approx([0.0, 0.25, 0.5, 0.75])

@@ -92,6 +92,11 @@ class Objective:
         return trainer.SupervisedTrainer(self.task(config, model), tx, schedule, self.input_shapes(config, config.train.batch_size),
                                          grad_accum_steps=config.train.grad_accum_steps)  # fmt: skip
 
+    def step_summary(self, config: ml_collections.ConfigDict) -> str:
+        """What one training step reads, for the start summary."""
+        b, t = config.train.batch_size, config.data.seq_len
+        return f"{b} sequences x {t} tokens = {b * t:,} tokens"
+
     def input_shapes(self, config: ml_collections.ConfigDict, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         """The arrays `task.init` reads, at the global batch size."""
         return {"inputs": int_inputs((batch_size, config.data.seq_len))}

@@ -13,7 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo.objectives import base, losses
-from lmzoo.objectives.ngram_lm import SentenceLoader, ShuffledSentences, length_sorted_batches, sentence_rows
+from lmzoo.objectives.ngram_lm import (
+    SentenceLoader,
+    ShuffledSentences,
+    length_sorted_batches,
+    sentence_rows,
+    sentence_step_summary,
+)
 from lmzoo.objectives.recurrent_lm import TextFiles
 from lmzoo.train.state import Task
 
@@ -64,6 +70,9 @@ class BiLMObjective(TextFiles):
 
     def task(self, config, model):
         return bilm_task(model)
+
+    def step_summary(self, config):
+        return sentence_step_summary(config, self.fields(config).length_multiple)
 
     def input_shapes(self, config, batch_size):
         shape = (batch_size, config.data.seq_len + 1)

@@ -24,7 +24,13 @@ import numpy as np
 
 from lmzoo.models import vae_lm
 from lmzoo.objectives import base, losses
-from lmzoo.objectives.ngram_lm import SentenceLoader, ShuffledSentences, length_sorted_batches, sentence_rows
+from lmzoo.objectives.ngram_lm import (
+    SentenceLoader,
+    ShuffledSentences,
+    length_sorted_batches,
+    sentence_rows,
+    sentence_step_summary,
+)
 from lmzoo.objectives.recurrent_lm import TextFiles
 from lmzoo.train.state import Task
 
@@ -150,6 +156,9 @@ class VAELanguageModel(TextFiles):
 
     def task(self, config, model):
         return vae_task(model, self.fields(config))
+
+    def step_summary(self, config):
+        return sentence_step_summary(config, self.fields(config).length_multiple)
 
     def input_shapes(self, config, batch_size):
         shape = (batch_size, config.data.seq_len)

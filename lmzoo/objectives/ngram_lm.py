@@ -206,6 +206,9 @@ class NgramLM(TextFiles):
         loader = SentenceLoader(ids, weights, config.eval.batch_size, **dataclasses.asdict(shard))
         return (loader.batch(step) for step in range(loader.num_batches))
 
+    def step_summary(self, config):
+        return f"{config.train.batch_size} sentences of at most {config.data.seq_len} tokens, counted (no gradients)"
+
     def input_shapes(self, config, batch_size):
         return {"targets": base.int_inputs((batch_size, config.data.seq_len))}
 
@@ -283,6 +286,15 @@ class ShuffledSentences:
         if self.transform is None:
             return batch
         return self.transform(batch, np.random.default_rng([self.seed, step, self.sentences.process_index, 2]))
+
+
+def sentence_step_summary(config, length_multiple: int) -> str:
+    """The start summary's "per step" of a sentence loader with `length_multiple` (see `SentenceLoader`)."""
+    b, t = config.train.batch_size, config.data.seq_len
+    if length_multiple <= 0:
+        return f"{b} sentences x {t} tokens (padded) = {b * t:,} token positions"
+    return (f"{b} sentences, each batch padded to its longest sentence rounded up to {length_multiple} "
+            f"(at most {t} tokens)")  # fmt: skip
 
 
 def length_sorted_batches(sentences: SentenceLoader) -> Iterator[dict[str, np.ndarray]]:

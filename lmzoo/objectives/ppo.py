@@ -429,6 +429,12 @@ class PPO(sft.ComparisonObjective):
         return PPOTrainer(policy=model, reward_model=reward_model, settings=self.fields(config), tx=tx, schedule=schedule,
                           batch_size=config.train.batch_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)  # fmt: skip
 
+    def step_summary(self, config):
+        o = self.fields(config)
+        ptx = f"; + {o.ptx_batch_size} demonstration rows x {config.data.seq_len} tokens" if o.ptx_coef > 0 else ""
+        return (f"{config.train.batch_size} prompts x {o.samples_per_prompt} sampled response(s): {o.prompt_len} prompt + "
+                f"{o.response_len} response tokens each, {o.epochs} epoch(s) of {o.minibatches} minibatch updates{ptx}")  # fmt: skip
+
     def input_shapes(self, config, batch_size):
         shape = (batch_size, config.objective.prompt_len)
         shapes = {"prompts": base.int_inputs(shape), "prompt_mask": base.int_inputs(shape)}

@@ -237,6 +237,22 @@ def check_variants(arg: str | None, known: tuple[str, ...], *, single: bool = Fa
     return words
 
 
+def _check_ppo_minibatches(config: ml_collections.ConfigDict, data_parallel_size: int, problems: list[str]) -> None:
+    """PPO splits the rollout rows, and the PPO-ptx demonstration rows, into `minibatches` parts, each sharded over
+    the data-parallel devices (the divisibility by `minibatches` itself is the objective's check)."""
+    o = config.objective
+    parts = {
+        "rollout rows (train.batch_size x objective.samples_per_prompt)": config.train.batch_size * o.samples_per_prompt
+    }
+    if o.ptx_coef > 0:
+        parts["objective.ptx_batch_size"] = o.ptx_batch_size
+    for what, rows in parts.items():
+        if rows % o.minibatches == 0 and (rows // o.minibatches) % data_parallel_size:
+            problems.append(f"{what} = {rows} split into objective.minibatches={o.minibatches} parts of "
+                            f"{rows // o.minibatches}, which do not split over the {data_parallel_size} data-parallel "
+                            f"devices; make each part a multiple of {data_parallel_size}")  # fmt: skip
+
+
 def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, batches: bool = True) -> None:
     """Raises one ValueError listing every out-of-range value, each naming its field and the fix.
 
@@ -268,6 +284,8 @@ def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, 
             f"must be a multiple of {multiple} (grad_accum_steps={accum} x {data_parallel_size} data-parallel devices); "
             f"set --config.train.batch_size={max(multiple, train.batch_size // multiple * multiple)}",
         )  # fmt: skip
+        if config.objective.name == "ppo":
+            _check_ppo_minibatches(config, data_parallel_size, problems)
         require(
             evals.batch_size % data_parallel_size == 0, "eval.batch_size",
             f"must be a multiple of the {data_parallel_size} data-parallel devices; "

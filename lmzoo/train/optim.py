@@ -55,13 +55,20 @@ def _adamw(optim: ml_collections.ConfigDict) -> tuple[optax.GradientTransformati
 
 
 def group_labels(params, paths: list[str]):
-    """The label of every param leaf: the first of `paths` ("a/b") that prefixes its path, else "default"."""
+    """The label of every param leaf: the first of `paths` ("a/b") that prefixes its path, else "default".
+    Raises ValueError for a path that names no params (a misspelt group would silently train with the defaults)."""
     prefixes = [tuple(p.split("/")) for p in paths]
 
     def label(path) -> str:
         return next((p for p, prefix in zip(paths, prefixes, strict=True) if path[: len(prefix)] == prefix), "default")
 
-    return traverse_util.unflatten_dict({path: label(path) for path in traverse_util.flatten_dict(params)})
+    labels = {path: label(path) for path in traverse_util.flatten_dict(params)}
+    unmatched = [p for p in paths if p not in labels.values()]
+    if unmatched:
+        top = sorted({path[0] for path in labels})
+        raise ValueError(f"config.optim.groups names {unmatched}, which match no parameters (or only ones an earlier "
+                         f"group took); paths are '/'-joined param names, top level: {top}")  # fmt: skip
+    return traverse_util.unflatten_dict(labels)
 
 
 def make_optimizer(optim: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -213,6 +213,14 @@ def test_inner_updates_with_an_optimizer_per_subtree(tmp_path):
     assert rows[-1]["value_loss"] > 0
 
 
+def test_an_optimizer_group_that_names_no_params_is_an_error(tmp_path):
+    config = _config("test_inner_updates", steps=2)
+    config.optim.groups = (("valeu", {"learning_rate": 0.0}),)
+    with pytest.raises(ValueError, match=r"config.optim.groups names \['valeu'\].*top level: \[.*'value'"):
+        loop.train_and_evaluate(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_loss_receives_the_optimizer_step(tmp_path):
     loop.train_and_evaluate(_config("test_annealed"), str(tmp_path))
     rows = _train_rows(tmp_path)  # log_every 2: the mean of the weights of steps (0, 1) and (2, 3)

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 from absl import logging
 
+from lmzoo.train import metrics as metrics_lib
+
 SPLIT_COLORS = {"train": "C0", "validation": "C1"}  # the same in every panel
 # Sizes of what an evaluation read, not curves.
 COUNTS = frozenset(
@@ -40,7 +42,8 @@ def read_records(path: pathlib.Path) -> Iterator[bytes]:
     A truncated last record (a run killed mid-write) ends the file with a warning naming it; a record
     whose CRC does not match is a ValueError naming the file and the record's byte offset.
     """
-    from tensorboardX.record_writer import masked_crc32c
+    with metrics_lib.tensorboardx_without_torch():
+        from tensorboardX.record_writer import masked_crc32c
 
     data = path.read_bytes()
     offset = 0
@@ -73,7 +76,8 @@ def read_events(workdir: str) -> Series:
     at a step at or before its series' last one drops that series' points from that step on, so every
     step appears once, with the value of the run that continued.
     """
-    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    with metrics_lib.tensorboardx_without_torch():
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
 
     directory = pathlib.Path(workdir) / "tb"
     files = sorted(directory.glob("events.out.tfevents.*"))

@@ -1,5 +1,6 @@
 """Metric reduction and writers (TensorBoard via tensorboardX, plus a JSON-lines file)."""
 
+import contextlib
 import json
 import math
 import pathlib
@@ -36,18 +37,24 @@ def _row_step(line: str) -> float:
         return math.inf
 
 
-def _summary_writer_class():
-    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch whenever it is installed
-    (only to accept torch tensors), which costs a training process ~200 MiB of memory and a second of startup."""
+@contextlib.contextmanager
+def tensorboardx_without_torch():
+    """A block in which tensorboardX is imported without torch (unless torch is loaded already): tensorboardX imports
+    torch whenever it is installed (only to accept torch tensors), which costs a process ~200 MiB and a second."""
     if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
+        yield
+        return
     sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tensorboardX handles
     try:
-        from tensorboardX import SummaryWriter
+        yield
     finally:
         del sys.modules["torch"]
+
+
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch."""
+    with tensorboardx_without_torch():
+        from tensorboardX import SummaryWriter
     return SummaryWriter
 
 

@@ -3,6 +3,8 @@ a truncated last record is read up to, a damaged one is refused by file name; me
 
 import json
 import shutil
+import subprocess
+import sys
 from unittest import mock
 
 import numpy as np
@@ -35,6 +37,13 @@ def resumed_run(tmp_path_factory):
     shutil.rmtree(workdir / "checkpoints" / "4")
     loop.train_and_evaluate(testing.tiny_config(log_every=1), str(workdir))
     return workdir
+
+
+def test_reading_events_does_not_import_torch(resumed_run):
+    """tensorboardX imports torch whenever it is installed; eval.py --plot needs only its protobufs and CRC."""
+    code = f"import sys; from lmzoo.evaluation import plots; assert plots.read_events({str(resumed_run)!r}); print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
 
 
 def test_a_resumed_run_reads_back_the_jsonl_values_each_step_once(resumed_run):

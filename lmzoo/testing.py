@@ -22,6 +22,32 @@ def random_tokens(shape=(2, 8), vocab_size: int = 32, seed: int = 0) -> np.ndarr
     return np.random.default_rng(seed).integers(0, vocab_size, size=shape).astype(np.int32)
 
 
+def tiny_word_corpus_config(folder, config_file: str, *, num_words: int = 14, lines: tuple[int, int] = (64, 16),
+                            words_per_line: tuple[int, int] = (2, 8), ptb_spacing: bool = False):  # fmt: skip
+    """configs/<config_file>.py:tiny on random sentences of `num_words` words and <unk>, written to
+    <folder>/ptb.{train,valid}.txt (`lines` sentences each, lengths in [low, high)), vocab_size set to fit
+    (the words, <unk> and <eos>). ptb_spacing: lines start with a space and end with " \\n", as in PTB's files.
+    Returns (config, {"train": text, "valid": text})."""
+    import pathlib
+
+    from lmzoo import config as config_lib
+
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(num_words)] + ["<unk>"]
+    texts = {}
+    for name, count in zip(("train", "valid"), lines, strict=True):
+        sentences = (" ".join(rng.choice(words, size=rng.integers(*words_per_line))) for _ in range(count))
+        texts[name] = "".join(f" {s} \n" if ptb_spacing else f"{s}\n" for s in sentences)
+        (pathlib.Path(folder) / f"ptb.{name}.txt").write_text(texts[name])
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / f"{config_file}.py"
+    config = config_lib.load_config_file(path, "tiny")
+    config.data.train_path, config.data.validation_path = (
+        str(pathlib.Path(folder) / f"ptb.{n}.txt") for n in ("train", "valid")
+    )
+    config.model.vocab_size = num_words + 2
+    return config, texts
+
+
 def tiny_config(objective: str = "causal_lm", **train):
     """configs/default.py:tiny (a 1-layer GPT-2 on 5 standard-library files, 4 steps) with `objective`
     and config.train fields replaced."""

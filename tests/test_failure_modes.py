@@ -286,11 +286,8 @@ def test_disk_full_stops_training_at_once_with_the_cause(tmp_path, failing_open)
     assert _steps(run_dir) == [2] and max(logged) <= 6  # stopped at the next step or, at the latest, the next save
 
 
-@pytest.mark.parametrize(
-    "signum, status, reason", [(signal.SIGTERM, 75, "preempted"), (signal.SIGINT, 130, "interrupted")]
-)
-def test_sigterm_and_ctrl_c_save_then_exit_with_their_status(tmp_path, signum, status, reason):
-    run_dir = tmp_path / "run"
+def _start_endless_run(run_dir):
+    """train.py of 100,000 steps with no checkpoint or evaluation due, returned once it has logged a step."""
     cmd = _train_cmd(
         run_dir,
         "--config.train.steps=100000",
@@ -302,6 +299,15 @@ def test_sigterm_and_ctrl_c_save_then_exit_with_their_status(tmp_path, signum, s
     while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.2)
+    return proc
+
+
+@pytest.mark.parametrize(
+    "signum, status, reason", [(signal.SIGTERM, 75, "preempted"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_sigterm_and_ctrl_c_save_then_exit_with_their_status(tmp_path, signum, status, reason):
+    run_dir = tmp_path / "run"
+    proc = _start_endless_run(run_dir)
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == status, stderr
@@ -313,17 +319,7 @@ def test_sigterm_and_ctrl_c_save_then_exit_with_their_status(tmp_path, signum, s
 
 def test_second_ctrl_c_aborts_at_once_without_saving(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = _train_cmd(
-        run_dir,
-        "--config.train.steps=100000",
-        "--config.train.checkpoint_every=100000",
-        "--config.train.eval_every=100000",
-    )
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
-    deadline = time.time() + 120
-    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.2)
+    proc = _start_endless_run(run_dir)
     proc.send_signal(signal.SIGINT)
     for line in proc.stderr:
         if line.startswith("Ctrl-C: saving a checkpoint"):

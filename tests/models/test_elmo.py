@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from lmzoo import testing
 from lmzoo.models import elmo
 from lmzoo.objectives import bilm, elmo_classify, ngram_lm
 from lmzoo.train import loop, restore
@@ -93,20 +94,7 @@ def test_scalar_mix_and_a_classifier_on_frozen_features():
 
 
 def test_bilm_pretrains_through_the_loop(tmp_path):
-    rng = np.random.default_rng(0)
-    words = [f"w{i}" for i in range(14)] + ["<unk>"]
-    for name, lines in (("train", 64), ("valid", 16)):
-        (tmp_path / f"ptb.{name}.txt").write_text(
-            "".join(" ".join(rng.choice(words, size=rng.integers(2, 8))) + "\n" for _ in range(lines))
-        )
-    from configs import ptb_elmo
-
-    config = ptb_elmo.get_config("tiny")
-    config.data.train_path, config.data.validation_path = (
-        str(tmp_path / "ptb.train.txt"),
-        str(tmp_path / "ptb.valid.txt"),
-    )
-    config.model.vocab_size = 16
+    config, _ = testing.tiny_word_corpus_config(tmp_path, "ptb_elmo")
     final = loop.train_and_evaluate(config, str(tmp_path / "run"))
     assert abs(final["loss"] - (final["forward_loss"] + final["backward_loss"]) / 2) < 1e-5
     assert final["perplexity"] < 16

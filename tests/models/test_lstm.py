@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from lmzoo import sharding
+from lmzoo import sharding, testing
 from lmzoo.models import lstm
 from lmzoo.objectives import recurrent_lm
 from lmzoo.train import loop, restore
@@ -138,19 +138,9 @@ def test_generate_draws_the_argmax_at_temperature_zero():
 
 
 def _tiny_ptb(tmp_path: pathlib.Path):
-    rng = np.random.default_rng(0)
-    words = [f"w{i}" for i in range(30)] + ["<unk>"]
-    for name, lines in (("train", 120), ("valid", 20)):
-        text = "".join(" " + " ".join(rng.choice(words, size=rng.integers(3, 9))) + " \n" for _ in range(lines))
-        (tmp_path / f"ptb.{name}.txt").write_text(text)
-    from configs import ptb_lstm
-
-    config = ptb_lstm.get_config("tiny")
-    config.data.train_path, config.data.validation_path = (
-        str(tmp_path / "ptb.train.txt"),
-        str(tmp_path / "ptb.valid.txt"),
-    )
-    config.model.vocab_size, config.data.seq_len, config.train.batch_size, config.eval.batch_size = 32, 5, 4, 4
+    config, _ = testing.tiny_word_corpus_config(tmp_path, "ptb_lstm", num_words=30, lines=(120, 20),
+                                                words_per_line=(3, 9), ptb_spacing=True)  # fmt: skip
+    config.data.seq_len, config.train.batch_size, config.eval.batch_size = 5, 4, 4
     return config
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lmzoo import testing
 from lmzoo.models import vae_lm
 from lmzoo.objectives import elbo
 from lmzoo.train import loop, restore
@@ -106,26 +107,8 @@ def test_word_dropout_replaces_only_real_decoder_inputs_after_the_first():
     np.testing.assert_array_equal(off["inputs"], kept["inputs"])
 
 
-def _tiny_corpus_config(tmp_path):
-    rng = np.random.default_rng(0)
-    words = [f"w{i}" for i in range(14)] + ["<unk>"]
-    for name, lines in (("train", 64), ("valid", 16)):
-        (tmp_path / f"ptb.{name}.txt").write_text(
-            "".join(" ".join(rng.choice(words, size=rng.integers(2, 8))) + "\n" for _ in range(lines))
-        )
-    from configs import ptb_vae
-
-    config = ptb_vae.get_config("tiny")
-    config.data.train_path, config.data.validation_path = (
-        str(tmp_path / "ptb.train.txt"),
-        str(tmp_path / "ptb.valid.txt"),
-    )
-    config.model.vocab_size = 16
-    return config
-
-
 def test_word_dropout_in_the_training_loader_only(tmp_path):
-    config = _tiny_corpus_config(tmp_path)
+    config, _ = testing.tiny_word_corpus_config(tmp_path, "ptb_vae")
     config.objective.word_dropout = 0.5
     run = loop.build(config, str(tmp_path / "run"))
     unk = run.tokenizer.unk_id
@@ -140,7 +123,7 @@ def test_word_dropout_in_the_training_loader_only(tmp_path):
 
 
 def test_vae_lm_trains_with_annealing_and_reports_latent_metrics(tmp_path):
-    config = _tiny_corpus_config(tmp_path)
+    config, _ = testing.tiny_word_corpus_config(tmp_path, "ptb_vae")
     final = loop.train_and_evaluate(config, str(tmp_path / "run"))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["kl_weight"] for r in rows if r["split"] == "train"] == pytest.approx([0.0, 0.25, 0.5, 0.75])

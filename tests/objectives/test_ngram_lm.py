@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lmzoo import testing
 from lmzoo.data import pipeline
 from lmzoo.models import ngram
 from lmzoo.objectives import ngram_lm
@@ -93,20 +94,9 @@ def test_sentence_rows_reject_a_sentence_longer_than_seq_len():
 
 
 def _corpus(tmp_path: pathlib.Path, smoothing: str):
-    rng = np.random.default_rng(0)
-    words = [f"w{i}" for i in range(20)] + ["<unk>"]
-    texts = {}
-    for name, lines in (("train", 150), ("valid", 30)):
-        texts[name] = "".join(" ".join(rng.choice(words, size=rng.integers(2, 9))) + "\n" for _ in range(lines))
-        (tmp_path / f"ptb.{name}.txt").write_text(texts[name])
-    from configs import ptb_ngram
-
-    config = ptb_ngram.get_config("tiny")
-    config.data.train_path, config.data.validation_path = (
-        str(tmp_path / "ptb.train.txt"),
-        str(tmp_path / "ptb.valid.txt"),
-    )
-    config.model.vocab_size, config.model.smoothing, config.model.add_k = 22, smoothing, 0.5
+    config, texts = testing.tiny_word_corpus_config(tmp_path, "ptb_ngram", num_words=20, lines=(150, 30),
+                                                    words_per_line=(2, 9))  # fmt: skip
+    config.model.smoothing, config.model.add_k = smoothing, 0.5
     config.train.steps = -(-150 // config.train.batch_size)
     config.train.checkpoint_every = config.train.log_every = 5
     config.train.eval_every = 10

@@ -4,8 +4,9 @@ XLA:CPU allocates an executable's temporary buffer anew on every call and frees 
 of MB (43.7 MB for configs/shakespeare_char.py), more than glibc's largest mmap threshold (32 MB), so by default
 malloc maps it fresh each step, the kernel zero-fills and faults in every page of it again, and free unmaps it:
 23.8 million minor page faults and 53 s of system time in that config's 2,000-step run, a quarter of its CPU time.
-With mmap off (every block from the heap) and the heap trimmed only past 256 MB free at its top, the freed buffer
-stays mapped and the next step reuses it. glibc still maps a single block of more than 64 MB asked for by one of
+With mmap off (every block from the heap) and the heap trimmed only past 64 MB free at its top, the freed buffer
+stays mapped and the next step reuses it. What the heap keeps is released between phases (the loop calls
+`release_freed_memory` around evaluations and before the end-of-run sample), so peak memory stays near the default's. glibc still maps a single block of more than 64 MB asked for by one of
 XLA's worker threads afresh each time (its per-thread heaps are at most 64 MB and fall back to mmap).
 """
 
@@ -14,15 +15,22 @@ import functools
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_MAX = -4
-TRIM_THRESHOLD_BYTES = 256 << 20
+TRIM_THRESHOLD_BYTES = 64 << 20
 
 
 @functools.cache
 def keep_freed_buffers_mapped() -> bool:
-    """Sets the process's malloc to serve every block from its heap and keep up to 256 MB freed at the heap's top.
+    """Sets the process's malloc to serve every block from its heap and keep up to 64 MB freed at the heap's top.
     Idempotent; returns False (and changes nothing) where the C library is not glibc."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def release_freed_memory() -> None:
+    """Returns the pages of every freed block to the OS (glibc's malloc_trim), e.g. after an evaluation."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

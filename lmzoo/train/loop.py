@@ -29,6 +29,7 @@ from lmzoo import checkpoint, objectives, sharding, tokenizers
 from lmzoo import config as config_lib
 from lmzoo import workdir as workdir_lib
 from lmzoo.objectives import base
+from lmzoo.train import host_memory
 from lmzoo.train import metrics as metrics_lib
 from lmzoo.train import trainer as trainer_lib
 
@@ -430,13 +431,16 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
                     code,
                 )
             if at_eval:
+                host_memory.release_freed_memory()  # the step's buffers, kept mapped between steps
                 final = evaluate(run, state)
+                host_memory.release_freed_memory()
                 writer.write(done, final, "validation")
                 headline = ", ".join(f"{k} {final[k]:.4g}" for k in HEADLINE_METRICS if k in final)
                 progress.write(f"step {done}: validation {headline}")
             progress.update(1)
         progress.close()
         run.checkpointer.wait()
+        host_memory.release_freed_memory()
         if final is None:
             final = evaluate(run, state)
         params = host_params(run, state) if config.train.sample_tokens > 0 else None

@@ -6,8 +6,9 @@ malloc maps it fresh each step, the kernel zero-fills and faults in every page o
 23.8 million minor page faults and 53 s of system time in that config's 2,000-step run, a quarter of its CPU time.
 With mmap off (every block from the heap) and the heap trimmed only past 64 MB free at its top, the freed buffer
 stays mapped and the next step reuses it. What the heap keeps is released between phases (the loop calls
-`release_freed_memory` around evaluations and before the end-of-run sample), so peak memory stays near the default's. glibc still maps a single block of more than 64 MB asked for by one of
-XLA's worker threads afresh each time (its per-thread heaps are at most 64 MB and fall back to mmap).
+`release_freed_memory` around evaluations and before the end-of-run sample), so peak memory stays near the
+default's. glibc still maps a single block of more than 64 MB asked for by one of XLA's worker threads afresh
+each time (its per-thread heaps are at most 64 MB and fall back to mmap).
 """
 
 import ctypes

@@ -7,16 +7,18 @@ malloc maps it fresh each step, the kernel zero-fills and faults in every page o
 With mmap off (every block from the heap) and the heap trimmed only past 64 MB free at its top, the freed buffer
 stays mapped and the next step reuses it. What the heap keeps is released between phases (the loop calls
 `release_freed_memory` around evaluations and before the end-of-run sample), so peak memory stays near the
-default's. glibc still maps a single block of more than 64 MB asked for by one of XLA's worker threads afresh
-each time (its per-thread heaps are at most 64 MB and fall back to mmap).
+default's. A buffer of more than 64 MB, asked for by one of XLA's worker threads, glibc maps afresh each time
+whatever the setting (its per-thread heaps are at most 64 MB): the loop sets it only for steps whose temporaries fit.
 """
 
 import ctypes
 import functools
+from typing import Any
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_MAX = -4
 TRIM_THRESHOLD_BYTES = 64 << 20
+THREAD_HEAP_BYTES = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit
 
 
 @functools.cache
@@ -28,6 +30,13 @@ def keep_freed_buffers_mapped() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def keep_step_buffers_mapped(step: Any, *args: Any) -> bool:
+    """`keep_freed_buffers_mapped` when the temporaries of jitted `step` called on `args` (already compiled for
+    them: this looks the executable up) fit one of glibc's per-thread heaps; whether it was set."""
+    temp_bytes = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    return temp_bytes <= THREAD_HEAP_BYTES and keep_freed_buffers_mapped()
 
 
 def release_freed_memory() -> None:

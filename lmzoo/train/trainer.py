@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import optax
 
 from lmzoo import sharding
-from lmzoo.train import host_memory
 from lmzoo.train.state import Metrics, Task, TrainState
 
 Batch = dict[str, jax.Array]
@@ -216,10 +215,7 @@ def _init_compiler_options(mesh: jax.sharding.Mesh) -> dict | None:
 
 def compile_trainer(trainer: Any, *, mesh: jax.sharding.Mesh, rules: tuple, seed: int) -> CompiledTrainer:
     """Shardings of the state (from the logical axes of its boxed leaves; optimizer state follows its
-    params) and of batches (batch axis over data and fsdp), and the jitted trainer functions. On a CPU
-    mesh, also sets the process's malloc to keep XLA's freed buffers mapped (`host_memory`)."""
-    if mesh.devices.flat[0].platform == "cpu":
-        host_memory.keep_freed_buffers_mapped()
+    params) and of batches (batch axis over data and fsdp), and the jitted trainer functions."""
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         boxed = jax.eval_shape(trainer.init, jax.random.key(seed))
         state_shardings = sharding.logical_to_sharding(boxed, mesh, rules)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo import sharding
-from lmzoo.train import optim
+from lmzoo.train import host_memory, optim
 from lmzoo.train import trainer as trainer_lib
 
 
@@ -101,6 +101,7 @@ class LmzooTrainer:
         with self.compiled.context():
             for _ in range(steps):
                 self.state, metrics = self.compiled.step(self.state, self.batch)
+            host_memory.keep_step_buffers_mapped(self.compiled.step, self.state, self.batch)  # as the loop does
         loss_sum, count = jax.device_get(metrics["loss"])
         self.loss = float(loss_sum / count)
 

@@ -120,11 +120,19 @@ class Einsum(nn.Module):
         return y
 
 
+def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows of `table` [V, D] for `ids` [...] -> [..., D]; NaN rows for ids outside [0, V), which JAX's gather
+    would otherwise clamp (ids >= V) or wrap (negative ids) into another token's row without a word."""
+    x = jnp.take(table, ids, axis=0, mode="clip")
+    in_range = (ids >= 0) & (ids < table.shape[0])
+    return jnp.where(in_range[..., None], x, jnp.nan)
+
+
 class Embed(nn.Module):
     """Token embedding table [V, D] with `attend` for tied output heads.
 
-    Out-of-range ids give NaN embeddings instead of JAX's silent clamping, so a bad id can never
-    train quietly; data pipelines also check ids on the host with a clear error.
+    Out-of-range ids give NaN embeddings (`embed_lookup`), so a bad id can never train quietly; data
+    pipelines also check ids on the host with a clear error.
     """
 
     num_embeddings: int
@@ -144,9 +152,7 @@ class Embed(nn.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """ids: [B, T] int -> [B, T, D]."""
-        x = jnp.take(self.embedding, ids, axis=0, mode="clip").astype(self.dtype)
-        in_range = (ids >= 0) & (ids < self.num_embeddings)
-        return jnp.where(in_range[..., None], x, jnp.nan)
+        return embed_lookup(self.embedding.astype(self.dtype), ids)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """x: [B, T, D] -> logits [B, T, V]."""

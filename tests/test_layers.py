@@ -116,3 +116,14 @@ def test_normalize_matches_automatic_differentiation(use_mean, dtype):
     tangents = (jnp.asarray(rng.normal(size=x.shape), dtype), jnp.asarray(rng.normal(size=16), jnp.float32))
     forward = jax.jvp(lambda x, s: layers.normalize(x, s, 1e-5, use_mean), (x, scale), tangents)
     chex.assert_trees_all_close(forward, jax.jvp(plain, (x, scale), tangents), atol=1e-4 if dtype == jnp.float32 else 2e-2)
+
+
+def test_embed_lookup_gives_nan_rows_for_ids_outside_the_vocabulary():
+    table = jnp.arange(12.0).reshape(4, 3)
+    ids = jnp.array([[0, 3, -1], [4, 2, -4]])
+    out = layers.embed_lookup(table, ids)
+    np.testing.assert_array_equal(out[0, :2], table[jnp.array([0, 3])])
+    np.testing.assert_array_equal(out[1, 1], table[2])
+    assert np.isnan(out[0, 2]).all() and np.isnan(out[1, 0]).all() and np.isnan(out[1, 2]).all()
+    grad = jax.grad(lambda t: jnp.sum(layers.embed_lookup(t, jnp.array([0, 2, 2])) * 2.0))(table)
+    np.testing.assert_array_equal(grad, jnp.array([[2.0] * 3, [0.0] * 3, [4.0] * 3, [0.0] * 3]))

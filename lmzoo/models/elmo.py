@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lmzoo.layers import embed_lookup
 from lmzoo.models.lstm import LSTMLayer, per_position, symmetric_uniform
 
 
@@ -60,7 +61,7 @@ class BiLM(nn.Module):
         """tokens, weights [B, T] (sentences, padding weighted 0) -> forward logits [B, T, V] (position t predicts
         token t + 1), backward logits [B, T, V] (position t predicts token t - 1), layers [L + 1, B, T, 2D]."""
         lengths = jnp.sum(weights, axis=1).astype(jnp.int32)
-        x = jnp.take(self.embedding, tokens, axis=0)
+        x = embed_lookup(self.embedding, tokens)
         zeros = jnp.zeros((tokens.shape[0], self.config.emb_dim), x.dtype)
         forward, backward = x, reverse_within_length(x, lengths)
         layers = [jnp.concatenate([x, x], axis=-1)]

@@ -111,7 +111,7 @@ class LSTM(nn.Module):
         embedding = self.param(
             "embedding", nn.with_logical_partitioning(init, ("vocab", "embed")), (cfg.vocab_size, cfg.emb_dim)
         )
-        x = jnp.take(embedding, tokens, axis=0).astype(dtype)
+        x = layers.embed_lookup(embedding, tokens).astype(dtype)
         x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
         layer_outputs = [x]
         cs, hs = [], []

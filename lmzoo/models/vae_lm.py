@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lmzoo import decoding
+from lmzoo import decoding, layers
 from lmzoo.models.lstm import LSTMLayer, per_position, symmetric_uniform
 
 
@@ -69,7 +69,7 @@ class VAELM(nn.Module):
         if self.config.latent_dim == 0:  # no latent: no encoder (and no zero-size parameters, which orbax cannot save)
             return jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.float32)
         zeros = jnp.zeros((b, d), jnp.float32)
-        hidden, _ = self.encoder(jnp.take(self.embedding, tokens, axis=0), (zeros, zeros))
+        hidden, _ = self.encoder(layers.embed_lookup(self.embedding, tokens), (zeros, zeros))
         last = jnp.maximum(jnp.sum(weights, axis=1).astype(jnp.int32) - 1, 0)
         summary = hidden[jnp.arange(b), last]  # [B, D]: the state after the sentence's last real token
         mu, logvar = jnp.split(self.posterior(summary), 2, axis=-1)
@@ -87,7 +87,7 @@ class VAELM(nn.Module):
         self, z: jax.Array, inputs: jax.Array, state: tuple[jax.Array, jax.Array], *, deterministic: bool = True
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """z [B, Z], inputs [B, T] (the sentence shifted right), state (c, h) -> logits [B, T, V], state after."""
-        x = jnp.take(self.embedding, inputs, axis=0)
+        x = layers.embed_lookup(self.embedding, inputs)
         x = self.dropout(x, deterministic=deterministic)
         x = jnp.concatenate([x, jnp.broadcast_to(z[:, None], x.shape[:2] + z.shape[-1:])], axis=-1)
         hidden, state = self.decoder(x, state)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo.data import pipeline, transforms
+from lmzoo.layers import embed_lookup
 from lmzoo.models import elmo
 from lmzoo.objectives import base, classification, losses
 from lmzoo.train.state import Task
@@ -43,7 +44,7 @@ def elmo_classify_task(bilm: elmo.BiLM, head: elmo.ELMoClassifier, features: str
     def layers_of(params, frozen, batch):
         """[L + 1, B, T, 2D] (elmo) or [1, B, T, 2D]: what the head mixes."""
         if features == "scratch":
-            x = jnp.take(params["embedding"], batch["tokens"], axis=0)
+            x = embed_lookup(params["embedding"], batch["tokens"])
             return jnp.concatenate([x, x], axis=-1)[None]  # layer 0 as BiLM builds it, from a trained table
         layers = bilm.apply({"params": frozen["bilm"]}, batch["tokens"], batch["weights"])[2]
         return jax.lax.stop_gradient(layers[:1] if features == "static" else layers)

@@ -4,10 +4,9 @@ XLA:CPU allocates an executable's temporary buffer anew on every call and frees 
 of MB (43.7 MB for configs/shakespeare_char.py), more than glibc's largest mmap threshold (32 MB), so by default
 malloc maps it fresh each step, the kernel zero-fills and faults in every page of it again, and free unmaps it:
 23.8 million minor page faults and 53 s of system time in that config's 2,000-step run, a quarter of its CPU time.
-With mmap off (every block from the heap) and the heap trimmed only past 64 MB free at its top, the freed buffer
-stays mapped and the next step reuses it. What the heap keeps is released between phases (the loop calls
-`release_freed_memory` around evaluations and before the end-of-run sample), so peak memory stays near the
-default's. A buffer of more than 64 MB, asked for by one of XLA's worker threads, glibc maps afresh each time
+With mmap off (every block from the heap), heaps trimmed only past 64 MB free at their top and padded by 64 MB,
+the freed buffer stays mapped and the next step reuses it. What the heaps keep is released between phases (the
+loop calls `release_freed_memory` around evaluations and before the end-of-run sample). A buffer of more than 64 MB, asked for by one of XLA's worker threads, glibc maps afresh each time
 whatever the setting (its per-thread heaps are at most 64 MB): the loop sets it only for steps whose temporaries fit.
 """
 
@@ -16,20 +15,23 @@ import functools
 from typing import Any
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
+M_TOP_PAD = -2
 M_MMAP_MAX = -4
-TRIM_THRESHOLD_BYTES = 64 << 20
+KEPT_BYTES = 64 << 20  # kept free at a heap's top, and the padding a heap grows by
 THREAD_HEAP_BYTES = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit
 
 
 @functools.cache
 def keep_freed_buffers_mapped() -> bool:
-    """Sets the process's malloc to serve every block from its heap and keep up to 64 MB freed at the heap's top.
-    Idempotent; returns False (and changes nothing) where the C library is not glibc."""
+    """Sets the process's malloc to serve every block from its heap, keep up to 64 MB freed at a heap's top, and
+    grow a heap by 64 MB more than asked (so a per-thread heap holding only the freed step buffer is not
+    deleted, which would unmap it as surely as mmap). Idempotent; returns False (and changes nothing) where the C library is not glibc."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    settings = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEPT_BYTES), (M_TOP_PAD, KEPT_BYTES))
+    return all(mallopt(param, value) for param, value in settings)
 
 
 def keep_step_buffers_mapped(step: Any, *args: Any) -> bool:

@@ -237,20 +237,14 @@ def check_variants(arg: str | None, known: tuple[str, ...], *, single: bool = Fa
     return words
 
 
-def _check_ppo_minibatches(config: ml_collections.ConfigDict, data_parallel_size: int, problems: list[str]) -> None:
-    """PPO splits the rollout rows, and the PPO-ptx demonstration rows, into `minibatches` parts, each sharded over
-    the data-parallel devices (the divisibility by `minibatches` itself is the objective's check)."""
+def _check_ppo_demonstrations(config: ml_collections.ConfigDict, data_parallel_size: int, problems: list[str]) -> None:
+    """PPO-ptx demonstration rows come in the batch, sharded over the data-parallel devices like its prompts. (The
+    minibatch parts of the rollout and of the demonstrations need not split evenly: the partitioner pads them.)"""
     o = config.objective
-    parts = {
-        "rollout rows (train.batch_size x objective.samples_per_prompt)": config.train.batch_size * o.samples_per_prompt
-    }
-    if o.ptx_coef > 0:
-        parts["objective.ptx_batch_size"] = o.ptx_batch_size
-    for what, rows in parts.items():
-        if rows % o.minibatches == 0 and (rows // o.minibatches) % data_parallel_size:
-            problems.append(f"{what} = {rows} split into objective.minibatches={o.minibatches} parts of "
-                            f"{rows // o.minibatches}, which do not split over the {data_parallel_size} data-parallel "
-                            f"devices; make each part a multiple of {data_parallel_size}")  # fmt: skip
+    if o.ptx_coef > 0 and o.ptx_batch_size % data_parallel_size:
+        problems.append(f"objective.ptx_batch_size={o.ptx_batch_size} must be a multiple of the {data_parallel_size} "
+                        f"data-parallel devices; set --config.objective.ptx_batch_size="
+                        f"{max(data_parallel_size, o.ptx_batch_size // data_parallel_size * data_parallel_size)}")  # fmt: skip
 
 
 def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, batches: bool = True) -> None:
@@ -285,7 +279,7 @@ def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, 
             f"set --config.train.batch_size={max(multiple, train.batch_size // multiple * multiple)}",
         )  # fmt: skip
         if config.objective.name == "ppo":
-            _check_ppo_minibatches(config, data_parallel_size, problems)
+            _check_ppo_demonstrations(config, data_parallel_size, problems)
         require(
             evals.batch_size % data_parallel_size == 0, "eval.batch_size",
             f"must be a multiple of the {data_parallel_size} data-parallel devices; "

@@ -48,20 +48,17 @@ def test_microbatches_must_split_over_the_devices():
         config_lib.check_values(_config(train__grad_accum_steps=2), data_parallel_size=8)
 
 
-def test_ppo_minibatches_and_demonstration_rows_must_split_over_the_devices():
+def test_ppo_demonstration_rows_must_split_over_the_devices():
     from configs import hh_ppo
 
     config = hh_ppo.get_config("tiny")
     config.train.batch_size, config.eval.batch_size = 16, 16
-    config.objective.update(minibatches=2, ptx_coef=0.5, ptx_batch_size=4)
-    config_lib.check_values(config, data_parallel_size=2)  # rollout parts of 8, demonstration parts of 2
-    with pytest.raises(ValueError) as raised:
-        config_lib.check_values(config, data_parallel_size=4)
-    assert "objective.ptx_batch_size = 4 split into objective.minibatches=2 parts of 2, which do not split over the 4" in str(raised.value)
-    assert "rollout rows" not in str(raised.value)
-    config.objective.minibatches = 4
-    with pytest.raises(ValueError, match=r"rollout rows .* = 16 split into objective.minibatches=4 parts of 4, which do not split over the 8"):
+    config.objective.update(minibatches=4, ptx_coef=0.5, ptx_batch_size=4)
+    config_lib.check_values(config, data_parallel_size=4)  # minibatch parts of 1 row: padded by the partitioner
+    with pytest.raises(ValueError, match=r"objective.ptx_batch_size=4 must be a multiple of the 8 data-parallel devices"):
         config_lib.check_values(config, data_parallel_size=8)
+    config.objective.ptx_coef = 0.0  # no demonstrations are read
+    config_lib.check_values(config, data_parallel_size=8)
 
 
 def test_every_problem_is_listed_at_once():

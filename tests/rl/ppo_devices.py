@@ -1,8 +1,8 @@
 """Subprocess entry point of the PPO device test: a tiny PPO run on N simulated CPU devices.
 
-    python tests/rl/ppo_devices.py DEVICES '{"workdir", "data", "sft", "rm", "objective", "mesh", "steps", "npz"}'
+    python tests/rl/ppo_devices.py DEVICES '{"workdir", "data", "sft", "rm", "objective", "variant", "mesh", "steps", "npz"}'
 
-Trains configs/hh_ppo.py:tiny (with the config.objective overrides of "objective") on `mesh`, then writes the params, optimizer state, β and rng of
+Trains configs/hh_ppo.py:<variant> (with the config.objective overrides of "objective") on `mesh`, then writes the params, optimizer state, β and rng of
 its final state to `npz`.
 """
 
@@ -22,7 +22,7 @@ def main(devices: int, job: dict) -> None:
 
     from lmzoo.train import loop, restore
 
-    config = ppo_config(job["data"], job["sft"], job["rm"], job["objective"], steps=job["steps"])
+    config = ppo_config(job["data"], job["sft"], job["rm"], job["objective"], job["variant"], steps=job["steps"])
     config.sharding.mesh_shape = tuple(job["mesh"])
     loop.train_and_evaluate(config, job["workdir"])
     run = restore.open_run(job["workdir"], mesh_shape=tuple(job["mesh"]))

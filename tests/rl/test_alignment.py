@@ -24,9 +24,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 REAL_FILE = str(pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "hh_rlhf" / "harmless-base_test.jsonl.gz")
 
 
-def stage_config(name: str, data_path: str, **train):
-    """configs/<name>.py:tiny on `data_path`, with config.train fields replaced."""
-    config = config_lib.load_config_file(ROOT / "configs" / f"{name}.py", "tiny")
+def stage_config(name: str, data_path: str, variant: str = "tiny", **train):
+    """configs/<name>.py:<variant> on `data_path`, with config.train fields replaced."""
+    config = config_lib.load_config_file(ROOT / "configs" / f"{name}.py", variant)
     config.data.path = data_path
     config.train.update(train)
     return config
@@ -79,18 +79,18 @@ def test_reward_model_starts_from_sft_and_reports_accuracy_next_to_length_baseli
     assert final["pairwise_accuracy"] == pytest.approx(final["accuracy"])
 
 
-# config.objective overrides of the PPO runs that resume and shard: today's default, and a separate value network
-# initialised from the reward model with the PPO-ptx term on packed demonstrations.
+# (configs/hh_ppo.py variant, config.objective overrides) of the PPO runs that resume and shard: today's default,
+# and a separate value network initialised from the reward model with the PPO-ptx term on packed demonstrations.
 PPO_VARIANTS = {
-    "value_head": {},
-    "value_model_ptx": {"value_model": "reward", "ptx_coef": 0.5, "ptx_batch_size": 4},
+    "value_head": ("tiny", {}),
+    "value_model_ptx": ("tiny,value_model", {"ptx_coef": 0.5, "ptx_batch_size": 4}),
 }
 
 
-def ppo_config(data: str, sft: str, rm: str, objective: dict | None = None, **train):
-    """configs/hh_ppo.py:tiny against the given SFT and reward-model workdirs, with an adaptive β that moves, and
-    `objective` overrides."""
-    config = stage_config("hh_ppo", data, **train)
+def ppo_config(data: str, sft: str, rm: str, objective: dict | None = None, variant: str = "tiny", **train):
+    """configs/hh_ppo.py:<variant> against the given SFT and reward-model workdirs, with an adaptive β that moves,
+    and `objective` overrides."""
+    config = stage_config("hh_ppo", data, variant, **train)
     config.objective.update(sft=f"ckpt:{sft}", reward_model=f"ckpt:{rm}", kl_target=0.5, kl_horizon=10.0)
     config.objective.update(objective or {})
     return config
@@ -143,26 +143,26 @@ def test_ppo_iteration_starts_at_the_reference_and_updates_only_the_policy(stage
 @pytest.fixture(scope="module", params=sorted(PPO_VARIANTS))
 def straight_ppo(stages, request):
     """3 PPO iterations in one go of each PPO_VARIANTS entry (the reference of the resume and device tests)."""
-    objective = PPO_VARIANTS[request.param]
+    variant, objective = PPO_VARIANTS[request.param]
     workdir = stages["sft"] + "_ppo_straight_" + request.param
-    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, steps=3), workdir)
+    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=3), workdir)
     run = restore.open_run(workdir)
     _, state = restore.restore_step(run)
     run.checkpointer.close()
-    return {"workdir": workdir, "arrays": state_arrays(state), "objective": objective}
+    return {"workdir": workdir, "arrays": state_arrays(state), "objective": objective, "variant": variant}
 
 
 def test_resumed_ppo_continues_exactly(stages, straight_ppo):
-    objective = straight_ppo["objective"]
+    objective, variant = straight_ppo["objective"], straight_ppo["variant"]
     workdir = straight_ppo["workdir"].replace("_straight_", "_resumed_")
-    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, steps=2), workdir)
-    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, steps=3), workdir)
+    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=2), workdir)
+    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=3), workdir)
     run = restore.open_run(workdir)
     _, state = restore.restore_step(run)
     run.checkpointer.close()
     resumed = state_arrays(state)
     assert resumed.keys() == straight_ppo["arrays"].keys()
-    if objective.get("value_model", "head") != "head":
+    if "value_model" in variant:
         assert any("value_model" in key for key in resumed)  # the value network is checkpointed with the policy
     for key, value in straight_ppo["arrays"].items():
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
@@ -178,7 +178,7 @@ def test_resumed_ppo_continues_exactly(stages, straight_ppo):
 
 def test_eight_devices_give_the_numbers_of_one(stages, straight_ppo, tmp_path):
     job = {"workdir": str(tmp_path / "ppo8"), "data": stages["data"], "sft": stages["sft"], "rm": stages["rm"],
-           "objective": straight_ppo["objective"], "mesh": [2, 2, 2], "steps": 3, "npz": str(tmp_path / "state.npz")}  # fmt: skip
+           "objective": straight_ppo["objective"], "variant": straight_ppo["variant"], "mesh": [2, 2, 2], "steps": 3, "npz": str(tmp_path / "state.npz")}  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, str(ROOT / "tests" / "rl" / "ppo_devices.py"), "8", json.dumps(job)], check=True, env=env,
                    cwd=ROOT, timeout=900)  # fmt: skip

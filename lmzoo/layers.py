@@ -152,7 +152,7 @@ class Embed(nn.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """ids: [B, T] int -> [B, T, D]."""
-        return embed_lookup(self.embedding.astype(self.dtype), ids)
+        return embed_lookup(self.embedding, ids).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """x: [B, T, D] -> logits [B, T, V]."""

@@ -14,6 +14,8 @@ import ctypes
 import functools
 from typing import Any
 
+import jax
+
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_TOP_PAD = -2
 M_MMAP_MAX = -4
@@ -22,11 +24,17 @@ THREAD_HEAP_BYTES = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit
 
 
 @functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
+
+
+@functools.cache
 def keep_freed_buffers_mapped() -> bool:
     """Sets the process's malloc to serve every block from its heap, keep up to 64 MB freed at a heap's top, and
-    grow a heap by 64 MB more than asked (so a per-thread heap holding only the freed step buffer is not
-    deleted, which would unmap it as surely as mmap). Idempotent; returns False (and changes nothing) where the C library is not glibc."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    grow a heap by 64 MB more than asked (so a per-thread heap holding only the freed step buffer is not deleted,
+    which would unmap it as surely as mmap). Idempotent; returns False (and changes nothing) where the C library
+    is not glibc."""
+    mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
@@ -35,14 +43,16 @@ def keep_freed_buffers_mapped() -> bool:
 
 
 def keep_step_buffers_mapped(step: Any, *args: Any) -> bool:
-    """`keep_freed_buffers_mapped` when the temporaries of jitted `step` called on `args` (already compiled for
-    them: this looks the executable up) fit one of glibc's per-thread heaps; whether it was set."""
+    """`keep_freed_buffers_mapped` when jitted `step` runs on XLA:CPU and its temporaries for `args` (already
+    compiled for them: this looks the executable up) fit one of glibc's per-thread heaps; whether it was set."""
+    if jax.default_backend() != "cpu":
+        return False
     temp_bytes = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
     return temp_bytes <= THREAD_HEAP_BYTES and keep_freed_buffers_mapped()
 
 
 def release_freed_memory() -> None:
     """Returns the pages of every freed block to the OS (glibc's malloc_trim), e.g. after an evaluation."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)

@@ -397,7 +397,7 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
                     state, step_metrics = run_timed_phases(compiled.phases, state, device_batch)
                 else:
                     state, step_metrics = compiled.step(state, device_batch)
-                    if step == start and compiled.mesh.devices.flat[0].platform == "cpu":
+                    if step == start:
                         host_memory.keep_step_buffers_mapped(compiled.step, state, device_batch)
             run.checkpointer.check_for_errors()
             total = metrics_lib.accumulate(total, step_metrics)

@@ -67,6 +67,3 @@ def test_not_set_for_temporaries_beyond_a_thread_heap():
 
     assert not host_memory.keep_step_buffers_mapped(program, jnp.ones((10_000_000,), jnp.float32))
 
-
-def test_idempotent():
-    assert host_memory.keep_freed_buffers_mapped() == host_memory.keep_freed_buffers_mapped()

@@ -44,9 +44,10 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from lmzoo import checkpoint, sharding, workdir
     from lmzoo import config as config_lib
-    from lmzoo.train import loop
+    from lmzoo.train import host_memory, loop
 
     logging.set_verbosity(logging.WARNING)
+    host_memory.run_on_calling_thread()  # before JAX's CPU client exists: one-device steps keep their buffers
     try:
         config = config_lib.validate(flags.FLAGS.config)
         if config.distributed.cpu_devices_per_process:

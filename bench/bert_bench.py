@@ -6,7 +6,7 @@ host masking pipeline against the step's consumption.
 Measures, in interleaved rounds because the machine's speed drifts: (1) MLM train tokens/s of the same encoder
 in lmzoo (`compile_trainer` + `masked_lm_task`, the step `lmzoo.train.loop` runs, with MLM logits only at the
 M = ceil(0.15 T) + 1 highest-weight positions), in lmzoo with full [B, T, V] logits (as HF computes them) and in
-torch eager, all on one batch masked by `mask_rows`; (2) examples/s of the real data path of configs/bert.py
+torch eager, all on one batch masked by `mask_rows`, each in a process of its own (`common.Isolated`); (2) examples/s of the real data path of configs/bert.py
 (KJV, bert-base-uncased WordPiece, `make_loaders`: mlm_nsp sentence pairs through ExampleLoader + masked_pairs,
 and its :roberta variant's mlm windows through LMLoader + mlm_from_windows) against the examples/s the lmzoo
 step consumes. No targets: ratios are printed; the last line is one JSON record of every number.
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import transformers
 
+transformers.logging.set_verbosity_error()  # here, so the trainers' own processes get it too
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
@@ -81,6 +82,13 @@ def full_logits_task(model) -> Task:
     return dataclasses.replace(mlm.masked_lm_task(model, mask_rate=MASK_RATE), loss=loss)
 
 
+def lmzoo_trainer(spec: Spec, batch: dict[str, np.ndarray], optim_config, full_logits: bool) -> common.LmzooTrainer:
+    """lmzoo's MLM train step: logits at the masked positions only (`masked_lm_task`), or at all of them."""
+    model = models.build_model("bert", spec.model_fields())
+    task = full_logits_task(model) if full_logits else mlm.masked_lm_task(model, mask_rate=MASK_RATE)
+    return common.LmzooTrainer(task, batch, optim_config)
+
+
 def torch_trainer(spec: Spec, batch: dict[str, np.ndarray], optim_config) -> common.TorchTrainer:
     """HF BertForMaskedLM (sdpa attention, labels -100 at unmasked positions) + torch AdamW as lmzoo trains."""
     torch.manual_seed(0)
@@ -134,12 +142,11 @@ def data_loaders(spec: Spec) -> tuple[tokenizers.Tokenizer, dict, dict]:
 def bench(spec: Spec, rounds: int) -> dict:
     tokenizer, loaders, data_info = data_loaders(spec)
     batch = masked_batch(spec, tokenizer)
-    model = models.build_model("bert", spec.model_fields())
     optim_config = bert_configs.get_config("bert").optim
     trainers = {
-        "lmzoo": common.LmzooTrainer(mlm.masked_lm_task(model, mask_rate=MASK_RATE), batch, optim_config),
-        "lmzoo_full": common.LmzooTrainer(full_logits_task(model), batch, optim_config),
-        "torch": torch_trainer(spec, batch, optim_config),
+        "lmzoo": common.Isolated(lmzoo_trainer, spec, batch, optim_config, False),
+        "lmzoo_full": common.Isolated(lmzoo_trainer, spec, batch, optim_config, True),
+        "torch": common.Isolated(torch_trainer, spec, batch, optim_config),
     }
     compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
     for trainer in trainers.values():
@@ -190,8 +197,6 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny config and 200 KJV paragraphs, 1 round (smoke test)")
     args = parser.parse_args()
     spec, rounds = (QUICK, 1) if args.quick else (FULL, args.rounds)
-    torch.set_num_threads(2)
-    transformers.logging.set_verbosity_error()
     load = common.announce("bert", "quick" if args.quick else "full", spec, rounds)
     result = bench(spec, rounds)
     load["end"] = os.getloadavg()[0]

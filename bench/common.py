@@ -1,9 +1,12 @@
-"""Helpers shared by the benchmarks: a wall-clock timer and the machine's f32 matmul peak."""
+"""Helpers shared by the benchmarks: a wall-clock timer, the machine's f32 matmul peak, the two trainers and a
+process of its own for each."""
 
 import functools
+import multiprocessing
 import pathlib
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 
 import jax
@@ -83,8 +86,60 @@ def announce(name: str, label: str, spec, rounds: int) -> dict[str, float]:
     return load
 
 
+TORCH_THREADS = 2  # the machine's cores; XLA:CPU uses them all too
+
+
+class Isolated:
+    """A trainer built and run in a process of its own, as users run each framework: its own malloc settings,
+    threads and JAX client, configured as train.py configures its process (`host_memory.run_on_calling_thread`;
+    torch ignores it). Without this, the malloc setting lmzoo's train step applies would apply to torch in the same
+    process too. `build(*args)` (a module-level function: the process is spawned) returns an object with
+    `run(steps)` and `loss`; `run` here blocks until the steps are done and returns what the trainer's returned."""
+
+    def __init__(self, build: Callable, *args):
+        context = multiprocessing.get_context("spawn")
+        self._connection, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child, build, args), daemon=True)
+        self._process.start()
+        child.close()
+        self.loss = None
+        self._receive()
+
+    def run(self, steps: int):
+        self._connection.send(steps)
+        result, self.loss = self._receive()
+        return result
+
+    def _receive(self):
+        try:
+            status, value = self._connection.recv()
+        except EOFError:
+            raise RuntimeError(f"the trainer's process died (exit code {self._process.exitcode})") from None
+        if status == "error":
+            raise RuntimeError(f"the trainer's process failed:\n{value}")
+        return value
+
+
+def _serve(connection, build: Callable, args: tuple) -> None:
+    """The trainer's process: builds it, then runs the steps asked for until the pipe closes."""
+    host_memory.run_on_calling_thread()
+    try:
+        trainer = build(*args)
+        connection.send(("ok", None))
+        while True:
+            try:
+                steps = connection.recv()
+            except EOFError:
+                return
+            result = trainer.run(steps)
+            connection.send(("ok", (result, getattr(trainer, "loss", None))))
+    except Exception:
+        connection.send(("error", traceback.format_exc()))
+
+
 class LmzooTrainer:
-    """The production train step: `SupervisedTrainer` through `compile_trainer`, exactly what `lmzoo.train.loop` runs."""
+    """The production train step: `SupervisedTrainer` through `compile_trainer`, exactly what `lmzoo.train.loop` runs
+    (in a process set up as train.py's is: `Isolated`, or `host_memory.run_on_calling_thread` first)."""
 
     def __init__(self, task, batch: dict[str, np.ndarray], optim_config):
         tx, schedule = optim.make_optimizer(optim_config)
@@ -114,6 +169,7 @@ class TorchTrainer:
     def __init__(self, model, inputs: dict[str, np.ndarray], optim_config, decays: Callable[[str, object], bool]):
         import torch
 
+        torch.set_num_threads(TORCH_THREADS)
         self.torch, self.model = torch, model.train()
         decay, no_decay = [], []
         for name, param in self.model.named_parameters():

@@ -3,8 +3,9 @@
     python bench/gpt2_bench.py [--rounds 3] [--quick]
 
 Measures (1) the f32 matmul peak, (2) train tokens/s of the same model in lmzoo (the step that
-`lmzoo.train.loop` jits: same step builder, shardings and donation) and in torch eager, in
-interleaved rounds because the machine's speed drifts, (3) lmzoo's MFU against the peak measured
+`lmzoo.train.loop` jits: same step builder, shardings and donation) and in torch eager, each in a
+process of its own as train.py and a torch script run (`common.Isolated`), in interleaved rounds
+because the machine's speed drifts, (3) lmzoo's MFU against the peak measured
 in the same round and (4) greedy decode tokens/s with and without the KV cache. Targets are
 printed as PASS/MISS, never asserted; the last line is one JSON record of every number.
 """
@@ -28,6 +29,8 @@ from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import decoding, models  # noqa: E402
 from lmzoo.objectives import causal_lm  # noqa: E402
+
+transformers.logging.set_verbosity_error()  # here, so the trainers' own processes get it too
 
 TARGETS = {"train_ratio": 1.25, "mfu_minus_torch_mfu": 0.0, "decode_speedup": 5.0}  # PASS when the value is >= target
 
@@ -78,14 +81,18 @@ def torch_trainer(spec: Spec, tokens: np.ndarray) -> common.TorchTrainer:
         decays=lambda name, param: param.ndim == 2 and not name.startswith(("transformer.wte", "transformer.wpe")),
     )  # fmt: skip
 
-def bench_train(spec: Spec, rounds: int) -> dict:
-    tokens = np.random.default_rng(0).integers(0, spec.vocab_size, (spec.batch_size, spec.seq_len + 1), dtype=np.int32)
-    tokens_per_step = spec.batch_size * spec.seq_len
+def lmzoo_trainer(spec: Spec, tokens: np.ndarray) -> common.LmzooTrainer:
+    """lmzoo's GPT-2 train step on next-token targets of `tokens` [B, T + 1]."""
     model = models.build_model("gpt2", spec.model_fields(max_len=spec.seq_len))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones(tokens[:, 1:].shape, np.float32)}
     batch = {k: np.ascontiguousarray(v) for k, v in batch.items()}
-    lmzoo = common.LmzooTrainer(causal_lm.causal_lm_task(model), batch, config_lib.base_config().optim)
-    trainers = {"lmzoo": lmzoo, "torch": torch_trainer(spec, tokens)}
+    return common.LmzooTrainer(causal_lm.causal_lm_task(model), batch, config_lib.base_config().optim)
+
+
+def bench_train(spec: Spec, rounds: int) -> dict:
+    tokens = np.random.default_rng(0).integers(0, spec.vocab_size, (spec.batch_size, spec.seq_len + 1), dtype=np.int32)
+    tokens_per_step = spec.batch_size * spec.seq_len
+    trainers = {"lmzoo": common.Isolated(lmzoo_trainer, spec, tokens), "torch": common.Isolated(torch_trainer, spec, tokens)}
     compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
     for trainer in trainers.values():
         trainer.run(1)
@@ -165,8 +172,6 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny config, 1 round (smoke test)")
     args = parser.parse_args()
     spec, rounds = (QUICK, 1) if args.quick else (MATMUL_BOUND, args.rounds)
-    torch.set_num_threads(2)
-    transformers.logging.set_verbosity_error()
     load = common.announce("gpt2", "quick" if args.quick else "matmul-bound", spec, rounds)
 
     peak = common.matmul_peak(sizes=(1024,) if args.quick else (1024, 2048))

@@ -5,7 +5,8 @@
 Both train Zaremba's "small" shape by default (vocab 10,000, 2 layers x 200, batch 20, unroll 20): embedding,
 LSTM, softmax layer with bias, loss summed over time and averaged over rows, SGD lr 1 with clipping at 5,
 the state carried from one window to the next. lmzoo runs the `recurrent_lm` task through `SupervisedTrainer`
-and `compile_trainer` (what `lmzoo.train.loop` jits); torch runs eager with 2 threads. Rounds alternate the
+and `compile_trainer` (what `lmzoo.train.loop` jits); torch runs eager with 2 threads; each in a process of its
+own (`common.Isolated`). Rounds alternate the
 order of the two; the f32 matmul peak is measured in the same run. Prints one JSON record last.
 """
 
@@ -73,6 +74,7 @@ class TorchLSTM(torch.nn.Module):
 
 class TorchTrainer:
     def __init__(self, config: lstm.LSTMConfig, batch: dict[str, np.ndarray]):
+        torch.set_num_threads(common.TORCH_THREADS)
         self.model = TorchLSTM(config)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1.0)
         self.inputs, self.targets = (torch.as_tensor(batch[k], dtype=torch.long) for k in ("inputs", "targets"))
@@ -102,7 +104,6 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps = 1, 3
-    torch.set_num_threads(2)
     config = lstm.LSTMConfig(vocab_size=10000, emb_dim=args.emb_dim, num_layers=2)
     spec = f"vocab {config.vocab_size}, {config.num_layers} x {config.emb_dim}, batch {args.batch_size}, unroll {args.seq_len}"
     load = common.announce("lstm", "train step", spec, args.rounds)
@@ -110,7 +111,7 @@ def main():
     stream = rng.integers(0, config.vocab_size, size=(args.batch_size, args.seq_len + 1)).astype(np.int32)
     batch = recurrent_lm.window(stream, np.ones((args.batch_size, args.seq_len), np.float32), 0, args.seq_len)
     batch["reset"][:] = 0.0  # a window inside an epoch: the carry flows on
-    ours, theirs = LmzooLSTM(config, batch), TorchTrainer(config, batch)
+    ours, theirs = common.Isolated(LmzooLSTM, config, batch), common.Isolated(TorchTrainer, config, batch)
     ours.run(2)
     theirs.run(2)
     tokens = args.steps * args.batch_size * args.seq_len

@@ -6,7 +6,7 @@ greedy decoding vs HF `generate`.
 
 Measures, in interleaved rounds because the machine's speed drifts: (1) train tokens/s (encoder + decoder
 tokens per step) of one T5 v1.0 config in lmzoo (`compile_trainer` + `seq2seq_task`, the step `lmzoo.train.loop`
-runs) and in torch eager on the same batch, lmzoo's MFU against the matmul peak measured in the same round;
+runs) and in torch eager on the same batch, each in a process of its own (`common.Isolated`), lmzoo's MFU against the matmul peak measured in the same round;
 (2) encoder-input tokens/s of the real data path of configs/t5.py (span corruption) and configs/bart.py (sentence
 permutation + text infilling) on The Time Machine (`make_loaders`: LMLoader + seq2seq_from_windows) against
 the encoder tokens/s the lmzoo step of that objective consumes at the same batch shape (a BART step for BART's
@@ -126,6 +126,11 @@ def hf_t5(cfg) -> "transformers.T5ForConditionalGeneration":
     return transformers.T5ForConditionalGeneration(transformers.T5Config(**hf.t5_config_to_hf(cfg)))
 
 
+def lmzoo_trainer(cfg, batch: dict[str, np.ndarray], optim_config) -> common.LmzooTrainer:
+    """lmzoo's seq2seq train step (`seq2seq_task`) for model config `cfg`."""
+    return common.LmzooTrainer(denoising.seq2seq_task(models.build_model("seq2seq", cfg)), batch, optim_config)
+
+
 def torch_trainer(cfg, batch: dict[str, np.ndarray], optim_config) -> common.TorchTrainer:
     """HF T5ForConditionalGeneration (eager attention: T5's relative bias) + torch AdamW as lmzoo trains."""
     inputs = {
@@ -171,10 +176,10 @@ def bench_train_and_data(spec: Spec, rounds: int) -> dict:
             raise AssertionError(f"{name} loader batches are {shapes}, the benchmarked step's {batch['inputs'].shape}")
     t5_optim, bart_optim = t5_configs.get_config("tiny").optim, bart_configs.get_config("tiny").optim
     trainers = {
-        "lmzoo": common.LmzooTrainer(denoising.seq2seq_task(models.build_model("seq2seq", t5_cfg)), t5_batch, t5_optim),
-        "torch": torch_trainer(t5_cfg, t5_batch, t5_optim),
-        "bart_step": common.LmzooTrainer(denoising.seq2seq_task(models.build_model("seq2seq", bart_cfg)), bart_batch, bart_optim),
-    }  # fmt: skip
+        "lmzoo": common.Isolated(lmzoo_trainer, t5_cfg, t5_batch, t5_optim),
+        "torch": common.Isolated(torch_trainer, t5_cfg, t5_batch, t5_optim),
+        "bart_step": common.Isolated(lmzoo_trainer, bart_cfg, bart_batch, bart_optim),
+    }
     compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
     for trainer in trainers.values():
         trainer.run(1)

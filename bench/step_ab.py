@@ -28,6 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import common, step_profile  # noqa: E402
 from lmzoo import layers, models  # noqa: E402
 from lmzoo.objectives import causal_lm  # noqa: E402
+from lmzoo.train import host_memory  # noqa: E402
 
 
 def autodiff_normalize(x, scale, epsilon, use_mean):
@@ -84,6 +85,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
+    host_memory.run_on_calling_thread()  # as train.py runs its steps
     config = step_profile.load_config(args.config)
     load = common.announce(
         f"step_ab[{args.change}]", args.config, f"B={config.train.batch_size} T={config.data.seq_len}", args.rounds

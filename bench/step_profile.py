@@ -30,6 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from lmzoo import models  # noqa: E402
 from lmzoo.objectives import causal_lm  # noqa: E402
+from lmzoo.train import host_memory  # noqa: E402
 
 PARTS = [  # (group, pattern on the op's metadata name), first match wins
     ("head + loss", r"fused_head_loss|causal_lm|output_embedding"),
@@ -123,6 +124,7 @@ def main():
     )
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
+    host_memory.run_on_calling_thread()  # as train.py runs its steps
     config = load_config(args.config)
     load = common.announce(
         "step_profile", args.config, f"B={config.train.batch_size} T={config.data.seq_len}", args.steps

@@ -1,13 +1,18 @@
 """glibc malloc settings for processes that run XLA:CPU programs.
 
 XLA:CPU allocates an executable's temporary buffer anew on every call and frees it after. A train step's is tens
-of MB (43.7 MB for configs/shakespeare_char.py), more than glibc's largest mmap threshold (32 MB), so by default
-malloc maps it fresh each step, the kernel zero-fills and faults in every page of it again, and free unmaps it:
-23.8 million minor page faults and 53 s of system time in that config's 2,000-step run, a quarter of its CPU time.
-With mmap off (every block from the heap), heaps trimmed only past 64 MB free at their top and padded by 64 MB,
-the freed buffer stays mapped and the next step reuses it. What the heaps keep is released between phases (the
-loop calls `release_freed_memory` around evaluations and before the end-of-run sample). A buffer of more than 64 MB, asked for by one of XLA's worker threads, glibc maps afresh each time
-whatever the setting (its per-thread heaps are at most 64 MB): the loop sets it only for steps whose temporaries fit.
+to hundreds of MB (43.7 MB for configs/shakespeare_char.py, 651 MB for bench/gpt2_bench.py's), more than glibc's
+largest mmap threshold (32 MB), so by default malloc maps it fresh each step, the kernel zero-fills and faults in
+every page of it again, and free unmaps it: 23.8 million minor page faults and 53 s of system time in that
+config's 2,000-step run, a quarter of its CPU time. With mmap off (every block from a heap), heaps trimmed only
+past 64 MB free at their top and padded by the step's temporaries and 64 MB more, the freed buffer stays mapped
+and the next step reuses it. What the heaps keep is released between phases (the loop calls
+`release_freed_memory` around evaluations and before the end-of-run sample).
+
+Where the buffer comes from matters. By default JAX runs XLA:CPU programs on worker threads, whose glibc heaps
+hold at most 64 MB: a larger block asked for there is mapped afresh whatever the setting. `run_on_calling_thread`
+(train.py calls it first) makes a one-device program run on the thread that calls it, whose heap has no such
+limit, so the setting keeps a buffer of any size.
 """
 
 import ctypes
@@ -28,27 +33,38 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None)
 
 
-@functools.cache
-def keep_freed_buffers_mapped() -> bool:
-    """Sets the process's malloc to serve every block from its heap, keep up to 64 MB freed at a heap's top, and
-    grow a heap by 64 MB more than asked (so a per-thread heap holding only the freed step buffer is not deleted,
-    which would unmap it as surely as mmap). Idempotent; returns False (and changes nothing) where the C library
-    is not glibc."""
+def run_on_calling_thread() -> None:
+    """Makes XLA:CPU run a one-device program on the thread that calls it (JAX's
+    `jax_cpu_enable_async_dispatch=False`), so its temporaries come from the main heap. Takes effect only before
+    JAX creates its CPU client (the first `jax.devices()` or computation); programs over several devices still run
+    on worker threads. Measured neutral for the loop's speed (configs/shakespeare_char.py, 400 steps: 36.9-38.4 s
+    either way): its host work between steps is small."""
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def keep_freed_buffers_mapped(step_bytes: int = 0) -> bool:
+    """Sets the process's malloc to serve every block from a heap, keep up to 64 MB freed at a heap's top, and
+    grow a heap by `step_bytes` + 64 MB more than asked and keep that much when trimming it (so a step buffer of
+    `step_bytes` freed at the top stays mapped, and a per-thread heap holding only it is not deleted, which would
+    unmap it as surely as mmap). Returns False (and changes nothing) where the C library is not glibc."""
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    settings = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEPT_BYTES), (M_TOP_PAD, KEPT_BYTES))
+    settings = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEPT_BYTES), (M_TOP_PAD, step_bytes + KEPT_BYTES))
     return all(mallopt(param, value) for param, value in settings)
 
 
 def keep_step_buffers_mapped(step: Any, *args: Any) -> bool:
-    """`keep_freed_buffers_mapped` when jitted `step` runs on XLA:CPU and its temporaries for `args` (already
-    compiled for them: this looks the executable up) fit one of glibc's per-thread heaps; whether it was set."""
+    """`keep_freed_buffers_mapped` for jitted `step`'s temporaries on `args` (already compiled for them: this looks
+    the executable up) when it runs on XLA:CPU and glibc can keep them: they fit a worker thread's heap, or `step`
+    runs on the calling thread (`run_on_calling_thread`, one device). Whether it was set."""
     if jax.default_backend() != "cpu":
         return False
     temp_bytes = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    return temp_bytes <= THREAD_HEAP_BYTES and keep_freed_buffers_mapped()
+    devices = {device for leaf in jax.tree.leaves(args) for device in leaf.devices()}
+    on_calling_thread = not jax.config.read("jax_cpu_enable_async_dispatch") and len(devices) == 1
+    return (on_calling_thread or temp_bytes <= THREAD_HEAP_BYTES) and keep_freed_buffers_mapped(temp_bytes)
 
 
 def release_freed_memory() -> None:

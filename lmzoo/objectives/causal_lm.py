@@ -33,45 +33,55 @@ def _chunk_logits(hidden_chunk: jax.Array, embedding: jax.Array) -> jax.Array:
     return layers.project("BCD,VD->BCV", hidden_chunk, embedding, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused_head_loss(hidden, embedding, targets, weights, chunk_len):
-    return _fused_head_loss_fwd(hidden, embedding, targets, weights, chunk_len)[0]
+def _logits_grad(logits: jax.Array, log_z: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+    """d(sum of weighted token losses)/d logits [B, C, V]: (softmax(logits) - one_hot(targets)) * weights."""
+    probs = jnp.exp(logits - log_z[..., None])
+    return (probs - jax.nn.one_hot(targets, logits.shape[-1], dtype=probs.dtype)) * weights[..., None]
 
 
-def _fused_head_loss_fwd(hidden, embedding, targets, weights, chunk_len):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_head_loss(hidden, embedding, targets, weights, chunk_len, save_logits_grad):
+    return _fused_head_loss_fwd(hidden, embedding, targets, weights, chunk_len, False)[0]
+
+
+def _fused_head_loss_fwd(hidden, embedding, targets, weights, chunk_len, save_logits_grad):
     def chunk_stats(_, xs):
         h, t, w = xs
         logits = _chunk_logits(h, embedding)
         loss_sum, _ = cross_entropy(logits, t, w)
-        return None, (loss_sum, jnp.sum(top1_correct(logits, t) * w), jax.nn.logsumexp(logits, axis=-1))
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        logits_grad = _logits_grad(logits, log_z, t, w).astype(hidden.dtype) if save_logits_grad else None
+        return None, (loss_sum, jnp.sum(top1_correct(logits, t) * w), log_z, logits_grad)
 
     xs = (_chunks(hidden, chunk_len), _chunks(targets, chunk_len), _chunks(weights, chunk_len))
-    _, (loss_sums, correct_sums, log_z) = jax.lax.scan(chunk_stats, None, xs)
-    return (jnp.sum(loss_sums), jnp.sum(correct_sums)), (hidden, embedding, targets, weights, log_z)
+    _, (loss_sums, correct_sums, log_z, logits_grads) = jax.lax.scan(chunk_stats, None, xs)
+    return (jnp.sum(loss_sums), jnp.sum(correct_sums)), (hidden, embedding, targets, weights, log_z, logits_grads)
 
 
-def _fused_head_loss_bwd(chunk_len, residuals, cotangents):
-    hidden, embedding, targets, weights, log_z = residuals
+def _fused_head_loss_bwd(chunk_len, save_logits_grad, residuals, cotangents):
+    hidden, embedding, targets, weights, log_z, logits_grads = residuals
     loss_cotangent = cotangents[0]  # the accuracy count has no gradient
 
     def chunk_grads(embedding_grad, xs):
-        h, t, w, z = xs
-        logits = _chunk_logits(h, embedding)
-        probs = jnp.exp(logits - z[..., None])
-        logits_grad = probs - jax.nn.one_hot(t, logits.shape[-1], dtype=probs.dtype)
-        logits_grad = (logits_grad * (w * loss_cotangent)[..., None]).astype(hidden.dtype)
+        h, t, w, z, logits_grad = xs
+        if logits_grad is None:  # recomputed: the forward did not keep it
+            logits_grad = _logits_grad(_chunk_logits(h, embedding), z, t, w).astype(hidden.dtype)
         hidden_grad = layers.project("BCV,VD->BCD", logits_grad, embedding.astype(hidden.dtype))
         # [V, B*C] @ [B*C, D]: one contracted axis, as in `layers.project`.
         flat_logits_grad, flat_hidden = logits_grad.reshape(-1, logits_grad.shape[-1]), h.reshape(-1, h.shape[-1])
         embedding_grad += jnp.matmul(flat_logits_grad.T, flat_hidden, preferred_element_type=jnp.float32)
         return embedding_grad, hidden_grad
 
-    xs = (_chunks(hidden, chunk_len), _chunks(targets, chunk_len), _chunks(weights, chunk_len), log_z)
+    xs = (_chunks(hidden, chunk_len), _chunks(targets, chunk_len), _chunks(weights, chunk_len), log_z, logits_grads)
     embedding_grad, hidden_grads = jax.lax.scan(chunk_grads, jnp.zeros(embedding.shape, jnp.float32), xs)
-    return _unchunk(hidden_grads).astype(hidden.dtype), embedding_grad.astype(embedding.dtype), None, None
+    hidden_grad = (_unchunk(hidden_grads) * loss_cotangent).astype(hidden.dtype)
+    return hidden_grad, (embedding_grad * loss_cotangent).astype(embedding.dtype), None, None
 
 
 _fused_head_loss.defvjp(_fused_head_loss_fwd, _fused_head_loss_bwd)
+
+
+SAVED_LOGITS_GRAD_BYTES = 256 << 20  # the logits' gradient is kept from the forward pass up to this size
 
 
 def head_loss_chunk_len(batch: int, length: int, vocab: int, budget_bytes: int = 8 << 20) -> int:
@@ -81,21 +91,30 @@ def head_loss_chunk_len(batch: int, length: int, vocab: int, budget_bytes: int =
 
 
 def fused_head_loss(
-    hidden: jax.Array, embedding: jax.Array, batch: dict[str, jax.Array], *, chunk_len: int | None = None
+    hidden: jax.Array,
+    embedding: jax.Array,
+    batch: dict[str, jax.Array],
+    *,
+    chunk_len: int | None = None,
+    save_logits_grad: bool | None = None,
 ) -> tuple[jax.Array, Metrics]:
-    """`loss(hidden @ embedding.T, batch)` without materialising the [B, T, V] logits or their gradient.
+    """`loss(hidden @ embedding.T, batch)` without materialising the [B, T, V] logits.
 
     hidden [B, T, D] final hidden states, embedding [V, D] the output projection (the tied token
-    table). Logits are computed `chunk_len` positions at a time (default: `head_loss_chunk_len`) and
-    recomputed in the backward pass, which trades a third more head FLOPs for never writing the
-    logits, softmax and logit gradient to memory.
+    table). Logits are computed `chunk_len` positions at a time (default: `head_loss_chunk_len`). Their
+    gradient [B, T, V] is either kept from the forward pass (`save_logits_grad`; by default when it
+    fits SAVED_LOGITS_GRAD_BYTES) or recomputed in the backward pass, which trades a third more head
+    FLOPs for never writing it to memory.
     """
     b, t, _ = hidden.shape
-    chunk_len = chunk_len or head_loss_chunk_len(b, t, embedding.shape[0])
+    vocab = embedding.shape[0]
+    chunk_len = chunk_len or head_loss_chunk_len(b, t, vocab)
     if t % chunk_len:
         raise ValueError(f"chunk_len {chunk_len} must divide the sequence length {t}")
+    if save_logits_grad is None:
+        save_logits_grad = b * t * vocab * jnp.dtype(hidden.dtype).itemsize <= SAVED_LOGITS_GRAD_BYTES
     weights = batch["weights"].astype(jnp.float32)
-    total, correct = _fused_head_loss(hidden, embedding, batch["targets"], weights, chunk_len)
+    total, correct = _fused_head_loss(hidden, embedding, batch["targets"], weights, chunk_len, save_logits_grad)
     count = jnp.sum(weights)
     return total / jnp.maximum(count, 1.0), {"loss": (total, count), "accuracy": (correct, count)}
 

@@ -1,4 +1,5 @@
-"""The fused head + cross-entropy equals the plain logits loss in value, accuracy and gradients."""
+"""The fused head + cross-entropy equals the plain logits loss in value, accuracy and gradients, with the logits' gradient
+kept from the forward pass or recomputed."""
 
 import chex
 import jax
@@ -19,8 +20,11 @@ def _batch(length=12):
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
 
 
-@pytest.mark.parametrize(("tie_embeddings", "chunk_len"), [(True, None), (True, 1), (False, 4)])
-def test_fused_head_loss_matches_plain_loss_and_gradients(tie_embeddings, chunk_len):
+@pytest.mark.parametrize(
+    ("tie_embeddings", "chunk_len", "save_logits_grad"),
+    [(True, None, None), (True, 1, False), (True, 1, True), (False, 4, False), (False, 4, True)],
+)
+def test_fused_head_loss_matches_plain_loss_and_gradients(tie_embeddings, chunk_len, save_logits_grad):
     model = models.build_model("gpt2", TINY | {"tie_embeddings": tie_embeddings})
     batch = _batch()
     params = nn.unbox(model.init(jax.random.key(0), batch["inputs"])["params"])
@@ -31,7 +35,7 @@ def test_fused_head_loss_matches_plain_loss_and_gradients(tie_embeddings, chunk_
     def fused(p):
         _, hidden = model.apply({"params": p}, batch["inputs"], return_hidden=True)
         embedding = model.apply({"params": p}, method=model.output_embedding)
-        return causal_lm.fused_head_loss(hidden, embedding, batch, chunk_len=chunk_len)
+        return causal_lm.fused_head_loss(hidden, embedding, batch, chunk_len=chunk_len, save_logits_grad=save_logits_grad)
 
     (plain_value, plain_metrics), plain_grads = jax.value_and_grad(plain, has_aux=True)(params)
     (fused_value, fused_metrics), fused_grads = jax.jit(jax.value_and_grad(fused, has_aux=True))(params)

@@ -171,6 +171,8 @@ def bench(spec: Spec, rounds: int) -> dict:
             row[f"{name}_vs_step"] = row[name] / row["step_examples"]
         per_round.append(row)
         print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+    for trainer in trainers.values():
+        trainer.close()
     return {
         "rounds": per_round,
         "compile_s": compile_s,

@@ -94,7 +94,8 @@ class Isolated:
     threads and JAX client, configured as train.py configures its process (`host_memory.run_on_calling_thread`;
     torch ignores it). Without this, the malloc setting lmzoo's train step applies would apply to torch in the same
     process too. `build(*args)` (a module-level function: the process is spawned) returns an object with
-    `run(steps)` and `loss`; `run` here blocks until the steps are done and returns what the trainer's returned."""
+    `run(steps)` and `loss`; `run` here blocks until the steps are done and returns what the trainer's returned;
+    `close` ends the process."""
 
     def __init__(self, build: Callable, *args):
         context = multiprocessing.get_context("spawn")
@@ -109,6 +110,11 @@ class Isolated:
         self._connection.send(steps)
         result, self.loss = self._receive()
         return result
+
+    def close(self) -> None:
+        """Ends the trainer's process (so it holds no memory or threads while other measurements run)."""
+        self._connection.close()
+        self._process.join()
 
     def _receive(self):
         try:

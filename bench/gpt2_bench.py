@@ -110,6 +110,8 @@ def bench_train(spec: Spec, rounds: int) -> dict:
         row["torch_mfu"] = spec.flops_per_token() * row["torch"] / (row["peak_gflops"] * 1e9)
         per_round.append(row)
         print(f"  train round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+    for trainer in trainers.values():
+        trainer.close()
     return {
         "rounds": per_round,
         "compile_s": compile_s,

@@ -130,6 +130,8 @@ def main():
         print(f"round {r + 1}: f32 matmul peak {peak:.0f} GFLOP/s; lmzoo {row['lmzoo_tokens_per_sec']} tokens/s, "
               f"torch nn.LSTM {row['torch_tokens_per_sec']} tokens/s (torch/lmzoo speed {row['torch_over_lmzoo']:.2f})", flush=True)  # fmt: skip
         record["rounds"].append(row)
+    ours.close()
+    theirs.close()
     record["load_end"] = os.getloadavg()[0]
     print(json.dumps(record))
 

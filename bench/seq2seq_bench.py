@@ -209,6 +209,8 @@ def bench_train_and_data(spec: Spec, rounds: int) -> dict:
         row["bart_data_vs_step"] = row["bart_data"] / row["bart_step_enc"]
         per_round.append(row)
         print(f"  train round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+    for trainer in trainers.values():
+        trainer.close()
     return {
         "rounds": per_round,
         "compile_s": compile_s,

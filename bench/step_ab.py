@@ -25,7 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench import common, step_profile  # noqa: E402
+from bench import common  # noqa: E402
+from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import layers, models  # noqa: E402
 from lmzoo.objectives import causal_lm  # noqa: E402
 from lmzoo.train import host_memory  # noqa: E402
@@ -87,7 +88,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     host_memory.run_on_calling_thread()  # as train.py runs its steps
-    config = step_profile.load_config(args.config)
+    config = config_lib.load_config_file(args.config)
     load = common.announce(
         f"step_ab[{args.change}]", args.config, f"B={config.train.batch_size} T={config.data.seq_len}", args.rounds
     )
@@ -114,8 +115,9 @@ def main():
     # Paired: the machine's speed drifts between rounds, so each round's old/new is taken before the median.
     ratio = common.median(o / n for o, n in zip(ms["old"], ms["new"], strict=True))
     cpu_ratio = common.median(o / n for o, n in zip(cpu_ms["old"], cpu_ms["new"], strict=True))
-    print(f"median ms/step: old {median['old']:.2f}, new {median['new']:.2f}; median of the rounds' old/new {ratio:.3f}")
-    print(f"median CPU ms/step: old {cpu_median['old']:.2f}, new {cpu_median['new']:.2f}; median of the rounds' old/new {cpu_ratio:.3f}")
+    print(f"median ms/step: old {median['old']:.2f}, new {median['new']:.2f}; rounds' old/new median {ratio:.3f}")
+    print(f"median CPU ms/step: old {cpu_median['old']:.2f}, new {cpu_median['new']:.2f}; "
+          f"rounds' old/new median {cpu_ratio:.3f}")  # fmt: skip
     print(f"loss after all steps: old {trainers['old'].loss:.6f}, new {trainers['new'].loss:.6f}")
     load["end"] = os.getloadavg()[0]
     record = {

@@ -13,7 +13,6 @@ expensive ops. Op names ending in `_fusion` are loop fusions; `ynn_fusion` / `do
 import argparse
 import collections
 import glob
-import importlib.util
 import json
 import os
 import pathlib
@@ -28,6 +27,7 @@ from jax._src.lib import _profile_data
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
+from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import models  # noqa: E402
 from lmzoo.objectives import causal_lm  # noqa: E402
 from lmzoo.train import host_memory  # noqa: E402
@@ -40,13 +40,6 @@ PARTS = [  # (group, pattern on the op's metadata name), first match wins
     ("layernorm", r"/ln_"),
     ("embeddings", r"/wte/|/wpe/|GPT2/add"),
 ]
-
-
-def load_config(path: str):
-    spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def op_metadata(hlo_text: str) -> dict[str, str]:
@@ -125,7 +118,7 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     host_memory.run_on_calling_thread()  # as train.py runs its steps
-    config = load_config(args.config)
+    config = config_lib.load_config_file(args.config)
     load = common.announce(
         "step_profile", args.config, f"B={config.train.batch_size} T={config.data.seq_len}", args.steps
     )

@@ -57,8 +57,8 @@ def keep_freed_buffers_mapped(step_bytes: int = 0) -> bool:
 
 def keep_step_buffers_mapped(step: Any, *args: Any) -> bool:
     """`keep_freed_buffers_mapped` for jitted `step`'s temporaries on `args` (already compiled for them: this looks
-    the executable up) when it runs on XLA:CPU and glibc can keep them: they fit a worker thread's heap, or `step`
-    runs on the calling thread (`run_on_calling_thread`, one device). Whether it was set."""
+    the executable up, ~20 ms, so call it once) when it runs on XLA:CPU and glibc can keep them: they fit a worker
+    thread's heap, or `step` runs on the calling thread (`run_on_calling_thread`, one device). Whether it was set."""
     if jax.default_backend() != "cpu":
         return False
     temp_bytes = step.lower(*args).compile().memory_analysis().temp_size_in_bytes

@@ -84,7 +84,8 @@ BIG_PROGRAM = textwrap.dedent(
 
 
 def kept_and_median_faults_per_call(mode: str) -> tuple[bool, float]:
-    out = subprocess.run([sys.executable, "-c", BIG_PROGRAM, mode], capture_output=True, text=True, check=True, cwd=ROOT)
+    command = [sys.executable, "-c", BIG_PROGRAM, mode]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
     kept, faults = out.stdout.split()[-2:]
     return kept == "True", float(faults)
 

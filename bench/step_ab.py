@@ -43,6 +43,7 @@ def autodiff_normalize(x, scale, epsilon, use_mean):
 OLD_FORMS = {  # change -> [(module, attribute, key or None, the form before the change)]
     "gelu": [(layers, "ACTIVATIONS", "gelu", functools.partial(jax.nn.gelu, approximate=False))],
     "layernorm": [(layers, "normalize", None, autodiff_normalize)],
+    "causal_split": [(layers, "CAUSAL_SPLIT_MIN_LEN", None, 1 << 30)],
     "saved_logits_grad": [(causal_lm, "SAVED_LOGITS_GRAD_BYTES", None, 0)],  # recomputed in the backward pass
 }
 OLD_FORMS["gelu+layernorm"] = OLD_FORMS["gelu"] + OLD_FORMS["layernorm"]

@@ -264,6 +264,9 @@ def attention_mask(
     return mask[:, None]
 
 
+CAUSAL_SPLIT_MIN_LEN = 256  # CPU: causal self-attention this long skips its masked upper-right quarter
+
+
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
@@ -282,11 +285,21 @@ def dot_product_attention(
     kernel; a causal mask is generated inside it, not materialised). On CPU, and whenever dropout
     needs the probabilities, it is computed explicitly with the heads before the positions: XLA:CPU
     lowers the [B, T, N, H] einsums with transposes inside fusions, and this form's forward+backward
-    measured ~1.9x faster at B 12, T 64, N 4, H 32 (docs/RESULTS.md, "Speed").
+    measured ~1.9x faster at B 12, T 64, N 4, H 32 (docs/RESULTS.md, "Speed"). Causal self-attention of
+    CAUSAL_SPLIT_MIN_LEN positions or more is computed in two query halves, the first against the first half of
+    the keys only: a quarter of the scores, all masked, are never computed.
     """
     use_dropout = dropout_rng is not None and dropout_rate > 0.0
     if jax.default_backend() != "cpu" and not use_dropout:
         return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal)
+    length = query.shape[1]
+    if is_causal and mask is None and bias is None and not use_dropout and length == key.shape[1]:
+        if length >= CAUSAL_SPLIT_MIN_LEN and length % 2 == 0:  # the first half's queries see only the first half
+            half = length // 2
+            kwargs = dict(mask=None, bias=None, is_causal=True, scale=scale, dropout_rate=0.0, dropout_rng=None)
+            first = dot_product_attention(query[:, :half], key[:, :half], value[:, :half], **kwargs)
+            second = dot_product_attention(query[:, half:], key, value, **kwargs)
+            return jnp.concatenate([first, second], axis=1)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     query, key, value = (jnp.swapaxes(a, 1, 2) for a in (query, key, value))  # [B, N, T|S, H]
     logits = jnp.einsum("BNTH,BNSH->BNTS", query, key).astype(jnp.float32) * scale

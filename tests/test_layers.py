@@ -79,6 +79,25 @@ def test_cpu_attention_equals_jax_attention_with_masks_and_bias():
     chex.assert_trees_all_close(ours, reference, atol=1e-5)
 
 
+@pytest.mark.parametrize("length", [512, 6])
+def test_causal_split_attention_equals_jax_attention(monkeypatch, length):
+    """Causal self-attention split into query halves (recursively: 512 -> 256 + 256 -> ...) matches
+    `jax.nn.dot_product_attention` in value and gradients, as does an odd-halved length (6 -> 3 + 3, then unsplit)."""
+    monkeypatch.setattr(layers, "CAUSAL_SPLIT_MIN_LEN", min(length, 128))
+    rng = np.random.default_rng(3)
+    query, key, value = (rng.normal(size=(2, length, 2, 8)).astype(np.float32) for _ in range(3))
+
+    def loss(attend):
+        def fn(q, k, v):
+            return jnp.sum(jnp.sin(attend(q, k, v, mask=None, bias=None, is_causal=True, scale=None)))
+
+        return jax.value_and_grad(fn, argnums=(0, 1, 2))(query, key, value)
+
+    ours = loss(functools.partial(layers.dot_product_attention, dropout_rate=0.0, dropout_rng=None))
+    reference = loss(jax.nn.dot_product_attention)
+    chex.assert_trees_all_close(ours, reference, atol=1e-4)
+
+
 def test_gelu_equals_exact_jax_gelu_in_value_and_gradient():
     x = np.linspace(-9.0, 9.0, 401, dtype=np.float32)
     chex.assert_trees_all_close(layers.gelu(x), jax.nn.gelu(x, approximate=False), atol=1e-6)

@@ -149,6 +149,10 @@ class LmzooTrainer:
 
     def __init__(self, task, batch: dict[str, np.ndarray], optim_config):
         tx, schedule = optim.make_optimizer(optim_config)
+        self.compile(task, tx, schedule, batch)
+
+    def compile(self, task, tx, schedule, batch: dict[str, np.ndarray]) -> None:
+        """Compiles `task` with optimizer `tx` as the loop does and puts its state and `batch` on the mesh."""
         shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
         self.compiled = trainer_lib.compile_trainer(
             trainer_lib.SupervisedTrainer(task, tx, schedule, shapes), mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0

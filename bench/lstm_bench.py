@@ -16,7 +16,6 @@ import os
 import pathlib
 import sys
 
-import jax
 import numpy as np
 import optax
 import torch
@@ -24,38 +23,17 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
-from lmzoo import sharding  # noqa: E402
 from lmzoo.models import lstm  # noqa: E402
 from lmzoo.objectives import recurrent_lm  # noqa: E402
-from lmzoo.train import host_memory  # noqa: E402
-from lmzoo.train import trainer as trainer_lib  # noqa: E402
 
 
-class LmzooLSTM:
+class LmzooLSTM(common.LmzooTrainer):
     """The train step `lmzoo.train.loop` runs for configs/ptb_lstm.py, carry threaded through the state."""
 
     def __init__(self, config: lstm.LSTMConfig, batch: dict[str, np.ndarray]):
         schedule = recurrent_lm.epoch_decay_schedule(1.0, 0, 4, 0.5)
         tx = optax.chain(optax.clip_by_global_norm(5.0), optax.sgd(schedule))
-        task = recurrent_lm.recurrent_lm_task(lstm.LSTM(config), sum_over_time=True)
-        shapes = {"inputs": jax.ShapeDtypeStruct(batch["inputs"].shape, np.int32)}
-        trainer = trainer_lib.SupervisedTrainer(task, tx, schedule, shapes)
-        self.compiled = trainer_lib.compile_trainer(
-            trainer, mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0
-        )
-        with self.compiled.context():
-            self.state = self.compiled.init(jax.random.key(0))
-        self.batch = sharding.put_batch(batch, self.compiled.batch_sharding)
-        self.buffers_kept = None
-
-    def run(self, steps: int) -> float:
-        with self.compiled.context():
-            for _ in range(steps):
-                self.state, metrics = self.compiled.step(self.state, self.batch)
-            if self.buffers_kept is None:  # once, after the first step, as the loop does (the look-up takes ~20 ms)
-                self.buffers_kept = host_memory.keep_step_buffers_mapped(self.compiled.step, self.state, self.batch)
-        loss_sum, count = jax.device_get(metrics["loss"])
-        return float(loss_sum / count)
+        self.compile(recurrent_lm.recurrent_lm_task(lstm.LSTM(config), sum_over_time=True), tx, schedule, batch)
 
 
 class TorchLSTM(torch.nn.Module):

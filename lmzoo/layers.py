@@ -293,13 +293,13 @@ def dot_product_attention(
     if jax.default_backend() != "cpu" and not use_dropout:
         return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal)
     length = query.shape[1]
-    if is_causal and mask is None and bias is None and not use_dropout and length == key.shape[1]:
-        if length >= CAUSAL_SPLIT_MIN_LEN and length % 2 == 0:  # the first half's queries see only the first half
-            half = length // 2
-            kwargs = dict(mask=None, bias=None, is_causal=True, scale=scale, dropout_rate=0.0, dropout_rng=None)
-            first = dot_product_attention(query[:, :half], key[:, :half], value[:, :half], **kwargs)
-            second = dot_product_attention(query[:, half:], key, value, **kwargs)
-            return jnp.concatenate([first, second], axis=1)
+    plain_causal = is_causal and mask is None and bias is None and not use_dropout and length == key.shape[1]
+    if plain_causal and length >= CAUSAL_SPLIT_MIN_LEN and length % 2 == 0:
+        half = length // 2  # the first half's queries see only the first half of the keys
+        kwargs = dict(mask=None, bias=None, is_causal=True, scale=scale, dropout_rate=0.0, dropout_rng=None)
+        first = dot_product_attention(query[:, :half], key[:, :half], value[:, :half], **kwargs)
+        second = dot_product_attention(query[:, half:], key, value, **kwargs)
+        return jnp.concatenate([first, second], axis=1)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     query, key, value = (jnp.swapaxes(a, 1, 2) for a in (query, key, value))  # [B, N, T|S, H]
     logits = jnp.einsum("BNTH,BNSH->BNTS", query, key).astype(jnp.float32) * scale

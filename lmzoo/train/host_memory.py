@@ -61,8 +61,9 @@ def keep_step_buffers_mapped(step: Any, *args: Any) -> bool:
     thread's heap, or `step` runs on the calling thread (`run_on_calling_thread`, one device). Whether it was set."""
     if jax.default_backend() != "cpu":
         return False
-    temp_bytes = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    devices = {device for leaf in jax.tree.leaves(args) for device in leaf.devices()}
+    executable = step.lower(*args).compile()
+    temp_bytes = executable.memory_analysis().temp_size_in_bytes
+    devices = {device for sharding in jax.tree.leaves(executable.input_shardings) for device in sharding.device_set}
     on_calling_thread = not jax.config.read("jax_cpu_enable_async_dispatch") and len(devices) == 1
     return (on_calling_thread or temp_bytes <= THREAD_HEAP_BYTES) and keep_freed_buffers_mapped(temp_bytes)
 

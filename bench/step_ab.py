@@ -40,11 +40,57 @@ def autodiff_normalize(x, scale, epsilon, use_mean):
     return x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + epsilon) * scale
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _saved_logits_grad_loss(hidden, embedding, targets, weights, chunk_len):
+    return _saved_logits_grad_loss_fwd(hidden, embedding, targets, weights, chunk_len)[0]
+
+
+def _saved_logits_grad_loss_fwd(hidden, embedding, targets, weights, chunk_len):
+    def chunk(_, xs):
+        h, t, w = xs
+        logits = causal_lm._chunk_logits(h, embedding)
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        loss_sum = jnp.sum((log_z - jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]) * w)
+        return None, (loss_sum, causal_lm._logits_grad(logits, log_z, t, w))
+
+    xs = tuple(causal_lm._chunks(x, chunk_len) for x in (hidden, targets, weights))
+    _, (loss_sums, logits_grads) = jax.lax.scan(chunk, None, xs)
+    return jnp.sum(loss_sums), (hidden, embedding, logits_grads)
+
+
+def _saved_logits_grad_loss_bwd(chunk_len, residuals, loss_cotangent):
+    hidden, embedding, logits_grads = residuals
+
+    def chunk(embedding_grad, xs):
+        h, logits_grad = xs
+        flat_grad, flat_hidden = logits_grad.reshape(-1, logits_grad.shape[-1]), h.reshape(-1, h.shape[-1])
+        return embedding_grad + flat_grad.T @ flat_hidden, jnp.einsum("BCV,VD->BCD", logits_grad, embedding)
+
+    embedding_grad, hidden_grads = jax.lax.scan(
+        chunk, jnp.zeros(embedding.shape, jnp.float32), (causal_lm._chunks(hidden, chunk_len), logits_grads)
+    )
+    return causal_lm._unchunk(hidden_grads) * loss_cotangent, embedding_grad * loss_cotangent, None, None
+
+
+_saved_logits_grad_loss.defvjp(_saved_logits_grad_loss_fwd, _saved_logits_grad_loss_bwd)
+
+
+def saved_logits_grad_head_loss(hidden, embedding, batch, chunk_len=None):
+    """`causal_lm.fused_head_loss` (f32, loss only) as it was before the gradients moved into its forward pass: the
+    forward kept the logits' gradient [B, T, V] and the backward pass did the two gradient matmuls."""
+    b, t, _ = hidden.shape
+    weights = batch["weights"].astype(jnp.float32)
+    chunk_len = chunk_len or causal_lm.head_loss_chunk_len(b, t, embedding.shape[0])
+    total = _saved_logits_grad_loss(hidden, embedding, batch["targets"], weights, chunk_len)
+    count = jnp.sum(weights)
+    return total / jnp.maximum(count, 1.0), {"loss": (total, count), "accuracy": (jnp.zeros(()), count)}
+
+
 OLD_FORMS = {  # change -> [(module, attribute, key or None, the form before the change)]
     "gelu": [(layers, "ACTIVATIONS", "gelu", functools.partial(jax.nn.gelu, approximate=False))],
     "layernorm": [(layers, "normalize", None, autodiff_normalize)],
     "causal_split": [(layers, "CAUSAL_SPLIT_MIN_LEN", None, 1 << 30)],
-    "saved_logits_grad": [(causal_lm, "SAVED_LOGITS_GRAD_BYTES", None, 0)],  # recomputed in the backward pass
+    "head_grads_in_forward": [(causal_lm, "fused_head_loss", None, saved_logits_grad_head_loss)],
 }
 OLD_FORMS["gelu+layernorm"] = OLD_FORMS["gelu"] + OLD_FORMS["layernorm"]
 

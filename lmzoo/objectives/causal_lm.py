@@ -16,6 +16,8 @@ from lmzoo.objectives import base
 from lmzoo.objectives.losses import Metrics, cross_entropy, top1_correct
 from lmzoo.train.state import Task
 
+SymbolicZero = jax.custom_derivatives.SymbolicZero
+
 
 def _chunks(x: jax.Array, chunk_len: int) -> jax.Array:
     """[B, T, ...] -> [T // chunk_len, B, chunk_len, ...]."""
@@ -39,49 +41,63 @@ def _logits_grad(logits: jax.Array, log_z: jax.Array, targets: jax.Array, weight
     return (probs - jax.nn.one_hot(targets, logits.shape[-1], dtype=probs.dtype)) * weights[..., None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_head_loss(hidden, embedding, targets, weights, chunk_len, save_logits_grad):
-    return _fused_head_loss_fwd(hidden, embedding, targets, weights, chunk_len, False)[0]
+def _head_loss_and_grads(hidden, embedding, targets, weights, chunk_len, hidden_grad: bool, embedding_grad: bool):
+    """Summed weighted loss and correct count over `chunk_len`-position chunks, and, when asked, their loss
+    sum's gradients: hidden [B, T, D] (in hidden's dtype) and embedding [V, D] (float32), else None."""
 
-
-def _fused_head_loss_fwd(hidden, embedding, targets, weights, chunk_len, save_logits_grad):
-    def chunk_stats(_, xs):
-        h, t, w = xs
+    def chunk(embedding_grad_sum, xs):
+        h, h_t, t, w = xs
         logits = _chunk_logits(h, embedding)
         loss_sum, _ = cross_entropy(logits, t, w)
-        log_z = jax.nn.logsumexp(logits, axis=-1)
-        logits_grad = _logits_grad(logits, log_z, t, w).astype(hidden.dtype) if save_logits_grad else None
-        return None, (loss_sum, jnp.sum(top1_correct(logits, t) * w), log_z, logits_grad)
+        correct = jnp.sum(top1_correct(logits, t) * w)
+        chunk_hidden_grad = None
+        if hidden_grad or embedding_grad:
+            logits_grad = _logits_grad(logits, jax.nn.logsumexp(logits, axis=-1), t, w).astype(hidden.dtype)
+            if hidden_grad:
+                chunk_hidden_grad = layers.project("BCV,VD->BCD", logits_grad, embedding.astype(hidden.dtype))
+            if embedding_grad:
+                flat_logits_grad = logits_grad.reshape(-1, logits_grad.shape[-1])
+                embedding_grad_sum += jnp.matmul(h_t, flat_logits_grad, preferred_element_type=jnp.float32)
+        return embedding_grad_sum, (loss_sum, correct, chunk_hidden_grad)
 
-    xs = (_chunks(hidden, chunk_len), _chunks(targets, chunk_len), _chunks(weights, chunk_len))
-    _, (loss_sums, correct_sums, log_z, logits_grads) = jax.lax.scan(chunk_stats, None, xs)
-    return (jnp.sum(loss_sums), jnp.sum(correct_sums)), (hidden, embedding, targets, weights, log_z, logits_grads)
+    hidden_chunks = _chunks(hidden, chunk_len)  # [T // C, B, C, D]
+    n, b, c, d = hidden_chunks.shape
+    hidden_t = jnp.swapaxes(hidden_chunks.reshape(n, b * c, d), 1, 2) if embedding_grad else None
+    xs = (hidden_chunks, hidden_t, _chunks(targets, chunk_len), _chunks(weights, chunk_len))
+    init = jnp.zeros(embedding.shape[::-1], jnp.float32) if embedding_grad else None
+    embedding_grad_sum, (loss_sums, correct_sums, hidden_grads) = jax.lax.scan(chunk, init, xs)
+    hidden_grads = None if hidden_grads is None else _unchunk(hidden_grads)
+    embedding_grad_sum = None if embedding_grad_sum is None else embedding_grad_sum.T
+    return jnp.sum(loss_sums), jnp.sum(correct_sums), hidden_grads, embedding_grad_sum
 
 
-def _fused_head_loss_bwd(chunk_len, save_logits_grad, residuals, cotangents):
-    hidden, embedding, targets, weights, log_z, logits_grads = residuals
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_head_loss(hidden, embedding, targets, weights, chunk_len, grad_dtypes):
+    """grad_dtypes: (hidden's, embedding's) dtype, which the backward pass gives their gradients."""
+    return _head_loss_and_grads(hidden, embedding, targets, weights, chunk_len, False, False)[:2]
+
+
+def _fused_head_loss_fwd(hidden, embedding, targets, weights, chunk_len, grad_dtypes):
+    """Computes the gradients with the loss, chunk by chunk, while each chunk's logits are at hand: the backward
+    pass only scales them by the cotangent. Nothing of size [B, T, V] is kept or recomputed, and the gradient of
+    an input that is not differentiated (`perturbed` False, e.g. a frozen embedding) is not computed."""
+    total, correct, hidden_grad, embedding_grad = _head_loss_and_grads(
+        hidden.value, embedding.value, targets.value, weights.value, chunk_len, hidden.perturbed, embedding.perturbed
+    )
+    return (total, correct), (hidden_grad, embedding_grad)
+
+
+def _fused_head_loss_bwd(chunk_len, grad_dtypes, residuals, cotangents):
     loss_cotangent = cotangents[0]  # the accuracy count has no gradient
-
-    def chunk_grads(embedding_grad, xs):
-        h, t, w, z, logits_grad = xs
-        if logits_grad is None:  # recomputed: the forward did not keep it
-            logits_grad = _logits_grad(_chunk_logits(h, embedding), z, t, w).astype(hidden.dtype)
-        hidden_grad = layers.project("BCV,VD->BCD", logits_grad, embedding.astype(hidden.dtype))
-        # [V, B*C] @ [B*C, D]: one contracted axis, as in `layers.project`.
-        flat_logits_grad, flat_hidden = logits_grad.reshape(-1, logits_grad.shape[-1]), h.reshape(-1, h.shape[-1])
-        embedding_grad += jnp.matmul(flat_logits_grad.T, flat_hidden, preferred_element_type=jnp.float32)
-        return embedding_grad, hidden_grad
-
-    xs = (_chunks(hidden, chunk_len), _chunks(targets, chunk_len), _chunks(weights, chunk_len), log_z, logits_grads)
-    embedding_grad, hidden_grads = jax.lax.scan(chunk_grads, jnp.zeros(embedding.shape, jnp.float32), xs)
-    hidden_grad = (_unchunk(hidden_grads) * loss_cotangent).astype(hidden.dtype)
-    return hidden_grad, (embedding_grad * loss_cotangent).astype(embedding.dtype), None, None
+    if type(loss_cotangent) is SymbolicZero:
+        return None, None, None, None
+    hidden_grad, embedding_grad = (
+        None if grad is None else (grad * loss_cotangent).astype(dtype) for grad, dtype in zip(residuals, grad_dtypes)
+    )
+    return hidden_grad, embedding_grad, None, None
 
 
-_fused_head_loss.defvjp(_fused_head_loss_fwd, _fused_head_loss_bwd)
-
-
-SAVED_LOGITS_GRAD_BYTES = 256 << 20  # the logits' gradient is kept from the forward pass up to this size
+_fused_head_loss.defvjp(_fused_head_loss_fwd, _fused_head_loss_bwd, symbolic_zeros=True)
 
 
 def head_loss_chunk_len(batch: int, length: int, vocab: int, budget_bytes: int = 8 << 20) -> int:
@@ -96,25 +112,23 @@ def fused_head_loss(
     batch: dict[str, jax.Array],
     *,
     chunk_len: int | None = None,
-    save_logits_grad: bool | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """`loss(hidden @ embedding.T, batch)` without materialising the [B, T, V] logits.
 
     hidden [B, T, D] final hidden states, embedding [V, D] the output projection (the tied token
-    table). Logits are computed `chunk_len` positions at a time (default: `head_loss_chunk_len`). Their
-    gradient [B, T, V] is either kept from the forward pass (`save_logits_grad`; by default when it
-    fits SAVED_LOGITS_GRAD_BYTES) or recomputed in the backward pass, which trades a third more head
-    FLOPs for never writing it to memory.
+    table). Logits are computed `chunk_len` positions at a time (default: `head_loss_chunk_len`). Under
+    differentiation the gradients are computed in the same pass, from each chunk's logits while they are at
+    hand (3 matmuls a chunk, as few as a backward pass can take), and the backward pass scales them.
     """
     b, t, _ = hidden.shape
     vocab = embedding.shape[0]
     chunk_len = chunk_len or head_loss_chunk_len(b, t, vocab)
     if t % chunk_len:
         raise ValueError(f"chunk_len {chunk_len} must divide the sequence length {t}")
-    if save_logits_grad is None:
-        save_logits_grad = b * t * vocab * jnp.dtype(hidden.dtype).itemsize <= SAVED_LOGITS_GRAD_BYTES
     weights = batch["weights"].astype(jnp.float32)
-    total, correct = _fused_head_loss(hidden, embedding, batch["targets"], weights, chunk_len, save_logits_grad)
+    total, correct = _fused_head_loss(
+        hidden, embedding, batch["targets"], weights, chunk_len, (hidden.dtype, embedding.dtype)
+    )
     count = jnp.sum(weights)
     return total / jnp.maximum(count, 1.0), {"loss": (total, count), "accuracy": (correct, count)}
 

@@ -59,20 +59,23 @@ def test_non_projection_equations_fall_back_to_einsum():
     )
 
 
-def test_cpu_attention_equals_jax_attention_with_masks_and_bias():
-    """The explicit head-major attention used on CPU matches `jax.nn.dot_product_attention` in value and gradients."""
+@pytest.mark.parametrize("query_without_keys", [False, True])
+def test_cpu_attention_equals_jax_attention_with_masks_and_bias(query_without_keys):
+    """The explicit head-major attention used on CPU matches `jax.nn.dot_product_attention` in value and gradients
+    (of the bias too), also when the loss reaches a query that no key is valid for (position 7 of the first row)."""
     rng = np.random.default_rng(2)
     query, key, value = (rng.normal(size=(2, 8, 4, 4)).astype(np.float32) for _ in range(3))
     bias = rng.normal(size=(1, 4, 8, 8)).astype(np.float32)
     segment_ids = np.array([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
     mask = layers.attention_mask(segment_ids, segment_ids, causal=False)
+    if query_without_keys:
+        mask = mask & (segment_ids != 0)[:, None, :, None]
 
     def loss(attend):
-        def fn(q, k, v):
-            out = attend(q, k, v, mask=mask, bias=bias, is_causal=True, scale=0.3)
-            return jnp.sum(out[:, :7] ** 2)  # the padding query at position 7 has no valid key
+        def fn(q, k, v, b):
+            return jnp.sum(attend(q, k, v, mask=mask, bias=b, is_causal=True, scale=0.3) ** 2)
 
-        return jax.value_and_grad(fn, argnums=(0, 1, 2))(query, key, value)
+        return jax.value_and_grad(fn, argnums=(0, 1, 2, 3))(query, key, value, bias)
 
     ours = loss(functools.partial(layers.dot_product_attention, dropout_rate=0.0, dropout_rng=None))
     reference = loss(jax.nn.dot_product_attention)

@@ -50,9 +50,11 @@ def op_metadata(hlo_text: str) -> dict[str, str]:
 
 def classify(op_name: str) -> str:
     """The module an op belongs to, from its metadata name. A fusion carries its root op's name, so
-    forward and backward cannot be told apart reliably (a backward fusion often ends in a forward op)."""
+    forward and backward cannot be told apart reliably (a backward fusion often ends in a forward op).
+    Differentiated ops outside the model's module (`jvp(...)` without `GPT2`) are the fused head + loss,
+    whose custom VJP names its chunk loop `jvp()/while`; the rest outside the model is the optimizer."""
     if "GPT2" not in op_name and "head_loss" not in op_name:
-        return "optimizer + other"
+        return "head + loss" if "jvp(" in op_name else "optimizer + other"
     return next((group for group, pattern in PARTS if re.search(pattern, op_name)), "other model ops")
 
 

@@ -44,7 +44,8 @@ def test_fused_head_loss_matches_plain_loss_and_gradients(tie_embeddings, chunk_
 
 @pytest.mark.parametrize("differentiated", ["hidden", "embedding"])
 def test_fused_head_loss_gradient_of_one_input(differentiated):
-    """With the other input held constant (not perturbed), the one gradient still equals the plain loss's."""
+    """With the other input held constant (not perturbed), the one gradient still equals the plain loss's, and the
+    other's is not computed."""
     rng = np.random.default_rng(2)
     hidden, embedding = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((3, 12, 32), (97, 32)))
     batch = _batch()
@@ -58,6 +59,9 @@ def test_fused_head_loss_gradient_of_one_input(differentiated):
     argnum = {"hidden": 0, "embedding": 1}[differentiated]
     expected = jax.grad(plain, argnums=argnum)(hidden, embedding)
     chex.assert_trees_all_close(jax.jit(jax.grad(fused, argnums=argnum))(hidden, embedding), expected, atol=1e-6)
+    # The other input's gradient is not computed: the logits' matmul and this input's, not the third.
+    assert str(jax.make_jaxpr(jax.grad(fused, argnums=argnum))(hidden, embedding)).count("dot_general") == 2
+    assert str(jax.make_jaxpr(jax.grad(fused, argnums=(0, 1)))(hidden, embedding)).count("dot_general") == 3
 
 
 def test_chunk_len_must_divide_the_length():

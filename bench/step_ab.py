@@ -28,7 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import layers, models  # noqa: E402
-from lmzoo.objectives import causal_lm  # noqa: E402
+from lmzoo.objectives import causal_lm, losses  # noqa: E402
 from lmzoo.train import host_memory  # noqa: E402
 
 
@@ -49,17 +49,18 @@ def _saved_logits_grad_loss_fwd(hidden, embedding, targets, weights, chunk_len):
     def chunk(_, xs):
         h, t, w = xs
         logits = causal_lm._chunk_logits(h, embedding)
-        log_z = jax.nn.logsumexp(logits, axis=-1)
-        loss_sum = jnp.sum((log_z - jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]) * w)
-        return None, (loss_sum, causal_lm._logits_grad(logits, log_z, t, w))
+        loss_sum, _ = losses.cross_entropy(logits, t, w)
+        correct = jnp.sum(losses.top1_correct(logits, t) * w)
+        return None, (loss_sum, correct, causal_lm._logits_grad(logits, jax.nn.logsumexp(logits, axis=-1), t, w))
 
     xs = tuple(causal_lm._chunks(x, chunk_len) for x in (hidden, targets, weights))
-    _, (loss_sums, logits_grads) = jax.lax.scan(chunk, None, xs)
-    return jnp.sum(loss_sums), (hidden, embedding, logits_grads)
+    _, (loss_sums, correct_sums, logits_grads) = jax.lax.scan(chunk, None, xs)
+    return (jnp.sum(loss_sums), jnp.sum(correct_sums)), (hidden, embedding, logits_grads)
 
 
-def _saved_logits_grad_loss_bwd(chunk_len, residuals, loss_cotangent):
+def _saved_logits_grad_loss_bwd(chunk_len, residuals, cotangents):
     hidden, embedding, logits_grads = residuals
+    loss_cotangent = cotangents[0]  # the accuracy count has no gradient
 
     def chunk(embedding_grad, xs):
         h, logits_grad = xs
@@ -76,14 +77,14 @@ _saved_logits_grad_loss.defvjp(_saved_logits_grad_loss_fwd, _saved_logits_grad_l
 
 
 def saved_logits_grad_head_loss(hidden, embedding, batch, chunk_len=None):
-    """`causal_lm.fused_head_loss` (f32, loss only) as it was before the gradients moved into its forward pass: the
-    forward kept the logits' gradient [B, T, V] and the backward pass did the two gradient matmuls."""
+    """`causal_lm.fused_head_loss` (f32) as it was before the gradients moved into its forward pass: the forward
+    kept the logits' gradient [B, T, V] and the backward pass did the two gradient matmuls."""
     b, t, _ = hidden.shape
     weights = batch["weights"].astype(jnp.float32)
     chunk_len = chunk_len or causal_lm.head_loss_chunk_len(b, t, embedding.shape[0])
-    total = _saved_logits_grad_loss(hidden, embedding, batch["targets"], weights, chunk_len)
+    total, correct = _saved_logits_grad_loss(hidden, embedding, batch["targets"], weights, chunk_len)
     count = jnp.sum(weights)
-    return total / jnp.maximum(count, 1.0), {"loss": (total, count), "accuracy": (jnp.zeros(()), count)}
+    return total / jnp.maximum(count, 1.0), {"loss": (total, count), "accuracy": (correct, count)}
 
 
 OLD_FORMS = {  # change -> [(module, attribute, key or None, the form before the change)]

@@ -41,7 +41,9 @@ def _logits_grad(logits: jax.Array, log_z: jax.Array, targets: jax.Array, weight
     return (probs - jax.nn.one_hot(targets, logits.shape[-1], dtype=probs.dtype)) * weights[..., None]
 
 
-def _head_loss_and_grads(hidden, embedding, targets, weights, chunk_len, hidden_grad: bool, embedding_grad: bool):
+def _head_loss_and_grads(
+    hidden, embedding, targets, weights, chunk_len, with_hidden_grad: bool, with_embedding_grad: bool
+):
     """Summed weighted loss and correct count over `chunk_len`-position chunks, and, when asked, their loss
     sum's gradients: hidden [B, T, D] (in hidden's dtype) and embedding [V, D] (float32), else None."""
 
@@ -51,20 +53,20 @@ def _head_loss_and_grads(hidden, embedding, targets, weights, chunk_len, hidden_
         loss_sum, _ = cross_entropy(logits, t, w)
         correct = jnp.sum(top1_correct(logits, t) * w)
         chunk_hidden_grad = None
-        if hidden_grad or embedding_grad:
+        if with_hidden_grad or with_embedding_grad:  # the logsumexp is cross_entropy's: XLA computes it once
             logits_grad = _logits_grad(logits, jax.nn.logsumexp(logits, axis=-1), t, w).astype(hidden.dtype)
-            if hidden_grad:
+            if with_hidden_grad:
                 chunk_hidden_grad = layers.project("BCV,VD->BCD", logits_grad, embedding.astype(hidden.dtype))
-            if embedding_grad:
+            if with_embedding_grad:
                 flat_logits_grad = logits_grad.reshape(-1, logits_grad.shape[-1])
                 embedding_grad_sum += jnp.matmul(h_t, flat_logits_grad, preferred_element_type=jnp.float32)
         return embedding_grad_sum, (loss_sum, correct, chunk_hidden_grad)
 
     hidden_chunks = _chunks(hidden, chunk_len)  # [T // C, B, C, D]
     n, b, c, d = hidden_chunks.shape
-    hidden_t = jnp.swapaxes(hidden_chunks.reshape(n, b * c, d), 1, 2) if embedding_grad else None
+    hidden_t = jnp.swapaxes(hidden_chunks.reshape(n, b * c, d), 1, 2) if with_embedding_grad else None
     xs = (hidden_chunks, hidden_t, _chunks(targets, chunk_len), _chunks(weights, chunk_len))
-    init = jnp.zeros(embedding.shape[::-1], jnp.float32) if embedding_grad else None
+    init = jnp.zeros(embedding.shape[::-1], jnp.float32) if with_embedding_grad else None  # [D, V]: hidden^T @ grad
     embedding_grad_sum, (loss_sums, correct_sums, hidden_grads) = jax.lax.scan(chunk, init, xs)
     hidden_grads = None if hidden_grads is None else _unchunk(hidden_grads)
     embedding_grad_sum = None if embedding_grad_sum is None else embedding_grad_sum.T

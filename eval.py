@@ -120,10 +120,9 @@ def run_fewshot(loaded) -> None:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from lmzoo import config as config_lib
     from lmzoo import evaluation, objectives
     from lmzoo.evaluation.generation import sample_text
-    from lmzoo.train import loop, restore
+    from lmzoo.train import run as run_lib
 
     logging.set_verbosity(logging.WARNING)
     if FLAGS.plot:
@@ -137,7 +136,7 @@ def main(argv):
         return
     mesh_shape = tuple(int(x) for x in FLAGS.mesh_shape.strip("()").split(",")) if FLAGS.mesh_shape else None
     try:
-        objective = objectives.get(config_lib.load_saved(FLAGS.workdir).objective.name)
+        objective = objectives.get(run_lib.load_saved(FLAGS.workdir).objective.name)
         evaluation.check_scorable(objective)
         if FLAGS.reconstruct:
             evaluation.check_evaluator(objective, "reconstruction")
@@ -145,12 +144,12 @@ def main(argv):
         raise SystemExit(f"error: {e}") from None
     if FLAGS.fewshot:
         try:
-            loaded = restore.load(FLAGS.workdir, FLAGS.step, mesh_shape=mesh_shape)
+            loaded = run_lib.load(FLAGS.workdir, FLAGS.step, mesh_shape=mesh_shape)
         except FileNotFoundError as e:
             raise SystemExit(f"error: {e}") from None
         return run_fewshot(loaded)
     try:
-        run = restore.open_run(FLAGS.workdir, mesh_shape=mesh_shape)
+        run = run_lib.open_run(FLAGS.workdir, mesh_shape=mesh_shape)
     except FileNotFoundError as e:
         raise SystemExit(f"error: {e}") from None
     split = FLAGS.split
@@ -162,13 +161,13 @@ def main(argv):
     elif split not in ("train", "validation"):
         raise SystemExit(f"unknown split {split!r}; choose train or validation, or pass --data=FILE")
     try:
-        step, state = restore.restore_step(run, FLAGS.step)
+        step, state = run_lib.restore_step(run, FLAGS.step)
     except FileNotFoundError as e:
         raise SystemExit(str(e)) from None
     if FLAGS.generate is not None:
         try:
             text = sample_text(
-                run, loop.host_params(run, state), FLAGS.generate, max_new_tokens=FLAGS.max_new_tokens,
+                run, run.compiled.host_params(state), FLAGS.generate, max_new_tokens=FLAGS.max_new_tokens,
                 temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
             )  # fmt: skip
         except ValueError as e:

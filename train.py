@@ -43,13 +43,13 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from lmzoo import checkpoint, sharding, workdir
-    from lmzoo import config as config_lib
     from lmzoo.train import host_memory, loop
+    from lmzoo.train import run as run_lib
 
     logging.set_verbosity(logging.WARNING)
     host_memory.run_on_calling_thread()  # before JAX's CPU client exists: one-device steps keep their buffers
     try:
-        config = config_lib.validate(flags.FLAGS.config)
+        config = run_lib.validate(flags.FLAGS.config)
         if config.distributed.cpu_devices_per_process:
             import jax
 

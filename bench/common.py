@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo import sharding
-from lmzoo.train import host_memory, optim
-from lmzoo.train import trainer as trainer_lib
+from lmzoo.train import host_memory
+from lmzoo.trainers import base as trainer_lib
+from lmzoo.trainers import optim, supervised
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -155,7 +156,7 @@ class LmzooTrainer:
         """Compiles `task` with optimizer `tx` as the loop does and puts its state and `batch` on the mesh."""
         shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
         self.compiled = trainer_lib.compile_trainer(
-            trainer_lib.SupervisedTrainer(task, tx, schedule, shapes), mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0
+            supervised.SupervisedTrainer(task, tx, schedule, shapes), mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0
         )
         with self.compiled.context():
             self.state = self.compiled.init(jax.random.key(0))

@@ -39,6 +39,7 @@ import common  # noqa: E402
 
 from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import objectives  # noqa: E402
+from lmzoo.train import run as run_lib  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VARIANTS = ("ppo", "rloo", "value_model")
@@ -48,7 +49,7 @@ def hh_ppo_config(variant: str, tiny: bool, ptx_coef: float):
     names = [name for name in ("tiny" if tiny else "", "" if variant == "ppo" else variant) if name]
     config = config_lib.load_config_file(ROOT / "configs" / "hh_ppo.py", ",".join(names) or None)
     config.objective.update(sft="ckpt:unused", reward_model="ckpt:unused", ptx_coef=ptx_coef)
-    return config_lib.validate(config)
+    return run_lib.validate(config)
 
 
 def lmzoo_parts(config, repeats: int) -> dict[str, tuple[float, float]]:

@@ -73,7 +73,7 @@ def nanogpt_lr(it: int) -> float:
 
 
 def lmzoo_lr(it: int) -> float:
-    """optax.warmup_cosine_decay_schedule(0, MAX_LR, WARMUP, DECAY_ITERS, MIN_LR) (lmzoo.train.optim), written out."""
+    """optax.warmup_cosine_decay_schedule(0, MAX_LR, WARMUP, DECAY_ITERS, MIN_LR) (lmzoo.trainers.optim), written out."""
     if it < WARMUP:
         return MAX_LR * it / WARMUP
     ratio = min(it - WARMUP, DECAY_ITERS - WARMUP) / (DECAY_ITERS - WARMUP)
@@ -332,24 +332,24 @@ def run_lockstep(args) -> None:
 
     import jax
 
-    from lmzoo import config as config_lib
     from lmzoo import sharding
     from lmzoo.evaluation.loss import evaluate_loss
-    from lmzoo.train import loop, optim
+    from lmzoo.train import run as run_lib
+    from lmzoo.trainers import optim
 
     spec = importlib.util.spec_from_file_location("shakespeare_char_config", CONFIG)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    config = config_lib.validate(module.get_config())
+    config = run_lib.validate(module.get_config())
     schedule = SCHEDULES[args.torch_schedule]
     lmzoo_schedule = optim.learning_rate_schedule(config.optim)
     with tempfile.TemporaryDirectory() as workdir:
-        run = loop.build(config, workdir)
-        state, _ = loop.restore_or_init(run)
+        run = run_lib.build(config, workdir)
+        state, _ = run_lib.restore_or_init(run)
         loader = run.train_loader()
         model = torch_from_lmzoo(jax.device_get(state.params))
         optimizer = make_optimizer(model)
-        print(f"lockstep {args.steps} steps; lmzoo: configs/shakespeare_char.py via loop.build/restore_or_init "
+        print(f"lockstep {args.steps} steps; lmzoo: configs/shakespeare_char.py via run_lib.build/restore_or_init "
               f"(seed {config.train.seed}); torch lr: {args.torch_schedule} schedule", flush=True)  # fmt: skip
         print("step  lmzoo_loss  torch_loss  rel_diff    lmzoo_lr    torch_lr    lmzoo_gnorm torch_gnorm")
         worst, worst_first10, seconds = 0.0, 0.0, {"lmzoo": 0.0, "torch": 0.0}

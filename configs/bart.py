@@ -12,7 +12,8 @@ only; `test` and `base` keep ../shared/data/timemachine and both transforms.
 
 import pathlib
 
-from lmzoo.config import base_config, check_variants, model_section, objective_section
+from lmzoo.config import base_config, check_variants, model_section
+from lmzoo.objectives import objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 SIZES = {

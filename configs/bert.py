@@ -10,7 +10,8 @@ Documents are chapters (blank-line separated paragraphs of kjv.txt). Needs ../sh
 
 import pathlib
 
-from lmzoo.config import base_config, check_variants, model_section, objective_section
+from lmzoo.config import base_config, check_variants, model_section
+from lmzoo.objectives import objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -14,7 +14,8 @@ configs/hh_sft.py:tiny). PPO-ptx: `--config.objective.ptx_coef=0.5` mixes in the
 
 import pathlib
 
-from lmzoo.config import check_variants, load_config_file, objective_section
+from lmzoo.config import check_variants, load_config_file
+from lmzoo.objectives import objective_section
 
 
 def get_config(arg: str | None = None):

@@ -15,7 +15,8 @@ the held-out pairwise accuracy next to length-only baselines. Variant `tiny`: a 
 
 import pathlib
 
-from lmzoo.config import check_variants, load_config_file, model_section, objective_section
+from lmzoo.config import check_variants, load_config_file, model_section
+from lmzoo.objectives import objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 

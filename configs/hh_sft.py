@@ -9,7 +9,8 @@ runs a few steps of a 1-layer model on the same file.
 
 import pathlib
 
-from lmzoo.config import base_config, check_variants, model_section, objective_section
+from lmzoo.config import base_config, check_variants, model_section
+from lmzoo.objectives import objective_section
 
 HH_PATH = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "hh_rlhf" / "harmless-base_test.jsonl.gz"
 

@@ -12,7 +12,8 @@ after epoch 6, init 0.05); `:tiny` shrinks everything for tests.
 import os
 import pathlib
 
-from lmzoo.config import base_config, check_variants, model_section, objective_section
+from lmzoo.config import base_config, check_variants, model_section
+from lmzoo.objectives import objective_section
 
 PTB = pathlib.Path(os.environ.get("LMZOO_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data")) / "ptb"  # Mikolov's ptb.{train,valid,test}.txt
 TRAIN_TOKENS = 929589  # words + <eos> of ptb.train.txt

@@ -15,7 +15,8 @@ The model section matches configs/bert.py (default), all-MiniLM-L6-v2 (`:minilm`
 
 import pathlib
 
-from lmzoo.config import base_config, check_variants, model_section, objective_section
+from lmzoo.config import base_config, check_variants, model_section
+from lmzoo.objectives import objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -12,7 +12,8 @@ initialisation on SST-2 alone: no biLM, so no --config.objective.bilm; it still 
 import os
 import pathlib
 
-from lmzoo.config import check_variants, load_config_file, objective_section
+from lmzoo.config import check_variants, load_config_file
+from lmzoo.objectives import objective_section
 
 SST2 = pathlib.Path(os.environ.get("LMZOO_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data")) / "sst2"
 

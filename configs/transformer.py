@@ -16,7 +16,8 @@ split at the last "\n\nAssistant:" into the conversation so far (source) and the
 
 import pathlib
 
-from lmzoo.config import base_config, check_variants, model_section, objective_section
+from lmzoo.config import base_config, check_variants, model_section
+from lmzoo.objectives import objective_section
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 SIZES = {

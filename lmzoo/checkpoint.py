@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
@@ -239,17 +240,39 @@ class Checkpointer:
         )
         return restored["state"], dict(restored["data"])
 
+    def restore_params(self, step: int) -> Any:
+        """The state's `params` subtree of `step` as host numpy arrays, read from the checkpoint's own metadata
+        (no model or restore target needed; the rest of the state is not read)."""
+        saved = self.manager.item_metadata(step)["state"]
+        if not hasattr(saved, "get") or "params" not in saved:
+            raise FileNotFoundError(f"{self.directory / str(step) / 'state'}: no params in its metadata (missing or damaged)")
+        params = jax.tree.map(lambda m: np.zeros((), m.dtype), dict(saved["params"]))
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params)
+        args = ocp.args.PyTreeRestore(item={"params": params}, restore_args={"params": restore_args}, partial_restore=True)
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(self.directory / str(step) / "state", args=args)["params"]
+
+    def restore_latest_params(self) -> tuple[int, Any] | None:
+        """(step, params) of the newest checkpoint whose params restore (see `restore_params`), falling back past
+        damaged ones as `restore_latest` does; None if there is no step."""
+        restored = self._newest_readable(lambda step: (self.restore_params(step), None))
+        return None if restored is None else restored[:2]
+
     def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
         """The newest checkpoint that restores, falling back past damaged ones; None if there is no step.
 
         Raises IncompatibleCheckpointError (shapes differ from `target`), CheckpointReadError (an I/O
         error, or every step damaged): the steps are left as they are.
         """
+        return self._newest_readable(lambda step: self.restore(step, target))
+
+    def _newest_readable(self, read) -> tuple[int, Any, Any] | None:
+        """(step, *read(step)) of the newest step `read` can read, falling back past damaged ones."""
         damaged = []
         for step in reversed(self.steps()):
             path = self.directory / str(step)
             try:
-                state, data_state = self.restore(step, target)
+                state, data_state = read(step)
             except IncompatibleCheckpointError:
                 raise
             except Exception as e:  # orbax raises ValueError/OSError/KeyError variants for damaged files

@@ -45,7 +45,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.sampler = "random"  # "random" windows (nanoGPT) or "sequential" shuffled non-overlapping windows
     c.data.tokenizer = ml_collections.ConfigDict({"kind": "byte"})
 
-    c.objective = objective_section("causal_lm")  # name + that objective's fields (lmzoo.objectives.describe())
+    # name + that objective's fields (`lmzoo.objectives.objective_section`; `python train.py --objectives` lists them)
+    c.objective = ml_collections.ConfigDict({"name": "causal_lm"})
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"
@@ -59,7 +60,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.1
     c.optim.decay_embeddings = False
     c.optim.grad_clip = 1.0
-    c.optim.groups = ()  # ((path, {field: value}), ...): other settings for param subtrees (lmzoo/train/optim.py)
+    c.optim.groups = ()  # ((path, {field: value}), ...): other settings for param subtrees (lmzoo/trainers/optim.py)
 
     c.train = ml_collections.ConfigDict()
     c.train.seed = 0
@@ -96,64 +97,6 @@ def model_section(name: str, **fields) -> ml_collections.ConfigDict:
     import dataclasses
 
     return ml_collections.ConfigDict(dataclasses.asdict(models.make_config(name, fields)))
-
-
-def objective_section(name: str, **fields) -> ml_collections.ConfigDict:
-    """`name` plus every field of that objective's config (defaults, then `fields`), so each is overridable."""
-    from lmzoo import objectives
-
-    known = objectives.defaults(name)
-    unknown = sorted(set(fields) - set(known))
-    if unknown:
-        raise ValueError(f"unknown field(s) {unknown} of objective {name!r}; its fields: {sorted(known)}")
-    return ml_collections.ConfigDict({"name": name, **known, **fields})
-
-
-def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Checks the model section against its dataclass and the objective section against its objective's
-    fields (each validating its own values), then the objective's checks across sections; returns the
-    config locked. An objective chosen on the command line gets its own defaults for fields not given."""
-    from lmzoo import objectives
-
-    models.make_config(config.model_name, config.model.to_dict())
-    objective = objectives.get(config.objective.name)
-    given = {k: v for k, v in config.objective.items() if k != "name"}
-    known = objectives.defaults(objective.name)
-    unknown = sorted(set(given) - set(known))
-    if unknown:
-        raise ValueError(f"config.objective has field(s) {unknown} that objective {objective.name!r} does not have; "
-                         f"its fields: {sorted(known)}")  # fmt: skip
-    with config.unlocked():
-        config.objective = objective_section(objective.name, **given)
-    objective.fields(config)
-    objective.check(config)
-    evaluators = tuple(config.eval.evaluators)
-    if not evaluators or evaluators[0] != "loss" or "reconstruction" in evaluators:
-        raise ValueError(f"config.eval.evaluators={evaluators} must start with 'loss' and may add {list(objective.evaluators[1:])} "
-                         "(reconstruction runs from eval.py --reconstruct)")  # fmt: skip
-    for name in evaluators:
-        if name not in objective.evaluators:
-            raise ValueError(f"config.eval.evaluators has {name!r}, which does not apply to objective {objective.name!r}; "
-                             f"its evaluators: {list(objective.evaluators)}")  # fmt: skip
-    config.lock()
-    return config
-
-
-def load_saved(workdir: str) -> ml_collections.ConfigDict:
-    """The config a run saved in `<workdir>/config.json`, over today's defaults (so runs saved before
-    a field existed still load; of an older flat objective section, only its objective's fields are kept)."""
-    from lmzoo import objectives
-
-    path = pathlib.Path(workdir) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: is {workdir!r} the workdir of a train.py run?")
-    saved = json.loads(path.read_text())
-    objective = saved.pop("objective", {"name": "causal_lm"})
-    known = objectives.defaults(objective["name"])
-    config = base_config()
-    config.update(saved)
-    config.objective = objective_section(objective["name"], **{k: v for k, v in objective.items() if k in known})
-    return config
 
 
 # Fields a resumed run may change: how long it trains, how often it logs, evaluates and saves, and
@@ -237,18 +180,10 @@ def check_variants(arg: str | None, known: tuple[str, ...], *, single: bool = Fa
     return words
 
 
-def _check_ppo_demonstrations(config: ml_collections.ConfigDict, data_parallel_size: int, problems: list[str]) -> None:
-    """PPO-ptx demonstration rows come in the batch, sharded over the data-parallel devices like its prompts. (The
-    minibatch parts of the rollout and of the demonstrations need not split evenly: the partitioner pads them.)"""
-    o = config.objective
-    if o.ptx_coef > 0 and o.ptx_batch_size % data_parallel_size:
-        problems.append(f"objective.ptx_batch_size={o.ptx_batch_size} must be a multiple of the {data_parallel_size} "
-                        f"data-parallel devices; set --config.objective.ptx_batch_size="
-                        f"{max(data_parallel_size, o.ptx_batch_size // data_parallel_size * data_parallel_size)}")  # fmt: skip
-
-
-def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, batches: bool = True) -> None:
-    """Raises one ValueError listing every out-of-range value, each naming its field and the fix.
+def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, batches: bool = True,
+                 more_problems: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """Raises one ValueError listing every out-of-range value (and `more_problems`, the objective's), each naming
+    its field and the fix.
 
     data_parallel_size: devices the batch is split over (the mesh's data x fsdp axes), so a global
     batch, and each gradient-accumulation microbatch of it, must be a multiple of it (checked with
@@ -278,8 +213,6 @@ def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, 
             f"must be a multiple of {multiple} (grad_accum_steps={accum} x {data_parallel_size} data-parallel devices); "
             f"set --config.train.batch_size={max(multiple, train.batch_size // multiple * multiple)}",
         )  # fmt: skip
-        if config.objective.name == "ppo":
-            _check_ppo_demonstrations(config, data_parallel_size, problems)
         require(
             evals.batch_size % data_parallel_size == 0, "eval.batch_size",
             f"must be a multiple of the {data_parallel_size} data-parallel devices; "
@@ -291,12 +224,6 @@ def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, 
         "eval.max_batches",
         "must be None (the whole split) or >= 1",
     )
-    if config.objective.name == "text_to_text":
-        require(
-            data.target_seq_len >= 1,
-            "data.target_seq_len",
-            "must be a positive integer; set --config.data.target_seq_len=N",
-        )
     if data.source == "python_stdlib":
         require(data.max_files >= 1, "data.max_files", "must be >= 1 (python_stdlib reads that many files)")
     require(
@@ -334,5 +261,6 @@ def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, 
         len(mesh) == 3 and all(n >= 1 or n == -1 for n in mesh) and mesh.count(-1) <= 1, "sharding.mesh_shape",
         "must be 3 sizes (data, fsdp, tensor), each >= 1, one of them may be -1 (the remaining devices)",
     )  # fmt: skip
+    problems += more_problems
     if problems:
         raise ValueError("invalid config values:\n  " + "\n  ".join(problems))

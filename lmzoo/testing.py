@@ -54,9 +54,10 @@ def tiny_config(objective: str = "causal_lm", **train):
     import pathlib
 
     from lmzoo import config as config_lib
+    from lmzoo import objectives
 
     config = config_lib.load_config_file(pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py", "tiny")
     if objective != config.objective.name:
-        config.objective = config_lib.objective_section(objective)
+        config.objective = objectives.objective_section(objective)
     config.train.update(train)
     return config

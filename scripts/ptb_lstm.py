@@ -17,7 +17,8 @@ from bench.common import cpu_model_and_isa
 from configs import ptb_lstm
 from lmzoo.evaluation import loss as loss_eval
 from lmzoo.evaluation import recurrent
-from lmzoo.train import loop, restore
+from lmzoo.train import loop
+from lmzoo.train import run as run_lib
 
 
 def main() -> None:
@@ -35,8 +36,8 @@ def main() -> None:
     start = time.perf_counter()
     loop.train_and_evaluate(config, str(workdir))
     print(f"train wall time {time.perf_counter() - start:.0f} s", flush=True)
-    run = restore.open_run(str(workdir))
-    step, state = restore.restore_step(run)
+    run = run_lib.open_run(str(workdir))
+    step, state = run_lib.restore_step(run)
     run.add_split("test", str(ptb_lstm.PTB / "ptb.test.txt"))
     for split in ("validation", "test"):
         metrics = loss_eval.evaluate_loss(run, state, split)

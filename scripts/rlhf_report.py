@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lmzoo import sharding  # noqa: E402
-from lmzoo.train import loop, restore  # noqa: E402
+from lmzoo.train import run as run_lib  # noqa: E402
 
 CURVES = (
     ("objective/scores", "mean RM score (normalised)"),
@@ -51,9 +51,9 @@ def plot(runs: dict[str, str], path: pathlib.Path) -> None:
 
 
 def samples(name: str, workdir: str, count: int) -> None:
-    run = restore.open_run(workdir)
-    _, state = restore.restore_step(run)
-    state = state.replace(frozen=loop.load_frozen(run))
+    run = run_lib.open_run(workdir)
+    _, state = run_lib.restore_step(run)
+    state = state.replace(frozen=run_lib.load_frozen(run))
     run.checkpointer.close()
     batch = next(iter(run.eval_batches("validation")))
     trainer, compiled = run.compiled.trainer, run.compiled

@@ -5,6 +5,7 @@ import pathlib
 import pytest
 
 from lmzoo import config as config_lib
+from lmzoo import objectives
 
 
 def _config(**overrides):
@@ -54,11 +55,25 @@ def test_ppo_demonstration_rows_must_split_over_the_devices():
     config = hh_ppo.get_config("tiny")
     config.train.batch_size, config.eval.batch_size = 16, 16
     config.objective.update(minibatches=4, ptx_coef=0.5, ptx_batch_size=4)
-    config_lib.check_values(config, data_parallel_size=4)  # minibatch parts of 1 row: padded by the partitioner
+    ppo = objectives.get("ppo")
+
+    def check(devices):
+        more = ppo.value_problems(config, data_parallel_size=devices, batches=True)
+        config_lib.check_values(config, data_parallel_size=devices, more_problems=tuple(more))
+
+    check(4)  # minibatch parts of 1 row: padded by the partitioner
     with pytest.raises(ValueError, match=r"objective.ptx_batch_size=4 must be a multiple of the 8 data-parallel devices"):
-        config_lib.check_values(config, data_parallel_size=8)
+        check(8)
+    assert ppo.value_problems(config, data_parallel_size=8, batches=False) == []  # a run opened to restore params
     config.objective.ptx_coef = 0.0  # no demonstrations are read
-    config_lib.check_values(config, data_parallel_size=8)
+    check(8)
+
+
+def test_text_to_text_target_length_is_checked():
+    config = _config(data__target_seq_len=0)
+    more = objectives.get("text_to_text").value_problems(config, data_parallel_size=1, batches=True)
+    with pytest.raises(ValueError, match="config.data.target_seq_len=0: must be a positive integer"):
+        config_lib.check_values(config, data_parallel_size=8, more_problems=tuple(more))
 
 
 def test_every_problem_is_listed_at_once():

@@ -18,6 +18,7 @@ import pytest
 from lmzoo import checkpoint, testing, workdir
 from lmzoo import config as config_lib
 from lmzoo.train import loop
+from lmzoo.train import run as run_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
@@ -162,7 +163,7 @@ def test_failed_first_start_writes_nothing_and_its_tokenizer_is_not_reused(tmp_p
     assert not run_dir.exists()  # the failed start created the workdir and left nothing behind
     # a run that committed its tokenizer and died before any checkpoint: the next run builds its own
     with workdir.StagedRunState(run_dir) as stage:
-        loop.build(_char_config(tmp_path, "abc.txt", "abc " * 200), str(run_dir), stage)
+        run_lib.build(_char_config(tmp_path, "abc.txt", "abc " * 200), str(run_dir), stage)
         stage.commit()
     final = loop.train_and_evaluate(_char_config(tmp_path, "other.txt", "Fed xyz. " * 200), str(run_dir))
     assert final["loss"] > 0
@@ -219,7 +220,7 @@ def test_unknown_variant_is_refused():
 def test_missing_metadata_falls_back_to_the_previous_step_naming_the_file(trained, tmp_path, caplog):
     run_dir = _copy(trained, tmp_path)
     (run_dir / "checkpoints" / "4" / "state" / "_METADATA").unlink()
-    run = loop.build(config_lib.load_saved(str(run_dir)), str(run_dir))
+    run = run_lib.build(run_lib.load_saved(str(run_dir)), str(run_dir))
     try:
         step, _, data_state = run.checkpointer.restore_latest(run.abstract_state)
     finally:
@@ -361,9 +362,9 @@ def test_train_py_from_another_folder_prints_start_and_end_summaries(tmp_path):
 
 
 def test_start_summary_reports_a_decay_past_the_last_step(trained):
-    config = config_lib.load_saved(str(trained))
+    config = run_lib.load_saved(str(trained))
     config.train.steps = 3
-    run = loop.build(config, str(trained))
+    run = run_lib.build(config, str(trained))
     try:
         summary = loop.start_summary(run, run.train_loader(), 0)
     finally:

@@ -136,9 +136,9 @@ def export_workdir(
 ) -> dict[str, Any]:
     """Exports a train.py run's latest (or `step`'s) checkpoint with its tokenizer; adds "step" to the summary.
     A run whose model is a SequenceClassifier exports as one (labels: its class names)."""
-    from lmzoo.train import restore
+    from lmzoo.train import run as run_lib
 
-    loaded = restore.load(workdir, step)
+    loaded = run_lib.load(workdir, step)
     params, classifier = exported_part(loaded.model, loaded.params)
     summary = export_hf(loaded.config.model_name, loaded.config.model.to_dict(), params, out_dir, loaded.tokenizer,
                         classifier=classifier, labels=labels)  # fmt: skip

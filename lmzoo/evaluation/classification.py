@@ -6,7 +6,6 @@ import jax
 import numpy as np
 
 from lmzoo.objectives import classification
-from lmzoo.train import loop
 
 
 def f1_scores(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> dict[str, float]:
@@ -22,10 +21,10 @@ def f1_scores(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> 
     return scores
 
 
-def evaluate_classification(run: loop.Run, state: Any, split: str = "validation", *,
+def evaluate_classification(run, state: Any, split: str = "validation", *,
                             max_batches: int | None = None) -> tuple[dict[str, float], list]:  # fmt: skip
     """(accuracy / F1 over the split's examples, []); padding rows (example_weights 0) are skipped."""
-    params = loop.host_params(run, state)
+    params = run.compiled.host_params(state)
     predict = jax.jit(lambda p, batch: classification.classify_logits(run.model, p, batch).argmax(-1))
     labels, predictions = [], []
     for i, batch in enumerate(run.eval_batches(split)):

@@ -7,12 +7,11 @@ import numpy as np
 from lmzoo import decoding
 from lmzoo.evaluation import reconstruction
 from lmzoo.models import gpt2, seq2seq
-from lmzoo.train import loop
 
 
 def sample_text(run, params, prompt: str, *, max_new_tokens: int, temperature: float,
                 top_k: int, top_p: float, seed: int, fit_to_model: bool = False) -> str:  # fmt: skip
-    """Decodes a continuation of `prompt` with the KV cache; params are host arrays (`loop.host_params`).
+    """Decodes a continuation of `prompt` with the KV cache; params are host arrays (`CompiledTrainer.host_params`).
 
     Encoder-decoders read the prompt (plus EOS) with the encoder and write a new sequence. A decoder's
     prompt plus new tokens must fit its positions: more is an error, or with `fit_to_model` is cut to fit."""
@@ -65,7 +64,7 @@ def evaluate_generation(
     tokenizer, model = run.tokenizer, run.model
     if not isinstance(model, seq2seq.Seq2Seq):
         raise ValueError(f"generation scoring needs an encoder-decoder (seq2seq), not {type(model).__name__}")
-    params, eos, pad = loop.host_params(run, state), tokenizer.eos_id, tokenizer.pad_id or 0
+    params, eos, pad = run.compiled.host_params(state), tokenizer.eos_id, tokenizer.pad_id or 0
 
     def text(ids) -> str:
         ids = [int(i) for i in ids if i != pad]

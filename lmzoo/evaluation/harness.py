@@ -39,9 +39,9 @@ class LmzooLM(LM):
         if loaded is None:
             if workdir is None:
                 raise ValueError("the lmzoo model needs --model_args workdir=PATH (a train.py run)")
-            from lmzoo.train import restore
+            from lmzoo.train import run as run_lib
 
-            loaded = restore.load(workdir, None if step is None else int(step))
+            loaded = run_lib.load(workdir, None if step is None else int(step))
         if not isinstance(loaded.model, gpt2.GPT2 | seq2seq.Seq2Seq):
             raise ValueError(
                 f"lm-eval needs a decoder (gpt2) or an encoder-decoder (seq2seq); this run is {type(loaded.model).__name__}"

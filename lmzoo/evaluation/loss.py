@@ -5,8 +5,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from lmzoo import metrics as metrics_lib
 from lmzoo import sharding
-from lmzoo.train import metrics as metrics_lib
 
 
 def evaluate_loss(run, state: Any, split: str = "validation", *, max_batches: int | None = None) -> dict[str, float]:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from absl import logging
 
-from lmzoo.train import metrics as metrics_lib
+from lmzoo import metrics as metrics_lib
 
 SPLIT_COLORS = {"train": "C0", "validation": "C1"}  # the same in every panel
 # Sizes of what an evaluation read, not curves.

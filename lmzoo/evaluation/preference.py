@@ -6,7 +6,6 @@ import jax
 import numpy as np
 
 from lmzoo.rl import reward
-from lmzoo.train import loop
 
 
 def pairwise_accuracy(scores: np.ndarray, ranks: np.ndarray, valid: np.ndarray, *, tie: float) -> tuple[float, int]:
@@ -16,12 +15,12 @@ def pairwise_accuracy(scores: np.ndarray, ranks: np.ndarray, valid: np.ndarray, 
     return float(np.sum(pairs & (margins > 0)) + tie * np.sum(pairs & (margins == 0))), int(np.sum(pairs))
 
 
-def evaluate_preference(run: loop.Run, state: Any, split: str = "validation", *,
+def evaluate_preference(run, state: Any, split: str = "validation", *,
                         max_batches: int | None = None) -> tuple[dict[str, float], list]:  # fmt: skip
     """Reward-model accuracy over the split's comparisons (exact ties count as wrong) and two length-only
     baselines on the same pairs: the reply with more tokens wins ("longer"), or the one with fewer ("shorter");
     length ties count ½. Token counts are of the replies as the model reads them (after truncation to seq_len)."""
-    params = loop.host_params(run, state)
+    params = run.compiled.host_params(state)
     pad_id = run.tokenizer.pad_id
     score = jax.jit(lambda p, tokens: reward.score(run.model, p, tokens, pad_id=pad_id))
     correct = longer = shorter = 0.0

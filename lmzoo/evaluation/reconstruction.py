@@ -26,9 +26,8 @@ import jax
 import numpy as np
 
 from lmzoo import decoding, sharding, tokenizers
+from lmzoo import metrics as metrics_lib
 from lmzoo.data import noising
-from lmzoo.train import loop
-from lmzoo.train import metrics as metrics_lib
 
 
 def reconstruct_tokens(objective: str, inputs: np.ndarray, prediction: np.ndarray, *, sentinel_ids, eos_id: int) -> np.ndarray:
@@ -64,7 +63,7 @@ def text_metrics(hypotheses: list[str], references: list[str]) -> dict[str, floa
     }
 
 
-def _decode(run: loop.Run, params, inputs: np.ndarray, segments: np.ndarray, length: int, beam_size: int) -> np.ndarray:
+def _decode(run, params, inputs: np.ndarray, segments: np.ndarray, length: int, beam_size: int) -> np.ndarray:
     """Decoder outputs [N, length] for encoder inputs [N, S]: greedy, or the best of `beam_size` beams."""
     pad_id = run.tokenizer.pad_id or 0
     if beam_size > 1:
@@ -77,7 +76,7 @@ def _decode(run: loop.Run, params, inputs: np.ndarray, segments: np.ndarray, len
     return np.asarray(tokens)
 
 
-def evaluate_reconstruction(run: loop.Run, state, split: str = "validation", *, num_examples: int = 200,
+def evaluate_reconstruction(run, state, split: str = "validation", *, num_examples: int = 200,
                             beam_size: int = 1) -> tuple[dict[str, float], list[dict[str, str]]]:  # fmt: skip
     """(metrics, examples) over the first `num_examples` complete windows of `split`; see the module doc.
 
@@ -90,7 +89,7 @@ def evaluate_reconstruction(run: loop.Run, state, split: str = "validation", *, 
         raise NotImplementedError("reconstruction metrics run in a single process; evaluate with one host")
     sentinel_ids = [tokenizer.sentinel_id(i) for i in range(getattr(tokenizer, "extra_ids", 0))]
     eos = tokenizer.eos_id
-    params = loop.host_params(run, state)
+    params = run.compiled.host_params(state)
     markers = sentinel_ids + ([tokenizer.mask_id] if tokenizer.mask_id is not None else [])
     examples, copies, total = [], [], None
     for batch in run.eval_batches(split):

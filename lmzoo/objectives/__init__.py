@@ -6,6 +6,8 @@ every objective with its fields and defaults (`python train.py --objectives`).
 
 import dataclasses
 
+import ml_collections
+
 from lmzoo.objectives import (
     base,
     bilm,
@@ -73,3 +75,12 @@ def describe() -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in defaults(name).items()) or "(no fields)"
         lines.append(f"{name:16s} {type(objective).__name__}: {fields}")
     return "\n".join(lines)
+
+
+def objective_section(name: str, **fields) -> ml_collections.ConfigDict:
+    """`name` plus every field of that objective's config (defaults, then `fields`), so each is overridable."""
+    known = defaults(name)
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown} of objective {name!r}; its fields: {sorted(known)}")
+    return ml_collections.ConfigDict({"name": name, **known, **fields})

@@ -19,7 +19,8 @@ import numpy as np
 
 from lmzoo import models, tokenizers
 from lmzoo.data import pipeline
-from lmzoo.train.state import Task
+from lmzoo.trainers import optim, supervised
+from lmzoo.trainers.state import Task
 
 Batch = dict[str, np.ndarray]
 
@@ -66,6 +67,11 @@ class Objective:
         """Checks across config sections (e.g. lengths against the model's positions); raises ValueError."""
         check_length(config, "seq_len", config.data.seq_len)
 
+    def value_problems(self, config: ml_collections.ConfigDict, *, data_parallel_size: int, batches: bool) -> list[str]:
+        """Out-of-range values this objective reads, each naming its field and the fix (listed with the config's
+        own by `config.check_values`); `batches`: whether batch sizes must split over `data_parallel_size` devices."""
+        return []
+
     def read(self, config: ml_collections.ConfigDict) -> dict[str, Any]:
         """{"train": raw, "validation": raw} from config.data."""
         return pipeline.load_documents(config.data)
@@ -85,11 +91,9 @@ class Objective:
         raise NotImplementedError
 
     def trainer(self, config: ml_collections.ConfigDict, model: nn.Module):
-        """The trainer (`lmzoo.train.trainer`) the loop runs: supervised on `task` by default."""
-        from lmzoo.train import optim, trainer
-
+        """The trainer (`lmzoo.trainers`) the loop runs: supervised on `task` by default."""
         tx, schedule = optim.make_optimizer(config.optim)
-        return trainer.SupervisedTrainer(self.task(config, model), tx, schedule, self.input_shapes(config, config.train.batch_size),
+        return supervised.SupervisedTrainer(self.task(config, model), tx, schedule, self.input_shapes(config, config.train.batch_size),
                                          grad_accum_steps=config.train.grad_accum_steps)  # fmt: skip
 
     def step_summary(self, config: ml_collections.ConfigDict) -> str:

@@ -21,7 +21,7 @@ from lmzoo.objectives.ngram_lm import (
     sentence_step_summary,
 )
 from lmzoo.objectives.recurrent_lm import TextFiles
-from lmzoo.train.state import Task
+from lmzoo.trainers.state import Task
 
 
 def framed(batch: dict[str, np.ndarray], eos_id: int) -> dict[str, np.ndarray]:

@@ -14,7 +14,7 @@ from lmzoo import layers
 from lmzoo.data import pipeline
 from lmzoo.objectives import base
 from lmzoo.objectives.losses import Metrics, cross_entropy, top1_correct
-from lmzoo.train.state import Task
+from lmzoo.trainers.state import Task
 
 SymbolicZero = jax.custom_derivatives.SymbolicZero
 

@@ -9,7 +9,7 @@ from lmzoo import tokenizers
 from lmzoo.data import pipeline, transforms
 from lmzoo.models import heads
 from lmzoo.objectives import base, losses
-from lmzoo.train.state import Task
+from lmzoo.trainers.state import Task
 
 INPUT_FORMATS = ("bert", "gpt")
 

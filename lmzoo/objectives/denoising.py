@@ -11,7 +11,7 @@ import numpy as np
 from lmzoo import tokenizers
 from lmzoo.data import noising, pipeline, transforms
 from lmzoo.objectives import base, losses
-from lmzoo.train.state import Task
+from lmzoo.trainers.state import Task
 
 
 def seq2seq_task(model) -> Task:

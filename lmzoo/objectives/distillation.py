@@ -6,9 +6,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lmzoo import models
+from lmzoo import models, weights
 from lmzoo.objectives import losses, mlm
-from lmzoo.train.state import Task
+from lmzoo.trainers.state import Task
 
 
 def soft_cross_entropy(
@@ -96,15 +96,12 @@ class Distillation(mlm.MaskedLM):
         return distillation_task(model, models.build_model("bert", dict(fields.teacher_model)), fields)
 
     def load_frozen(self, config, frozen):
-        from lmzoo.train import restore
-
-        return {"teacher": restore.merge_pretrained(frozen["teacher"], config.objective.teacher, "bert", config.objective.teacher_model.to_dict())}
+        return {"teacher": weights.merge_pretrained(frozen["teacher"], config.objective.teacher, "bert", config.objective.teacher_model.to_dict())}
 
     def init_params(self, config, params, frozen):
         if not config.objective.init_student_from_teacher:
             return params
         from lmzoo.models import bert
-        from lmzoo.train import restore
 
         student = bert.distilbert_student_params(frozen["teacher"], config.objective.teacher_model.num_layers)
-        return restore.merge_pretrained(params, student, config.model_name, name="teacher layers")
+        return weights.merge_pretrained(params, student, config.model_name, name="teacher layers")

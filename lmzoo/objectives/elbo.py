@@ -32,7 +32,7 @@ from lmzoo.objectives.ngram_lm import (
     sentence_step_summary,
 )
 from lmzoo.objectives.recurrent_lm import TextFiles
-from lmzoo.train.state import Task
+from lmzoo.trainers.state import Task
 
 
 def kl_weight(step: jax.Array, anneal_steps: int) -> jax.Array:

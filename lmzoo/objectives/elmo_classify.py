@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lmzoo import weights
 from lmzoo.data import pipeline, transforms
 from lmzoo.layers import embed_lookup
 from lmzoo.models import elmo
 from lmzoo.objectives import base, classification, losses
-from lmzoo.train.state import Task
+from lmzoo.trainers.state import Task
 
 FEATURES = ("elmo", "static", "scratch")
 
@@ -112,9 +113,7 @@ class ELMoClassify(classification.LabelledTSVObjective):
         )
 
     def load_frozen(self, config, frozen):
-        from lmzoo.train import restore
-
-        return {"bilm": restore.merge_pretrained(frozen["bilm"], config.objective.bilm, "elmo", config.model.to_dict())}
+        return {"bilm": weights.merge_pretrained(frozen["bilm"], config.objective.bilm, "elmo", config.model.to_dict())}
 
     def input_shapes(self, config, batch_size):
         shape = (batch_size, config.data.seq_len)

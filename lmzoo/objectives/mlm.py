@@ -12,7 +12,7 @@ import numpy as np
 from lmzoo import tokenizers
 from lmzoo.data import pipeline, transforms
 from lmzoo.objectives import base, losses
-from lmzoo.train.state import Task
+from lmzoo.trainers.state import Task
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,26 +17,20 @@ continues exactly.
 """
 
 import dataclasses
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import struct
 
-from lmzoo import decoding, models
+from lmzoo import decoding, models, weights
 from lmzoo.data import comparisons, pipeline, transforms
 from lmzoo.models import heads
 from lmzoo.objectives import base, causal_lm, sft
-from lmzoo.rl import ppo, reward
-from lmzoo.train import optim
-from lmzoo.train import trainer as trainer_lib
-from lmzoo.train.state import Metrics
+from lmzoo.rl import policy_gradient, reward
+from lmzoo.trainers import optim
+from lmzoo.trainers.rl import PTX_PREFIX, PPOTrainer, RLSettings, rollout_inputs
 
 ALGORITHMS = ("ppo", "reinforce", "rloo")
 VALUE_MODELS = ("head", "reward", "sft")
-PTX_PREFIX = "ptx_"  # batch keys of the PPO-ptx demonstrations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +100,8 @@ class PPOConfig(sft.ComparisonSplitConfig):
             problems.append(f"value_model={self.value_model!r}: choose one of {VALUE_MODELS}")
         if self.ptx_coef < 0:
             problems.append(f"ptx_coef={self.ptx_coef}: must be >= 0 (0 = no pretraining mix)")
-        if self.kl_estimator not in ppo.KL_ESTIMATORS:
-            problems.append(f"kl_estimator={self.kl_estimator!r}: choose one of {ppo.KL_ESTIMATORS}")
+        if self.kl_estimator not in policy_gradient.KL_ESTIMATORS:
+            problems.append(f"kl_estimator={self.kl_estimator!r}: choose one of {policy_gradient.KL_ESTIMATORS}")
         counts = ("prompt_len", "response_len", "samples_per_prompt", "epochs", "minibatches", "normalize_samples")
         for name in counts + ("ptx_batch_size",):
             if getattr(self, name) < 1:
@@ -118,245 +112,6 @@ class PPOConfig(sft.ComparisonSplitConfig):
             problems.append(f"kl_coef={self.kl_coef}, kl_target={self.kl_target}: must be >= 0")
         if problems:
             raise ValueError("invalid config.objective: " + "; ".join(problems))
-
-
-@struct.dataclass
-class PPOState:
-    """The policy (decoder + value head or network), its optimizer, the KL controller's β, the rng, the frozen models."""
-
-    step: jax.Array
-    params: Any
-    opt_state: Any
-    rng: jax.Array
-    frozen: Any  # {"reference", "reward", "reward_gain", "reward_bias"}: never checkpointed
-    kl_coef: jax.Array
-
-
-def rollout_inputs(
-    prompts: jax.Array, prompt_mask: jax.Array, responses: jax.Array, mask: jax.Array
-) -> dict[str, jax.Array]:
-    """prompt [B, P] ⊕ response [B, T] -> "sequences", "segment_ids" (1 on real tokens) and "positions" [B, P + T],
-    positions counting real tokens only, as the sampler numbered them."""
-    valid = jnp.concatenate([prompt_mask, mask.astype(prompt_mask.dtype)], axis=1)
-    return {
-        "sequences": jnp.concatenate([prompts, responses], axis=1),
-        "segment_ids": valid.astype(jnp.int32),
-        "positions": jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32),
-    }
-
-
-@dataclasses.dataclass(frozen=True)
-class PPOTrainer:
-    """The trainer protocol for RLHF: `step` = `generate`, `score`, `update` (each pure and jittable on its own: the
-    benchmark times them apart) and the KL controller; `eval_step` = a rollout on held-out prompts with a fixed key."""
-
-    policy: heads.LMWithValueHead | heads.LMWithValueModel
-    reward_model: heads.SequenceClassifier
-    settings: PPOConfig
-    tx: optax.GradientTransformation
-    schedule: optax.Schedule
-    batch_size: int
-    eos_id: int
-    pad_id: int
-
-    @property
-    def decoder(self):
-        return self.policy.decoder
-
-    def init(self, rng: jax.Array) -> PPOState:
-        policy_rng, reference_rng, reward_rng, state_rng = jax.random.split(rng, 4)
-        s = self.settings
-        tokens = jnp.zeros((self.batch_size, s.prompt_len + s.response_len), jnp.int32)
-        params = self.policy.init(policy_rng, tokens)["params"]
-        frozen = {
-            "reference": self.decoder.init(reference_rng, tokens)["params"],
-            "reward": self.reward_model.init(reward_rng, tokens, segment_ids=jnp.ones_like(tokens))["params"],
-            "reward_gain": jnp.ones((), jnp.float32),
-            "reward_bias": jnp.zeros((), jnp.float32),
-        }
-        return PPOState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                        rng=jax.random.key_data(state_rng), frozen=frozen, kl_coef=jnp.asarray(s.kl_coef, jnp.float32))  # fmt: skip
-
-    def initial_carry(self, batch_size: int) -> dict:
-        return {}
-
-    def with_params(self, state: PPOState, params: Any) -> PPOState:
-        return state.replace(params=params, opt_state=self.tx.init(params))
-
-    def _logprobs(self, logits: jax.Array, responses: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return ppo.response_logprobs(ppo.align_to_responses(logits, self.settings.prompt_len), responses,
-                                     temperature=self.settings.temperature)  # fmt: skip
-
-    def generate(self, params, batch, rng, *, samples_per_prompt: int) -> dict[str, jax.Array]:
-        """`samples_per_prompt` responses to each of batch "prompts"/"prompt_mask" [B, P] from the KV-cache sampler ->
-        "prompts", "prompt_mask" [B·K, P], "responses" [B·K, T] (pad after the EOS) and "mask" [B·K, T] (float)."""
-        s = self.settings
-        prompts = jnp.repeat(batch["prompts"], samples_per_prompt, axis=0)
-        prompt_mask = jnp.repeat(batch["prompt_mask"], samples_per_prompt, axis=0)
-        samples = decoding.sample(self.decoder, params["decoder"], prompts, prompt_mask, rng, max_new_tokens=s.response_len,
-                                  temperature=s.temperature, eos_id=self.eos_id, pad_id=self.pad_id)  # fmt: skip
-        return {"prompts": prompts, "prompt_mask": prompt_mask, "responses": samples.tokens,
-                "mask": samples.mask.astype(jnp.float32)}  # fmt: skip
-
-    def score(self, params, frozen, kl_coef, samples: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], Metrics]:
-        """Scores `generate`'s samples with the frozen reward model, reads the policy's and the reference's log-probs
-        and the values, shapes the rewards and runs GAE -> the fixed targets of the updates (every array [B·K, ...])
-        with the rollout metrics."""
-        s = self.settings
-        prompts, prompt_mask, responses, mask = (samples[k] for k in ("prompts", "prompt_mask", "responses", "mask"))
-        has_eos = jnp.any((responses == self.eos_id) & (mask > 0), axis=1)
-        inputs = rollout_inputs(prompts, prompt_mask, responses, mask)
-        forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
-        logits, values = self.policy.apply({"params": params}, inputs["sequences"], **forward)
-        logprobs, entropy = self._logprobs(logits, responses)
-        ref_logits = self.decoder.apply({"params": frozen["reference"]}, inputs["sequences"], **forward)
-        ref_logprobs, _ = self._logprobs(ref_logits, responses)
-        raw_scores = self.reward_model.apply({"params": frozen["reward"]}, inputs["sequences"], **forward)[:, 0]
-        scores = reward.normalize(raw_scores, frozen["reward_gain"], frozen["reward_bias"])
-        if s.missing_eos_penalty > 0:
-            scores = ppo.penalize_missing_eos(scores, has_eos, penalty=s.missing_eos_penalty)
-        targets, metrics = ppo.ppo_rollout_targets(
-            scores, has_eos, jax.lax.stop_gradient(logprobs), ref_logprobs,
-            jax.lax.stop_gradient(ppo.align_to_responses(values, s.prompt_len)), mask, kl_coef=kl_coef, gamma=s.gamma,
-            lam=s.lam, kl_estimator=s.kl_estimator, whiten_rewards=s.whiten_rewards,
-        )  # fmt: skip
-        sequence_returns = jnp.sum(targets["rewards"], axis=1)  # score − β·Σ_t kl_t (scaled if whitened)
-        rows = jnp.asarray(scores.shape[0], jnp.float32)
-        metrics = {**metrics, "objective/raw_scores": (jnp.sum(raw_scores), rows),
-                   "objective/entropy": (jnp.sum(-logprobs * mask), rows),
-                   "policy/rollout_entropy": ppo.masked_stats(entropy, mask)}  # fmt: skip
-        rollout = {**targets, **inputs, "responses": responses, "scores": scores,
-                   "sequence_kl": jnp.sum((logprobs - ref_logprobs) * mask, axis=1), "sequence_returns": sequence_returns}  # fmt: skip
-        return jax.tree.map(jax.lax.stop_gradient, rollout), metrics
-
-    def rollout(
-        self, params, frozen, kl_coef, batch, rng, *, samples_per_prompt: int
-    ) -> tuple[dict[str, jax.Array], Metrics]:
-        """`generate` then `score`."""
-        samples = self.generate(params, batch, rng, samples_per_prompt=samples_per_prompt)
-        return self.score(params, frozen, kl_coef, samples)
-
-    def minibatch_loss(
-        self, params, minibatch: dict[str, jax.Array], demonstrations: dict[str, jax.Array] | None = None
-    ) -> tuple[jax.Array, Metrics]:
-        """The PPO (or REINFORCE) loss of a rollout minibatch, plus ptx_coef x the SFT loss of the policy's decoder on
-        `demonstrations` (packed "inputs", "targets", "weights", "segment_ids", "positions" [R, L]) when given."""
-        loss, metrics = self._policy_loss(params, minibatch)
-        if demonstrations is None:
-            return loss, metrics
-        ptx_loss, (ptx_metrics, _) = causal_lm.causal_lm_task(self.decoder).loss(
-            params["decoder"], {}, {}, demonstrations, jax.random.key(0), step=0, train=False
-        )
-        ptx_metrics = {"ptx/loss": ptx_metrics["loss"], "ptx/accuracy": ptx_metrics["accuracy"]}
-        return loss + self.settings.ptx_coef * ptx_loss, {**metrics, **jax.tree.map(jax.lax.stop_gradient, ptx_metrics)}
-
-    def _policy_loss(self, params, minibatch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
-        s = self.settings
-        logits, values = self.policy.apply({"params": params}, minibatch["sequences"],
-                                           segment_ids=minibatch["segment_ids"], positions=minibatch["positions"])  # fmt: skip
-        logprobs, entropy = self._logprobs(logits, minibatch["responses"])
-        if s.algorithm == "ppo":
-            return ppo.ppo_loss(logprobs, entropy, ppo.align_to_responses(values, s.prompt_len), minibatch, clip_eps=s.clip_eps,
-                                value_clip_eps=s.value_clip_eps, value_coef=s.value_coef, entropy_coef=s.entropy_coef)  # fmt: skip
-        mask = minibatch["mask"]
-        loss, metrics = ppo.reinforce_loss(logprobs, minibatch["sequence_advantages"], mask)
-        loss = loss - s.entropy_coef * ppo.masked_mean(entropy, mask)
-        return loss, {**metrics, "policy/entropy": jax.lax.stop_gradient(ppo.masked_stats(entropy, mask))}
-
-    def update(
-        self, params, opt_state, rollout: dict[str, jax.Array], rng: jax.Array,
-        demonstrations: dict[str, jax.Array] | None = None,
-    ):  # fmt: skip
-        """`epochs` passes over the rollout, each a fresh permutation split into `minibatches` optimizer updates
-        -> (params, opt_state, metrics summed over the updates). REINFORCE/RLOO first turn the sequence returns into
-        per-prompt baselined advantages. `demonstrations` (PPO-ptx, [R, L] arrays) are split into `minibatches` strided
-        parts, part m joining minibatch m of every epoch."""
-        s = self.settings
-        rows = rollout["mask"].shape[0]
-        if rows % s.minibatches:
-            raise ValueError(f"{rows} rollout rows do not split into config.objective.minibatches={s.minibatches}")
-        if s.algorithm != "ppo":
-            baseline = "mean" if s.algorithm == "reinforce" else "leave_one_out"
-            grouped = rollout["sequence_returns"].reshape(-1, s.samples_per_prompt)
-            advantages = ppo.reinforce_advantages(grouped, baseline=baseline).reshape(-1)
-            rollout = {**rollout, "sequence_advantages": advantages}
-        order = jnp.stack([jax.random.permutation(jax.random.fold_in(rng, e), rows) for e in range(s.epochs)])
-        indices = order.reshape(s.epochs * s.minibatches, rows // s.minibatches)
-        parts = None if demonstrations is None else trainer_lib.split_microbatches(demonstrations, s.minibatches)
-        grad_fn = jax.value_and_grad(self.minibatch_loss, has_aux=True)
-
-        def one_update(carry, xs):
-            params, opt_state = carry
-            index, part = xs
-            part_demonstrations = None if parts is None else jax.tree.map(lambda x: x[part], parts)
-            (_, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[index], rollout), part_demonstrations)
-            updates, opt_state = self.tx.update(grads, opt_state, params)
-            one = jnp.ones((), jnp.float32)
-            return (optax.apply_updates(params, updates), opt_state), {
-                **metrics,
-                "grad_norm": (optax.global_norm(grads), one),
-            }
-
-        part_ids = jnp.arange(s.epochs * s.minibatches) % s.minibatches
-        (params, opt_state), metrics = jax.lax.scan(one_update, (params, opt_state), (indices, part_ids))
-        return params, opt_state, jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics)
-
-    def demonstrations(self, batch) -> dict[str, jax.Array] | None:
-        """The PPO-ptx rows of a training batch (its "ptx_*" arrays, prefix removed); None when ptx_coef is 0."""
-        if self.settings.ptx_coef == 0:
-            return None
-        rows = {k.removeprefix(PTX_PREFIX): v for k, v in batch.items() if k.startswith(PTX_PREFIX)}
-        if not rows:
-            raise ValueError(
-                "ptx_coef > 0 but the batch has no ptx_* demonstration rows (PPO's train_loader adds them)"
-            )
-        return rows
-
-    phases = ("rollout", "scoring", "update")
-
-    def run_phase(self, name: str, state: PPOState, batch, carry):
-        """One part of `step`: "rollout" -> `generate`'s samples; "scoring" (carry: the samples) -> (`score`'s
-        targets, metrics); "update" (carry: those) -> (the next state, metrics). Every phase reads `state` as it was
-        before the step; the loop times them apart."""
-        s = self.settings
-        rng, sample_rng, shuffle_rng = jax.random.split(jax.random.wrap_key_data(state.rng), 3)
-        if name == "rollout":
-            return self.generate(state.params, batch, sample_rng, samples_per_prompt=s.samples_per_prompt)
-        if name == "scoring":
-            return self.score(state.params, state.frozen, state.kl_coef, carry)
-        rollout, metrics = carry
-        params, opt_state, update_metrics = self.update(
-            state.params, state.opt_state, rollout, shuffle_rng, self.demonstrations(batch)
-        )
-        controller = ppo.KLController(state.kl_coef, s.kl_target or None, s.kl_horizon)
-        kl_coef = ppo.update_kl_controller(
-            controller, jnp.mean(rollout["sequence_kl"]), rollout["mask"].shape[0]
-        ).kl_coef
-        one = jnp.ones((), jnp.float32)
-        metrics = {**metrics, **update_metrics, "learning_rate": (self.schedule(state.step), one)}
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=jax.random.key_data(rng),
-                                  kl_coef=jnp.asarray(kl_coef, jnp.float32))  # fmt: skip
-        return new_state, metrics
-
-    def step(self, state: PPOState, batch) -> tuple[PPOState, Metrics]:
-        return trainer_lib.run_phases(self, state, batch)
-
-    def eval_step(self, state: PPOState, batch, carry) -> tuple[Metrics, Any]:
-        """One response per held-out prompt (fixed key): "loss" = −(score − β·KL) per response, "score", "kl", "response_len";
-        rows with example_weights 0 (padding the last batch) do not count."""
-        rollout, _ = self.rollout(
-            state.params, state.frozen, state.kl_coef, batch, jax.random.key(0), samples_per_prompt=1
-        )
-        weights = batch.get("example_weights", jnp.ones(rollout["scores"].shape, jnp.float32))
-        count = jnp.sum(weights)
-        objective = rollout["scores"] - state.kl_coef * rollout["sequence_kl"]
-        metrics = {
-            "loss": (jnp.sum(-objective * weights), count),
-            "score": (jnp.sum(rollout["scores"] * weights), count),
-            "kl": (jnp.sum(rollout["sequence_kl"] * weights), count),
-            "response_len": (jnp.sum(jnp.sum(rollout["mask"], axis=1) * weights), count),
-        }
-        return metrics, carry
 
 
 def _unique_prompts(raw: list[comparisons.Comparison]) -> list[str]:
@@ -409,6 +164,16 @@ class PPO(sft.ComparisonObjective):
                 raise ValueError(f"config.objective.ptx_batch_size={o.ptx_batch_size} must split into "
                                  f"config.objective.minibatches={o.minibatches} equal parts")  # fmt: skip
 
+    def value_problems(self, config, *, data_parallel_size, batches):
+        """PPO-ptx demonstration rows come in the batch, sharded over the data-parallel devices like its prompts. (The
+        minibatch parts of the rollout and of the demonstrations need not split evenly: the partitioner pads them.)"""
+        o = self.fields(config)
+        if not batches or o.ptx_coef == 0 or o.ptx_batch_size % data_parallel_size == 0:
+            return []
+        fit = max(data_parallel_size, o.ptx_batch_size // data_parallel_size * data_parallel_size)
+        return [f"objective.ptx_batch_size={o.ptx_batch_size} must be a multiple of the {data_parallel_size} "
+                f"data-parallel devices; set --config.objective.ptx_batch_size={fit}"]  # fmt: skip
+
     def model(self, config):
         decoder = super().model(config)
         if self.fields(config).value_model == "head":
@@ -426,8 +191,11 @@ class PPO(sft.ComparisonObjective):
         reward_model = reward.reward_model(
             models.build_model(config.model_name, config.model.to_dict()), config.model.emb_dim
         )
-        return PPOTrainer(policy=model, reward_model=reward_model, settings=self.fields(config), tx=tx, schedule=schedule,
-                          batch_size=config.train.batch_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)  # fmt: skip
+        o = self.fields(config)
+        ptx_loss = causal_lm.causal_lm_task(model.decoder).loss if o.ptx_coef > 0 else None
+        return PPOTrainer(policy=model, reward_model=reward_model, settings=RLSettings.of(o), tx=tx, schedule=schedule,
+                          batch_size=config.train.batch_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                          ptx_loss=ptx_loss)  # fmt: skip
 
     def step_summary(self, config):
         o = self.fields(config)
@@ -473,11 +241,9 @@ class PPO(sft.ComparisonObjective):
     def load_frozen(self, config, frozen):
         """The SFT reference and the reward model from their workdirs, and the reward normalisation (gain, bias) that
         gives `normalize_samples` SFT samples on training prompts mean 0 and std 1 (a fixed key: the same at every start)."""
-        from lmzoo.train import restore
-
         o = self.fields(config)
-        reference = restore.merge_pretrained(frozen["reference"], o.sft, config.model_name, config.model.to_dict())
-        reward_params = restore.load(o.reward_model.removeprefix("ckpt:")).params
+        reference = weights.merge_pretrained(frozen["reference"], o.sft, config.model_name, config.model.to_dict())
+        reward_params = weights.checkpoint_params(o.reward_model.removeprefix("ckpt:"))
         expected, loaded = jax.tree.map(np.shape, frozen["reward"]), jax.tree.map(np.shape, reward_params)
         if expected != loaded:
             raise ValueError(f"the reward model in {o.reward_model} does not fit config.model (a reward_model run on the same "

@@ -24,8 +24,8 @@ import optax
 
 from lmzoo.data import transforms
 from lmzoo.objectives import base, losses
-from lmzoo.train import trainer as trainer_lib
-from lmzoo.train.state import Task
+from lmzoo.trainers import supervised
+from lmzoo.trainers.state import Task
 
 
 class TextFiles(base.Objective):
@@ -202,7 +202,7 @@ class RecurrentLM(TextFiles):
         )
         clip = optax.clip_by_global_norm(config.optim.grad_clip) if config.optim.grad_clip > 0 else optax.identity()
         tx = optax.chain(clip, optax.sgd(schedule))
-        return trainer_lib.SupervisedTrainer(
+        return supervised.SupervisedTrainer(
             self.task(config, model), tx, schedule, self.input_shapes(config, config.train.batch_size)
         )
 

@@ -16,7 +16,7 @@ import numpy as np
 from lmzoo.data import comparisons, pipeline, transforms
 from lmzoo.objectives import base, sft
 from lmzoo.rl import reward
-from lmzoo.train.state import Task
+from lmzoo.trainers.state import Task
 
 
 @dataclasses.dataclass(frozen=True)

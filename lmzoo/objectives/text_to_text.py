@@ -52,6 +52,12 @@ class TextToText(base.Objective):
         base.check_length(config, "seq_len", config.data.seq_len)
         base.check_length(config, "target_seq_len", config.data.target_seq_len)
 
+    def value_problems(self, config, *, data_parallel_size, batches):
+        if config.data.target_seq_len >= 1:
+            return []
+        return [f"config.data.target_seq_len={config.data.target_seq_len!r}: must be a positive integer; "
+                "set --config.data.target_seq_len=N"]  # fmt: skip
+
     def task(self, config, model):
         return denoising.seq2seq_task(model)
 

@@ -1,37 +1,30 @@
 """`train_and_evaluate(config, workdir)`: the one loop, written around any trainer.
 
-`build` makes a `Run` from a config and a workdir: the objective (`lmzoo.objectives`), tokenizer,
-model, trainer compiled over the mesh, and a checkpointer. It reads no data unless the tokenizer must
-be trained on it; loaders are built on first use, so restoring and scoring a checkpoint needs only
-its workdir. A run restarted with the same workdir restores the latest good checkpoint (state,
-loader position) and continues exactly where it stopped; frozen parameters are read again from
-the paths the config names, never from the checkpoint.
+It builds the run (`lmzoo.train.run`), restores the latest good checkpoint or starts fresh, and steps the
+trainer to config.train.steps with logging, checkpoints, in-loop evaluation, preemption and Ctrl-C handling,
+then samples and summarises. A run restarted with the same workdir continues exactly where it stopped.
 """
 
-import dataclasses
 import json
 import logging
 import os
-import pathlib
 import signal
 import sys
 import threading
 import time
 from typing import Any
 
-import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from lmzoo import checkpoint, objectives, sharding, tokenizers
+from lmzoo import checkpoint, sharding
 from lmzoo import config as config_lib
+from lmzoo import metrics as metrics_lib
 from lmzoo import workdir as workdir_lib
-from lmzoo.objectives import base
 from lmzoo.train import host_memory
-from lmzoo.train import metrics as metrics_lib
-from lmzoo.train import trainer as trainer_lib
+from lmzoo.train.run import Run, build, has_checkpoints, restore_or_init
 
 log = logging.getLogger(__name__)
 
@@ -41,167 +34,6 @@ HEADLINE_METRICS = ("loss", "perplexity", "accuracy", "score", "kl")  # printed 
 
 class NonFiniteLossError(FloatingPointError):
     pass
-
-
-@dataclasses.dataclass
-class Run:
-    """What training and evaluation build from a config and a workdir. Data is read on first use."""
-
-    config: ml_collections.ConfigDict
-    workdir: pathlib.Path
-    objective: base.Objective
-    tokenizer: tokenizers.Tokenizer
-    model: nn.Module
-    compiled: trainer_lib.CompiledTrainer
-    checkpointer: checkpoint.Checkpointer
-    splits: dict[str, Any] = dataclasses.field(default_factory=dict)  # raw examples by split name
-
-    @property
-    def abstract_state(self) -> Any:
-        """Restore target of a checkpoint: the state without its frozen parameters."""
-        return self.compiled.abstract_state.replace(frozen={})
-
-    @property
-    def shard(self) -> base.Shard:
-        return base.Shard(jax.process_index(), jax.process_count())
-
-    def context(self):
-        """Mesh and rules context under which every jitted function of the run is traced and called."""
-        return self.compiled.context()
-
-    def raw(self, split: str) -> Any:
-        """The raw examples of `split` ("train", "validation", or a name given to `add_split`)."""
-        if split not in self.splits:
-            if split not in ("train", "validation"):
-                raise ValueError(
-                    f"unknown split {split!r}; choose one of {sorted({'train', 'validation', *self.splits})}"
-                )
-            self.splits.update(self.objective.read(self.config))
-        return self.splits[split]
-
-    def add_split(self, name: str, path: str) -> None:
-        """Makes the examples of a file (in the objective's format) evaluable as split `name`."""
-        self.splits[name] = self.objective.read_file(self.config, path)
-
-    def train_loader(self):
-        return self.objective.train_loader(self.config, self.tokenizer, self.raw("train"), self.shard)
-
-    def eval_batches(self, split: str):
-        return self.objective.eval_batches(self.config, self.tokenizer, self.raw(split), self.shard)
-
-
-def has_checkpoints(workdir: pathlib.Path) -> bool:
-    """Whether `workdir` holds a saved step (a finished orbax step folder)."""
-    folder = workdir / "checkpoints"
-    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
-
-
-def _tokenizer(config: ml_collections.ConfigDict, run_splits: dict, objective: base.Objective, workdir: pathlib.Path,
-               stage: workdir_lib.StagedRunState | None) -> tokenizers.Tokenizer:  # fmt: skip
-    """The run's tokenizer: the workdir's when it has checkpoints (so a resumed run keeps its ids); else
-    built (from the run's data for kinds learnt from a corpus) and, when `stage` is given, staged there.
-    A tokenizer left by a run that never saved a checkpoint is rebuilt, never reused."""
-    saved = workdir / "tokenizer" / "spec.json"
-    if saved.exists() and has_checkpoints(workdir):
-        return tokenizers.from_spec(json.loads(saved.read_text()), str(saved.parent))
-    spec = config.data.tokenizer.to_dict()
-    kind = spec.pop("kind")
-    corpus = None
-    if kind in ("char", "word", "sentencepiece") and not spec.get("path"):
-        run_splits.update(objective.read(config))
-        corpus = objective.corpus(run_splits["train"]) + objective.corpus(run_splits["validation"])
-    tokenizer = tokenizers.build_tokenizer(kind, corpus=corpus, **spec)
-    if stage is not None:
-        folder = stage.path("tokenizer")
-        folder.mkdir()
-        (folder / "spec.json").write_text(json.dumps(tokenizer.save(str(folder))))
-    return tokenizer
-
-
-def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
-    """Devices a batch is split over: the mesh's data x fsdp axes."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
-
-
-def build(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.StagedRunState | None = None, *,
-          batches: bool = True) -> Run:  # fmt: skip
-    """Validated config, objective, tokenizer, model, compiled trainer and checkpointer for a workdir.
-
-    stage: where a training run stages a newly built tokenizer (None: a new tokenizer is not saved).
-    batches: check that batch sizes split over the mesh (False for a run opened only to restore params).
-    """
-    config = config_lib.validate(config)
-    try:
-        mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape))
-    except ValueError as e:
-        raise ValueError(f"config.sharding.mesh_shape={tuple(config.sharding.mesh_shape)}: {e}") from None
-    config_lib.check_values(config, data_parallel_size=data_parallel_size(mesh), batches=batches)
-    workdir_path = pathlib.Path(workdir)
-    workdir_path.mkdir(parents=True, exist_ok=True)
-    rules = sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))
-    objective = objectives.get(config.objective.name)
-    splits: dict[str, Any] = {}
-    tokenizer = _tokenizer(config, splits, objective, workdir_path, stage)
-    if config.model.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
-            f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size}); set --config.model.vocab_size={tokenizer.vocab_size} (or larger)"
-        )
-    model = objective.model(config)
-    compiled = trainer_lib.compile_trainer(
-        objective.trainer(config, model), mesh=mesh, rules=rules, seed=config.train.seed
-    )
-    checkpointer = checkpoint.Checkpointer(
-        str(workdir_path / "checkpoints"),
-        max_to_keep=config.train.keep_checkpoints,
-        async_save=config.train.async_checkpoints,
-    )
-    return Run(config=config, workdir=workdir_path, objective=objective, tokenizer=tokenizer, model=model,
-               compiled=compiled, checkpointer=checkpointer, splits=splits)  # fmt: skip
-
-
-def load_frozen(run: Run) -> Any:
-    """The frozen parameters, read from the paths the config names, sharded like the state's."""
-    if not jax.tree.leaves(run.compiled.abstract_state.frozen):
-        return run.compiled.abstract_state.frozen
-    with run.context():
-        fresh = jax.device_get(run.compiled.init(jax.random.key(run.config.train.seed)).frozen)
-    return jax.device_put(run.objective.load_frozen(run.config, fresh), run.compiled.state_shardings.frozen)
-
-
-def restore_or_init(run: Run) -> tuple[Any, dict]:
-    """The latest good checkpoint (with frozen parameters read again), or a fresh state whose frozen
-    parameters are read, whose params the objective may adjust, and which takes config.init_from's weights."""
-    restored = run.checkpointer.restore_latest(run.abstract_state)
-    if restored is not None:
-        step, state, data_state = restored
-        if jax.process_index() == 0:
-            print(f"resumed from {run.checkpointer.directory / str(step)}")
-        return state.replace(frozen=load_frozen(run)), data_state
-    cfg = run.config
-    with run.context():
-        state = run.compiled.init(jax.random.key(cfg.train.seed))
-    frozen = load_frozen(run)
-    fresh = jax.device_get(state.params)
-    params = run.objective.init_params(cfg, fresh, jax.device_get(frozen))
-    if cfg.get("init_from"):
-        from lmzoo.train import restore
-
-        params = restore.merge_pretrained(
-            params, cfg.init_from, cfg.model_name, cfg.model.to_dict(), allow_partial=cfg.init_from_partial
-        )
-    state = state.replace(frozen=frozen)
-    if params is not fresh:
-        with run.context():
-            state = run.compiled.with_params(state, jax.device_put(params, run.compiled.state_shardings.params))
-    return state, {"step": 0}
-
-
-def host_params(run: Run, state: Any):
-    """Params as host numpy arrays; every process must call this (it gathers across hosts)."""
-    with run.context():
-        gathered = jax.jit(lambda p: p, out_shardings=sharding.replicated(run.compiled.mesh))(state.params)
-    return jax.device_get(gathered)
 
 
 def evaluate(run: Run, state: Any, split: str = "validation") -> dict[str, float]:
@@ -445,7 +277,7 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
         host_memory.release_freed_memory()
         if final is None:
             final = evaluate(run, state)
-        params = host_params(run, state) if config.train.sample_tokens > 0 else None
+        params = run.compiled.host_params(state) if config.train.sample_tokens > 0 else None
         if is_main and params is not None:
             text = sample_text(run, params, config.train.sample_prompt, max_new_tokens=config.train.sample_tokens,
                                           temperature=0.8, top_k=0, top_p=0.95, seed=config.train.seed, fit_to_model=True)  # fmt: skip

@@ -9,7 +9,8 @@ import numpy as np
 from lmzoo import config as config_lib
 from lmzoo import decoding, evaluation
 from lmzoo.evaluation import reconstruction
-from lmzoo.train import loop, restore
+from lmzoo.train import loop
+from lmzoo.train import run as run_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORDS = ["red", "green", "blue", "cat", "dog", "fox", "runs", "sleeps"]
@@ -28,15 +29,15 @@ def test_generation_evaluator_decodes_greedily_to_eos_and_scores_references(tmp_
     config.data.path, config.data.tokenizer, config.model.vocab_size = str(pairs), {"kind": "byte"}, 258
     loop.train_and_evaluate(config, str(tmp_path / "run"))
 
-    run = restore.open_run(str(tmp_path / "run"))
-    _, state = restore.restore_step(run)
+    run = run_lib.open_run(str(tmp_path / "run"))
+    _, state = run_lib.restore_step(run)
     metrics, examples = evaluation.EVALUATORS["generation"](run, state, "validation")
     assert metrics["generated_examples"] == len(examples) == 4 and metrics["evaluated_batches"] == 1
     assert examples[0]["source"].startswith("Human:") and all(e["reference"].strip() in targets for e in examples)
     assert metrics == {**reconstruction.text_metrics([e["generation"] for e in examples], [e["reference"] for e in examples]),
                        "generated_examples": 4, "evaluated_batches": 1}  # fmt: skip
     batch = next(iter(run.eval_batches("validation")))
-    params, eos = loop.host_params(run, state), run.tokenizer.eos_id
+    params, eos = run.compiled.host_params(state), run.tokenizer.eos_id
     tokens = np.asarray(decoding.generate_seq2seq(run.model, params, batch["inputs"][:1], rng=jax.random.key(0), max_new_tokens=16,
                                                   encoder_segment_ids=batch["encoder_segment_ids"][:1], temperature=0.0, eos_id=eos,
                                                   pad_id=run.tokenizer.pad_id))[0].tolist()  # fmt: skip

@@ -18,7 +18,7 @@ from lmzoo import tokenizers  # noqa: E402
 from lmzoo.convert import gpt2, mapping  # noqa: E402
 from lmzoo.evaluation import harness  # noqa: E402
 from lmzoo.models import build_model, make_config  # noqa: E402
-from lmzoo.train import restore  # noqa: E402
+from lmzoo.train import run as run_lib  # noqa: E402
 
 TEXTS = ["the movie was great fun", "the plot was terrible and slow", "a great cast, a dull script", "terrible acting"]
 TASK = """task: tiny_sentiment
@@ -83,7 +83,7 @@ def models(hf_folder):
     hf_config, state_dict = mapping.read_safetensors_dir(str(hf_folder))
     fields, params = gpt2.read_checkpoint(hf_config, state_dict)
     tokenizer = tokenizers.HFTokenizer.from_file(str(hf_folder / "tokenizer.json"))
-    loaded = restore.Loaded(
+    loaded = run_lib.Loaded(
         model=build_model("gpt2", make_config("gpt2", fields)), params=params, tokenizer=tokenizer, config=None, step=0
     )
     reference = HFLM(pretrained=str(hf_folder), tokenizer=str(hf_folder), device="cpu", dtype="float32", batch_size=4)

@@ -12,7 +12,8 @@ import pytest
 from lmzoo import testing
 from lmzoo.models import elmo
 from lmzoo.objectives import bilm, elmo_classify, ngram_lm
-from lmzoo.train import loop, restore
+from lmzoo.train import loop
+from lmzoo.train import run as run_lib
 
 CONFIG = elmo.ELMoConfig(vocab_size=11, emb_dim=8, num_layers=2, dropout_rate=0.0, init_scale=0.4)
 
@@ -125,8 +126,8 @@ def _classify_on_frozen_features(tmp_path, bilm_config):
             f"{' '.join(rng.choice(['w1', 'w2', 'w3', 'w4'], size=4))}\t{rng.integers(0, 2)}" for _ in range(rows)
         ]
         (tmp_path / f"{name}.tsv").write_text("\n".join(lines) + "\n")
-    pretrained = restore.load(str(tmp_path / "run")).params
-    bilm_words = restore.load(str(tmp_path / "run")).tokenizer.words
+    pretrained = run_lib.load(str(tmp_path / "run")).params
+    bilm_words = run_lib.load(str(tmp_path / "run")).tokenizer.words
     for features, mixed_layers in (("elmo", 3), ("static", 1), ("scratch", 1)):
         config = sst2_elmo.get_config("tiny")
         config.model.vocab_size = 16
@@ -142,9 +143,9 @@ def _classify_on_frozen_features(tmp_path, bilm_config):
         workdir = tmp_path / f"sst2_{features}"
         final = loop.train_and_evaluate(config, str(workdir))
         assert 0.0 <= final["accuracy"] <= 1.0 and final["examples" if "examples" in final else "tokens"] == 16
-        run = restore.open_run(str(workdir))
+        run = run_lib.open_run(str(workdir))
         assert run.tokenizer.words == bilm_words  # the biLM's ids, not a vocabulary rebuilt from the TSV
-        _, state = restore.restore_step(run)
+        _, state = run_lib.restore_step(run)
         assert state.params["head"]["ScalarMix_0"]["scores"].shape == (mixed_layers,)
         if features == "scratch":  # no biLM: the embedding table trains from its random initialisation
             assert set(state.params) == {"head", "embedding"} and not jax.tree.leaves(state.frozen)
@@ -152,6 +153,6 @@ def _classify_on_frozen_features(tmp_path, bilm_config):
             assert not np.allclose(np.asarray(state.params["embedding"]), np.asarray(initial))
         else:
             assert set(state.params) == {"head"}
-            frozen = loop.load_frozen(run)["bilm"]
+            frozen = run_lib.load_frozen(run)["bilm"]
             jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), frozen, pretrained)
         run.checkpointer.close()

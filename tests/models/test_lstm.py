@@ -14,8 +14,10 @@ import pytest
 from lmzoo import sharding, testing
 from lmzoo.models import lstm
 from lmzoo.objectives import recurrent_lm
-from lmzoo.train import loop, restore
-from lmzoo.train import trainer as trainer_lib
+from lmzoo.train import loop
+from lmzoo.train import run as run_lib
+from lmzoo.trainers import base as trainer_lib
+from lmzoo.trainers import supervised
 
 CONFIG = lstm.LSTMConfig(vocab_size=13, emb_dim=8, num_layers=2, init_scale=0.3)
 
@@ -30,7 +32,7 @@ def _compiled(batch_size: int, window: int):
     task = recurrent_lm.recurrent_lm_task(lstm.LSTM(CONFIG), sum_over_time=True)
     schedule = recurrent_lm.epoch_decay_schedule(1.0, 0, 4, 0.5)
     shapes = {"inputs": jax.ShapeDtypeStruct((batch_size, window), np.int32)}
-    trainer = trainer_lib.SupervisedTrainer(task, optax.sgd(schedule), schedule, shapes)
+    trainer = supervised.SupervisedTrainer(task, optax.sgd(schedule), schedule, shapes)
     return trainer_lib.compile_trainer(trainer, mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0)
 
 
@@ -157,7 +159,7 @@ def test_recurrent_lm_trains_resumes_and_evaluates_through_the_loop(tmp_path):
     resumed = loop.train_and_evaluate(config, str(tmp_path / "resumed"))
     assert resumed["loss"] == pytest.approx(straight["loss"], rel=1e-5)
     assert straight["perplexity"] < 32  # better than uniform over the vocabulary after 4 SGD steps
-    _, state = restore.restore_step(restore.open_run(str(tmp_path / "resumed")))
+    _, state = run_lib.restore_step(run_lib.open_run(str(tmp_path / "resumed")))
     assert state.carry["h"].shape == (4, 2, 16) and np.abs(state.carry["h"]).sum() > 0
 
 

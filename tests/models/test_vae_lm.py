@@ -12,7 +12,8 @@ import pytest
 from lmzoo import testing
 from lmzoo.models import vae_lm
 from lmzoo.objectives import elbo
-from lmzoo.train import loop, restore
+from lmzoo.train import loop
+from lmzoo.train import run as run_lib
 
 CONFIG = vae_lm.VAELMConfig(vocab_size=11, emb_dim=8, latent_dim=3, init_scale=0.8)
 
@@ -110,7 +111,7 @@ def test_word_dropout_replaces_only_real_decoder_inputs_after_the_first():
 def test_word_dropout_in_the_training_loader_only(tmp_path):
     config, _ = testing.tiny_word_corpus_config(tmp_path, "ptb_vae")
     config.objective.word_dropout = 0.5
-    run = loop.build(config, str(tmp_path / "run"))
+    run = run_lib.build(config, str(tmp_path / "run"))
     unk = run.tokenizer.unk_id
     loader = run.train_loader()
     first, again = loader.batch(3), loader.batch(3)
@@ -128,8 +129,8 @@ def test_vae_lm_trains_with_annealing_and_reports_latent_metrics(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["kl_weight"] for r in rows if r["split"] == "train"] == pytest.approx([0.0, 0.25, 0.5, 0.75])
     assert final["kl"] > 0 and final["reconstruction"] < final["loss"]
-    run = restore.open_run(str(tmp_path / "run"))
-    _, state = restore.restore_step(run)
+    run = run_lib.open_run(str(tmp_path / "run"))
+    _, state = run_lib.restore_step(run)
     metrics, examples = elbo_evaluator(run, state)
     assert 0 <= metrics["active_units"] <= 4 and metrics["iw_samples"] == 5
     assert metrics["iw_perplexity"] <= metrics["elbo_perplexity"] * 1.05

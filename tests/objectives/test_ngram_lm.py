@@ -14,7 +14,9 @@ from lmzoo.data import pipeline
 from lmzoo.models import ngram
 from lmzoo.objectives import ngram_lm
 from lmzoo.tokenizers import WordTokenizer
-from lmzoo.train import loop, restore
+from lmzoo.train import loop
+from lmzoo.train import run as run_lib
+from lmzoo.trainers import counting
 
 
 def _sentences(seed: int, count: int, vocab: int = 12, eos: int = 12) -> np.ndarray:
@@ -29,10 +31,10 @@ def test_merging_batches_into_the_table_equals_counting_the_stream():
     stream = _sentences(0, 48)  # three batches of 16: one compilation
     ids, weights = ngram_lm.sentence_rows(stream, eos, max_len=8)
     table = jnp.zeros((256, order), jnp.int32), jnp.zeros((256,), jnp.float32)
-    merge = jax.jit(functools.partial(ngram_lm.merge_into_table, vocab_size=vocab))
+    merge = jax.jit(functools.partial(counting.merge_into_table, vocab_size=vocab))
     for first in range(0, len(ids), 16):
         batch = jnp.asarray(ids[first : first + 16])
-        rows = ngram_lm.history_rows(batch, order=order, eos_id=eos).reshape(-1, order)
+        rows = counting.history_rows(batch, order=order, eos_id=eos).reshape(-1, order)
         *table, distinct = merge(*table, rows, jnp.asarray(weights[first : first + 16]).reshape(-1))
     expected = ngram.count_ngrams(stream, order=order, eos_id=eos)
     used = np.asarray(table[1]) > 0
@@ -118,7 +120,7 @@ def test_train_py_fit_scores_like_the_direct_fit_and_resumes(tmp_path, smoothing
     loop.train_and_evaluate(config, str(tmp_path / "resumed"))
     config.train.steps = steps
     assert loop.train_and_evaluate(config, str(tmp_path / "resumed"))["loss"] == pytest.approx(final["loss"], rel=1e-6)
-    _, state = restore.restore_step(restore.open_run(str(tmp_path / "resumed")))
+    _, state = run_lib.restore_step(run_lib.open_run(str(tmp_path / "resumed")))
     assert state.params["counts"].sum() == len(tokenizer.encode(texts["train"]))
 
 

@@ -16,12 +16,14 @@ from lmzoo.models import heads
 from lmzoo.objectives import causal_lm
 from lmzoo.objectives import ppo as ppo_objective
 from lmzoo.rl import reward
+from lmzoo.train import run as run_lib
+from lmzoo.trainers import rl
 
 EOS, PAD = 30, 31
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _trainer(value_model: str = "head", **settings) -> ppo_objective.PPOTrainer:
+def _trainer(value_model: str = "head", **settings) -> rl.PPOTrainer:
     """A PPO trainer on testing.TINY_GPT2 (prompts of 6 tokens, responses of 4), 2 prompts per rollout."""
     decoder = models.build_model("gpt2", testing.TINY_GPT2)
     if value_model == "head":
@@ -31,8 +33,9 @@ def _trainer(value_model: str = "head", **settings) -> ppo_objective.PPOTrainer:
     rm = reward.reward_model(models.build_model("gpt2", testing.TINY_GPT2), testing.TINY_GPT2["emb_dim"])
     settings = dict(prompt_len=6, response_len=4, epochs=1, minibatches=1, missing_eos_penalty=0.0) | settings
     config = ppo_objective.PPOConfig(value_model=value_model, **settings)
-    return ppo_objective.PPOTrainer(policy=policy, reward_model=rm, settings=config, tx=optax.adam(1e-3),
-                                    schedule=optax.constant_schedule(1e-3), batch_size=2, eos_id=EOS, pad_id=PAD)  # fmt: skip
+    ptx_loss = causal_lm.causal_lm_task(decoder).loss if config.ptx_coef > 0 else None
+    return rl.PPOTrainer(policy=policy, reward_model=rm, settings=rl.RLSettings.of(config), tx=optax.adam(1e-3),
+                         schedule=optax.constant_schedule(1e-3), batch_size=2, eos_id=EOS, pad_id=PAD, ptx_loss=ptx_loss)  # fmt: skip
 
 
 def _rollout(trainer):
@@ -99,7 +102,7 @@ def test_separate_value_network_shares_nothing_with_the_policy():
 def test_separate_value_network_starts_from_the_reward_model_or_the_sft_trunk(value_model):
     config = config_lib.load_config_file(ROOT / "configs" / "hh_ppo.py", "tiny,value_model")
     config.objective.update(sft="ckpt:unused", reward_model="ckpt:unused", value_model=value_model)
-    config = config_lib.validate(config)
+    config = run_lib.validate(config)
     objective = objectives.get("ppo")
     trainer = objective.trainer(config, objective.model(config))
     state = jax.device_get(nn.unbox(jax.jit(trainer.init)(jax.random.key(0))))

@@ -20,13 +20,14 @@ def main(devices: int, job: dict) -> None:
     jax.config.update("jax_num_cpu_devices", devices)
     from test_alignment import ppo_config, state_arrays
 
-    from lmzoo.train import loop, restore
+    from lmzoo.train import loop
+    from lmzoo.train import run as run_lib
 
     config = ppo_config(job["data"], job["sft"], job["rm"], job["objective"], job["variant"], steps=job["steps"])
     config.sharding.mesh_shape = tuple(job["mesh"])
     loop.train_and_evaluate(config, job["workdir"])
-    run = restore.open_run(job["workdir"], mesh_shape=tuple(job["mesh"]))
-    _, state = restore.restore_step(run)
+    run = run_lib.open_run(job["workdir"], mesh_shape=tuple(job["mesh"]))
+    _, state = run_lib.restore_step(run)
     run.checkpointer.close()
     np.savez(job["npz"], **state_arrays(state))
 

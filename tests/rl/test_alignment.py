@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from lmzoo import config as config_lib
+from lmzoo import metrics as metrics_lib
 from lmzoo import sharding
 from lmzoo.data import comparisons
-from lmzoo.train import loop, restore
-from lmzoo.train import metrics as metrics_lib
+from lmzoo.train import loop
+from lmzoo.train import run as run_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REAL_FILE = str(pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "hh_rlhf" / "harmless-base_test.jsonl.gz")
@@ -52,7 +53,7 @@ def stages(tmp_path_factory):
 
 
 def test_sft_trains_on_replies_of_training_prompts_only(stages):
-    run = restore.open_run(stages["sft"])
+    run = run_lib.open_run(stages["sft"])
     heldout = {c.prompt for c in run.raw("validation")}
     assert heldout and not heldout & {c.prompt for c in run.raw("train")}
     batch = run.train_loader().batch(0)
@@ -64,9 +65,9 @@ def test_sft_trains_on_replies_of_training_prompts_only(stages):
 
 
 def test_reward_model_starts_from_sft_and_reports_accuracy_next_to_length_baselines(stages):
-    sft_params = restore.load(stages["sft"]).params
-    run = restore.open_run(stages["rm"])
-    _, state = restore.restore_step(run, 2)
+    sft_params = run_lib.load(stages["sft"]).params
+    run = run_lib.open_run(stages["rm"])
+    _, state = run_lib.restore_step(run, 2)
     run.checkpointer.close()
     assert set(state.params) == {"backbone", "classifier"}
     assert state.params["backbone"]["wpe"]["embedding"].shape == sft_params["wpe"]["embedding"].shape
@@ -107,8 +108,8 @@ def state_arrays(state) -> dict[str, np.ndarray]:
 def test_ppo_iteration_starts_at_the_reference_and_updates_only_the_policy(stages):
     config = ppo_config(stages["data"], stages["sft"], stages["rm"])
     config.objective.update(epochs=1, minibatches=1)
-    run = loop.build(config, stages["sft"] + "_ppo_first")
-    state, _ = loop.restore_or_init(run)
+    run = run_lib.build(config, stages["sft"] + "_ppo_first")
+    state, _ = run_lib.restore_or_init(run)
     before = jax.device_get(state)
     batch = sharding.put_batch(run.train_loader().batch(0), run.compiled.batch_sharding)
     with run.context():
@@ -146,8 +147,8 @@ def straight_ppo(stages, request):
     variant, objective = PPO_VARIANTS[request.param]
     workdir = stages["sft"] + "_ppo_straight_" + request.param
     loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=3), workdir)
-    run = restore.open_run(workdir)
-    _, state = restore.restore_step(run)
+    run = run_lib.open_run(workdir)
+    _, state = run_lib.restore_step(run)
     run.checkpointer.close()
     return {"workdir": workdir, "arrays": state_arrays(state), "objective": objective, "variant": variant}
 
@@ -157,8 +158,8 @@ def test_resumed_ppo_continues_exactly(stages, straight_ppo):
     workdir = straight_ppo["workdir"].replace("_straight_", "_resumed_")
     loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=2), workdir)
     loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=3), workdir)
-    run = restore.open_run(workdir)
-    _, state = restore.restore_step(run)
+    run = run_lib.open_run(workdir)
+    _, state = run_lib.restore_step(run)
     run.checkpointer.close()
     resumed = state_arrays(state)
     assert resumed.keys() == straight_ppo["arrays"].keys()

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from lmzoo.rl import ppo
+from lmzoo.rl import policy_gradient
 
 V, B, EPOCHS, ITERATIONS = 8, 256, 4, 100
 REF_LOGITS = jnp.asarray(np.random.default_rng(0).normal(size=V), jnp.float32)
@@ -30,19 +30,19 @@ def _train(kl_coef: float) -> jax.Array:
 
     def forward(params, tokens):
         logits = jnp.broadcast_to(params["logits"], (B, 1, V))
-        logprobs, entropy = ppo.response_logprobs(logits, tokens)
+        logprobs, entropy = policy_gradient.response_logprobs(logits, tokens)
         return logprobs, entropy, jnp.full((B, 1), params["value"])
 
     @jax.jit
     def iteration(params, opt_state, key):
         tokens = jax.random.categorical(key, jnp.broadcast_to(params["logits"], (B, 1, V)))  # [B, 1]
         logprobs, _, values = forward(params, tokens)
-        ref_logprobs, _ = ppo.response_logprobs(jnp.broadcast_to(REF_LOGITS, (B, 1, V)), tokens)
-        rollout, _ = ppo.ppo_rollout_targets(
+        ref_logprobs, _ = policy_gradient.response_logprobs(jnp.broadcast_to(REF_LOGITS, (B, 1, V)), tokens)
+        rollout, _ = policy_gradient.ppo_rollout_targets(
             REWARDS[tokens[:, 0]], jnp.ones(B, bool), logprobs, ref_logprobs, values, jnp.ones((B, 1)), kl_coef=kl_coef
         )
         for _ in range(EPOCHS):
-            grads = jax.grad(lambda p: ppo.ppo_loss(*forward(p, tokens), rollout)[0])(params)
+            grads = jax.grad(lambda p: policy_gradient.ppo_loss(*forward(p, tokens), rollout)[0])(params)
             updates, opt_state = optimizer.update(grads, opt_state)
             params = optax.apply_updates(params, updates)
         return params, opt_state

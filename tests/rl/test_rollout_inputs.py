@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo import decoding, testing
-from lmzoo.objectives import ppo as ppo_objective
-from lmzoo.rl import ppo
+from lmzoo.rl import policy_gradient
+from lmzoo.trainers import rl
 
 EOS, PAD = 30, 31
 
@@ -17,13 +17,13 @@ def test_forward_over_rollout_inputs_reproduces_the_sampler_log_probs():
     prompt_mask = (prompts != PAD).astype(jnp.int32)
     samples = decoding.sample(model, params, prompts, prompt_mask, jax.random.key(3), max_new_tokens=8, temperature=0.7,
                               eos_id=EOS, pad_id=PAD)  # fmt: skip
-    inputs = ppo_objective.rollout_inputs(prompts, prompt_mask, samples.tokens, samples.mask)
+    inputs = rl.rollout_inputs(prompts, prompt_mask, samples.tokens, samples.mask)
     np.testing.assert_array_equal(inputs["positions"][0, 2:7], np.arange(5))  # the left padding is not counted
     logits = model.apply(
         {"params": params}, inputs["sequences"], segment_ids=inputs["segment_ids"], positions=inputs["positions"]
     )
-    logprobs, _ = ppo.response_logprobs(
-        ppo.align_to_responses(logits, prompts.shape[1]), samples.tokens, temperature=0.7
+    logprobs, _ = policy_gradient.response_logprobs(
+        policy_gradient.align_to_responses(logits, prompts.shape[1]), samples.tokens, temperature=0.7
     )
     mask = np.asarray(samples.mask) > 0
     assert mask.sum() > 3

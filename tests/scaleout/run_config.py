@@ -46,17 +46,17 @@ def sample_from_checkpoint(run, params) -> dict[str, np.ndarray]:
 
 def main(devices: int, jobs: list[dict]) -> None:
     jax.config.update("jax_num_cpu_devices", devices)
-    from lmzoo import config as config_lib
     from lmzoo.train import loop
+    from lmzoo.train import run as run_lib
 
     for job in jobs:
         if "train" in job:
             loop.train_and_evaluate(tiny_config(job["train"]), job["workdir"])
-        config = config_lib.load_saved(job["workdir"])
+        config = run_lib.load_saved(job["workdir"])
         if "mesh" in job:
             config.sharding.mesh_shape = tuple(job["mesh"])
-        run = loop.build(config, job["workdir"])
-        state, data_state = loop.restore_or_init(run)
+        run = run_lib.build(config, job["workdir"])
+        state, data_state = run_lib.restore_or_init(run)
         run.checkpointer.close()
         leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
         device0 = jax.devices()[0]

@@ -23,8 +23,7 @@ import numpy as np
 import pytest
 from run_config import sample_from_checkpoint  # tests/scaleout is on sys.path (rootdir-relative imports)
 
-from lmzoo import config as config_lib
-from lmzoo.train import loop
+from lmzoo.train import run as run_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT = 150  # seconds for any one subprocess: a hang fails instead of blocking CI
@@ -84,11 +83,11 @@ def train_losses(workdir: pathlib.Path) -> dict[int, float]:
 
 def restore_latest(workdir: pathlib.Path, mesh_shape=None):
     """(step, state) of the latest checkpoint, restored here on one device as a resumed run would."""
-    config = config_lib.load_saved(str(workdir))
+    config = run_lib.load_saved(str(workdir))
     if mesh_shape is not None:
         config.sharding.mesh_shape = mesh_shape
-    run = loop.build(config, str(workdir))
-    state, data_state = loop.restore_or_init(run)
+    run = run_lib.build(config, str(workdir))
+    state, data_state = run_lib.restore_or_init(run)
     run.checkpointer.close()
     return data_state["step"], jax.device_get(state)
 
@@ -259,10 +258,10 @@ def test_sampling_in_the_mesh_equals_one_device(mesh_runs, workspace):
     run, _ = mesh_runs[(2, 2, 2)]
     run.result()
     sharded = dict(np.load(workspace / "2x2x2_sample.npz"))
-    config = config_lib.load_saved(str(workspace / "2x2x2"))
+    config = run_lib.load_saved(str(workspace / "2x2x2"))
     config.sharding.mesh_shape = (1, 1, 1)
-    one_device = loop.build(config, str(workspace / "2x2x2"))
-    state, _ = loop.restore_or_init(one_device)
+    one_device = run_lib.build(config, str(workspace / "2x2x2"))
+    state, _ = run_lib.restore_or_init(one_device)
     one_device.checkpointer.close()
     expected = sample_from_checkpoint(one_device, state.params)
     np.testing.assert_array_equal(sharded["tokens"], expected["tokens"])

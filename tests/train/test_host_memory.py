@@ -14,7 +14,9 @@ PROGRAM = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from lmzoo import config as config_lib, models, sharding
     from lmzoo.objectives import causal_lm
-    from lmzoo.train import host_memory, optim, trainer as trainer_lib
+    from lmzoo.train import host_memory
+    from lmzoo.trainers import optim
+    from lmzoo.trainers import base as trainer_lib, supervised
 
     config = config_lib.load_config_file("configs/shakespeare_char.py")
     b, t = config.train.batch_size, config.data.seq_len
@@ -23,7 +25,7 @@ PROGRAM = textwrap.dedent(
     task = causal_lm.causal_lm_task(models.build_model(config.model_name, config.model.to_dict()))
     tx, schedule = optim.make_optimizer(config.optim)
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-    compiled = trainer_lib.compile_trainer(trainer_lib.SupervisedTrainer(task, tx, schedule, shapes),
+    compiled = trainer_lib.compile_trainer(supervised.SupervisedTrainer(task, tx, schedule, shapes),
                                            mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0)
     with compiled.context():
         state = compiled.init(jax.random.key(0))

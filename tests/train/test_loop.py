@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from lmzoo import checkpoint, testing
-from lmzoo import config as config_lib
 from lmzoo.train import loop
+from lmzoo.train import run as run_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ def _tiny_config(**train):
 
 
 def _params(workdir):
-    run = loop.build(config_lib.load_saved(workdir), workdir)
+    run = run_lib.build(run_lib.load_saved(workdir), workdir)
     step, state, data_state = run.checkpointer.restore_latest(run.abstract_state)
     run.checkpointer.close()
     return step, jax.device_get(state), data_state
@@ -124,7 +124,7 @@ def test_bad_config_errors(tmp_path, override, message):
 
 
 def test_weight_decay_mask_spares_biases_norms_and_embeddings():
-    from lmzoo.train import optim
+    from lmzoo.trainers import optim
 
     params = {"wte": {"embedding": 1}, "mlp": {"wi": {"kernel": 1, "bias": 1}}, "ln": {"scale": 1}, "mlm_bias": 1}
     mask = optim.weight_decay_mask(params, decay_embeddings=False)
@@ -133,8 +133,8 @@ def test_weight_decay_mask_spares_biases_norms_and_embeddings():
 
 
 def test_perplexity_and_bits_only_for_token_nll_losses():
+    from lmzoo import metrics as metrics_lib
     from lmzoo import objectives
-    from lmzoo.train import metrics as metrics_lib
 
     total = {"loss": (np.float32(6.0), np.float32(3.0))}
     assert metrics_lib.summarize(total)["perplexity"] == pytest.approx(np.exp(2.0))

@@ -12,7 +12,8 @@ import pytest
 
 from lmzoo import testing
 from lmzoo.evaluation.generation import sample_text
-from lmzoo.train import loop, restore
+from lmzoo.train import loop
+from lmzoo.train import run as run_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
@@ -51,13 +52,13 @@ def test_gpt_classifier_fine_tunes_from_a_decoder_checkpoint(tmp_path):
     config.init_from = f"ckpt:{tmp_path / 'pretrain'}"
     final = loop.train_and_evaluate(config, str(tmp_path / "finetune"))
     assert 0.0 <= final["accuracy"] <= 1.0 and final["examples"] == 256
-    run = restore.open_run(str(tmp_path / "finetune"))
+    run = run_lib.open_run(str(tmp_path / "finetune"))
     batch = next(iter(run.eval_batches("validation")))
     extract = batch["inputs"][np.arange(len(batch["inputs"])), batch["segment_ids"].sum(axis=1) - 1]
     assert (batch["inputs"][:, 0] == 258).all() and (extract == 260).all() and "token_types" not in batch
     run.checkpointer.close()
-    pretrained = restore.load(str(tmp_path / "pretrain")).params["wte"]["embedding"]
-    tuned = restore.load(str(tmp_path / "finetune")).params["backbone"]["wte"]["embedding"]
+    pretrained = run_lib.load(str(tmp_path / "pretrain")).params["wte"]["embedding"]
+    tuned = run_lib.load(str(tmp_path / "finetune")).params["backbone"]["wte"]["embedding"]
     assert pretrained.shape == (258, 32) and tuned.shape == (261, 32)
 
 
@@ -67,10 +68,10 @@ def test_distillation_trains_student_against_frozen_teacher(tmp_path):
     config.objective.teacher = f"ckpt:{tmp_path / 'teacher'}"
     final = loop.train_and_evaluate(config, str(tmp_path / "student"))
     assert np.isfinite(final["distill_loss"]) and 0.0 <= final["cosine_loss"] <= 2.0
-    student = restore.open_run(str(tmp_path / "student"))
-    state, _ = loop.restore_or_init(student)
+    student = run_lib.open_run(str(tmp_path / "student"))
+    state, _ = run_lib.restore_or_init(student)
     student.checkpointer.close()
-    teacher = restore.load(str(tmp_path / "teacher"))
+    teacher = run_lib.load(str(tmp_path / "teacher"))
     for a, b in zip(jax.tree.leaves(state.frozen["teacher"]), jax.tree.leaves(teacher.params), strict=True):
         np.testing.assert_array_equal(a, b)  # the teacher never changes: read again from its workdir on resume
     assert len(state.params["blocks"]) == 1
@@ -82,9 +83,9 @@ def test_distillation_trains_student_against_frozen_teacher(tmp_path):
 def test_denoising_pretraining_runs(tmp_path, name, beam_size):
     final = loop.train_and_evaluate(_config(name, "tiny,test"), str(tmp_path))
     assert np.isfinite(final["loss"]) and final["tokens"] > 0
-    run = restore.open_run(str(tmp_path))
-    _, state = restore.restore_step(run)
-    text = sample_text(run, loop.host_params(run, state), "The Time Traveller", max_new_tokens=4, temperature=0.0,
+    run = run_lib.open_run(str(tmp_path))
+    _, state = run_lib.restore_step(run)
+    text = sample_text(run, run.compiled.host_params(state), "The Time Traveller", max_new_tokens=4, temperature=0.0,
                        top_k=0, top_p=1.0, seed=0)  # fmt: skip
     assert isinstance(text, str) and len(run.tokenizer.encode(text)) <= 4
     run.checkpointer.close()
@@ -107,4 +108,4 @@ def test_text_to_text_trains_on_dialogue_pairs(tmp_path):
     too_long = _config("transformer", "tiny,hh,test")
     too_long.data.target_seq_len = too_long.model.max_len + 1
     with pytest.raises(ValueError, match="config.data.target_seq_len=33 .* longer than the model's positions"):
-        loop.build(too_long, str(tmp_path / "too_long"))
+        run_lib.build(too_long, str(tmp_path / "too_long"))

@@ -25,9 +25,11 @@ from flax import struct
 from lmzoo import config as config_lib
 from lmzoo import objectives, sharding, testing
 from lmzoo.objectives import causal_lm, losses
-from lmzoo.train import loop, optim, restore
-from lmzoo.train import trainer as trainer_lib
-from lmzoo.train.state import Task
+from lmzoo.train import loop
+from lmzoo.train import run as run_lib
+from lmzoo.trainers import base as trainer_lib
+from lmzoo.trainers import optim, supervised
+from lmzoo.trainers.state import Task
 
 VOCAB = 258
 
@@ -91,7 +93,7 @@ def _two_head_task(model) -> Task:
 
 
 @dataclasses.dataclass(frozen=True)
-class InnerUpdatesTrainer(trainer_lib.SupervisedTrainer):
+class InnerUpdatesTrainer(supervised.SupervisedTrainer):
     """PPO's shape: a buffer built inside the step from the current params (here: returns from the
     policy's own predictions), then `epochs` passes of `minibatches` optimizer updates over it."""
 
@@ -170,32 +172,32 @@ def test_registry_lists_every_objective_with_its_fields():
 
 
 def test_objective_section_holds_only_its_own_fields():
-    section = config_lib.objective_section("mlm_nsp", static_masking=True)
+    section = objectives.objective_section("mlm_nsp", static_masking=True)
     assert set(section) == {"name", "mask_rate", "whole_word_masking", "static_masking", "num_pair_examples",
                             "num_eval_pairs", "sentence_loss_weight"}  # fmt: skip
     with pytest.raises(ValueError, match="unknown field.*'temperature'.*of objective 'mlm'"):
-        config_lib.objective_section("mlm", temperature=2.0)
+        objectives.objective_section("mlm", temperature=2.0)
     config = _config()
-    config.objective = config_lib.objective_section("mlm", mask_rate=1.5)
+    config.objective = objectives.objective_section("mlm", mask_rate=1.5)
     with pytest.raises(ValueError, match=r"config.objective.mask_rate=1.5 must lie in \(0, 1\)"):
-        config_lib.validate(config)
+        run_lib.validate(config)
 
 
 def test_counting_trainer_fits_without_gradients_and_resumes(tmp_path):
     final = loop.train_and_evaluate(_config("test_counting"), str(tmp_path / "straight"))
     loop.train_and_evaluate(_config("test_counting", steps=2), str(tmp_path / "resumed"))
     loop.train_and_evaluate(_config("test_counting"), str(tmp_path / "resumed"))
-    run = restore.open_run(str(tmp_path / "straight"))
+    run = run_lib.open_run(str(tmp_path / "straight"))
     loader = run.train_loader()
     expected = sum(np.bincount(b["targets"].ravel(), weights=b["weights"].ravel(), minlength=VOCAB) for b in map(loader.batch, range(4)))
-    _, state = restore.restore_step(run)
+    _, state = run_lib.restore_step(run)
     np.testing.assert_allclose(state.params, expected)
     log_probs = np.log((expected + 1.0) / (expected.sum() + VOCAB))
     batches = list(run.eval_batches("validation"))[:2]
     direct = -sum(np.sum(log_probs[b["targets"]] * b["weights"]) for b in batches) / sum(b["weights"].sum() for b in batches)
     assert final["loss"] == pytest.approx(direct, rel=1e-5)
     run.checkpointer.close()
-    _, resumed = restore.restore_step(restore.open_run(str(tmp_path / "resumed")))
+    _, resumed = run_lib.restore_step(run_lib.open_run(str(tmp_path / "resumed")))
     np.testing.assert_array_equal(resumed.params, state.params)
 
 
@@ -204,7 +206,7 @@ def test_inner_updates_with_an_optimizer_per_subtree(tmp_path):
     config.optim.warmup_steps, config.optim.weight_decay = 0, 0.0
     config.optim.groups = (("value", {"learning_rate": 0.0}),)
     loop.train_and_evaluate(config, str(tmp_path))
-    _, state = restore.restore_step(restore.open_run(str(tmp_path)))
+    _, state = run_lib.restore_step(run_lib.open_run(str(tmp_path)))
     # 2 outer steps x 2 epochs x 2 minibatches: 8 optimizer updates, counted by the default group's Adam.
     counts = [x for x in jax.tree.leaves(state.opt_state) if x.dtype == np.int32 and x.shape == ()]
     assert 8 in [int(c) for c in counts]
@@ -267,7 +269,7 @@ def _rnn_compiled(batch_size: int, window: int, grad_accum_steps: int = 1):
     config.warmup_steps = 0
     tx, schedule = optim.make_optimizer(config)
     shapes = {"inputs": jax.ShapeDtypeStruct((batch_size, window), np.int32)}
-    trainer = trainer_lib.SupervisedTrainer(_rnn_task(ToyRNN()), tx, schedule, shapes, grad_accum_steps=grad_accum_steps)
+    trainer = supervised.SupervisedTrainer(_rnn_task(ToyRNN()), tx, schedule, shapes, grad_accum_steps=grad_accum_steps)
     return trainer_lib.compile_trainer(trainer, mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0)
 
 

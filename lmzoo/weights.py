@@ -1,77 +1,32 @@
-"""Trained checkpoints back into Python: `load(workdir)`, and pretrained weights merged into fresh params.
+"""Pretrained weights from elsewhere: another run's checkpoint ("ckpt:WORKDIR") or a HuggingFace folder ("hf:PATH"),
+read as host params and merged into fresh ones. Below the objectives, which read their frozen models with it.
 
-`load` needs only the workdir (its config.json, tokenizer/ and checkpoints/): the state's shapes come
-from the model and the objective's input shapes, so no training data is read and nothing is trained.
+A checkpoint's params are read from its own metadata: no config, model or trainer is built.
 """
 
-import dataclasses
 import pathlib
 from typing import Any
 
-import flax.linen as nn
 import jax
-import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from lmzoo import config as config_lib
-from lmzoo import tokenizers
+from lmzoo import checkpoint
 
 
-@dataclasses.dataclass
-class Loaded:
-    """A trained model: `model.apply({"params": params}, ...)`, with its tokenizer and config."""
-
-    model: nn.Module
-    params: Any
-    tokenizer: tokenizers.Tokenizer
-    config: ml_collections.ConfigDict
-    step: int
-
-
-def load(workdir: str, step: int | None = None, *, mesh_shape: tuple[int, ...] | None = None) -> Loaded:
-    """The model, host params, tokenizer and config of a train.py run's latest (or `step`'s) checkpoint.
-
-    mesh_shape: restore onto this (data, fsdp, tensor) mesh; default: the run's mesh if this machine has
-    its devices, else every device data-parallel (checkpoints reshard on restore).
-    """
-    from lmzoo.train import loop
-
-    workdir = str(pathlib.Path(workdir).expanduser().absolute())
-    run = open_run(workdir, mesh_shape=mesh_shape, batches=False)
+def checkpoint_params(workdir: str) -> Any:
+    """The params (host numpy arrays) of the latest checkpoint of a train.py run that restores."""
+    folder = pathlib.Path(workdir).expanduser() / "checkpoints"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} not found: is {workdir!r} the workdir of a train.py run with checkpoints?")
+    checkpointer = checkpoint.Checkpointer(str(folder), async_save=False)
     try:
-        step, state = restore_step(run, step)
-        params = loop.host_params(run, state)
+        restored = checkpointer.restore_latest_params()
     finally:
-        run.checkpointer.close()
-    return Loaded(model=run.model, params=params, tokenizer=run.tokenizer, config=run.config, step=step)
-
-
-def open_run(workdir: str, *, mesh_shape: tuple[int, ...] | None = None, batches: bool = True):
-    """A `loop.Run` of an existing workdir, for evaluation (fails if the workdir has no run); `batches=False`
-    when only its params are wanted (`loop.build`)."""
-    from lmzoo.train import loop
-
-    config = config_lib.load_saved(workdir)
-    if mesh_shape is not None:
-        config.sharding.mesh_shape = tuple(mesh_shape)
-    elif int(np.prod([abs(x) for x in config.sharding.mesh_shape])) > jax.device_count():
-        config.sharding.mesh_shape = (-1, 1, 1)
-    if not (pathlib.Path(workdir) / "tokenizer" / "spec.json").exists():
-        raise FileNotFoundError(f"{workdir}/tokenizer is missing: is {workdir!r} the workdir of a train.py run?")
-    return loop.build(config, workdir, batches=batches)
-
-
-def restore_step(run, step: int | None = None) -> tuple[int, Any]:
-    """(step, state) of the latest checkpoint that restores, or of `step`; frozen parameters left out."""
-    if step is None:
-        restored = run.checkpointer.restore_latest(run.abstract_state)
-        if restored is None:
-            raise FileNotFoundError(f"no checkpoint found in {run.checkpointer.directory}; train first with train.py --workdir={run.workdir}")
-        return restored[0], restored[1]
-    if step not in run.checkpointer.steps():
-        raise FileNotFoundError(f"no checkpoint for step {step} in {run.checkpointer.directory}; kept steps: {run.checkpointer.steps()}")
-    return step, run.checkpointer.restore(step, run.abstract_state)[0]
+        checkpointer.close()
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint found in {folder}; train first with train.py --workdir={workdir}")
+    return restored[1]
 
 
 def read_params(spec: str, model_name: str, model_config, target, *, allow_partial: bool = False):
@@ -85,7 +40,7 @@ def read_params(spec: str, model_name: str, model_config, target, *, allow_parti
 
         return hf.convert_pretrained(spec, model_name, model_config, target, allow_partial=allow_partial)[0]
     if spec.startswith("ckpt:"):
-        source = load(spec.removeprefix("ckpt:")).params
+        source = checkpoint_params(spec.removeprefix("ckpt:"))
         return source.get("backbone", source)
     raise ValueError(f"pretrained weights spec {spec!r} must be 'hf:PATH' or 'ckpt:WORKDIR'")
 

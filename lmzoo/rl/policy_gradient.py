@@ -6,7 +6,7 @@ response of T (static) sampled tokens. Every per-token array is [B, T] over resp
 Logits and values from one forward over prompt ⊕ response ([B, L_q + T, ...]) are aligned to the
 response tokens with `align_to_responses`. Variances divide by N (TF `moments`, as the original).
 
-Metrics are (sum, count) pairs like `lmzoo.objectives.causal_lm`, so `lmzoo.train.metrics`
+Metrics are (sum, count) pairs like `lmzoo.objectives.causal_lm`, so `lmzoo.metrics`
 averages them exactly over minibatches.
 """
 

@@ -1,0 +1,277 @@
+"""The run layer: a `Run` built from a config and a workdir, shared by the loop, `eval.py`, evaluators' callers
+and `lmzoo.load`.
+
+`build` makes a `Run`: the validated config, the objective (`lmzoo.objectives`), tokenizer, model, trainer
+compiled over the mesh, and a checkpointer. It reads no data unless the tokenizer must be trained on it;
+loaders are built on first use, so restoring and scoring a checkpoint needs only its workdir.
+`restore_or_init` gives the latest good checkpoint (frozen parameters read again from the paths the config
+names, never from the checkpoint) or a fresh state; `load(workdir)` gives a trained run's model and params.
+"""
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+
+from lmzoo import checkpoint, models, objectives, sharding, tokenizers, weights
+from lmzoo import config as config_lib
+from lmzoo import workdir as workdir_lib
+from lmzoo.objectives import base
+from lmzoo.trainers import base as trainers_base
+
+
+def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Checks the model section against its dataclass and the objective section against its objective's
+    fields (each validating its own values), then the objective's checks across sections; returns the
+    config locked. An objective chosen on the command line gets its own defaults for fields not given."""
+    models.make_config(config.model_name, config.model.to_dict())
+    objective = objectives.get(config.objective.name)
+    given = {k: v for k, v in config.objective.items() if k != "name"}
+    known = objectives.defaults(objective.name)
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"config.objective has field(s) {unknown} that objective {objective.name!r} does not have; "
+                         f"its fields: {sorted(known)}")  # fmt: skip
+    with config.unlocked():
+        config.objective = objectives.objective_section(objective.name, **given)
+    objective.fields(config)
+    objective.check(config)
+    evaluators = tuple(config.eval.evaluators)
+    if not evaluators or evaluators[0] != "loss" or "reconstruction" in evaluators:
+        raise ValueError(f"config.eval.evaluators={evaluators} must start with 'loss' and may add {list(objective.evaluators[1:])} "
+                         "(reconstruction runs from eval.py --reconstruct)")  # fmt: skip
+    for name in evaluators:
+        if name not in objective.evaluators:
+            raise ValueError(f"config.eval.evaluators has {name!r}, which does not apply to objective {objective.name!r}; "
+                             f"its evaluators: {list(objective.evaluators)}")  # fmt: skip
+    config.lock()
+    return config
+
+
+def load_saved(workdir: str) -> ml_collections.ConfigDict:
+    """The config a run saved in `<workdir>/config.json`, over today's defaults (so runs saved before
+    a field existed still load; of an older flat objective section, only its objective's fields are kept)."""
+    path = pathlib.Path(workdir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: is {workdir!r} the workdir of a train.py run?")
+    saved = json.loads(path.read_text())
+    objective = saved.pop("objective", {"name": "causal_lm"})
+    known = objectives.defaults(objective["name"])
+    config = config_lib.base_config()
+    config.update(saved)
+    config.objective = objectives.objective_section(objective["name"], **{k: v for k, v in objective.items() if k in known})
+    return config
+
+
+
+@dataclasses.dataclass
+class Run:
+    """What training and evaluation build from a config and a workdir. Data is read on first use."""
+
+    config: ml_collections.ConfigDict
+    workdir: pathlib.Path
+    objective: base.Objective
+    tokenizer: tokenizers.Tokenizer
+    model: nn.Module
+    compiled: trainers_base.CompiledTrainer
+    checkpointer: checkpoint.Checkpointer
+    splits: dict[str, Any] = dataclasses.field(default_factory=dict)  # raw examples by split name
+
+    @property
+    def abstract_state(self) -> Any:
+        """Restore target of a checkpoint: the state without its frozen parameters."""
+        return self.compiled.abstract_state.replace(frozen={})
+
+    @property
+    def shard(self) -> base.Shard:
+        return base.Shard(jax.process_index(), jax.process_count())
+
+    def context(self):
+        """Mesh and rules context under which every jitted function of the run is traced and called."""
+        return self.compiled.context()
+
+    def raw(self, split: str) -> Any:
+        """The raw examples of `split` ("train", "validation", or a name given to `add_split`)."""
+        if split not in self.splits:
+            if split not in ("train", "validation"):
+                raise ValueError(
+                    f"unknown split {split!r}; choose one of {sorted({'train', 'validation', *self.splits})}"
+                )
+            self.splits.update(self.objective.read(self.config))
+        return self.splits[split]
+
+    def add_split(self, name: str, path: str) -> None:
+        """Makes the examples of a file (in the objective's format) evaluable as split `name`."""
+        self.splits[name] = self.objective.read_file(self.config, path)
+
+    def train_loader(self):
+        return self.objective.train_loader(self.config, self.tokenizer, self.raw("train"), self.shard)
+
+    def eval_batches(self, split: str):
+        return self.objective.eval_batches(self.config, self.tokenizer, self.raw(split), self.shard)
+
+
+def has_checkpoints(workdir: pathlib.Path) -> bool:
+    """Whether `workdir` holds a saved step (a finished orbax step folder)."""
+    folder = workdir / "checkpoints"
+    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+
+
+def _tokenizer(config: ml_collections.ConfigDict, run_splits: dict, objective: base.Objective, workdir: pathlib.Path,
+               stage: workdir_lib.StagedRunState | None) -> tokenizers.Tokenizer:  # fmt: skip
+    """The run's tokenizer: the workdir's when it has checkpoints (so a resumed run keeps its ids); else
+    built (from the run's data for kinds learnt from a corpus) and, when `stage` is given, staged there.
+    A tokenizer left by a run that never saved a checkpoint is rebuilt, never reused."""
+    saved = workdir / "tokenizer" / "spec.json"
+    if saved.exists() and has_checkpoints(workdir):
+        return tokenizers.from_spec(json.loads(saved.read_text()), str(saved.parent))
+    spec = config.data.tokenizer.to_dict()
+    kind = spec.pop("kind")
+    corpus = None
+    if kind in ("char", "word", "sentencepiece") and not spec.get("path"):
+        run_splits.update(objective.read(config))
+        corpus = objective.corpus(run_splits["train"]) + objective.corpus(run_splits["validation"])
+    tokenizer = tokenizers.build_tokenizer(kind, corpus=corpus, **spec)
+    if stage is not None:
+        folder = stage.path("tokenizer")
+        folder.mkdir()
+        (folder / "spec.json").write_text(json.dumps(tokenizer.save(str(folder))))
+    return tokenizer
+
+
+def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
+    """Devices a batch is split over: the mesh's data x fsdp axes."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def build(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.StagedRunState | None = None, *,
+          batches: bool = True) -> Run:  # fmt: skip
+    """Validated config, objective, tokenizer, model, compiled trainer and checkpointer for a workdir.
+
+    stage: where a training run stages a newly built tokenizer (None: a new tokenizer is not saved).
+    batches: check that batch sizes split over the mesh (False for a run opened only to restore params).
+    """
+    config = validate(config)
+    try:
+        mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape))
+    except ValueError as e:
+        raise ValueError(f"config.sharding.mesh_shape={tuple(config.sharding.mesh_shape)}: {e}") from None
+    objective = objectives.get(config.objective.name)
+    dp = data_parallel_size(mesh)
+    more = objective.value_problems(config, data_parallel_size=dp, batches=batches)
+    config_lib.check_values(config, data_parallel_size=dp, batches=batches, more_problems=tuple(more))
+    workdir_path = pathlib.Path(workdir)
+    workdir_path.mkdir(parents=True, exist_ok=True)
+    rules = sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))
+    splits: dict[str, Any] = {}
+    tokenizer = _tokenizer(config, splits, objective, workdir_path, stage)
+    if config.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}); set --config.model.vocab_size={tokenizer.vocab_size} (or larger)"
+        )
+    model = objective.model(config)
+    compiled = trainers_base.compile_trainer(
+        objective.trainer(config, model), mesh=mesh, rules=rules, seed=config.train.seed
+    )
+    checkpointer = checkpoint.Checkpointer(
+        str(workdir_path / "checkpoints"),
+        max_to_keep=config.train.keep_checkpoints,
+        async_save=config.train.async_checkpoints,
+    )
+    return Run(config=config, workdir=workdir_path, objective=objective, tokenizer=tokenizer, model=model,
+               compiled=compiled, checkpointer=checkpointer, splits=splits)  # fmt: skip
+
+
+def load_frozen(run: Run) -> Any:
+    """The frozen parameters, read from the paths the config names, sharded like the state's."""
+    if not jax.tree.leaves(run.compiled.abstract_state.frozen):
+        return run.compiled.abstract_state.frozen
+    with run.context():
+        fresh = jax.device_get(run.compiled.init(jax.random.key(run.config.train.seed)).frozen)
+    return jax.device_put(run.objective.load_frozen(run.config, fresh), run.compiled.state_shardings.frozen)
+
+
+def restore_or_init(run: Run) -> tuple[Any, dict]:
+    """The latest good checkpoint (with frozen parameters read again), or a fresh state whose frozen
+    parameters are read, whose params the objective may adjust, and which takes config.init_from's weights."""
+    restored = run.checkpointer.restore_latest(run.abstract_state)
+    if restored is not None:
+        step, state, data_state = restored
+        if jax.process_index() == 0:
+            print(f"resumed from {run.checkpointer.directory / str(step)}")
+        return state.replace(frozen=load_frozen(run)), data_state
+    cfg = run.config
+    with run.context():
+        state = run.compiled.init(jax.random.key(cfg.train.seed))
+    frozen = load_frozen(run)
+    fresh = jax.device_get(state.params)
+    params = run.objective.init_params(cfg, fresh, jax.device_get(frozen))
+    if cfg.get("init_from"):
+        params = weights.merge_pretrained(
+            params, cfg.init_from, cfg.model_name, cfg.model.to_dict(), allow_partial=cfg.init_from_partial
+        )
+    state = state.replace(frozen=frozen)
+    if params is not fresh:
+        with run.context():
+            state = run.compiled.with_params(state, jax.device_put(params, run.compiled.state_shardings.params))
+    return state, {"step": 0}
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A trained model: `model.apply({"params": params}, ...)`, with its tokenizer and config."""
+
+    model: nn.Module
+    params: Any
+    tokenizer: tokenizers.Tokenizer
+    config: ml_collections.ConfigDict
+    step: int
+
+
+def load(workdir: str, step: int | None = None, *, mesh_shape: tuple[int, ...] | None = None) -> Loaded:
+    """The model, host params, tokenizer and config of a train.py run's latest (or `step`'s) checkpoint.
+
+    mesh_shape: restore onto this (data, fsdp, tensor) mesh; default: the run's mesh if this machine has
+    its devices, else every device data-parallel (checkpoints reshard on restore).
+    """
+    workdir = str(pathlib.Path(workdir).expanduser().absolute())
+    run = open_run(workdir, mesh_shape=mesh_shape, batches=False)
+    try:
+        step, state = restore_step(run, step)
+        params = run.compiled.host_params(state)
+    finally:
+        run.checkpointer.close()
+    return Loaded(model=run.model, params=params, tokenizer=run.tokenizer, config=run.config, step=step)
+
+
+def open_run(workdir: str, *, mesh_shape: tuple[int, ...] | None = None, batches: bool = True):
+    """A `Run` of an existing workdir, for evaluation (fails if the workdir has no run); `batches=False`
+    when only its params are wanted."""
+    config = load_saved(workdir)
+    if mesh_shape is not None:
+        config.sharding.mesh_shape = tuple(mesh_shape)
+    elif int(np.prod([abs(x) for x in config.sharding.mesh_shape])) > jax.device_count():
+        config.sharding.mesh_shape = (-1, 1, 1)
+    if not (pathlib.Path(workdir) / "tokenizer" / "spec.json").exists():
+        raise FileNotFoundError(f"{workdir}/tokenizer is missing: is {workdir!r} the workdir of a train.py run?")
+    return build(config, workdir, batches=batches)
+
+
+def restore_step(run, step: int | None = None) -> tuple[int, Any]:
+    """(step, state) of the latest checkpoint that restores, or of `step`; frozen parameters left out."""
+    if step is None:
+        restored = run.checkpointer.restore_latest(run.abstract_state)
+        if restored is None:
+            raise FileNotFoundError(f"no checkpoint found in {run.checkpointer.directory}; train first with train.py --workdir={run.workdir}")
+        return restored[0], restored[1]
+    if step not in run.checkpointer.steps():
+        raise FileNotFoundError(f"no checkpoint for step {step} in {run.checkpointer.directory}; kept steps: {run.checkpointer.steps()}")
+    return step, run.checkpointer.restore(step, run.abstract_state)[0]
+
+

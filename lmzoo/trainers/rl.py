@@ -1,0 +1,297 @@
+"""The RLHF policy trainer (PPO, REINFORCE, RLOO): one step is one iteration of rollout, scoring and updates.
+
+`step` is three phases that the training loop jits and times apart (`phases`, `run_phase`): `generate` samples
+responses to left-padded prompts with the KV-cache sampler (stop at EOS, mask after it); `score` scores
+prompt ⊕ response with the frozen reward model, reads the log-probs of the frozen reference, shapes per-token
+rewards −β·KL with the score on the last token and runs GAE; `update` makes `epochs` passes of `minibatches`
+clipped PPO updates (or one REINFORCE/RLOO update on the same rollout), each optionally adding γ_ptx times the
+LM loss on packed demonstrations (PPO-ptx). β follows the adaptive controller, whose value lives in the state.
+The maths is `lmzoo.rl`; the recipe around it (data, frozen models, settings) is `lmzoo.objectives.ppo`.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from lmzoo import decoding
+from lmzoo.models import heads
+from lmzoo.rl import policy_gradient, reward
+from lmzoo.trainers import base
+from lmzoo.trainers.state import LossFn, Metrics
+
+PTX_PREFIX = "ptx_"  # batch keys of the PPO-ptx demonstrations
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSettings:
+    """What a rollout and its updates do (validated by the objective's config; see `lmzoo.objectives.ppo`)."""
+
+    algorithm: str = "ppo"
+    prompt_len: int = 64
+    response_len: int = 32
+    temperature: float = 1.0
+    samples_per_prompt: int = 1
+    epochs: int = 4
+    minibatches: int = 1
+    clip_eps: float = 0.2
+    value_clip_eps: float = 0.2
+    value_coef: float = 0.1
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.05
+    kl_target: float = 0.0
+    kl_horizon: float = 10000.0
+    kl_estimator: str = "k1"
+    missing_eos_penalty: float = 1.0
+    whiten_rewards: bool = False
+    ptx_coef: float = 0.0
+
+    @classmethod
+    def of(cls, fields: Any) -> "RLSettings":
+        """The settings among `fields` (an objective's config with these fields and more)."""
+        return cls(**{f.name: getattr(fields, f.name) for f in dataclasses.fields(cls)})
+
+
+@struct.dataclass
+class PPOState:
+    """The policy (decoder + value head or network), its optimizer, the KL controller's β, the rng, the frozen models."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    frozen: Any  # {"reference", "reward", "reward_gain", "reward_bias"}: never checkpointed
+    kl_coef: jax.Array
+
+
+def rollout_inputs(
+    prompts: jax.Array, prompt_mask: jax.Array, responses: jax.Array, mask: jax.Array
+) -> dict[str, jax.Array]:
+    """prompt [B, P] ⊕ response [B, T] -> "sequences", "segment_ids" (1 on real tokens) and "positions" [B, P + T],
+    positions counting real tokens only, as the sampler numbered them."""
+    valid = jnp.concatenate([prompt_mask, mask.astype(prompt_mask.dtype)], axis=1)
+    return {
+        "sequences": jnp.concatenate([prompts, responses], axis=1),
+        "segment_ids": valid.astype(jnp.int32),
+        "positions": jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOTrainer:
+    """The trainer protocol for RLHF: `step` = `generate`, `score`, `update` (each pure and jittable on its own: the
+    benchmark times them apart) and the KL controller; `eval_step` = a rollout on held-out prompts with a fixed key."""
+
+    policy: heads.LMWithValueHead | heads.LMWithValueModel
+    reward_model: heads.SequenceClassifier
+    settings: RLSettings
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    batch_size: int
+    eos_id: int
+    pad_id: int
+    ptx_loss: LossFn | None = None  # a Task loss of the decoder on packed demonstrations (PPO-ptx)
+
+    @property
+    def decoder(self):
+        return self.policy.decoder
+
+    def init(self, rng: jax.Array) -> PPOState:
+        policy_rng, reference_rng, reward_rng, state_rng = jax.random.split(rng, 4)
+        s = self.settings
+        tokens = jnp.zeros((self.batch_size, s.prompt_len + s.response_len), jnp.int32)
+        params = self.policy.init(policy_rng, tokens)["params"]
+        frozen = {
+            "reference": self.decoder.init(reference_rng, tokens)["params"],
+            "reward": self.reward_model.init(reward_rng, tokens, segment_ids=jnp.ones_like(tokens))["params"],
+            "reward_gain": jnp.ones((), jnp.float32),
+            "reward_bias": jnp.zeros((), jnp.float32),
+        }
+        return PPOState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+                        rng=jax.random.key_data(state_rng), frozen=frozen, kl_coef=jnp.asarray(s.kl_coef, jnp.float32))  # fmt: skip
+
+    def initial_carry(self, batch_size: int) -> dict:
+        return {}
+
+    def with_params(self, state: PPOState, params: Any) -> PPOState:
+        return state.replace(params=params, opt_state=self.tx.init(params))
+
+    def _logprobs(self, logits: jax.Array, responses: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return policy_gradient.response_logprobs(policy_gradient.align_to_responses(logits, self.settings.prompt_len), responses,
+                                     temperature=self.settings.temperature)  # fmt: skip
+
+    def generate(self, params, batch, rng, *, samples_per_prompt: int) -> dict[str, jax.Array]:
+        """`samples_per_prompt` responses to each of batch "prompts"/"prompt_mask" [B, P] from the KV-cache sampler ->
+        "prompts", "prompt_mask" [B·K, P], "responses" [B·K, T] (pad after the EOS) and "mask" [B·K, T] (float)."""
+        s = self.settings
+        prompts = jnp.repeat(batch["prompts"], samples_per_prompt, axis=0)
+        prompt_mask = jnp.repeat(batch["prompt_mask"], samples_per_prompt, axis=0)
+        samples = decoding.sample(self.decoder, params["decoder"], prompts, prompt_mask, rng, max_new_tokens=s.response_len,
+                                  temperature=s.temperature, eos_id=self.eos_id, pad_id=self.pad_id)  # fmt: skip
+        return {"prompts": prompts, "prompt_mask": prompt_mask, "responses": samples.tokens,
+                "mask": samples.mask.astype(jnp.float32)}  # fmt: skip
+
+    def score(self, params, frozen, kl_coef, samples: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], Metrics]:
+        """Scores `generate`'s samples with the frozen reward model, reads the policy's and the reference's log-probs
+        and the values, shapes the rewards and runs GAE -> the fixed targets of the updates (every array [B·K, ...])
+        with the rollout metrics."""
+        s = self.settings
+        prompts, prompt_mask, responses, mask = (samples[k] for k in ("prompts", "prompt_mask", "responses", "mask"))
+        has_eos = jnp.any((responses == self.eos_id) & (mask > 0), axis=1)
+        inputs = rollout_inputs(prompts, prompt_mask, responses, mask)
+        forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
+        logits, values = self.policy.apply({"params": params}, inputs["sequences"], **forward)
+        logprobs, entropy = self._logprobs(logits, responses)
+        ref_logits = self.decoder.apply({"params": frozen["reference"]}, inputs["sequences"], **forward)
+        ref_logprobs, _ = self._logprobs(ref_logits, responses)
+        raw_scores = self.reward_model.apply({"params": frozen["reward"]}, inputs["sequences"], **forward)[:, 0]
+        scores = reward.normalize(raw_scores, frozen["reward_gain"], frozen["reward_bias"])
+        if s.missing_eos_penalty > 0:
+            scores = policy_gradient.penalize_missing_eos(scores, has_eos, penalty=s.missing_eos_penalty)
+        targets, metrics = policy_gradient.ppo_rollout_targets(
+            scores, has_eos, jax.lax.stop_gradient(logprobs), ref_logprobs,
+            jax.lax.stop_gradient(policy_gradient.align_to_responses(values, s.prompt_len)), mask, kl_coef=kl_coef, gamma=s.gamma,
+            lam=s.lam, kl_estimator=s.kl_estimator, whiten_rewards=s.whiten_rewards,
+        )  # fmt: skip
+        sequence_returns = jnp.sum(targets["rewards"], axis=1)  # score − β·Σ_t kl_t (scaled if whitened)
+        rows = jnp.asarray(scores.shape[0], jnp.float32)
+        metrics = {**metrics, "objective/raw_scores": (jnp.sum(raw_scores), rows),
+                   "objective/entropy": (jnp.sum(-logprobs * mask), rows),
+                   "policy/rollout_entropy": policy_gradient.masked_stats(entropy, mask)}  # fmt: skip
+        rollout = {**targets, **inputs, "responses": responses, "scores": scores,
+                   "sequence_kl": jnp.sum((logprobs - ref_logprobs) * mask, axis=1), "sequence_returns": sequence_returns}  # fmt: skip
+        return jax.tree.map(jax.lax.stop_gradient, rollout), metrics
+
+    def rollout(
+        self, params, frozen, kl_coef, batch, rng, *, samples_per_prompt: int
+    ) -> tuple[dict[str, jax.Array], Metrics]:
+        """`generate` then `score`."""
+        samples = self.generate(params, batch, rng, samples_per_prompt=samples_per_prompt)
+        return self.score(params, frozen, kl_coef, samples)
+
+    def minibatch_loss(
+        self, params, minibatch: dict[str, jax.Array], demonstrations: dict[str, jax.Array] | None = None
+    ) -> tuple[jax.Array, Metrics]:
+        """The PPO (or REINFORCE) loss of a rollout minibatch, plus ptx_coef x the SFT loss of the policy's decoder on
+        `demonstrations` (packed "inputs", "targets", "weights", "segment_ids", "positions" [R, L]) when given."""
+        loss, metrics = self._policy_loss(params, minibatch)
+        if demonstrations is None:
+            return loss, metrics
+        ptx_loss, (ptx_metrics, _) = self.ptx_loss(
+            params["decoder"], {}, {}, demonstrations, jax.random.key(0), step=0, train=False
+        )
+        ptx_metrics = {"ptx/loss": ptx_metrics["loss"], "ptx/accuracy": ptx_metrics["accuracy"]}
+        return loss + self.settings.ptx_coef * ptx_loss, {**metrics, **jax.tree.map(jax.lax.stop_gradient, ptx_metrics)}
+
+    def _policy_loss(self, params, minibatch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
+        s = self.settings
+        logits, values = self.policy.apply({"params": params}, minibatch["sequences"],
+                                           segment_ids=minibatch["segment_ids"], positions=minibatch["positions"])  # fmt: skip
+        logprobs, entropy = self._logprobs(logits, minibatch["responses"])
+        if s.algorithm == "ppo":
+            return policy_gradient.ppo_loss(logprobs, entropy, policy_gradient.align_to_responses(values, s.prompt_len), minibatch, clip_eps=s.clip_eps,
+                                value_clip_eps=s.value_clip_eps, value_coef=s.value_coef, entropy_coef=s.entropy_coef)  # fmt: skip
+        mask = minibatch["mask"]
+        loss, metrics = policy_gradient.reinforce_loss(logprobs, minibatch["sequence_advantages"], mask)
+        loss = loss - s.entropy_coef * policy_gradient.masked_mean(entropy, mask)
+        return loss, {**metrics, "policy/entropy": jax.lax.stop_gradient(policy_gradient.masked_stats(entropy, mask))}
+
+    def update(
+        self, params, opt_state, rollout: dict[str, jax.Array], rng: jax.Array,
+        demonstrations: dict[str, jax.Array] | None = None,
+    ):  # fmt: skip
+        """`epochs` passes over the rollout, each a fresh permutation split into `minibatches` optimizer updates
+        -> (params, opt_state, metrics summed over the updates). REINFORCE/RLOO first turn the sequence returns into
+        per-prompt baselined advantages. `demonstrations` (PPO-ptx, [R, L] arrays) are split into `minibatches` strided
+        parts, part m joining minibatch m of every epoch."""
+        s = self.settings
+        rows = rollout["mask"].shape[0]
+        if rows % s.minibatches:
+            raise ValueError(f"{rows} rollout rows do not split into config.objective.minibatches={s.minibatches}")
+        if s.algorithm != "ppo":
+            baseline = "mean" if s.algorithm == "reinforce" else "leave_one_out"
+            grouped = rollout["sequence_returns"].reshape(-1, s.samples_per_prompt)
+            advantages = policy_gradient.reinforce_advantages(grouped, baseline=baseline).reshape(-1)
+            rollout = {**rollout, "sequence_advantages": advantages}
+        order = jnp.stack([jax.random.permutation(jax.random.fold_in(rng, e), rows) for e in range(s.epochs)])
+        indices = order.reshape(s.epochs * s.minibatches, rows // s.minibatches)
+        parts = None if demonstrations is None else base.split_microbatches(demonstrations, s.minibatches)
+        grad_fn = jax.value_and_grad(self.minibatch_loss, has_aux=True)
+
+        def one_update(carry, xs):
+            params, opt_state = carry
+            index, part = xs
+            part_demonstrations = None if parts is None else jax.tree.map(lambda x: x[part], parts)
+            (_, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[index], rollout), part_demonstrations)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            one = jnp.ones((), jnp.float32)
+            return (optax.apply_updates(params, updates), opt_state), {
+                **metrics,
+                "grad_norm": (optax.global_norm(grads), one),
+            }
+
+        part_ids = jnp.arange(s.epochs * s.minibatches) % s.minibatches
+        (params, opt_state), metrics = jax.lax.scan(one_update, (params, opt_state), (indices, part_ids))
+        return params, opt_state, jax.tree.map(lambda x: jnp.sum(x, axis=0), metrics)
+
+    def demonstrations(self, batch) -> dict[str, jax.Array] | None:
+        """The PPO-ptx rows of a training batch (its "ptx_*" arrays, prefix removed); None when ptx_coef is 0."""
+        if self.settings.ptx_coef == 0:
+            return None
+        rows = {k.removeprefix(PTX_PREFIX): v for k, v in batch.items() if k.startswith(PTX_PREFIX)}
+        if not rows:
+            raise ValueError(
+                "ptx_coef > 0 but the batch has no ptx_* demonstration rows (PPO's train_loader adds them)"
+            )
+        return rows
+
+    phases = ("rollout", "scoring", "update")
+
+    def run_phase(self, name: str, state: PPOState, batch, carry):
+        """One part of `step`: "rollout" -> `generate`'s samples; "scoring" (carry: the samples) -> (`score`'s
+        targets, metrics); "update" (carry: those) -> (the next state, metrics). Every phase reads `state` as it was
+        before the step; the loop times them apart."""
+        s = self.settings
+        rng, sample_rng, shuffle_rng = jax.random.split(jax.random.wrap_key_data(state.rng), 3)
+        if name == "rollout":
+            return self.generate(state.params, batch, sample_rng, samples_per_prompt=s.samples_per_prompt)
+        if name == "scoring":
+            return self.score(state.params, state.frozen, state.kl_coef, carry)
+        rollout, metrics = carry
+        params, opt_state, update_metrics = self.update(
+            state.params, state.opt_state, rollout, shuffle_rng, self.demonstrations(batch)
+        )
+        controller = policy_gradient.KLController(state.kl_coef, s.kl_target or None, s.kl_horizon)
+        kl_coef = policy_gradient.update_kl_controller(
+            controller, jnp.mean(rollout["sequence_kl"]), rollout["mask"].shape[0]
+        ).kl_coef
+        one = jnp.ones((), jnp.float32)
+        metrics = {**metrics, **update_metrics, "learning_rate": (self.schedule(state.step), one)}
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=jax.random.key_data(rng),
+                                  kl_coef=jnp.asarray(kl_coef, jnp.float32))  # fmt: skip
+        return new_state, metrics
+
+    def step(self, state: PPOState, batch) -> tuple[PPOState, Metrics]:
+        return base.run_phases(self, state, batch)
+
+    def eval_step(self, state: PPOState, batch, carry) -> tuple[Metrics, Any]:
+        """One response per held-out prompt (fixed key): "loss" = −(score − β·KL) per response, "score", "kl", "response_len";
+        rows with example_weights 0 (padding the last batch) do not count."""
+        rollout, _ = self.rollout(
+            state.params, state.frozen, state.kl_coef, batch, jax.random.key(0), samples_per_prompt=1
+        )
+        weights = batch.get("example_weights", jnp.ones(rollout["scores"].shape, jnp.float32))
+        count = jnp.sum(weights)
+        objective = rollout["scores"] - state.kl_coef * rollout["sequence_kl"]
+        metrics = {
+            "loss": (jnp.sum(-objective * weights), count),
+            "score": (jnp.sum(rollout["scores"] * weights), count),
+            "kl": (jnp.sum(rollout["sequence_kl"] * weights), count),
+            "response_len": (jnp.sum(jnp.sum(rollout["mask"], axis=1) * weights), count),
+        }
+        return metrics, carry

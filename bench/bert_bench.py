@@ -32,11 +32,11 @@ from bench.gpt2_bench import print_table  # noqa: E402
 from configs import bert as bert_configs  # noqa: E402
 from lmzoo import (  # noqa: E402
     models,
-    objectives,  # noqa: E402
     tokenizers,
 )
 from lmzoo.data import pipeline, transforms  # noqa: E402
-from lmzoo.objectives import base, losses, mlm  # noqa: E402
+from lmzoo.data.loaders import Shard  # noqa: E402
+from lmzoo.objectives import losses, mlm  # noqa: E402
 from lmzoo.train import run as run_lib  # noqa: E402
 from lmzoo.trainers.state import Task  # noqa: E402
 
@@ -131,7 +131,7 @@ def data_loaders(spec: Spec) -> tuple[tokenizers.Tokenizer, dict, dict]:
         if config.objective.name == "mlm_nsp":
             config.objective.num_pair_examples, config.objective.num_eval_pairs = spec.num_pair_examples, 16
         name, start = config.objective.name, time.perf_counter()
-        loaders[name] = objectives.get(name).train_loader(run_lib.validate(config), tokenizer, documents["train"], base.Shard())
+        loaders[name] = run_lib.validated_objective(config).train_loader(tokenizer, documents["train"], Shard())
         seconds = time.perf_counter() - start
         size = loaders[name].num_examples if name == "mlm_nsp" else len(loaders[name].stream)
         info[name] = {"loader": type(loaders[name]).__name__, "build_s": seconds,

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
+from lmzoo.data import loaders  # noqa: E402
 from lmzoo.models import lstm  # noqa: E402
 from lmzoo.objectives import recurrent_lm  # noqa: E402
 
@@ -89,7 +90,7 @@ def main():
     load = common.announce("lstm", "train step", spec, args.rounds)
     rng = np.random.default_rng(0)
     stream = rng.integers(0, config.vocab_size, size=(args.batch_size, args.seq_len + 1)).astype(np.int32)
-    batch = recurrent_lm.window(stream, np.ones((args.batch_size, args.seq_len), np.float32), 0, args.seq_len)
+    batch = loaders.window(stream, np.ones((args.batch_size, args.seq_len), np.float32), 0, args.seq_len)
     batch["reset"][:] = 0.0  # a window inside an epoch: the carry flows on
     ours, theirs = common.Isolated(LmzooLSTM, config, batch), common.Isolated(TorchTrainer, config, batch)
     ours.run(2)

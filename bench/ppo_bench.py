@@ -55,8 +55,8 @@ def hh_ppo_config(variant: str, tiny: bool, ptx_coef: float):
 def lmzoo_parts(config, repeats: int) -> dict[str, tuple[float, float]]:
     """(min, median) ms of the jitted phases (rollout, scoring, update: what the training loop times) and the whole
     step of configs/hh_ppo.py's trainer."""
-    objective = objectives.get("ppo")
-    trainer = objective.trainer(config, objective.model(config))
+    objective = objectives.build(config)
+    trainer = objective.trainer(objective.model())
     s = trainer.settings
     state = jax.jit(trainer.init)(jax.random.key(0))
     prompts = jax.random.randint(jax.random.key(1), (config.train.batch_size, s.prompt_len), 0, 256)
@@ -93,7 +93,7 @@ def trl_rloo_iterations(config, iterations: int) -> dict[str, list[float]]:
     from trl.extras import profiling
 
     torch.set_num_threads(os.cpu_count())
-    s, m = objectives.get("ppo").fields(config), config.model
+    s, m = objectives.build(config).fields, config.model
     vocab = {chr(i): i for i in range(256)} | {"<eos>": 256, "<pad>": 257}  # lmzoo's byte ids: 256 bytes, eos, pad
     byte_tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     byte_tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -161,7 +161,7 @@ def main():
     if args.trl and args.variant != "rloo":
         parser.error("--trl compares trl's RLOOTrainer (trl has no PPOTrainer any more): use --variant rloo")
     config = hh_ppo_config(args.variant, args.tiny, args.ptx_coef)
-    s = objectives.get("ppo").fields(config)
+    s = objectives.build(config).fields
     common.announce("ppo", args.variant, f"emb_dim {config.model.emb_dim}, {config.model.num_layers} layers", 1)
     print("f32 matmul peak (GFLOP/s): " + ", ".join(f"{n}: {g:.0f}" for n, g in common.matmul_peak().items()))
     rows = config.train.batch_size * s.samples_per_prompt

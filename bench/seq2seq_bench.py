@@ -44,7 +44,8 @@ from lmzoo import (  # noqa: E402
 )
 from lmzoo.convert import hf  # noqa: E402
 from lmzoo.data import noising, pipeline  # noqa: E402
-from lmzoo.objectives import base, denoising  # noqa: E402
+from lmzoo.data.loaders import Shard  # noqa: E402
+from lmzoo.objectives import denoising  # noqa: E402
 
 TARGETS = {"t5_data_vs_step": 1.0, "bart_data_vs_step": 1.0}  # strictly greater
 
@@ -153,7 +154,7 @@ def data_loaders(spec: Spec) -> tuple[dict, dict]:
         start = time.perf_counter()
         kwargs = config.data.tokenizer.to_dict()
         tokenizer = tokenizers.build_tokenizer(kwargs.pop("kind"), corpus=documents["train"] + documents["validation"], **kwargs)
-        loaders[name] = objectives.get(config.objective.name).train_loader(config, tokenizer, documents["train"], base.Shard())
+        loaders[name] = objectives.build(config).train_loader(tokenizer, documents["train"], Shard())
         batch = loaders[name].batch(0)
         info[name] = {
             "objective": config.objective.name, "text": config.data.path, "build_s": time.perf_counter() - start,

@@ -55,23 +55,25 @@ def test_ppo_demonstration_rows_must_split_over_the_devices():
     config = hh_ppo.get_config("tiny")
     config.train.batch_size, config.eval.batch_size = 16, 16
     config.objective.update(minibatches=4, ptx_coef=0.5, ptx_batch_size=4)
-    ppo = objectives.get("ppo")
+    ppo = objectives.build(config)
 
     def check(devices):
-        more = ppo.value_problems(config, data_parallel_size=devices, batches=True)
+        more = ppo.value_problems(data_parallel_size=devices, batches=True)
         config_lib.check_values(config, data_parallel_size=devices, more_problems=tuple(more))
 
     check(4)  # minibatch parts of 1 row: padded by the partitioner
     with pytest.raises(ValueError, match=r"objective.ptx_batch_size=4 must be a multiple of the 8 data-parallel devices"):
         check(8)
-    assert ppo.value_problems(config, data_parallel_size=8, batches=False) == []  # a run opened to restore params
+    assert ppo.value_problems(data_parallel_size=8, batches=False) == []  # a run opened to restore params
     config.objective.ptx_coef = 0.0  # no demonstrations are read
+    ppo = objectives.build(config)
     check(8)
 
 
 def test_text_to_text_target_length_is_checked():
     config = _config(data__target_seq_len=0)
-    more = objectives.get("text_to_text").value_problems(config, data_parallel_size=1, batches=True)
+    config.objective = objectives.objective_section("text_to_text")
+    more = objectives.build(config).value_problems(data_parallel_size=1, batches=True)
     with pytest.raises(ValueError, match="config.data.target_seq_len=0: must be a positive integer"):
         config_lib.check_values(config, data_parallel_size=8, more_problems=tuple(more))
 

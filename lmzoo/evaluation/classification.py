@@ -5,7 +5,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lmzoo.objectives import classification
+from lmzoo.objectives import classify
 
 
 def f1_scores(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> dict[str, float]:
@@ -25,7 +25,7 @@ def evaluate_classification(run, state: Any, split: str = "validation", *,
                             max_batches: int | None = None) -> tuple[dict[str, float], list]:  # fmt: skip
     """(accuracy / F1 over the split's examples, []); padding rows (example_weights 0) are skipped."""
     params = run.compiled.host_params(state)
-    predict = jax.jit(lambda p, batch: classification.classify_logits(run.model, p, batch).argmax(-1))
+    predict = jax.jit(lambda p, batch: classify.classify_logits(run.model, p, batch).argmax(-1))
     labels, predictions = [], []
     for i, batch in enumerate(run.eval_batches(split)):
         if max_batches is not None and i >= max_batches:

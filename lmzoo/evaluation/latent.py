@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo.models import vae_lm
-from lmzoo.objectives import elbo
+from lmzoo.objectives import vae_lm as vae_lm_objective
 
 ACTIVE_UNIT_THRESHOLD = 0.01  # Burda et al. 2016: Cov_x(E_q[z_u]) above this counts as active
 
@@ -15,7 +15,7 @@ def evaluate_latent(run, state, split: str = "validation", *, max_batches: int |
                     num_prior_samples: int = 3, interpolation_steps: int = 5, max_len: int = 30):  # fmt: skip
     """Metrics over `split` (at most `max_batches` batches): iw_perplexity (K = config.objective.num_iw_samples),
     elbo_perplexity of the same samples, kl per sentence, active_units; prints the decoded samples."""
-    num_samples = run.objective.fields(run.config).num_iw_samples
+    num_samples = run.objective.fields.num_iw_samples
     params = jax.device_get(state.params)
     rng, prior_rng = jax.random.split(jax.random.key(seed))
     iw_sum = elbo_sum = kl_sum = tokens = 0.0
@@ -23,7 +23,7 @@ def evaluate_latent(run, state, split: str = "validation", *, max_batches: int |
     for index, batch in enumerate(run.eval_batches(split)):
         if max_batches is not None and index >= max_batches:
             break
-        iw, bound, mu, kl = elbo.importance_weighted_bound(run.model, params, batch, jax.random.fold_in(rng, index),
+        iw, bound, mu, kl = vae_lm_objective.importance_weighted_bound(run.model, params, batch, jax.random.fold_in(rng, index),
                                                            num_samples=num_samples)  # fmt: skip
         real = np.asarray(batch["weights"][:, 0] > 0)
         iw_sum += float(np.sum(np.asarray(iw)[real]))

@@ -116,7 +116,7 @@ class GPT2(nn.Module):
         """The output projection as [V, D]: the token table when tied, else lm_head's kernel transposed.
 
         With the final hidden states (`return_hidden`) it lets a loss compute the logits in chunks
-        (`lmzoo.objectives.causal_lm.fused_head_loss`)."""
+        (`lmzoo.objectives.losses.fused_head_loss`)."""
         params = nn.unbox(self.variables["params"])
         return params["wte"]["embedding"] if self.config.tie_embeddings else params["lm_head"]["kernel"].T
 

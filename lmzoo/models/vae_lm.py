@@ -4,7 +4,7 @@ The encoder reads a sentence and maps its last real hidden state to (mu, log sig
 (reparameterised); the decoder starts from a state computed from z and also sees z at every step next to the
 word embedding. Encoder and decoder share the token embedding. The KL to the N(0, I) prior is closed-form
 (`gaussian_kl`); the losses (ELBO with annealing and free bits, importance-weighted bound) live in
-lmzoo/objectives/elbo.py.
+lmzoo/objectives/vae_lm.py.
 """
 
 import dataclasses

@@ -12,10 +12,9 @@ from lmzoo.objectives import (
     base,
     bilm,
     causal_lm,
-    classification,
+    classify,
     denoising,
-    distillation,
-    elbo,
+    distill,
     elmo_classify,
     mlm,
     ngram_lm,
@@ -24,43 +23,50 @@ from lmzoo.objectives import (
     reward_model,
     sft,
     text_to_text,
+    vae_lm,
 )
 
-REGISTRY: dict[str, base.Objective] = {}
+REGISTRY: dict[str, type[base.Objective]] = {}
 
 
-def register(objective: base.Objective) -> base.Objective:
-    """Adds `objective` under its name (also for objectives defined outside lmzoo, e.g. in tests)."""
+def register(objective: type[base.Objective]) -> type[base.Objective]:
+    """Adds the objective class under its name (also for objectives defined outside lmzoo, e.g. in tests)."""
     REGISTRY[objective.name] = objective
     return objective
 
 
 for _objective in (
-    causal_lm.CausalLM(),
-    mlm.MaskedLM(),
-    mlm.SentencePairMLM("mlm_nsp", "nsp"),
-    mlm.SentencePairMLM("mlm_sop", "sop"),
-    distillation.Distillation(),
-    classification.Classification(),
-    denoising.SpanCorruption(),
-    denoising.Denoising(),
-    text_to_text.TextToText(),
-    sft.SFT(),
-    reward_model.RewardModel(),
-    ppo.PPO(),
-    recurrent_lm.RecurrentLM(),
-    ngram_lm.NgramLM(),
-    elbo.VAELanguageModel(),
-    bilm.BiLMObjective(),
-    elmo_classify.ELMoClassify(),
+    causal_lm.CausalLM,
+    mlm.MaskedLM,
+    mlm.NextSentenceMLM,
+    mlm.SentenceOrderMLM,
+    distill.Distillation,
+    classify.Classification,
+    denoising.SpanCorruption,
+    denoising.Denoising,
+    text_to_text.TextToText,
+    sft.SFT,
+    reward_model.RewardModel,
+    ppo.PPO,
+    recurrent_lm.RecurrentLM,
+    ngram_lm.NgramLM,
+    vae_lm.VAELanguageModel,
+    bilm.BiLMObjective,
+    elmo_classify.ELMoClassify,
 ):
     register(_objective)
 
 
-def get(name: str) -> base.Objective:
+def get(name: str) -> type[base.Objective]:
+    """The objective class registered as `name` (its fields, evaluators; `build` makes one for a run)."""
     if name not in REGISTRY:
         raise ValueError(f"unknown config.objective.name {name!r}; choose one of {sorted(REGISTRY)}")
     return REGISTRY[name]
+
+
+def build(config: ml_collections.ConfigDict) -> base.Objective:
+    """The objective of a run, built once from its config (config.objective holds every field of it)."""
+    return get(config.objective.name)(config)
 
 
 def defaults(name: str) -> dict:
@@ -73,7 +79,7 @@ def describe() -> str:
     lines = []
     for name, objective in sorted(REGISTRY.items()):
         fields = ", ".join(f"{k}={v!r}" for k, v in defaults(name).items()) or "(no fields)"
-        lines.append(f"{name:16s} {type(objective).__name__}: {fields}")
+        lines.append(f"{name:16s} {objective.__name__}: {fields}")
     return "\n".join(lines)
 
 

@@ -18,7 +18,8 @@ import ml_collections
 import numpy as np
 
 from lmzoo import models, tokenizers
-from lmzoo.data import pipeline
+from lmzoo.data import readers
+from lmzoo.data.loaders import Shard
 from lmzoo.trainers import optim, supervised
 from lmzoo.trainers.state import Task
 
@@ -28,14 +29,6 @@ Batch = dict[str, np.ndarray]
 @dataclasses.dataclass(frozen=True)
 class NoFields:
     """The config of an objective without settings of its own."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    """Which rows of every global batch this process materialises."""
-
-    process_index: int = 0
-    process_count: int = 1
 
 
 def int_inputs(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
@@ -49,78 +42,82 @@ def float_inputs(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
 class Objective:
     """Base class: a language-modelling recipe on documents (`config.data` through `pipeline.load_documents`).
 
-    Subclasses set `name` and `Config` and override what differs. Raw data of a split is whatever
-    `read` returns for it (documents by default); the tokenizer is trained on `corpus(raw)` when it
-    needs a corpus.
+    Built once per run from the run's config (`lmzoo.objectives.build`): `self.config` is that config and
+    `self.fields` its objective section as the typed, validated `Config`. Subclasses set `name` and `Config`
+    and override what differs. Raw data of a split is whatever `read` returns for it (documents by default);
+    the tokenizer is trained on `corpus(raw)` when it needs a corpus.
     """
 
     name: str = ""
     Config: type = NoFields
+    reader: readers.Reader = readers.DOCUMENTS  # how raw splits are read (lmzoo.data.readers)
     evaluators: tuple[str, ...] = ("loss",)  # names in lmzoo.evaluation.EVALUATORS
     loss_is_token_nll: bool = True  # "loss" is a mean token NLL: metrics add perplexity and bits per token/char/byte
 
-    def fields(self, config: ml_collections.ConfigDict) -> Any:
-        """config.objective's fields as this objective's Config (which validates them)."""
-        return self.Config(**{k: v for k, v in config.objective.items() if k != "name"})
+    def __init__(self, config: ml_collections.ConfigDict):
+        """config: the run's whole config, its objective section filled in (`lmzoo.objectives.build`)."""
+        self.config = config
+        self.fields = self.Config(**{k: v for k, v in config.objective.items() if k != "name"})
 
-    def check(self, config: ml_collections.ConfigDict) -> None:
+    def check(self) -> None:
         """Checks across config sections (e.g. lengths against the model's positions); raises ValueError."""
-        check_length(config, "seq_len", config.data.seq_len)
+        self.reader.check(self.config)
+        check_length(self.config, "seq_len", self.config.data.seq_len)
 
-    def value_problems(self, config: ml_collections.ConfigDict, *, data_parallel_size: int, batches: bool) -> list[str]:
+    def value_problems(self, *, data_parallel_size: int, batches: bool) -> list[str]:
         """Out-of-range values this objective reads, each naming its field and the fix (listed with the config's
         own by `config.check_values`); `batches`: whether batch sizes must split over `data_parallel_size` devices."""
         return []
 
-    def read(self, config: ml_collections.ConfigDict) -> dict[str, Any]:
-        """{"train": raw, "validation": raw} from config.data."""
-        return pipeline.load_documents(config.data)
+    def read(self) -> dict[str, Any]:
+        """{"train": raw, "validation": raw} from the config, by the objective's reader."""
+        return self.reader.splits(self.config)
 
-    def read_file(self, config: ml_collections.ConfigDict, path: str) -> Any:
+    def read_file(self, path: str) -> Any:
         """The raw examples of one file given on the command line (eval.py --data)."""
-        return pipeline.read_local_text(path, config.data.text_field, config.data.document_unit)
+        return self.reader.file(self.config, path)
 
     def corpus(self, raw: Any) -> list[str]:
         """The texts of a split's raw examples (a tokenizer trained on the run's data learns from them)."""
-        return raw
+        return self.reader.texts(raw)
 
-    def model(self, config: ml_collections.ConfigDict) -> nn.Module:
-        return models.build_model(config.model_name, config.model.to_dict())
+    def model(self) -> nn.Module:
+        return models.build_model(self.config.model_name, self.config.model.to_dict())
 
-    def task(self, config: ml_collections.ConfigDict, model: nn.Module) -> Task:
+    def task(self, model: nn.Module) -> Task:
         raise NotImplementedError
 
-    def trainer(self, config: ml_collections.ConfigDict, model: nn.Module):
+    def trainer(self, model: nn.Module):
         """The trainer (`lmzoo.trainers`) the loop runs: supervised on `task` by default."""
-        tx, schedule = optim.make_optimizer(config.optim)
-        return supervised.SupervisedTrainer(self.task(config, model), tx, schedule, self.input_shapes(config, config.train.batch_size),
-                                         grad_accum_steps=config.train.grad_accum_steps)  # fmt: skip
+        tx, schedule = optim.make_optimizer(self.config.optim)
+        return supervised.SupervisedTrainer(self.task(model), tx, schedule, self.input_shapes(self.config.train.batch_size),
+                                         grad_accum_steps=self.config.train.grad_accum_steps)  # fmt: skip
 
-    def step_summary(self, config: ml_collections.ConfigDict) -> str:
+    def step_summary(self) -> str:
         """What one training step reads, for the start summary."""
-        b, t = config.train.batch_size, config.data.seq_len
+        b, t = self.config.train.batch_size, self.config.data.seq_len
         return f"{b} sequences x {t} tokens = {b * t:,} tokens"
 
-    def input_shapes(self, config: ml_collections.ConfigDict, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+    def input_shapes(self, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         """The arrays `task.init` reads, at the global batch size."""
-        return {"inputs": int_inputs((batch_size, config.data.seq_len))}
+        return {"inputs": int_inputs((batch_size, self.config.data.seq_len))}
 
-    def train_loader(self, config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer, raw: Any, shard: Shard):
+    def train_loader(self, tokenizer: tokenizers.Tokenizer, raw: Any, shard: Shard):
         """A loader whose `batch(step)` is a pure function of (seed, step, process)."""
         raise NotImplementedError
 
-    def eval_batches(self, config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer, raw: Any,
+    def eval_batches(self, tokenizer: tokenizers.Tokenizer, raw: Any,
                      shard: Shard) -> Iterator[Batch]:  # fmt: skip
         """Every example of a split once (padding rows weighted 0)."""
         raise NotImplementedError
 
-    def load_frozen(self, config: ml_collections.ConfigDict, frozen: Any) -> Any:
+    def load_frozen(self, frozen: Any) -> Any:
         """Frozen subtrees (host arrays, shaped like `frozen`) read from the paths the config names.
 
         Frozen parameters are never checkpointed: a resumed run reads them again from their paths."""
         return frozen
 
-    def init_params(self, config: ml_collections.ConfigDict, params: Any, frozen: Any) -> Any:
+    def init_params(self, params: Any, frozen: Any) -> Any:
         """Fresh trainable params (host arrays) adjusted before training starts (e.g. copied from `frozen`)."""
         return params
 
@@ -139,3 +136,12 @@ def check_length(config: ml_collections.ConfigDict, field: str, length: int) -> 
             f"config.data.{field}={length} (+ position_offset {offset}) is longer than the model's "
             f"positions (config.model.max_len={max_len}); shorten {field} or raise max_len"
         )
+
+
+def sentence_step_summary(config: ml_collections.ConfigDict, length_multiple: int) -> str:
+    """The start summary's "per step" of a sentence loader with `length_multiple` (`lmzoo.data.loaders.SentenceLoader`)."""
+    b, t = config.train.batch_size, config.data.seq_len
+    if length_multiple <= 0:
+        return f"{b} sentences x {t} tokens (padded) = {b * t:,} token positions"
+    return (f"{b} sentences, each batch padded to its longest sentence rounded up to {length_multiple} "
+            f"(at most {t} tokens)")  # fmt: skip

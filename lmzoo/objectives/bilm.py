@@ -3,7 +3,7 @@
 Rows are sentences of word-level text files framed by `<eos>` on both sides ("tokens" [B, S + 1]: `<eos>`, the
 words, `<eos>`); the forward direction predicts tokens 1.. from their left context, the backward direction
 tokens ..S - 1 from their right context. The loss is the mean of the two directions' per-token losses.
-Training batches are shuffled sentences of similar length (`ngram_lm.ShuffledSentences`), evaluation batches
+Training batches are shuffled sentences of similar length (`lmzoo.data.loaders.ShuffledSentences`), evaluation batches
 the split sorted by length; each is cut to its longest sentence rounded up to `length_multiple`.
 """
 
@@ -12,15 +12,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from lmzoo.data import readers
+from lmzoo.data.loaders import SentenceLoader, ShuffledSentences, length_sorted_batches, sentence_rows
 from lmzoo.objectives import base, losses
-from lmzoo.objectives.ngram_lm import (
-    SentenceLoader,
-    ShuffledSentences,
-    length_sorted_batches,
-    sentence_rows,
-    sentence_step_summary,
-)
-from lmzoo.objectives.recurrent_lm import TextFiles
 from lmzoo.trainers.state import Task
 
 
@@ -62,36 +56,37 @@ class BiLMConfig:
             raise ValueError("config.objective needs length_multiple >= 0 and length_pool >= 1")
 
 
-class BiLMObjective(TextFiles):
+class BiLMObjective(base.Objective):
     """ELMo's biLM on word-level text files (model_name "elmo")."""
 
     name = "bilm"
     Config = BiLMConfig
+    reader = readers.TEXT_FILES
 
-    def task(self, config, model):
+    def task(self, model):
         return bilm_task(model)
 
-    def step_summary(self, config):
-        return sentence_step_summary(config, self.fields(config).length_multiple)
+    def step_summary(self):
+        return base.sentence_step_summary(self.config, self.fields.length_multiple)
 
-    def input_shapes(self, config, batch_size):
-        shape = (batch_size, config.data.seq_len + 1)
+    def input_shapes(self, batch_size):
+        shape = (batch_size, self.config.data.seq_len + 1)
         return {"tokens": base.int_inputs(shape), "weights": base.float_inputs(shape)}
 
-    def _sentences(self, config, tokenizer, raw, batch_size: int, where: str, shard) -> SentenceLoader:
+    def _sentences(self, tokenizer, raw, batch_size: int, where: str, shard) -> SentenceLoader:
         ids, weights = sentence_rows(
-            self.token_ids(config, tokenizer, raw, where), tokenizer.eos_id, config.data.seq_len
+            readers.text_file_tokens(raw, tokenizer, self.config.model.vocab_size, where), tokenizer.eos_id, self.config.data.seq_len
         )
         return SentenceLoader(ids, weights, batch_size, **dataclasses.asdict(shard),
-                              length_multiple=self.fields(config).length_multiple)  # fmt: skip
+                              length_multiple=self.fields.length_multiple)  # fmt: skip
 
-    def train_loader(self, config, tokenizer, raw, shard):
-        sentences = self._sentences(config, tokenizer, raw, config.train.batch_size, "train split", shard)
-        return ShuffledSentences(sentences, config.train.seed, self.fields(config).length_pool,
+    def train_loader(self, tokenizer, raw, shard):
+        sentences = self._sentences(tokenizer, raw, self.config.train.batch_size, "train split", shard)
+        return ShuffledSentences(sentences, self.config.train.seed, self.fields.length_pool,
                                  lambda batch, rng: framed(batch, tokenizer.eos_id))  # fmt: skip
 
-    def eval_batches(self, config, tokenizer, raw, shard):
-        sentences = self._sentences(config, tokenizer, raw, config.eval.batch_size, "evaluation split", shard)
+    def eval_batches(self, tokenizer, raw, shard):
+        sentences = self._sentences(tokenizer, raw, self.config.eval.batch_size, "evaluation split", shard)
         return (framed(batch, tokenizer.eos_id) for batch in length_sorted_batches(sentences))
 
     def real_tokens(self, batch):

@@ -68,41 +68,41 @@ class WindowDenoising(base.Objective):
 
     evaluators = ("loss", "reconstruction")
 
-    def task(self, config, model):
+    def task(self, model):
         return seq2seq_task(model)
 
-    def lengths(self, config) -> tuple[int, int]:
+    def lengths(self) -> tuple[int, int]:
         """(window of original tokens, targets length)."""
         raise NotImplementedError
 
-    def noise(self, config, tokenizer: tokenizers.Tokenizer):
+    def noise(self, tokenizer: tokenizers.Tokenizer):
         """(tokens [w], rng) -> {"inputs", "targets"}, both ending in EOS."""
         raise NotImplementedError
 
-    def input_shapes(self, config, batch_size):
-        return {"inputs": base.int_inputs((batch_size, config.data.seq_len)),
-                "decoder_inputs": base.int_inputs((batch_size, self.lengths(config)[1]))}  # fmt: skip
+    def input_shapes(self, batch_size):
+        return {"inputs": base.int_inputs((batch_size, self.config.data.seq_len)),
+                "decoder_inputs": base.int_inputs((batch_size, self.lengths()[1]))}  # fmt: skip
 
     def real_tokens(self, batch):
         return seq2seq_real_tokens(batch)
 
-    def _transform(self, config, tokenizer):
+    def _transform(self, tokenizer):
         return functools.partial(
-            transforms.seq2seq_from_windows, noise=self.noise(config, tokenizer), seed=config.train.seed,
-            inputs_length=config.data.seq_len, targets_length=self.lengths(config)[1], pad_id=tokenizer.pad_id,
-            decoder_start_id=config.model.decoder_start_id,
+            transforms.seq2seq_from_windows, noise=self.noise(tokenizer), seed=self.config.train.seed,
+            inputs_length=self.config.data.seq_len, targets_length=self.lengths()[1], pad_id=tokenizer.pad_id,
+            decoder_start_id=self.config.model.decoder_start_id,
         )  # fmt: skip
 
-    def train_loader(self, config, tokenizer, raw, shard):
-        stream = pipeline.token_stream(raw, tokenizer, config.model.vocab_size, "train split")
-        return pipeline.LMLoader(stream, config.train.batch_size, self.lengths(config)[0], seed=config.train.seed,
-                                 sampler=config.data.sampler, transform=self._transform(config, tokenizer),
+    def train_loader(self, tokenizer, raw, shard):
+        stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "train split")
+        return pipeline.LMLoader(stream, self.config.train.batch_size, self.lengths()[0], seed=self.config.train.seed,
+                                 sampler=self.config.data.sampler, transform=self._transform(tokenizer),
                                  **dataclasses.asdict(shard))  # fmt: skip
 
-    def eval_batches(self, config, tokenizer, raw, shard):
-        stream = pipeline.token_stream(raw, tokenizer, config.model.vocab_size, "evaluation split")
-        return pipeline.eval_batches(stream, config.eval.batch_size, self.lengths(config)[0],
-                                     transform=self._transform(config, tokenizer), **dataclasses.asdict(shard))  # fmt: skip
+    def eval_batches(self, tokenizer, raw, shard):
+        stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "evaluation split")
+        return pipeline.eval_batches(stream, self.config.eval.batch_size, self.lengths()[0],
+                                     transform=self._transform(tokenizer), **dataclasses.asdict(shard))  # fmt: skip
 
 
 class SpanCorruption(WindowDenoising):
@@ -111,15 +111,15 @@ class SpanCorruption(WindowDenoising):
     name = "span_corruption"
     Config = SpanCorruptionConfig
 
-    def lengths(self, config):
-        o = config.objective
-        window, targets_length = noising.span_corruption_lengths(config.data.seq_len, o.noise_density, o.mean_noise_span_length)
+    def lengths(self):
+        o = self.fields
+        window, targets_length = noising.span_corruption_lengths(self.config.data.seq_len, o.noise_density, o.mean_noise_span_length)
         return window - 1, targets_length  # span_corruption_lengths counts the EOS that span_corruption appends
 
-    def noise(self, config, tokenizer):
+    def noise(self, tokenizer):
         if not getattr(tokenizer, "extra_ids", 0):
             raise ValueError("span_corruption needs sentinel tokens: use a sentencepiece tokenizer with extra_ids (e.g. 100)")
-        o = config.objective
+        o = self.fields
         return functools.partial(
             noising.span_corruption, sentinel_ids=[tokenizer.sentinel_id(i) for i in range(tokenizer.extra_ids)],
             noise_density=o.noise_density, mean_noise_span_length=o.mean_noise_span_length, eos_id=tokenizer.eos_id,
@@ -137,13 +137,13 @@ class Denoising(WindowDenoising):
     name = "denoising"
     Config = DenoisingConfig
 
-    def lengths(self, config):
-        return config.data.seq_len - 1, config.data.seq_len
+    def lengths(self):
+        return self.config.data.seq_len - 1, self.config.data.seq_len
 
-    def noise(self, config, tokenizer):
+    def noise(self, tokenizer):
         if tokenizer.mask_id is None:
             raise ValueError("BART denoising needs a mask token: e.g. sentencepiece with user_defined_symbols=['[MASK]']")
-        steps = [(name, dict(kwargs)) for name, kwargs in config.objective.noising]
+        steps = [(name, dict(kwargs)) for name, kwargs in self.fields.noising]
         specials = [i for i in tokenizer.special_ids.values() if i is not None]
         for name, kwargs in steps:
             accepted = inspect.signature(noising.NOISING[name]).parameters

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo import weights
-from lmzoo.data import pipeline, transforms
+from lmzoo.data import pipeline, readers, transforms
 from lmzoo.layers import embed_lookup
 from lmzoo.models import elmo
-from lmzoo.objectives import base, classification, losses
+from lmzoo.objectives import base, losses
 from lmzoo.trainers.state import Task
 
 FEATURES = ("elmo", "static", "scratch")
@@ -83,55 +83,57 @@ def _rows(rows, ids, epochs):
     return {**rows, "example_weights": np.ones(len(ids), np.float32)}
 
 
-class ELMoClassify(classification.LabelledTSVObjective):
+class ELMoClassify(base.Objective):
     """Frozen-feature sentence classification on (sentence, label) TSV files (data.train_path / validation_path)."""
 
     name = "elmo_classify"
     Config = ELMoClassifyConfig
+    reader = readers.LABELLED_TSV
+    loss_is_token_nll = False  # a cross-entropy per example
 
-    def check(self, config):
-        super().check(config)
-        if not config.data.tokenizer.get("path"):
+    def check(self):
+        super().check()
+        if not self.config.data.tokenizer.get("path"):
             raise ValueError("set --config.data.tokenizer.path=WORKDIR/tokenizer/words.txt of the biLM run: the "
                              "classifier must read the biLM's word ids")  # fmt: skip
-        if config.objective.features == "scratch":
-            if config.objective.bilm:
-                raise ValueError(f"config.objective.bilm={config.objective.bilm!r}: features 'scratch' reads no biLM; "
+        if self.fields.features == "scratch":
+            if self.fields.bilm:
+                raise ValueError(f"config.objective.bilm={self.fields.bilm!r}: features 'scratch' reads no biLM; "
                                  "leave it empty")  # fmt: skip
-        elif not config.objective.bilm.startswith("ckpt:"):
+        elif not self.fields.bilm.startswith("ckpt:"):
             raise ValueError(
-                f"config.objective.bilm={config.objective.bilm!r}: name the pretrained biLM as 'ckpt:WORKDIR' of a bilm run"
+                f"config.objective.bilm={self.fields.bilm!r}: name the pretrained biLM as 'ckpt:WORKDIR' of a bilm run"
             )
 
-    def model(self, config):
-        return elmo.BiLM(elmo.ELMoConfig(**config.model.to_dict()))
+    def model(self):
+        return elmo.BiLM(elmo.ELMoConfig(**self.config.model.to_dict()))
 
-    def task(self, config, model):
-        fields = self.fields(config)
+    def task(self, model):
+        fields = self.fields
         return elmo_classify_task(
             model, elmo.ELMoClassifier(fields.num_classes, fields.head_dropout_rate), fields.features
         )
 
-    def load_frozen(self, config, frozen):
-        return {"bilm": weights.merge_pretrained(frozen["bilm"], config.objective.bilm, "elmo", config.model.to_dict())}
+    def load_frozen(self, frozen):
+        return {"bilm": weights.merge_pretrained(frozen["bilm"], self.fields.bilm, "elmo", self.config.model.to_dict())}
 
-    def input_shapes(self, config, batch_size):
-        shape = (batch_size, config.data.seq_len)
+    def input_shapes(self, batch_size):
+        shape = (batch_size, self.config.data.seq_len)
         return {"tokens": base.int_inputs(shape), "weights": base.float_inputs(shape)}
 
-    def _loader(self, config, tokenizer, raw, shard, batch_size: int, where: str) -> pipeline.ExampleLoader:
+    def _loader(self, tokenizer, raw, shard, batch_size: int, where: str) -> pipeline.ExampleLoader:
         texts, labels = raw
-        examples = framed_examples([" ".join(t) for t in texts], labels, tokenizer, config.data.seq_len)
-        transforms.check_token_ids(examples["tokens"], config.model.vocab_size, where=where)
+        examples = framed_examples([" ".join(t) for t in texts], labels, tokenizer, self.config.data.seq_len)
+        transforms.check_token_ids(examples["tokens"], self.config.model.vocab_size, where=where)
         return pipeline.ExampleLoader(
-            examples, batch_size, seed=config.train.seed, transform=_rows, **dataclasses.asdict(shard)
+            examples, batch_size, seed=self.config.train.seed, transform=_rows, **dataclasses.asdict(shard)
         )
 
-    def train_loader(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, config.train.batch_size, "train split")
+    def train_loader(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")
 
-    def eval_batches(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, config.eval.batch_size, "evaluation split").eval_batches()
+    def eval_batches(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, self.config.eval.batch_size, "evaluation split").eval_batches()
 
     def real_tokens(self, batch):
         return int(np.sum(batch["weights"]))

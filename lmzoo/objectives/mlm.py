@@ -109,19 +109,19 @@ class MaskedLM(base.Objective):
     name = "mlm"
     Config = MaskedLMConfig
 
-    def task(self, config, model):
-        return masked_lm_task(model, mask_rate=config.objective.mask_rate)
+    def task(self, model):
+        return masked_lm_task(model, mask_rate=self.fields.mask_rate)
 
-    def train_loader(self, config, tokenizer, raw, shard):
-        stream = pipeline.token_stream(raw, tokenizer, config.model.vocab_size, "train split")
-        return pipeline.LMLoader(stream, config.train.batch_size, config.data.seq_len - 2, seed=config.train.seed,
-                                 sampler=config.data.sampler, transform=window_transform(config, tokenizer, self.fields(config)),
+    def train_loader(self, tokenizer, raw, shard):
+        stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "train split")
+        return pipeline.LMLoader(stream, self.config.train.batch_size, self.config.data.seq_len - 2, seed=self.config.train.seed,
+                                 sampler=self.config.data.sampler, transform=window_transform(self.config, tokenizer, self.fields),
                                  **dataclasses.asdict(shard))  # fmt: skip
 
-    def eval_batches(self, config, tokenizer, raw, shard):
-        stream = pipeline.token_stream(raw, tokenizer, config.model.vocab_size, "evaluation split")
-        return pipeline.eval_batches(stream, config.eval.batch_size, config.data.seq_len - 2,
-                                     transform=window_transform(config, tokenizer, self.fields(config)),
+    def eval_batches(self, tokenizer, raw, shard):
+        stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "evaluation split")
+        return pipeline.eval_batches(stream, self.config.eval.batch_size, self.config.data.seq_len - 2,
+                                     transform=window_transform(self.config, tokenizer, self.fields),
                                      **dataclasses.asdict(shard))  # fmt: skip
 
 
@@ -157,26 +157,36 @@ class SentencePairMLM(base.Objective):
 
     Config = SentencePairConfig
     loss_is_token_nll = False  # MLM plus the sentence-level loss
+    kind: str = ""
 
-    def __init__(self, name: str, kind: str):
-        self.name, self.kind = name, kind
-
-    def task(self, config, model):
-        o = config.objective
+    def task(self, model):
+        o = self.fields
         return masked_lm_task(model, mask_rate=o.mask_rate, sentence_loss_weight=o.sentence_loss_weight)
 
-    def _loader(self, config, tokenizer, raw, shard, *, train: bool) -> pipeline.ExampleLoader:
-        fields = self.fields(config)
-        settings = mask_settings(tokenizer, fields, config.train.seed)
-        pairs = make_pair_examples(raw, tokenizer, kind=self.kind, max_len=config.data.seq_len,
-                                   seed=config.train.seed + (0 if train else 1),
+    def _loader(self, tokenizer, raw, shard, *, train: bool) -> pipeline.ExampleLoader:
+        fields = self.fields
+        settings = mask_settings(tokenizer, fields, self.config.train.seed)
+        pairs = make_pair_examples(raw, tokenizer, kind=self.kind, max_len=self.config.data.seq_len,
+                                   seed=self.config.train.seed + (0 if train else 1),
                                    count=fields.num_pair_examples if train else fields.num_eval_pairs)  # fmt: skip
         transform = functools.partial(masked_pairs, mask=functools.partial(transforms.mask_rows, **settings))
-        batch_size = config.train.batch_size if train else config.eval.batch_size
-        return pipeline.ExampleLoader(pairs, batch_size, seed=config.train.seed, transform=transform, **dataclasses.asdict(shard))
+        batch_size = self.config.train.batch_size if train else self.config.eval.batch_size
+        return pipeline.ExampleLoader(pairs, batch_size, seed=self.config.train.seed, transform=transform, **dataclasses.asdict(shard))
 
-    def train_loader(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, train=True)
+    def train_loader(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, train=True)
 
-    def eval_batches(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, train=False).eval_batches()
+    def eval_batches(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, train=False).eval_batches()
+
+
+class NextSentenceMLM(SentencePairMLM):
+    """BERT's pretraining: MLM + next-sentence prediction."""
+
+    name, kind = "mlm_nsp", "nsp"
+
+
+class SentenceOrderMLM(SentencePairMLM):
+    """ALBERT's pretraining: MLM + sentence-order prediction."""
+
+    name, kind = "mlm_sop", "sop"

@@ -22,7 +22,8 @@ import jax
 import numpy as np
 
 from lmzoo import decoding, models, weights
-from lmzoo.data import comparisons, pipeline, transforms
+from lmzoo.data import comparisons, pipeline, readers, transforms
+from lmzoo.data.loaders import PromptsAndDemonstrations
 from lmzoo.models import heads
 from lmzoo.objectives import base, causal_lm, sft
 from lmzoo.rl import policy_gradient, reward
@@ -122,133 +123,117 @@ def _as_batch(rows, ids, epochs):
     return dict(rows)
 
 
-@dataclasses.dataclass(frozen=True)
-class PromptsAndDemonstrations:
-    """PPO-ptx training batches: the rollout prompts and packed SFT demonstrations (keys prefixed "ptx_"), each
-    loader's batch a function of the step, so a resumed run reads the same demonstrations."""
-
-    prompts: pipeline.ExampleLoader
-    demonstrations: pipeline.ExampleLoader
-
-    @property
-    def dataset_size(self) -> str:
-        return f"{self.prompts.num_examples:,} prompts + {self.demonstrations.num_examples:,} packed demonstration rows"
-
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        rows = self.demonstrations.batch(step)
-        return {**self.prompts.batch(step), **{PTX_PREFIX + k: v for k, v in rows.items()}}
-
-
-class PPO(sft.ComparisonObjective):
+class PPO(base.Objective):
     """RLHF against a frozen reward model from the SFT policy (see the module docstring)."""
 
     name = "ppo"
     Config = PPOConfig
+    reader = readers.COMPARISONS
     loss_is_token_nll = False  # the policy-gradient surrogate
 
-    def check(self, config):
-        o = self.fields(config)
-        base.check_length(config, "prompt_len + response_len", o.prompt_len + o.response_len)
+    def check(self):
+        o = self.fields
+        base.check_length(self.config, "prompt_len + response_len", o.prompt_len + o.response_len)
         for field in ("sft", "reward_model"):
             if not getattr(o, field).startswith("ckpt:"):
                 raise ValueError(
                     f"config.objective.{field}={getattr(o, field)!r}: set it to 'ckpt:WORKDIR' of the {field} run"
                 )
-        rollout_rows = config.train.batch_size * o.samples_per_prompt
+        rollout_rows = self.config.train.batch_size * o.samples_per_prompt
         if rollout_rows % o.minibatches:
             raise ValueError(f"train.batch_size x samples_per_prompt = {rollout_rows} rollout rows must split into "
                              f"config.objective.minibatches={o.minibatches} equal minibatches")  # fmt: skip
         if o.ptx_coef > 0:
-            base.check_length(config, "seq_len", config.data.seq_len)
+            base.check_length(self.config, "seq_len", self.config.data.seq_len)
             if o.ptx_batch_size % o.minibatches:
                 raise ValueError(f"config.objective.ptx_batch_size={o.ptx_batch_size} must split into "
                                  f"config.objective.minibatches={o.minibatches} equal parts")  # fmt: skip
 
-    def value_problems(self, config, *, data_parallel_size, batches):
+    def value_problems(self, *, data_parallel_size, batches):
         """PPO-ptx demonstration rows come in the batch, sharded over the data-parallel devices like its prompts. (The
         minibatch parts of the rollout and of the demonstrations need not split evenly: the partitioner pads them.)"""
-        o = self.fields(config)
+        o = self.fields
         if not batches or o.ptx_coef == 0 or o.ptx_batch_size % data_parallel_size == 0:
             return []
         fit = max(data_parallel_size, o.ptx_batch_size // data_parallel_size * data_parallel_size)
         return [f"objective.ptx_batch_size={o.ptx_batch_size} must be a multiple of the {data_parallel_size} "
                 f"data-parallel devices; set --config.objective.ptx_batch_size={fit}"]  # fmt: skip
 
-    def model(self, config):
-        decoder = super().model(config)
-        if self.fields(config).value_model == "head":
+    def model(self):
+        decoder = super().model()
+        if self.fields.value_model == "head":
             return heads.LMWithValueHead(decoder)
-        backbone = models.build_model(config.model_name, config.model.to_dict())  # its own trunk, not shared
+        backbone = models.build_model(self.config.model_name, self.config.model.to_dict())  # its own trunk, not shared
         return heads.LMWithValueModel(decoder, reward.value_model(backbone))
 
-    def trainer(self, config, model):
-        tokenizer = sft.fixed_tokenizer(config)
+    def trainer(self, model):
+        tokenizer = sft.fixed_tokenizer(self.config)
         if tokenizer.eos_id is None or tokenizer.eos_id == tokenizer.pad_id:
             raise ValueError(
                 "PPO stops responses at <eos>: config.data.tokenizer needs an <eos> id distinct from <pad> (e.g. kind='byte')"
             )
-        tx, schedule = optim.make_optimizer(config.optim)
+        tx, schedule = optim.make_optimizer(self.config.optim)
         reward_model = reward.reward_model(
-            models.build_model(config.model_name, config.model.to_dict()), config.model.emb_dim
+            models.build_model(self.config.model_name, self.config.model.to_dict()), self.config.model.emb_dim
         )
-        o = self.fields(config)
+        o = self.fields
         ptx_loss = causal_lm.causal_lm_task(model.decoder).loss if o.ptx_coef > 0 else None
         return PPOTrainer(policy=model, reward_model=reward_model, settings=RLSettings.of(o), tx=tx, schedule=schedule,
-                          batch_size=config.train.batch_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                          batch_size=self.config.train.batch_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                           ptx_loss=ptx_loss)  # fmt: skip
 
-    def step_summary(self, config):
-        o = self.fields(config)
-        ptx = f"; + {o.ptx_batch_size} demonstration rows x {config.data.seq_len} tokens" if o.ptx_coef > 0 else ""
-        return (f"{config.train.batch_size} prompts x {o.samples_per_prompt} sampled response(s): {o.prompt_len} prompt + "
+    def step_summary(self):
+        o = self.fields
+        ptx = f"; + {o.ptx_batch_size} demonstration rows x {self.config.data.seq_len} tokens" if o.ptx_coef > 0 else ""
+        return (f"{self.config.train.batch_size} prompts x {o.samples_per_prompt} sampled response(s): {o.prompt_len} prompt + "
                 f"{o.response_len} response tokens each, {o.epochs} epoch(s) of {o.minibatches} minibatch updates{ptx}")  # fmt: skip
 
-    def input_shapes(self, config, batch_size):
-        shape = (batch_size, config.objective.prompt_len)
+    def input_shapes(self, batch_size):
+        shape = (batch_size, self.fields.prompt_len)
         shapes = {"prompts": base.int_inputs(shape), "prompt_mask": base.int_inputs(shape)}
-        o = self.fields(config)
+        o = self.fields
         if o.ptx_coef > 0:
-            rows = (o.ptx_batch_size, config.data.seq_len)
+            rows = (o.ptx_batch_size, self.config.data.seq_len)
             for key in ("inputs", "targets", "segment_ids", "positions"):
                 shapes[PTX_PREFIX + key] = base.int_inputs(rows)
             shapes[PTX_PREFIX + "weights"] = base.float_inputs(rows)
         return shapes
 
-    def _prompts(self, config, raw, where):
-        tokenizer = sft.fixed_tokenizer(config)
-        arrays = comparisons.prompt_arrays(_unique_prompts(raw), tokenizer.encode, prompt_len=config.objective.prompt_len,
+    def _prompts(self, raw, where):
+        tokenizer = sft.fixed_tokenizer(self.config)
+        arrays = comparisons.prompt_arrays(_unique_prompts(raw), tokenizer.encode, prompt_len=self.fields.prompt_len,
                                            pad_id=tokenizer.pad_id)  # fmt: skip
-        transforms.check_token_ids(arrays["prompts"], config.model.vocab_size, where=where)
+        transforms.check_token_ids(arrays["prompts"], self.config.model.vocab_size, where=where)
         return arrays
 
-    def train_loader(self, config, tokenizer, raw, shard):
-        prompts = pipeline.ExampleLoader(self._prompts(config, raw, "train split"), config.train.batch_size,
-                                         seed=config.train.seed, transform=_as_batch, **dataclasses.asdict(shard))  # fmt: skip
-        o = self.fields(config)
+    def train_loader(self, tokenizer, raw, shard):
+        prompts = pipeline.ExampleLoader(self._prompts(raw, "train split"), self.config.train.batch_size,
+                                         seed=self.config.train.seed, transform=_as_batch, **dataclasses.asdict(shard))  # fmt: skip
+        o = self.fields
         if o.ptx_coef == 0:
             return prompts
-        demonstrations = pipeline.ExampleLoader(sft.sft_examples(raw, tokenizer, config, "train split"), o.ptx_batch_size,
-                                                seed=config.train.seed, transform=_as_batch, **dataclasses.asdict(shard))  # fmt: skip
-        return PromptsAndDemonstrations(prompts, demonstrations)
+        demonstrations = pipeline.ExampleLoader(sft.sft_examples(raw, tokenizer, self.config, "train split"), o.ptx_batch_size,
+                                                seed=self.config.train.seed, transform=_as_batch, **dataclasses.asdict(shard))  # fmt: skip
+        return PromptsAndDemonstrations(prompts, demonstrations, PTX_PREFIX)
 
-    def eval_batches(self, config, tokenizer, raw, shard):
-        return pipeline.ExampleLoader(self._prompts(config, raw, "evaluation split"), config.eval.batch_size, seed=0,
+    def eval_batches(self, tokenizer, raw, shard):
+        return pipeline.ExampleLoader(self._prompts(raw, "evaluation split"), self.config.eval.batch_size, seed=0,
                                       transform=_as_batch, **dataclasses.asdict(shard)).eval_batches()  # fmt: skip
 
     def real_tokens(self, batch):
         return int(np.sum(batch["prompt_mask"]))
 
-    def load_frozen(self, config, frozen):
+    def load_frozen(self, frozen):
         """The SFT reference and the reward model from their workdirs, and the reward normalisation (gain, bias) that
         gives `normalize_samples` SFT samples on training prompts mean 0 and std 1 (a fixed key: the same at every start)."""
-        o = self.fields(config)
-        reference = weights.merge_pretrained(frozen["reference"], o.sft, config.model_name, config.model.to_dict())
+        o = self.fields
+        reference = weights.merge_pretrained(frozen["reference"], o.sft, self.config.model_name, self.config.model.to_dict())
         reward_params = weights.checkpoint_params(o.reward_model.removeprefix("ckpt:"))
         expected, loaded = jax.tree.map(np.shape, frozen["reward"]), jax.tree.map(np.shape, reward_params)
         if expected != loaded:
             raise ValueError(f"the reward model in {o.reward_model} does not fit config.model (a reward_model run on the same "
                              f"backbone config is needed): its parameter shapes {loaded} vs {expected}")  # fmt: skip
-        gain, bias = self.fit_normalization(config, reference, reward_params)
+        gain, bias = self.fit_normalization(reference, reward_params)
         return {
             "reference": reference,
             "reward": reward_params,
@@ -256,10 +241,10 @@ class PPO(sft.ComparisonObjective):
             "reward_bias": np.float32(bias),
         }
 
-    def fit_normalization(self, config, reference, reward_params) -> tuple[float, float]:
-        o = self.fields(config)
-        trainer = self.trainer(config, self.model(config))
-        prompts = self._prompts(config, self.read(config)["train"], "train split")
+    def fit_normalization(self, reference, reward_params) -> tuple[float, float]:
+        o = self.fields
+        trainer = self.trainer(self.model())
+        prompts = self._prompts(self.read()["train"], "train split")
         prompts = {k: v[: o.normalize_samples] for k, v in prompts.items()}
 
         @jax.jit
@@ -277,12 +262,12 @@ class PPO(sft.ComparisonObjective):
               f"std {float(np.std(scores)):.4f} -> gain {float(gain):.4f} bias {float(bias):.4f}")  # fmt: skip
         return float(gain), float(bias)
 
-    def init_params(self, config, params, frozen):
+    def init_params(self, params, frozen):
         """The policy's decoder starts as the SFT reference. The value head stays at zero; a separate value network
         starts as the reward model with its head rescaled by the reward normalisation (gain·head + bias, so its
         value at a sequence's last token is the normalised score), or as the SFT trunk under a zero head."""
         params = {**params, "decoder": jax.tree.map(np.array, frozen["reference"])}
-        value_model = self.fields(config).value_model
+        value_model = self.fields.value_model
         if value_model == "reward":
             head, gain, bias = frozen["reward"]["classifier"], frozen["reward_gain"], frozen["reward_bias"]
             params["value_model"] = {

@@ -13,111 +13,17 @@ line (Mikolov's PTB files); `eval.py --data=FILE` scores another such file (the 
 """
 
 import dataclasses
-import math
-import pathlib
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from lmzoo.data import transforms
+from lmzoo.data import readers
+from lmzoo.data.loaders import StreamLoader, stream_eval_batches
 from lmzoo.objectives import base, losses
 from lmzoo.trainers import supervised
 from lmzoo.trainers.state import Task
-
-
-class TextFiles(base.Objective):
-    """Language modelling on whole text files: train and validation are config.data.{train,validation}_path."""
-
-    def check(self, config):
-        super().check(config)
-        for field in ("train_path", "validation_path"):
-            path = config.data[field]
-            if not path or not pathlib.Path(path).is_file():
-                raise ValueError(f"config.data.{field}={path!r} is not a file; objective {self.name!r} reads "
-                                 "one text file per split (e.g. ptb.train.txt and ptb.valid.txt)")  # fmt: skip
-
-    def read(self, config):
-        return {split: self.read_file(config, config.data[f"{split}_path"]) for split in ("train", "validation")}
-
-    def read_file(self, config, path):
-        return [pathlib.Path(path).read_text(encoding="utf-8")]
-
-    def token_ids(self, config, tokenizer, raw, where: str) -> np.ndarray:
-        """The split's files as one [N] int32 stream (a word tokenizer ends every line with <eos>)."""
-        ids = np.concatenate([np.asarray(tokenizer.encode(text), dtype=np.int32) for text in raw])
-        transforms.check_token_ids(ids, config.model.vocab_size, where=where)
-        return ids
-
-
-def stream_rows(tokens: np.ndarray, rows: int, *, pad: bool) -> tuple[np.ndarray, np.ndarray]:
-    """[N] stream -> (ids [rows, R + 1], weights [rows, R]): row r continues where row r - 1 stops.
-
-    pad=False drops the tail that does not fill every row (training, as Zaremba et al.); pad=True keeps
-    every target (R = ceil((N - 1) / rows), padded targets weighted 0). Consecutive rows share one
-    token, the last input of one being the first of the next.
-    """
-    targets = len(tokens) - 1
-    length = -(-targets // rows) if pad else targets // rows
-    if length < 1:
-        raise ValueError(f"a stream of {len(tokens)} tokens is too short for {rows} rows")
-    padded = np.concatenate([tokens, np.zeros(max(rows * length + 1 - len(tokens), 0), tokens.dtype)])
-    starts = np.arange(rows)[:, None] * length
-    ids = padded[starts + np.arange(length + 1)]
-    weights = (starts + np.arange(length) < targets).astype(np.float32)
-    return ids, weights
-
-
-def window(ids: np.ndarray, weights: np.ndarray, index: int, seq_len: int) -> dict[str, np.ndarray]:
-    """Window `index` of every row: inputs, targets, weights [B, T] (padded with weight 0), reset [B]."""
-    start = index * seq_len
-    pad = lambda x: np.pad(x, ((0, 0), (0, seq_len - x.shape[1])))  # noqa: E731
-    inputs = pad(ids[:, start : start + seq_len])
-    targets = pad(ids[:, start + 1 : start + seq_len + 1])
-    w = pad(weights[:, start : start + seq_len])
-    reset = np.full(ids.shape[0], float(index == 0), np.float32)
-    return {"inputs": inputs, "targets": targets, "weights": w, "reset": reset}
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamLoader:
-    """Training batches: step s reads window s mod windows_per_epoch of every contiguous row.
-
-    Each process holds its own rows of the global batch (rows stay whole streams)."""
-
-    tokens: np.ndarray
-    batch_size: int
-    seq_len: int
-    process_index: int = 0
-    process_count: int = 1
-
-    def __post_init__(self):
-        ids, weights = stream_rows(self.tokens, self.batch_size, pad=False)
-        if self.batch_size % self.process_count:
-            raise ValueError(f"batch_size {self.batch_size} is not divisible by {self.process_count} processes")
-        local = self.batch_size // self.process_count
-        mine = slice(self.process_index * local, (self.process_index + 1) * local)
-        object.__setattr__(self, "_ids", ids[mine])
-        object.__setattr__(self, "_weights", weights[mine])
-
-    @property
-    def windows_per_epoch(self) -> int:
-        """Whole windows of every row (Zaremba's epoch_size = (row_len - 1) // num_steps)."""
-        return (self._ids.shape[1] - 1) // self.seq_len
-
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        return window(self._ids, self._weights, step % self.windows_per_epoch, self.seq_len)
-
-
-def stream_eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, shard: base.Shard):
-    """Every target of a split once: consecutive windows of `batch_size` contiguous rows (this process's rows)."""
-    ids, weights = stream_rows(tokens, batch_size, pad=True)
-    local = batch_size // shard.process_count
-    mine = slice(shard.process_index * local, (shard.process_index + 1) * local)
-    for index in range(math.ceil(weights.shape[1] / seq_len)):
-        yield window(ids[mine], weights[mine], index, seq_len)
 
 
 def recurrent_lm_task(model: nn.Module, *, sum_over_time: bool) -> Task:
@@ -178,43 +84,44 @@ class RecurrentLMConfig:
             raise ValueError(f"config.objective.lr_decay={self.lr_decay} must lie in (0, 1]")
 
 
-class RecurrentLM(TextFiles):
+class RecurrentLM(base.Objective):
     """An LSTM LM trained by truncated BPTT over contiguous row streams with SGD (config.optim.name "sgd")."""
 
     name = "recurrent_lm"
     Config = RecurrentLMConfig
     evaluators = ("loss", "recurrent_samples")
+    reader = readers.TEXT_FILES
 
-    def check(self, config):
-        super().check(config)
-        if config.optim.name != "sgd":
+    def check(self):
+        super().check()
+        if self.config.optim.name != "sgd":
             raise ValueError(
-                f"objective 'recurrent_lm' trains with SGD: set config.optim.name='sgd' (got {config.optim.name!r})"
+                f"objective 'recurrent_lm' trains with SGD: set config.optim.name='sgd' (got {self.config.optim.name!r})"
             )
 
-    def task(self, config, model):
-        return recurrent_lm_task(model, sum_over_time=self.fields(config).sum_over_time)
+    def task(self, model):
+        return recurrent_lm_task(model, sum_over_time=self.fields.sum_over_time)
 
-    def trainer(self, config, model):
-        fields = self.fields(config)
+    def trainer(self, model):
+        fields = self.fields
         schedule = epoch_decay_schedule(
-            config.optim.learning_rate, fields.epoch_steps, fields.decay_start_epoch, fields.lr_decay
+            self.config.optim.learning_rate, fields.epoch_steps, fields.decay_start_epoch, fields.lr_decay
         )
-        clip = optax.clip_by_global_norm(config.optim.grad_clip) if config.optim.grad_clip > 0 else optax.identity()
+        clip = optax.clip_by_global_norm(self.config.optim.grad_clip) if self.config.optim.grad_clip > 0 else optax.identity()
         tx = optax.chain(clip, optax.sgd(schedule))
         return supervised.SupervisedTrainer(
-            self.task(config, model), tx, schedule, self.input_shapes(config, config.train.batch_size)
+            self.task(model), tx, schedule, self.input_shapes(self.config.train.batch_size)
         )
 
-    def train_loader(self, config, tokenizer, raw, shard):
-        loader = StreamLoader(self.token_ids(config, tokenizer, raw, "train split"), config.train.batch_size,
-                              config.data.seq_len, **dataclasses.asdict(shard))  # fmt: skip
-        epoch_steps = self.fields(config).epoch_steps
+    def train_loader(self, tokenizer, raw, shard):
+        loader = StreamLoader(readers.text_file_tokens(raw, tokenizer, self.config.model.vocab_size, "train split"), self.config.train.batch_size,
+                              self.config.data.seq_len, **dataclasses.asdict(shard))  # fmt: skip
+        epoch_steps = self.fields.epoch_steps
         if epoch_steps and epoch_steps != loader.windows_per_epoch:
             raise ValueError(f"config.objective.epoch_steps={epoch_steps}, but an epoch of this data is "
                              f"{loader.windows_per_epoch} steps; set --config.objective.epoch_steps={loader.windows_per_epoch}")  # fmt: skip
         return loader
 
-    def eval_batches(self, config, tokenizer, raw, shard):
-        tokens = self.token_ids(config, tokenizer, raw, "evaluation split")
-        return stream_eval_batches(tokens, config.eval.batch_size, config.data.seq_len, shard)
+    def eval_batches(self, tokenizer, raw, shard):
+        tokens = readers.text_file_tokens(raw, tokenizer, self.config.model.vocab_size, "evaluation split")
+        return stream_eval_batches(tokens, self.config.eval.batch_size, self.config.data.seq_len, shard)

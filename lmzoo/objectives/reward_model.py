@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmzoo.data import comparisons, pipeline, transforms
+from lmzoo.data import comparisons, pipeline, readers, transforms
 from lmzoo.objectives import base, sft
 from lmzoo.rl import reward
 from lmzoo.trainers.state import Task
@@ -65,37 +65,38 @@ def reward_examples(raw: list[comparisons.Comparison], tokenizer, config, where:
     return {**arrays, "lengths": np.sum(arrays["tokens"] != tokenizer.pad_id, axis=-1).astype(np.int32)}
 
 
-class RewardModel(sft.ComparisonObjective):
+class RewardModel(base.Objective):
     """A scalar-headed backbone trained on the comparisons of `data.path`, held-out pairwise accuracy next to a length baseline."""
 
     name = "reward_model"
     Config = RewardModelConfig
+    reader = readers.COMPARISONS
     loss_is_token_nll = False  # -log sigmoid of reward margins
     evaluators = ("loss", "preference")
 
-    def model(self, config):
-        return reward.reward_model(super().model(config), config.model.emb_dim)
+    def model(self):
+        return reward.reward_model(super().model(), self.config.model.emb_dim)
 
-    def task(self, config, model):
-        return reward_model_task(model, pad_id=sft.fixed_tokenizer(config).pad_id)
+    def task(self, model):
+        return reward_model_task(model, pad_id=sft.fixed_tokenizer(self.config).pad_id)
 
-    def input_shapes(self, config, batch_size):
-        k = config.objective.max_responses
+    def input_shapes(self, batch_size):
+        k = self.fields.max_responses
         return {
-            "tokens": base.int_inputs((batch_size, k, config.data.seq_len)),
+            "tokens": base.int_inputs((batch_size, k, self.config.data.seq_len)),
             "ranks": base.int_inputs((batch_size, k)),
             "valid": jax.ShapeDtypeStruct((batch_size, k), jnp.bool_),
         }
 
-    def _loader(self, config, tokenizer, raw, shard, batch_size, where):
-        return pipeline.ExampleLoader(reward_examples(raw, tokenizer, config, where), batch_size, seed=config.train.seed,
+    def _loader(self, tokenizer, raw, shard, batch_size, where):
+        return pipeline.ExampleLoader(reward_examples(raw, tokenizer, self.config, where), batch_size, seed=self.config.train.seed,
                                       transform=lambda rows, ids, epochs: dict(rows), **dataclasses.asdict(shard))  # fmt: skip
 
-    def train_loader(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, config.train.batch_size, "train split")
+    def train_loader(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")
 
-    def eval_batches(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, config.eval.batch_size, "evaluation split").eval_batches()
+    def eval_batches(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, self.config.eval.batch_size, "evaluation split").eval_batches()
 
     def real_tokens(self, batch):
         return int(np.sum(batch["lengths"]))

@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 
 from lmzoo import tokenizers
-from lmzoo.data import comparisons, pipeline, transforms
+from lmzoo.data import comparisons, pipeline, readers, transforms
 from lmzoo.objectives import base, causal_lm
 
 
@@ -30,26 +30,6 @@ class ComparisonSplitConfig:
     def __post_init__(self):
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"config.objective.heldout_fraction={self.heldout_fraction} must lie in (0, 1), e.g. 0.1")
-
-
-class ComparisonObjective(base.Objective):
-    """Base of the alignment stages: raw splits are the comparisons of `config.data.path` (.jsonl or .jsonl.gz)."""
-
-    Config = ComparisonSplitConfig
-
-    def read(self, config):
-        if not config.data.path:
-            raise ValueError(
-                f"objective {self.name!r} reads comparisons: set --config.data.path=FILE.jsonl(.gz) (HH-RLHF format)"
-            )
-        o = self.fields(config)
-        return comparisons.read_splits(config.data.path, o.heldout_fraction, o.split_seed)
-
-    def read_file(self, config, path):
-        return comparisons.read_comparisons(path)
-
-    def corpus(self, raw):
-        return [c.prompt + c.chosen for c in raw] + [c.rejected for c in raw]
 
 
 def fixed_tokenizer(config) -> tokenizers.Tokenizer:
@@ -91,31 +71,33 @@ def _as_batch(rows, ids, epochs):
     return dict(rows)
 
 
-class SFT(ComparisonObjective):
+class SFT(base.Objective):
     """A decoder fine-tuned on prompt -> chosen reply, packed, with the loss on reply tokens only."""
 
     name = "sft"
+    Config = ComparisonSplitConfig
+    reader = readers.COMPARISONS
 
-    def task(self, config, model):
+    def task(self, model):
         return causal_lm.causal_lm_task(model)
 
-    def input_shapes(self, config, batch_size):
-        shape = (batch_size, config.data.seq_len)
+    def input_shapes(self, batch_size):
+        shape = (batch_size, self.config.data.seq_len)
         return {
             "inputs": base.int_inputs(shape),
             "positions": base.int_inputs(shape),
             "segment_ids": base.int_inputs(shape),
         }
 
-    def _loader(self, config, tokenizer, raw, shard, batch_size, where):
-        return pipeline.ExampleLoader(sft_examples(raw, tokenizer, config, where), batch_size, seed=config.train.seed,
+    def _loader(self, tokenizer, raw, shard, batch_size, where):
+        return pipeline.ExampleLoader(sft_examples(raw, tokenizer, self.config, where), batch_size, seed=self.config.train.seed,
                                       transform=_as_batch, **dataclasses.asdict(shard))  # fmt: skip
 
-    def train_loader(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, config.train.batch_size, "train split")
+    def train_loader(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")
 
-    def eval_batches(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, config.eval.batch_size, "evaluation split").eval_batches()
+    def eval_batches(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, self.config.eval.batch_size, "evaluation split").eval_batches()
 
     def real_tokens(self, batch):
         return int(np.count_nonzero(batch["segment_ids"]))

@@ -6,7 +6,7 @@ import functools
 import numpy as np
 
 from lmzoo import tokenizers
-from lmzoo.data import pipeline, transforms
+from lmzoo.data import pipeline, readers, transforms
 from lmzoo.objectives import base, denoising
 
 
@@ -44,49 +44,40 @@ class TextToText(base.Objective):
     `data.validation_fraction` of the pairs are held out."""
 
     name = "text_to_text"
+    reader = readers.TEXT_PAIRS
     evaluators = ("loss", "generation")
 
-    def check(self, config):
-        if config.data.source != "pairs":
+    def check(self):
+        if self.config.data.source != "pairs":
             raise ValueError("text_to_text trains on (source, target) pairs: set config.data.source='pairs'")
-        base.check_length(config, "seq_len", config.data.seq_len)
-        base.check_length(config, "target_seq_len", config.data.target_seq_len)
+        base.check_length(self.config, "seq_len", self.config.data.seq_len)
+        base.check_length(self.config, "target_seq_len", self.config.data.target_seq_len)
 
-    def value_problems(self, config, *, data_parallel_size, batches):
-        if config.data.target_seq_len >= 1:
+    def value_problems(self, *, data_parallel_size, batches):
+        if self.config.data.target_seq_len >= 1:
             return []
-        return [f"config.data.target_seq_len={config.data.target_seq_len!r}: must be a positive integer; "
+        return [f"config.data.target_seq_len={self.config.data.target_seq_len!r}: must be a positive integer; "
                 "set --config.data.target_seq_len=N"]  # fmt: skip
 
-    def task(self, config, model):
+    def task(self, model):
         return denoising.seq2seq_task(model)
 
-    def read(self, config):
-        train, validation = pipeline.split_documents(self.read_file(config, config.data.path), config.data.validation_fraction)
-        return {"train": train, "validation": validation}
-
-    def read_file(self, config, path):
-        return pipeline.read_text_pairs(path, tuple(config.data.text_fields), config.data.split_marker)
-
-    def corpus(self, raw):
-        return [f"{source}\n{target}" for source, target in raw]
-
-    def input_shapes(self, config, batch_size):
-        return {"inputs": base.int_inputs((batch_size, config.data.seq_len)),
-                "decoder_inputs": base.int_inputs((batch_size, config.data.target_seq_len))}  # fmt: skip
+    def input_shapes(self, batch_size):
+        return {"inputs": base.int_inputs((batch_size, self.config.data.seq_len)),
+                "decoder_inputs": base.int_inputs((batch_size, self.config.data.target_seq_len))}  # fmt: skip
 
     def real_tokens(self, batch):
         return denoising.seq2seq_real_tokens(batch)
 
-    def _loader(self, config, tokenizer, raw, shard, batch_size: int, where: str) -> pipeline.ExampleLoader:
-        examples = text_pair_examples(raw, tokenizer, config.data.seq_len, config.data.target_seq_len)
+    def _loader(self, tokenizer, raw, shard, batch_size: int, where: str) -> pipeline.ExampleLoader:
+        examples = text_pair_examples(raw, tokenizer, self.config.data.seq_len, self.config.data.target_seq_len)
         for key in ("inputs", "targets"):
-            transforms.check_token_ids(examples[key], config.model.vocab_size, where=f"{where} {key}")
-        transform = functools.partial(text_pair_rows, pad_id=tokenizer.pad_id, decoder_start_id=config.model.decoder_start_id)
-        return pipeline.ExampleLoader(examples, batch_size, seed=config.train.seed, transform=transform, **dataclasses.asdict(shard))
+            transforms.check_token_ids(examples[key], self.config.model.vocab_size, where=f"{where} {key}")
+        transform = functools.partial(text_pair_rows, pad_id=tokenizer.pad_id, decoder_start_id=self.config.model.decoder_start_id)
+        return pipeline.ExampleLoader(examples, batch_size, seed=self.config.train.seed, transform=transform, **dataclasses.asdict(shard))
 
-    def train_loader(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, config.train.batch_size, "train")
+    def train_loader(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train")
 
-    def eval_batches(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, config.eval.batch_size, "evaluation").eval_batches()
+    def eval_batches(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, self.config.eval.batch_size, "evaluation").eval_batches()

@@ -113,7 +113,7 @@ def start_summary(run: Run, loader: Any, start: int) -> str:
         + (f" (+ {frozen:,} frozen)" if frozen else ""),
         f"data {cfg.data.source}: training split of {getattr(loader, 'dataset_size', 'unreported size')}; "
         f"tokenizer {cfg.data.tokenizer.kind} ({run.tokenizer.vocab_size} ids)",
-        f"per step: {run.objective.step_summary(cfg)}",
+        f"per step: {run.objective.step_summary()}",
         f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} process(es); mesh {mesh}",
     ]
     if cfg.optim.decay_steps > cfg.train.steps:

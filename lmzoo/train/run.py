@@ -21,14 +21,21 @@ import numpy as np
 from lmzoo import checkpoint, models, objectives, sharding, tokenizers, weights
 from lmzoo import config as config_lib
 from lmzoo import workdir as workdir_lib
+from lmzoo.data import loaders
 from lmzoo.objectives import base
 from lmzoo.trainers import base as trainers_base
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Checks the model section against its dataclass and the objective section against its objective's
-    fields (each validating its own values), then the objective's checks across sections; returns the
-    config locked. An objective chosen on the command line gets its own defaults for fields not given."""
+    """The config checked and locked (see `validated_objective`)."""
+    return validated_objective(config).config
+
+
+def validated_objective(config: ml_collections.ConfigDict) -> base.Objective:
+    """The run's objective, built once from `config` after checking the model section against its dataclass
+    and the objective section against its objective's fields (each validating its own values), then the
+    objective's checks across sections; its config is locked. An objective chosen on the command line gets
+    its own defaults for fields not given."""
     models.make_config(config.model_name, config.model.to_dict())
     objective = objectives.get(config.objective.name)
     given = {k: v for k, v in config.objective.items() if k != "name"}
@@ -39,8 +46,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                          f"its fields: {sorted(known)}")  # fmt: skip
     with config.unlocked():
         config.objective = objectives.objective_section(objective.name, **given)
-    objective.fields(config)
-    objective.check(config)
+    built = objective(config)
+    built.check()
     evaluators = tuple(config.eval.evaluators)
     if not evaluators or evaluators[0] != "loss" or "reconstruction" in evaluators:
         raise ValueError(f"config.eval.evaluators={evaluators} must start with 'loss' and may add {list(objective.evaluators[1:])} "
@@ -50,7 +57,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             raise ValueError(f"config.eval.evaluators has {name!r}, which does not apply to objective {objective.name!r}; "
                              f"its evaluators: {list(objective.evaluators)}")  # fmt: skip
     config.lock()
-    return config
+    return built
 
 
 def load_saved(workdir: str) -> ml_collections.ConfigDict:
@@ -88,8 +95,8 @@ class Run:
         return self.compiled.abstract_state.replace(frozen={})
 
     @property
-    def shard(self) -> base.Shard:
-        return base.Shard(jax.process_index(), jax.process_count())
+    def shard(self) -> loaders.Shard:
+        return loaders.Shard(jax.process_index(), jax.process_count())
 
     def context(self):
         """Mesh and rules context under which every jitted function of the run is traced and called."""
@@ -102,18 +109,18 @@ class Run:
                 raise ValueError(
                     f"unknown split {split!r}; choose one of {sorted({'train', 'validation', *self.splits})}"
                 )
-            self.splits.update(self.objective.read(self.config))
+            self.splits.update(self.objective.read())
         return self.splits[split]
 
     def add_split(self, name: str, path: str) -> None:
         """Makes the examples of a file (in the objective's format) evaluable as split `name`."""
-        self.splits[name] = self.objective.read_file(self.config, path)
+        self.splits[name] = self.objective.read_file(path)
 
     def train_loader(self):
-        return self.objective.train_loader(self.config, self.tokenizer, self.raw("train"), self.shard)
+        return self.objective.train_loader(self.tokenizer, self.raw("train"), self.shard)
 
     def eval_batches(self, split: str):
-        return self.objective.eval_batches(self.config, self.tokenizer, self.raw(split), self.shard)
+        return self.objective.eval_batches(self.tokenizer, self.raw(split), self.shard)
 
 
 def has_checkpoints(workdir: pathlib.Path) -> bool:
@@ -134,7 +141,7 @@ def _tokenizer(config: ml_collections.ConfigDict, run_splits: dict, objective: b
     kind = spec.pop("kind")
     corpus = None
     if kind in ("char", "word", "sentencepiece") and not spec.get("path"):
-        run_splits.update(objective.read(config))
+        run_splits.update(objective.read())
         corpus = objective.corpus(run_splits["train"]) + objective.corpus(run_splits["validation"])
     tokenizer = tokenizers.build_tokenizer(kind, corpus=corpus, **spec)
     if stage is not None:
@@ -156,14 +163,14 @@ def build(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.St
     stage: where a training run stages a newly built tokenizer (None: a new tokenizer is not saved).
     batches: check that batch sizes split over the mesh (False for a run opened only to restore params).
     """
-    config = validate(config)
+    objective = validated_objective(config)
+    config = objective.config
     try:
         mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape))
     except ValueError as e:
         raise ValueError(f"config.sharding.mesh_shape={tuple(config.sharding.mesh_shape)}: {e}") from None
-    objective = objectives.get(config.objective.name)
     dp = data_parallel_size(mesh)
-    more = objective.value_problems(config, data_parallel_size=dp, batches=batches)
+    more = objective.value_problems(data_parallel_size=dp, batches=batches)
     config_lib.check_values(config, data_parallel_size=dp, batches=batches, more_problems=tuple(more))
     workdir_path = pathlib.Path(workdir)
     workdir_path.mkdir(parents=True, exist_ok=True)
@@ -175,9 +182,9 @@ def build(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.St
             f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size}); set --config.model.vocab_size={tokenizer.vocab_size} (or larger)"
         )
-    model = objective.model(config)
+    model = objective.model()
     compiled = trainers_base.compile_trainer(
-        objective.trainer(config, model), mesh=mesh, rules=rules, seed=config.train.seed
+        objective.trainer(model), mesh=mesh, rules=rules, seed=config.train.seed
     )
     checkpointer = checkpoint.Checkpointer(
         str(workdir_path / "checkpoints"),
@@ -194,7 +201,7 @@ def load_frozen(run: Run) -> Any:
         return run.compiled.abstract_state.frozen
     with run.context():
         fresh = jax.device_get(run.compiled.init(jax.random.key(run.config.train.seed)).frozen)
-    return jax.device_put(run.objective.load_frozen(run.config, fresh), run.compiled.state_shardings.frozen)
+    return jax.device_put(run.objective.load_frozen(fresh), run.compiled.state_shardings.frozen)
 
 
 def restore_or_init(run: Run) -> tuple[Any, dict]:
@@ -211,7 +218,7 @@ def restore_or_init(run: Run) -> tuple[Any, dict]:
         state = run.compiled.init(jax.random.key(cfg.train.seed))
     frozen = load_frozen(run)
     fresh = jax.device_get(state.params)
-    params = run.objective.init_params(cfg, fresh, jax.device_get(frozen))
+    params = run.objective.init_params(fresh, jax.device_get(frozen))
     if cfg.get("init_from"):
         params = weights.merge_pretrained(
             params, cfg.init_from, cfg.model_name, cfg.model.to_dict(), allow_partial=cfg.init_from_partial

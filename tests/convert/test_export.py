@@ -14,7 +14,7 @@ from lmzoo import config as config_lib
 from lmzoo import testing, tokenizers
 from lmzoo.convert import bert, export, seq2seq
 from lmzoo.models import build_model, heads, make_config
-from lmzoo.objectives import classification
+from lmzoo.objectives import classify
 from lmzoo.rl import reward
 from lmzoo.train import loop
 
@@ -136,7 +136,7 @@ def test_a_classify_workdir_exports_its_classifier(tmp_path):
     assert summary["architecture"] == "GPT2ForSequenceClassification" and summary["step"] == config.train.steps
 
     loaded = lmzoo.load(str(tmp_path / "run"))
-    batch = classification.classification_examples([(s,) for s in sentences], np.zeros(4, np.int32), loaded.tokenizer,
+    batch = classify.classification_examples([(s,) for s in sentences], np.zeros(4, np.int32), loaded.tokenizer,
                                                    config.data.seq_len, "gpt")  # fmt: skip
     assert (batch["segment_ids"] == 0).any()  # right-padded rows, read at their [EXTRACT] token
     ours = loaded.model.apply({"params": loaded.params}, jnp.asarray(batch["tokens"]), segment_ids=batch["segment_ids"])

@@ -83,4 +83,4 @@ def test_an_objective_without_registered_evaluators_is_refused_by_name():
         evaluators = ("loss", "mystery")
 
     with pytest.raises(ValueError, match=r"'mystery'.*objectives it can score: \[.*'causal_lm'"):
-        evaluation.check_scorable(Unscorable())
+        evaluation.check_scorable(Unscorable)

@@ -10,8 +10,9 @@ import optax
 import pytest
 
 from lmzoo import testing
+from lmzoo.data import loaders
 from lmzoo.models import elmo
-from lmzoo.objectives import bilm, elmo_classify, ngram_lm
+from lmzoo.objectives import bilm, elmo_classify
 from lmzoo.train import loop
 from lmzoo.train import run as run_lib
 
@@ -106,14 +107,14 @@ def test_bilm_pretrains_through_the_loop(tmp_path):
 
 
 def test_bilm_batches_are_cut_to_their_longest_sentence():
-    ids, weights = ngram_lm.sentence_rows(np.array([3, 4, 15, 5, 15, 6, 7, 8, 9, 15]), 15, max_len=12)
-    loader = ngram_lm.SentenceLoader(ids, weights, 2, length_multiple=4)
+    ids, weights = loaders.sentence_rows(np.array([3, 4, 15, 5, 15, 6, 7, 8, 9, 15]), 15, max_len=12)
+    loader = loaders.SentenceLoader(ids, weights, 2, length_multiple=4)
     first, second = (bilm.framed(b, 15) for b in (loader.batch(0), loader.batch(1)))
     assert first["tokens"].shape == (2, 5)  # longest sentence 3 tokens -> 4 columns, and the leading <eos>
     np.testing.assert_array_equal(first["tokens"], [[15, 3, 4, 15, 0], [15, 5, 15, 0, 0]])
     assert second["tokens"].shape == (2, 9)  # 5 tokens -> 8 columns; the missing row weighs 0
     np.testing.assert_array_equal(second["weights"].sum(1), [6, 0])
-    assert bilm.framed(ngram_lm.SentenceLoader(ids, weights, 2).batch(0), 15)["tokens"].shape == (2, 13)
+    assert bilm.framed(loaders.SentenceLoader(ids, weights, 2).batch(0), 15)["tokens"].shape == (2, 13)
 
 
 def _classify_on_frozen_features(tmp_path, bilm_config):

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 from lmzoo import sharding, testing
+from lmzoo.data import loaders
 from lmzoo.models import lstm
 from lmzoo.objectives import recurrent_lm
 from lmzoo.train import loop
@@ -24,7 +25,7 @@ CONFIG = lstm.LSTMConfig(vocab_size=13, emb_dim=8, num_layers=2, init_scale=0.3)
 
 def _windows(stream: np.ndarray, window: int) -> list[dict]:
     """Consecutive windows of every row's stream [B, N + 1]."""
-    return [recurrent_lm.window(stream, np.ones((stream.shape[0], stream.shape[1] - 1), np.float32), i, window)
+    return [loaders.window(stream, np.ones((stream.shape[0], stream.shape[1] - 1), np.float32), i, window)
             for i in range((stream.shape[1] - 1) // window)]  # fmt: skip
 
 
@@ -59,7 +60,7 @@ def test_carry_over_consecutive_windows_equals_one_pass():
 def test_reset_zeroes_the_carry_at_an_epoch_start():
     task = recurrent_lm.recurrent_lm_task(lstm.LSTM(CONFIG), sum_over_time=False)
     tokens = np.random.default_rng(1).integers(0, 13, size=(2, 6)).astype(np.int32)
-    batch = recurrent_lm.window(tokens, np.ones((2, 5), np.float32), 0, 5)
+    batch = loaders.window(tokens, np.ones((2, 5), np.float32), 0, 5)
     params = nn.unbox(task.init(jax.random.key(0), batch)[0])
     stale = jax.tree.map(lambda x: x + 0.7, lstm.LSTM(CONFIG).initial_carry(2))
     fresh = jax.tree.map(jnp.asarray, lstm.LSTM(CONFIG).initial_carry(2))
@@ -110,7 +111,7 @@ def test_gradient_through_a_window_matches_finite_differences():
 
 def test_stream_rows_and_batches_cover_every_target_once():
     tokens = np.arange(50, dtype=np.int32)
-    loader = recurrent_lm.StreamLoader(tokens, batch_size=3, seq_len=4)
+    loader = loaders.StreamLoader(tokens, batch_size=3, seq_len=4)
     # 49 targets over 3 rows: 16 each (tail dropped); epoch = (17 - 1) // 4 = 4 windows.
     assert loader.windows_per_epoch == 4
     first, second, wrapped = loader.batch(0), loader.batch(1), loader.batch(4)
@@ -121,7 +122,7 @@ def test_stream_rows_and_batches_cover_every_target_once():
     np.testing.assert_array_equal(second["reset"], 0.0)
     np.testing.assert_array_equal(wrapped["inputs"], first["inputs"])
     for seq_len in (4, 5):  # 17 targets a row: a partial last window either way
-        batches = list(recurrent_lm.stream_eval_batches(tokens, 3, seq_len, recurrent_lm.base.Shard()))
+        batches = list(loaders.stream_eval_batches(tokens, 3, seq_len, loaders.Shard()))
         assert all(b[k].shape == (3, seq_len) for b in batches for k in ("inputs", "targets", "weights"))
         scored = np.concatenate([b["targets"][b["weights"] > 0] for b in batches])
         np.testing.assert_array_equal(np.sort(scored), np.arange(1, 50))

@@ -11,7 +11,7 @@ import pytest
 
 from lmzoo import testing
 from lmzoo.models import vae_lm
-from lmzoo.objectives import elbo
+from lmzoo.objectives import vae_lm as vae_lm_objective
 from lmzoo.train import loop
 from lmzoo.train import run as run_lib
 
@@ -33,7 +33,7 @@ def _batch():
     targets = rng.integers(0, 10, size=(4, 6)).astype(np.int32)
     weights = (np.arange(6) < np.array([[6], [4], [5], [2]])).astype(np.float32)
     targets[np.arange(4), weights.sum(1).astype(int) - 1] = 10  # each sentence ends in <eos> = 10
-    return elbo.with_inputs({"targets": targets, "weights": weights}, 10)
+    return vae_lm_objective.with_inputs({"targets": targets, "weights": weights}, 10)
 
 
 def test_importance_weighted_bound_is_above_the_elbo_and_tightens_with_k():
@@ -46,7 +46,7 @@ def test_importance_weighted_bound_is_above_the_elbo_and_tightens_with_k():
     tiled = jax.tree.map(lambda x: np.tile(x, (repeats, 1)), batch)
     means = {}
     for k in (1, 5, 50):
-        iw, bound, _, _ = elbo.importance_weighted_bound(model, params, tiled, jax.random.key(k), num_samples=k)
+        iw, bound, _, _ = vae_lm_objective.importance_weighted_bound(model, params, tiled, jax.random.key(k), num_samples=k)
         means[k] = np.asarray(iw).reshape(repeats, -1).mean(axis=0)  # [B]: E[IW_k] per sentence
         if k == 50:
             elbo_estimate = np.asarray(bound).reshape(repeats, -1).mean(axis=0)
@@ -59,12 +59,12 @@ def test_trailing_padding_changes_no_sentence_bound():
     """What lets the loaders cut each batch to its longest sentence: the bound of a sentence is the same at any width."""
     model = vae_lm.VAELM(CONFIG)
     batch = _batch()
-    wide = elbo.with_inputs({k: np.pad(batch[k], ((0, 0), (0, 10))) for k in ("targets", "weights")}, 10)
+    wide = vae_lm_objective.with_inputs({k: np.pad(batch[k], ((0, 0), (0, 10))) for k in ("targets", "weights")}, 10)
     params = model.init(jax.random.key(1), batch["targets"], batch["inputs"], batch["weights"], rng=jax.random.key(2))[
         "params"
     ]
-    narrow_bound = elbo.importance_weighted_bound(model, params, batch, jax.random.key(3), num_samples=4)
-    wide_bound = elbo.importance_weighted_bound(model, params, wide, jax.random.key(3), num_samples=4)
+    narrow_bound = vae_lm_objective.importance_weighted_bound(model, params, batch, jax.random.key(3), num_samples=4)
+    wide_bound = vae_lm_objective.importance_weighted_bound(model, params, wide, jax.random.key(3), num_samples=4)
     for narrow, wide in zip(narrow_bound, wide_bound, strict=True):
         np.testing.assert_allclose(np.asarray(narrow), np.asarray(wide), rtol=1e-6, atol=1e-6)
 
@@ -76,35 +76,35 @@ def test_without_a_latent_the_bound_is_the_decoders_exact_likelihood():
         "params"
     ]
     assert set(params) == {"embedding", "decoder", "out"}  # no encoder, no zero-size kernels
-    iw, bound, mu, kl = elbo.importance_weighted_bound(model, params, batch, jax.random.key(3), num_samples=3)
+    iw, bound, mu, kl = vae_lm_objective.importance_weighted_bound(model, params, batch, jax.random.key(3), num_samples=3)
     zeros = jnp.zeros((4, CONFIG.emb_dim))
     logits, _ = model.apply({"params": params}, mu, batch["inputs"], (zeros, zeros), method=model.decode)
-    np.testing.assert_allclose(np.asarray(iw), -np.asarray(elbo.sentence_nll(logits, batch)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(iw), -np.asarray(vae_lm_objective.sentence_nll(logits, batch)), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(bound), np.asarray(iw), rtol=1e-6)
     assert mu.shape == (4, 0) and np.all(np.asarray(kl) == 0)
 
 
 def test_kl_annealing_and_free_bits():
-    assert [float(elbo.kl_weight(s, 4)) for s in (0, 2, 4, 9)] == [0.0, 0.5, 1.0, 1.0]
-    assert float(elbo.kl_weight(0, 0)) == 1.0
+    assert [float(vae_lm_objective.kl_weight(s, 4)) for s in (0, 2, 4, 9)] == [0.0, 0.5, 1.0, 1.0]
+    assert float(vae_lm_objective.kl_weight(0, 0)) == 1.0
     kl = jnp.array([[0.1, 2.0], [0.3, 1.0]])  # per-dimension batch means 0.2 and 1.5
-    assert float(elbo.kl_term(kl, 0.0)) == pytest.approx(3.4)
-    assert float(elbo.kl_term(kl, 0.5)) == pytest.approx((0.5 + 1.5) * 2)
+    assert float(vae_lm_objective.kl_term(kl, 0.0)) == pytest.approx(3.4)
+    assert float(vae_lm_objective.kl_term(kl, 0.5)) == pytest.approx((0.5 + 1.5) * 2)
 
 
 def test_word_dropout_replaces_only_real_decoder_inputs_after_the_first():
     batch = {k: np.tile(v, (200, 1)) for k, v in _batch().items() if k != "inputs"}  # 800 sentences, 3,400 real words
-    dropped = elbo.with_dropped_words(batch, np.random.default_rng(0), bos_id=10, word_dropout=0.3, unk_id=99)
-    kept = elbo.with_inputs(batch, 10)
+    dropped = vae_lm_objective.with_dropped_words(batch, np.random.default_rng(0), bos_id=10, word_dropout=0.3, unk_id=99)
+    kept = vae_lm_objective.with_inputs(batch, 10)
     np.testing.assert_array_equal(dropped["targets"], batch["targets"])
     changed = dropped["inputs"] != kept["inputs"]
     assert np.all(dropped["inputs"][changed] == 99)
     assert not changed[:, 0].any() and not changed[batch["weights"] == 0].any()
     eligible = (batch["weights"] > 0)[:, 1:]
     assert changed[:, 1:][eligible].mean() == pytest.approx(0.3, abs=0.03)
-    again = elbo.with_dropped_words(batch, np.random.default_rng(0), bos_id=10, word_dropout=0.3, unk_id=99)
+    again = vae_lm_objective.with_dropped_words(batch, np.random.default_rng(0), bos_id=10, word_dropout=0.3, unk_id=99)
     np.testing.assert_array_equal(again["inputs"], dropped["inputs"])
-    off = elbo.with_dropped_words(batch, np.random.default_rng(0), bos_id=10, word_dropout=0.0, unk_id=None)
+    off = vae_lm_objective.with_dropped_words(batch, np.random.default_rng(0), bos_id=10, word_dropout=0.0, unk_id=None)
     np.testing.assert_array_equal(off["inputs"], kept["inputs"])
 
 
@@ -119,7 +119,7 @@ def test_word_dropout_in_the_training_loader_only(tmp_path):
     real = first["weights"][:, 1:] > 0
     assert 0.3 < np.mean(first["inputs"][:, 1:][real] == unk) < 0.7  # <unk> is ~1/15 of the corpus itself
     for batch in run.eval_batches("validation"):
-        np.testing.assert_array_equal(batch["inputs"], elbo.with_inputs(batch, run.tokenizer.eos_id)["inputs"])
+        np.testing.assert_array_equal(batch["inputs"], vae_lm_objective.with_inputs(batch, run.tokenizer.eos_id)["inputs"])
     run.checkpointer.close()
 
 

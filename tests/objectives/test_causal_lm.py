@@ -9,7 +9,7 @@ import pytest
 from flax import linen as nn
 
 from lmzoo import models, testing
-from lmzoo.objectives import causal_lm, losses
+from lmzoo.objectives import losses
 
 TINY = dict(vocab_size=97, max_len=16, emb_dim=32, num_heads=2, num_layers=2, mlp_dim=64, dropout_rate=0.0)
 
@@ -32,7 +32,7 @@ def test_fused_head_loss_matches_plain_loss_and_gradients(tie_embeddings, chunk_
     def fused(p):
         _, hidden = model.apply({"params": p}, batch["inputs"], return_hidden=True)
         embedding = model.apply({"params": p}, method=model.output_embedding)
-        return causal_lm.fused_head_loss(hidden, embedding, batch, chunk_len=chunk_len)
+        return losses.fused_head_loss(hidden, embedding, batch, chunk_len=chunk_len)
 
     (plain_value, plain_metrics), plain_grads = jax.value_and_grad(plain, has_aux=True)(params)
     (fused_value, fused_metrics), fused_grads = jax.jit(jax.value_and_grad(fused, has_aux=True))(params)
@@ -54,7 +54,7 @@ def test_fused_head_loss_gradient_of_one_input(differentiated):
         return losses.token_loss(jnp.einsum("BTD,VD->BTV", h, e), batch)[0]
 
     def fused(h, e):
-        return causal_lm.fused_head_loss(h, e, batch, chunk_len=4)[0]
+        return losses.fused_head_loss(h, e, batch, chunk_len=4)[0]
 
     argnum = {"hidden": 0, "embedding": 1}[differentiated]
     expected = jax.grad(plain, argnums=argnum)(hidden, embedding)
@@ -66,9 +66,9 @@ def test_fused_head_loss_gradient_of_one_input(differentiated):
 
 def test_chunk_len_must_divide_the_length():
     with pytest.raises(ValueError, match="must divide the sequence length 12"):
-        causal_lm.fused_head_loss(jnp.zeros((3, 12, 32)), jnp.zeros((97, 32)), _batch(), chunk_len=5)
+        losses.fused_head_loss(jnp.zeros((3, 12, 32)), jnp.zeros((97, 32)), _batch(), chunk_len=5)
 
 
 def test_default_chunk_fits_the_budget():
-    assert causal_lm.head_loss_chunk_len(16, 256, 8192, budget_bytes=8 << 20) == 16
-    assert causal_lm.head_loss_chunk_len(1, 7, 10**9) == 1
+    assert losses.head_loss_chunk_len(16, 256, 8192, budget_bytes=8 << 20) == 16
+    assert losses.head_loss_chunk_len(1, 7, 10**9) == 1

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from lmzoo import testing
-from lmzoo.data import pipeline
+from lmzoo.data import loaders, pipeline
 from lmzoo.models import ngram
-from lmzoo.objectives import ngram_lm
 from lmzoo.tokenizers import WordTokenizer
 from lmzoo.train import loop
 from lmzoo.train import run as run_lib
@@ -29,7 +28,7 @@ def _sentences(seed: int, count: int, vocab: int = 12, eos: int = 12) -> np.ndar
 def test_merging_batches_into_the_table_equals_counting_the_stream():
     order, eos, vocab = 3, 12, 13
     stream = _sentences(0, 48)  # three batches of 16: one compilation
-    ids, weights = ngram_lm.sentence_rows(stream, eos, max_len=8)
+    ids, weights = loaders.sentence_rows(stream, eos, max_len=8)
     table = jnp.zeros((256, order), jnp.int32), jnp.zeros((256,), jnp.float32)
     merge = jax.jit(functools.partial(counting.merge_into_table, vocab_size=vocab))
     for first in range(0, len(ids), 16):
@@ -55,8 +54,8 @@ def test_length_bucketed_batches_read_each_sentence_once_an_epoch_and_cut_the_pa
     ids, weights = _rows_of_lengths(lengths, max_len)
 
     def shuffled(pool_batches, length_multiple=8, **shard):
-        loader = ngram_lm.SentenceLoader(ids, weights, size, **shard, length_multiple=length_multiple)
-        return ngram_lm.ShuffledSentences(loader, seed=3, pool_batches=pool_batches)
+        loader = loaders.SentenceLoader(ids, weights, size, **shard, length_multiple=length_multiple)
+        return loaders.ShuffledSentences(loader, seed=3, pool_batches=pool_batches)
 
     sorted_pools, unsorted = shuffled(4), shuffled(1)
     for epoch in range(2):
@@ -82,7 +81,7 @@ def test_length_bucketed_batches_read_each_sentence_once_an_epoch_and_cut_the_pa
 def test_length_sorted_evaluation_batches_hold_every_sentence_once():
     lengths = np.random.default_rng(1).integers(1, 30, size=21)
     ids, weights = _rows_of_lengths(lengths, 32)
-    batches = list(ngram_lm.length_sorted_batches(ngram_lm.SentenceLoader(ids, weights, 4, length_multiple=4)))
+    batches = list(loaders.length_sorted_batches(loaders.SentenceLoader(ids, weights, 4, length_multiple=4)))
     assert len(batches) == 6
     seen = np.concatenate([b["targets"][:, 0] for b in batches])
     assert sorted(seen[seen > 0] - 1) == list(range(21))  # the last batch's 3 missing rows weigh 0
@@ -92,7 +91,7 @@ def test_length_sorted_evaluation_batches_hold_every_sentence_once():
 
 def test_sentence_rows_reject_a_sentence_longer_than_seq_len():
     with pytest.raises(ValueError, match="has 4 tokens with its <eos>, more than config.data.seq_len=3; raise"):
-        ngram_lm.sentence_rows(np.array([0, 1, 2, 9, 4, 9]), 9, max_len=3)
+        loaders.sentence_rows(np.array([0, 1, 2, 9, 4, 9]), 9, max_len=3)
 
 
 def _corpus(tmp_path: pathlib.Path, smoothing: str):

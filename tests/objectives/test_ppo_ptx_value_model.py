@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from lmzoo import config as config_lib
-from lmzoo import models, objectives, testing
+from lmzoo import models, testing
 from lmzoo.models import heads
 from lmzoo.objectives import causal_lm
 from lmzoo.objectives import ppo as ppo_objective
@@ -102,12 +102,11 @@ def test_separate_value_network_shares_nothing_with_the_policy():
 def test_separate_value_network_starts_from_the_reward_model_or_the_sft_trunk(value_model):
     config = config_lib.load_config_file(ROOT / "configs" / "hh_ppo.py", "tiny,value_model")
     config.objective.update(sft="ckpt:unused", reward_model="ckpt:unused", value_model=value_model)
-    config = run_lib.validate(config)
-    objective = objectives.get("ppo")
-    trainer = objective.trainer(config, objective.model(config))
+    objective = run_lib.validated_objective(config)
+    trainer = objective.trainer(objective.model())
     state = jax.device_get(nn.unbox(jax.jit(trainer.init)(jax.random.key(0))))
     frozen = {**state.frozen, "reward_gain": np.float32(1.7), "reward_bias": np.float32(-0.3)}
-    params = objective.init_params(config, state.params, frozen)
+    params = objective.init_params(state.params, frozen)
     tokens = jnp.asarray(testing.random_tokens((3, 12), vocab_size=256, seed=5))
     _, values = trainer.policy.apply({"params": params}, tokens)
     jax.tree.map(np.testing.assert_array_equal, params["decoder"], frozen["reference"])

@@ -70,8 +70,8 @@ class CountingTrainer:
 class Counting(causal_lm.CausalLM):
     name = "test_counting"
 
-    def trainer(self, config, model):
-        return CountingTrainer(config.model.vocab_size)
+    def trainer(self, model):
+        return CountingTrainer(self.config.model.vocab_size)
 
 
 def _two_head_task(model) -> Task:
@@ -126,9 +126,9 @@ class InnerUpdatesTrainer(supervised.SupervisedTrainer):
 class InnerUpdates(causal_lm.CausalLM):
     name = "test_inner_updates"
 
-    def trainer(self, config, model):
-        tx, schedule = optim.make_optimizer(config.optim)
-        return InnerUpdatesTrainer(_two_head_task(model), tx, schedule, self.input_shapes(config, config.train.batch_size),
+    def trainer(self, model):
+        tx, schedule = optim.make_optimizer(self.config.optim)
+        return InnerUpdatesTrainer(_two_head_task(model), tx, schedule, self.input_shapes(self.config.train.batch_size),
                                    model=model)  # fmt: skip
 
 
@@ -146,11 +146,11 @@ def _annealed_task(model) -> Task:
 class Annealed(causal_lm.CausalLM):
     name = "test_annealed"
 
-    def task(self, config, model):
+    def task(self, model):
         return _annealed_task(model)
 
 
-for _objective in (Counting(), InnerUpdates(), Annealed()):
+for _objective in (Counting, InnerUpdates, Annealed):
     objectives.register(_objective)
 
 

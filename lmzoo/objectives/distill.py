@@ -91,17 +91,17 @@ class Distillation(mlm.MaskedLM):
     Config = DistillationConfig
     loss_is_token_nll = False  # soft cross-entropy + MLM + cosine terms
 
-    def task(self, config, model):
-        fields = self.fields(config)
+    def task(self, model):
+        fields = self.fields
         return distillation_task(model, models.build_model("bert", dict(fields.teacher_model)), fields)
 
-    def load_frozen(self, config, frozen):
-        return {"teacher": weights.merge_pretrained(frozen["teacher"], config.objective.teacher, "bert", config.objective.teacher_model.to_dict())}
+    def load_frozen(self, frozen):
+        return {"teacher": weights.merge_pretrained(frozen["teacher"], self.fields.teacher, "bert", self.fields.teacher_model.to_dict())}
 
-    def init_params(self, config, params, frozen):
-        if not config.objective.init_student_from_teacher:
+    def init_params(self, params, frozen):
+        if not self.fields.init_student_from_teacher:
             return params
         from lmzoo.models import bert
 
-        student = bert.distilbert_student_params(frozen["teacher"], config.objective.teacher_model.num_layers)
-        return weights.merge_pretrained(params, student, config.model_name, name="teacher layers")
+        student = bert.distilbert_student_params(frozen["teacher"], self.fields.teacher_model.num_layers)
+        return weights.merge_pretrained(params, student, self.config.model_name, name="teacher layers")

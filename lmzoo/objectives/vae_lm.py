@@ -11,7 +11,7 @@ log p(x) >= log mean_k p(x, z_k) / q(z_k | x) with K samples, the KL and the act
 
 Data: sentences of the text files (one a line) as rows: targets = the sentence and its `<eos>`, inputs =
 `<eos>` (as beginning of sentence) and the sentence; the encoder reads the targets. Batches group sentences
-of similar length (`ngram_lm.ShuffledSentences`, `length_sorted_batches`) and each is cut to its longest
+of similar length (`lmzoo.data.loaders.ShuffledSentences`, `length_sorted_batches`) and each is cut to its longest
 sentence rounded up to `length_multiple`: PTB's sentences average 22 tokens against a longest of 83.
 """
 
@@ -22,16 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lmzoo.data import readers
+from lmzoo.data.loaders import SentenceLoader, ShuffledSentences, length_sorted_batches, sentence_rows
 from lmzoo.models import vae_lm
 from lmzoo.objectives import base, losses
-from lmzoo.objectives.ngram_lm import (
-    SentenceLoader,
-    ShuffledSentences,
-    length_sorted_batches,
-    sentence_rows,
-    sentence_step_summary,
-)
-from lmzoo.objectives.recurrent_lm import TextFiles
 from lmzoo.trainers.state import Task
 
 
@@ -147,46 +141,47 @@ class ElboConfig:
             raise ValueError("config.objective needs length_multiple >= 0 and length_pool >= 1")
 
 
-class VAELanguageModel(TextFiles):
+class VAELanguageModel(base.Objective):
     """Sentence VAE on word-level text files (model_name "vae_lm")."""
 
     name = "vae_lm"
     Config = ElboConfig
     evaluators = ("loss", "latent")
+    reader = readers.TEXT_FILES
 
-    def task(self, config, model):
-        return vae_task(model, self.fields(config))
+    def task(self, model):
+        return vae_task(model, self.fields)
 
-    def step_summary(self, config):
-        return sentence_step_summary(config, self.fields(config).length_multiple)
+    def step_summary(self):
+        return base.sentence_step_summary(self.config, self.fields.length_multiple)
 
-    def input_shapes(self, config, batch_size):
-        shape = (batch_size, config.data.seq_len)
+    def input_shapes(self, batch_size):
+        shape = (batch_size, self.config.data.seq_len)
         return {
             "targets": base.int_inputs(shape),
             "inputs": base.int_inputs(shape),
             "weights": base.float_inputs(shape),
         }
 
-    def _rows(self, config, tokenizer, raw, where):
-        return sentence_rows(self.token_ids(config, tokenizer, raw, where), tokenizer.eos_id, config.data.seq_len)
+    def _rows(self, tokenizer, raw, where):
+        return sentence_rows(readers.text_file_tokens(raw, tokenizer, self.config.model.vocab_size, where), tokenizer.eos_id, self.config.data.seq_len)
 
-    def train_loader(self, config, tokenizer, raw, shard):
-        ids, weights = self._rows(config, tokenizer, raw, "train split")
-        fields = self.fields(config)
-        sentences = SentenceLoader(ids, weights, config.train.batch_size, **dataclasses.asdict(shard),
+    def train_loader(self, tokenizer, raw, shard):
+        ids, weights = self._rows(tokenizer, raw, "train split")
+        fields = self.fields
+        sentences = SentenceLoader(ids, weights, self.config.train.batch_size, **dataclasses.asdict(shard),
                                    length_multiple=fields.length_multiple)  # fmt: skip
         if fields.word_dropout > 0 and tokenizer.unk_id is None:
             raise ValueError("config.objective.word_dropout replaces words by <unk>, which this tokenizer does not "
                              "have; use a word tokenizer with <unk> or set --config.objective.word_dropout=0")  # fmt: skip
         transform = functools.partial(with_dropped_words, bos_id=tokenizer.eos_id, word_dropout=fields.word_dropout,
                                       unk_id=tokenizer.unk_id)  # fmt: skip
-        return ShuffledSentences(sentences, config.train.seed, fields.length_pool, transform)
+        return ShuffledSentences(sentences, self.config.train.seed, fields.length_pool, transform)
 
-    def eval_batches(self, config, tokenizer, raw, shard):
-        ids, weights = self._rows(config, tokenizer, raw, "evaluation split")
-        loader = SentenceLoader(ids, weights, config.eval.batch_size, **dataclasses.asdict(shard),
-                                length_multiple=self.fields(config).length_multiple)  # fmt: skip
+    def eval_batches(self, tokenizer, raw, shard):
+        ids, weights = self._rows(tokenizer, raw, "evaluation split")
+        loader = SentenceLoader(ids, weights, self.config.eval.batch_size, **dataclasses.asdict(shard),
+                                length_multiple=self.fields.length_multiple)  # fmt: skip
         return (with_inputs(batch, tokenizer.eos_id) for batch in length_sorted_batches(loader))
 
     def real_tokens(self, batch):

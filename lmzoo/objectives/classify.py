@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo import tokenizers
-from lmzoo.data import pipeline, transforms
+from lmzoo.data import pipeline, readers, transforms
 from lmzoo.models import heads
 from lmzoo.objectives import base, losses
 from lmzoo.trainers.state import Task
@@ -99,57 +99,44 @@ def classification_rows(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np
     return {"inputs": rows["tokens"], **{k: v for k, v in rows.items() if k != "tokens"}}
 
 
-class LabelledTSVObjective(base.Objective):
-    """Reads (text[, text pair], label) rows of `data.train_path` / `data.validation_path` TSV files."""
-
-    loss_is_token_nll = False  # a cross-entropy per example
-
-    def read(self, config):
-        return {split: self.read_file(config, config.data[f"{split}_path"]) for split in ("train", "validation")}
-
-    def read_file(self, config, path):
-        return pipeline.read_labelled_tsv(path, tuple(config.data.text_fields), config.data.label_field)
-
-    def corpus(self, raw):
-        return [" ".join(texts) for texts in raw[0]]
-
-
-class Classification(LabelledTSVObjective):
+class Classification(base.Objective):
     """Fine-tuning on (text[, text pair], label) rows of `data.train_path` / `data.validation_path` TSV files."""
 
     name = "classify"
     Config = ClassificationConfig
+    reader = readers.LABELLED_TSV
     evaluators = ("loss", "classification")
+    loss_is_token_nll = False  # a cross-entropy per example
 
-    def model(self, config):
-        o = self.fields(config)
-        return heads.SequenceClassifier(super().model(config), o.num_classes, head=o.head, pooling=o.pooling,
+    def model(self):
+        o = self.fields
+        return heads.SequenceClassifier(super().model(), o.num_classes, head=o.head, pooling=o.pooling,
                                         dropout_rate=o.head_dropout_rate)  # fmt: skip
 
-    def task(self, config, model):
+    def task(self, model):
         return classification_task(model)
 
-    def input_shapes(self, config, batch_size):
-        shape = (batch_size, config.data.seq_len)
+    def input_shapes(self, batch_size):
+        shape = (batch_size, self.config.data.seq_len)
         shapes = {"inputs": base.int_inputs(shape), "segment_ids": base.int_inputs(shape)}
-        return shapes if config.objective.input_format == "gpt" else {**shapes, "token_types": base.int_inputs(shape)}
+        return shapes if self.fields.input_format == "gpt" else {**shapes, "token_types": base.int_inputs(shape)}
 
-    def _loader(self, config, tokenizer, raw, shard, batch_size: int, where: str) -> pipeline.ExampleLoader:
+    def _loader(self, tokenizer, raw, shard, batch_size: int, where: str) -> pipeline.ExampleLoader:
         texts, labels = raw
-        num_classes = config.objective.num_classes
+        num_classes = self.fields.num_classes
         if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
             raise ValueError(f"{where} labels span [{labels.min()}, {labels.max()}] but config.objective.num_classes={num_classes}")
-        input_format = config.objective.input_format
-        if input_format == "gpt" and config.model.vocab_size < tokenizer.vocab_size + 3:
+        input_format = self.fields.input_format
+        if input_format == "gpt" and self.config.model.vocab_size < tokenizer.vocab_size + 3:
             raise ValueError(f"input_format='gpt' numbers [START] [DELIM] [EXTRACT] after the tokenizer's {tokenizer.vocab_size} ids: "
                              f"set config.model.vocab_size to at least {tokenizer.vocab_size + 3}")  # fmt: skip
-        examples = classification_examples(texts, labels, tokenizer, config.data.seq_len, input_format)
-        transforms.check_token_ids(examples["tokens"], config.model.vocab_size, where=where)
-        return pipeline.ExampleLoader(examples, batch_size, seed=config.train.seed, transform=classification_rows,
+        examples = classification_examples(texts, labels, tokenizer, self.config.data.seq_len, input_format)
+        transforms.check_token_ids(examples["tokens"], self.config.model.vocab_size, where=where)
+        return pipeline.ExampleLoader(examples, batch_size, seed=self.config.train.seed, transform=classification_rows,
                                       **dataclasses.asdict(shard))  # fmt: skip
 
-    def train_loader(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, config.train.batch_size, "train split")
+    def train_loader(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")
 
-    def eval_batches(self, config, tokenizer, raw, shard):
-        return self._loader(config, tokenizer, raw, shard, config.eval.batch_size, "evaluation split").eval_batches()
+    def eval_batches(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, self.config.eval.batch_size, "evaluation split").eval_batches()

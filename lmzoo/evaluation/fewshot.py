@@ -21,7 +21,7 @@ import numpy as np
 
 from lmzoo import tokenizers
 from lmzoo.evaluation import scoring
-from lmzoo.models import seq2seq
+from lmzoo.models import kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,7 @@ def evaluate_fewshot(
         )
         for i, e in enumerate(examples)
     ]
-    is_seq2seq = isinstance(model, seq2seq.Seq2Seq)
+    is_seq2seq = kinds.kind_of(model) == kinds.ENCODER_DECODER
     pairs, owners = [], []
     for i, (prompt, example) in enumerate(zip(prompts, examples, strict=True)):
         context = (

@@ -6,7 +6,7 @@ import numpy as np
 
 from lmzoo import decoding
 from lmzoo.evaluation import reconstruction
-from lmzoo.models import gpt2, seq2seq
+from lmzoo.models import kinds
 
 
 def sample_text(run, params, prompt: str, *, max_new_tokens: int, temperature: float,
@@ -21,12 +21,13 @@ def sample_text(run, params, prompt: str, *, max_new_tokens: int, temperature: f
     sampling = dict(
         temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0
     )
-    if isinstance(model, seq2seq.Seq2Seq):
+    kind = kinds.kind_of(model)
+    if kind == kinds.ENCODER_DECODER:
         inputs = np.asarray([tokenizer.encode(prompt) + [tokenizer.eos_id]])
         new = decoding.generate_seq2seq(
             model, params, inputs, rng=jax.random.key(seed), max_new_tokens=max_new_tokens, **sampling
         )
-    elif isinstance(model, gpt2.GPT2):
+    elif kind == kinds.DECODER:
         ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
         room = model.config.max_len - len(ids)
         if room <= 0:
@@ -62,7 +63,7 @@ def evaluate_generation(
     batches. Examples are {"source", "generation", "reference"}. Padding rows are skipped.
     """
     tokenizer, model = run.tokenizer, run.model
-    if not isinstance(model, seq2seq.Seq2Seq):
+    if kinds.kind_of(model) != kinds.ENCODER_DECODER:
         raise ValueError(f"generation scoring needs an encoder-decoder (seq2seq), not {type(model).__name__}")
     params, eos, pad = run.compiled.host_params(state), tokenizer.eos_id, tokenizer.pad_id or 0
 

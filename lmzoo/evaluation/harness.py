@@ -26,7 +26,7 @@ from lm_eval.api.registry import register_model
 
 from lmzoo import decoding
 from lmzoo.evaluation import scoring
-from lmzoo.models import gpt2, seq2seq
+from lmzoo.models import kinds
 
 
 @register_model("lmzoo")
@@ -42,14 +42,14 @@ class LmzooLM(LM):
             from lmzoo.train import run as run_lib
 
             loaded = run_lib.load(workdir, None if step is None else int(step))
-        if not isinstance(loaded.model, gpt2.GPT2 | seq2seq.Seq2Seq):
+        if kinds.kind_of(loaded.model) not in (kinds.DECODER, kinds.ENCODER_DECODER):
             raise ValueError(
                 f"lm-eval needs a decoder (gpt2) or an encoder-decoder (seq2seq); this run is {type(loaded.model).__name__}"
             )
         self.model, self.params, self.tokenizer = loaded.model, loaded.params, loaded.tokenizer
         self.batch_size = 16 if batch_size in (None, "auto") else int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
-        self.is_seq2seq = isinstance(self.model, seq2seq.Seq2Seq)
+        self.is_seq2seq = kinds.kind_of(self.model) == kinds.ENCODER_DECODER
 
     @classmethod
     def from_loaded(cls, loaded, **kwargs) -> "LmzooLM":

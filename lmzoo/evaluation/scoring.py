@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmzoo.models import gpt2, seq2seq
+from lmzoo.models import kinds
 
 Pair = tuple[Sequence[int], Sequence[int]]
 
@@ -58,7 +58,7 @@ def seq2seq_loglikelihood(
 def max_positions(model: nn.Module) -> int | None:
     """Tokens a model reads at once (None: no position table limits it)."""
     cfg = model.config
-    if isinstance(model, seq2seq.Seq2Seq):
+    if kinds.kind_of(model) == kinds.ENCODER_DECODER:
         return cfg.max_len - cfg.position_offset if cfg.positions == "learned" else None
     return cfg.max_len
 
@@ -115,9 +115,10 @@ def loglikelihoods(
     model: nn.Module, params, pairs: Sequence[Pair], *, batch_size: int = 16, length_multiple: int = 16, pad_id: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """(log-likelihood [N] float, is greedy [N] bool) of each (context ids, continuation ids) pair, in order."""
-    if isinstance(model, gpt2.GPT2):
+    kind = kinds.kind_of(model)
+    if kind == kinds.DECODER:
         make_rows, score = decoder_rows, decoder_loglikelihood
-    elif isinstance(model, seq2seq.Seq2Seq):
+    elif kind == kinds.ENCODER_DECODER:
         make_rows, score = seq2seq_rows, seq2seq_loglikelihood
     else:
         raise ValueError(f"{type(model).__name__} cannot score continuations; loglikelihood needs a decoder (gpt2) "
@@ -155,7 +156,7 @@ def rolling_loglikelihood(
     model: nn.Module, params, ids: Sequence[int], *, prefix_id: int, stride: int | None = None, batch_size: int = 16
 ) -> float:
     """Summed log-probability of every token of a text (ids, any length) under a decoder, in windows."""
-    if not isinstance(model, gpt2.GPT2):
+    if kinds.kind_of(model) != kinds.DECODER:
         raise ValueError(f"rolling log-likelihood needs a decoder (gpt2), not {type(model).__name__}")
     if not ids:
         return 0.0

@@ -13,13 +13,14 @@ embeddings plus a bias. Networks return logits; losses live in `lmzoo.objectives
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from lmzoo import layers, sharding
+from lmzoo.models import kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,8 @@ class Bert(nn.Module):
     Entry points: `__call__` -> MLM logits [B, T, V]; `encode` -> (hidden [B, T, H], pooled [B, H]
     or None); `sentence_logits(pooled)` -> [B, 2].
     """
+
+    kind: ClassVar[str] = kinds.ENCODER
 
     config: BertConfig
 

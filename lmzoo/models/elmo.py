@@ -10,12 +10,14 @@ frozen features (computed outside the gradient).
 """
 
 import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from lmzoo.layers import embed_lookup
+from lmzoo.models import kinds
 from lmzoo.models.lstm import LSTMLayer, per_position, symmetric_uniform
 
 
@@ -43,6 +45,8 @@ class BiLM(nn.Module):
     Attributes:
         config: an `ELMoConfig`.
     """
+
+    kind: ClassVar[str] = kinds.RECURRENT
 
     config: ELMoConfig
 

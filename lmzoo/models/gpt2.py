@@ -9,12 +9,14 @@ Load HuggingFace GPT-2 weights with `lmzoo.convert.hf`.
 """
 
 import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from lmzoo import layers, sharding
+from lmzoo.models import kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,8 @@ class GPT2(nn.Module):
     Attributes:
         config: GPT2Config.
     """
+
+    kind: ClassVar[str] = kinds.DECODER
 
     config: GPT2Config
 

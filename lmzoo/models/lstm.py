@@ -8,12 +8,14 @@ Every parameter starts uniform in [-init_scale, init_scale], as in the paper.
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from lmzoo import decoding, layers, sharding
+from lmzoo.models import kinds
 
 Carry = dict[str, jax.Array]
 
@@ -90,6 +92,8 @@ class LSTM(nn.Module):
     Attributes:
         config: an `LSTMConfig`.
     """
+
+    kind: ClassVar[str] = kinds.RECURRENT
 
     config: LSTMConfig
 

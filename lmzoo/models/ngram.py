@@ -24,8 +24,11 @@ backoff 1.
 
 import dataclasses
 from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
+
+from lmzoo.models import kinds
 
 SMOOTHINGS = ("kneser_ney", "add_k")
 
@@ -33,6 +36,8 @@ SMOOTHINGS = ("kneser_ney", "add_k")
 @dataclasses.dataclass(frozen=True)
 class NgramConfig:
     """Fit settings; the field names are exactly the keys of `config.model` (pass them to `fit`)."""
+
+    kind: ClassVar[str] = kinds.COUNTED
 
     order: int = 5
     vocab_size: int = 10000

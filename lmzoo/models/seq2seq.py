@@ -16,6 +16,7 @@ Entry points: `encode(inputs)` -> [B, S, D]; `decode(decoder_inputs, encoded)` -
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo import layers, sharding
+from lmzoo.models import kinds
 
 POSITIONS = ("relative", "learned", "sinusoidal")
 INIT_SCHEMES = ("t5", "normal")
@@ -140,6 +142,8 @@ class RelativePositionBias(nn.Module):
 
 class Seq2Seq(nn.Module):
     """Encoder-decoder LM. config: Seq2SeqConfig."""
+
+    kind: ClassVar[str] = kinds.ENCODER_DECODER
 
     config: Seq2SeqConfig
 

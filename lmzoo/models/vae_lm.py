@@ -9,12 +9,14 @@ lmzoo/objectives/vae_lm.py.
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from lmzoo import decoding, layers
+from lmzoo.models import kinds
 from lmzoo.models.lstm import LSTMLayer, per_position, symmetric_uniform
 
 
@@ -47,6 +49,8 @@ class VAELM(nn.Module):
     Attributes:
         config: a `VAELMConfig`.
     """
+
+    kind: ClassVar[str] = kinds.LATENT
 
     config: VAELMConfig
 

@@ -43,7 +43,8 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from lmzoo import checkpoint, sharding, workdir
-    from lmzoo.train import host_memory, loop
+    from lmzoo.kernels import host_memory
+    from lmzoo.train import loop
     from lmzoo.train import run as run_lib
 
     logging.set_verbosity(logging.WARNING)

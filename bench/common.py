@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo import sharding
-from lmzoo.train import host_memory
+from lmzoo.kernels import host_memory
 from lmzoo.trainers import base as trainer_lib
 from lmzoo.trainers import optim, supervised
 

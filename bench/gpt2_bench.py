@@ -30,8 +30,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import decoding, models  # noqa: E402
+from lmzoo.kernels import host_memory  # noqa: E402
 from lmzoo.objectives import causal_lm  # noqa: E402
-from lmzoo.train import host_memory  # noqa: E402
 
 transformers.logging.set_verbosity_error()  # here, so the trainers' own processes get it too
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import layers, models  # noqa: E402
+from lmzoo.kernels import host_memory  # noqa: E402
 from lmzoo.objectives import causal_lm, losses  # noqa: E402
-from lmzoo.train import host_memory  # noqa: E402
 
 
 def autodiff_normalize(x, scale, epsilon, use_mean):

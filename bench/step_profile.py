@@ -29,8 +29,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import models  # noqa: E402
+from lmzoo.kernels import host_memory  # noqa: E402
 from lmzoo.objectives import causal_lm  # noqa: E402
-from lmzoo.train import host_memory  # noqa: E402
 
 PARTS = [  # (group, pattern on the op's metadata name), first match wins
     ("head + loss", r"fused_head_loss|causal_lm|output_embedding"),

@@ -14,35 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmzoo import sharding
+from lmzoo import kernels, sharding
+from lmzoo.kernels import cpu
 
 Initializer = Callable[..., jax.Array]
 
 
-@jax.custom_jvp
 def gelu(x: jax.Array) -> jax.Array:
-    """Exact GELU, x * Phi(x), written with erf and a hand-written derivative (same values as
-    `jax.nn.gelu(approximate=False)` to float32 rounding).
-
-    jax.nn.gelu's exact form goes through erfc, whose XLA:CPU expansion (two polynomial branches and
-    a select) is recomputed in each fusion that needs it; with its automatic derivative the GELU of
-    one MLP took three loop fusions (~17% of the op time of the Shakespeare-char forward+backward,
-    docs/RESULTS.md "Speed on CPU"). erf is a single rational polynomial, and the derivative
-    Phi(x) + x phi(x) shares it.
-    """
-    return x * _normal_cdf(x)
-
-
-def _normal_cdf(x: jax.Array) -> jax.Array:
-    return 0.5 + 0.5 * jax.lax.erf(x * np.asarray(0.5**0.5, x.dtype))
-
-
-@gelu.defjvp
-def _gelu_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    (x,), (x_dot,) = primals, tangents
-    cdf = _normal_cdf(x)
-    pdf = jnp.exp(-0.5 * jnp.square(x)) * np.asarray((2 * np.pi) ** -0.5, x.dtype)
-    return x * cdf, (cdf + x * pdf) * x_dot
+    """Exact GELU, x * Phi(x) (`kernels.cpu.gelu` on the CPU)."""
+    if kernels.on_cpu():
+        return cpu.gelu(x)
+    return jax.nn.gelu(x, approximate=False)
 
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -61,27 +43,11 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
 
 
 def project(eqn: str, x: jax.Array, kernel: jax.Array, **dot_kwargs: Any) -> jax.Array:
-    """`jnp.einsum(eqn, x, kernel)` for a projection, computed as one 2-D matmul.
-
-    A projection contracts the trailing letters of x with the leading (or trailing) letters of the
-    kernel and keeps the rest in order: "BTD,DNH->BTNH", "BTNH,NHD->BTD", "BTD,VD->BTV". Flattening
-    to [B*T, D] x [D, N*H] matters on CPU: for the 3-D einsum, XLA computes the kernel gradient
-    (a dot contracting B and T) by transposing the activation gradient inside the elementwise
-    fusion that produces it (e.g. the GELU backward), a strided loop that made backward ~4.5x
-    forward. Other equations go to `jnp.einsum`. dot_kwargs: e.g. preferred_element_type.
-    """
-    in_spec, out_spec = eqn.replace(" ", "").split("->")
-    x_spec, kernel_spec = in_spec.split(",")
-    contracted = "".join(c for c in x_spec if c in kernel_spec and c not in out_spec)
-    x_free, kernel_free = x_spec[: len(x_spec) - len(contracted)], kernel_spec.replace(contracted, "", 1)
-    kernel_axis = {contracted + kernel_free: 0, kernel_free + contracted: 1}.get(kernel_spec)
-    if not contracted or kernel_axis is None or x_spec != x_free + contracted or out_spec != x_free + kernel_free:
-        return jnp.einsum(eqn, x, kernel, **dot_kwargs)
-    depth = int(np.prod(x.shape[len(x_free) :]))
-    kernel_free_shape = tuple(n for n, c in zip(kernel.shape, kernel_spec, strict=True) if c in kernel_free)
-    kernel = kernel.reshape((depth, -1) if kernel_axis == 0 else (-1, depth))  # [D, N*H] or [V, D]
-    y = jax.lax.dot_general(x.reshape(-1, depth), kernel, (((1,), (kernel_axis,)), ((), ())), **dot_kwargs)
-    return y.reshape(x.shape[: len(x_free)] + kernel_free_shape)  # [B*T, N*H] -> [B, T, N, H]
+    """`jnp.einsum(eqn, x, kernel)` for a projection (`kernels.cpu.project`, one 2-D matmul, on the CPU).
+    dot_kwargs: e.g. preferred_element_type."""
+    if kernels.on_cpu():
+        return cpu.project(eqn, x, kernel, **dot_kwargs)
+    return jnp.einsum(eqn, x, kernel, **dot_kwargs)
 
 
 class Einsum(nn.Module):
@@ -159,38 +125,17 @@ class Embed(nn.Module):
         return project("BTD,VD->BTV", x.astype(self.dtype), self.embedding.astype(self.dtype))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def normalize(x: jax.Array, scale: jax.Array, epsilon: float, use_mean: bool) -> jax.Array:
     """(x - mean) / sqrt(var + epsilon) * scale over the last axis, in float32 (RMS norm without the mean).
 
-    x [..., D], scale [D] -> float32 [..., D]. The derivative is written out (`_normalize_jvp`: two row
-    means for the input, the normalised input for the scale) and its transpose is the backward pass: the
-    automatic one took several more reductions and elementwise passes, 1.6x slower fwd+bwd for a stack
-    of 8 norms at [12, 64, 128] on CPU. Forward and reverse mode both work (a custom JVP).
+    x [..., D], scale [D] -> float32 [..., D] (`kernels.cpu.normalize`, with its derivative written out, on the CPU).
     """
-    x_hat, _ = _standardize(x, epsilon, use_mean)
-    return x_hat * scale.astype(jnp.float32)
-
-
-def _standardize(x: jax.Array, epsilon: float, use_mean: bool) -> tuple[jax.Array, jax.Array]:
-    """x [..., D] -> (x_hat [..., D] float32, inv_std [..., 1])."""
+    if kernels.on_cpu():
+        return cpu.normalize(x, scale, epsilon, use_mean)
     x32 = x.astype(jnp.float32)
     if use_mean:
         x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-    inv_std = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + epsilon)
-    return x32 * inv_std, inv_std
-
-
-@normalize.defjvp
-def _normalize_jvp(epsilon, use_mean, primals, tangents):
-    (x, scale), (x_dot, scale_dot) = primals, tangents
-    x_hat, inv_std = _standardize(x, epsilon, use_mean)
-    scale32 = scale.astype(jnp.float32)
-    centred_dot = x_dot.astype(jnp.float32)
-    if use_mean:
-        centred_dot = centred_dot - jnp.mean(centred_dot, axis=-1, keepdims=True)
-    x_hat_dot = inv_std * (centred_dot - x_hat * jnp.mean(x_hat * centred_dot, axis=-1, keepdims=True))
-    return x_hat * scale32, x_hat_dot * scale32 + x_hat * scale_dot.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + epsilon) * scale.astype(jnp.float32)
 
 
 class LayerNorm(nn.Module):
@@ -264,9 +209,6 @@ def attention_mask(
     return mask[:, None]
 
 
-CAUSAL_SPLIT_MIN_LEN = 256  # CPU: causal self-attention this long skips its masked upper-right quarter
-
-
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
@@ -281,41 +223,14 @@ def dot_product_attention(
 ) -> jax.Array:
     """q [B, T, N, H], k/v [B, S, N, H] -> [B, T, N, H].
 
-    On accelerators, without attention dropout, this is `jax.nn.dot_product_attention` (the fused
-    kernel; a causal mask is generated inside it, not materialised). On CPU, and whenever dropout
-    needs the probabilities, it is computed explicitly with the heads before the positions: XLA:CPU
-    lowers the [B, T, N, H] einsums with transposes inside fusions, and this form's forward+backward
-    measured ~1.9x faster at B 12, T 64, N 4, H 32 (docs/RESULTS.md, "Speed"). Causal self-attention of
-    CAUSAL_SPLIT_MIN_LEN positions or more is computed in two query halves, the first against the first half of
-    the keys only: a quarter of the scores, all masked, are never computed.
+    `jax.nn.dot_product_attention` (the fused kernel; cuDNN on GPUs where it applies; a causal mask is generated
+    inside it, not materialised), except on the CPU and when attention dropout needs the probabilities:
+    then `kernels.cpu.dot_product_attention`, the explicit form.
     """
-    use_dropout = dropout_rng is not None and dropout_rate > 0.0
-    if jax.default_backend() != "cpu" and not use_dropout:
-        return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal)
-    length = query.shape[1]
-    plain_causal = is_causal and mask is None and bias is None and not use_dropout and length == key.shape[1]
-    if plain_causal and length >= CAUSAL_SPLIT_MIN_LEN and length % 2 == 0:
-        half = length // 2  # the first half's queries see only the first half of the keys
-        kwargs = dict(mask=None, bias=None, is_causal=True, scale=scale, dropout_rate=0.0, dropout_rng=None)
-        first = dot_product_attention(query[:, :half], key[:, :half], value[:, :half], **kwargs)
-        second = dot_product_attention(query[:, half:], key, value, **kwargs)
-        return jnp.concatenate([first, second], axis=1)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    query, key, value = (jnp.swapaxes(a, 1, 2) for a in (query, key, value))  # [B, N, T|S, H]
-    logits = jnp.einsum("BNTH,BNSH->BNTS", query, key).astype(jnp.float32) * scale
-    if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
-    if is_causal:
-        t, s = logits.shape[-2:]
-        causal = jnp.tril(jnp.ones((t, s), bool), k=s - t)
-        mask = causal if mask is None else mask & causal
-    if mask is not None:
-        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    if use_dropout:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
-        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-    return jnp.swapaxes(jnp.einsum("BNTS,BNSH->BNTH", probs.astype(value.dtype), value), 1, 2)  # [B, T, N, H]
+    if kernels.on_cpu() or (dropout_rng is not None and dropout_rate > 0.0):
+        return cpu.dot_product_attention(query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale,
+                                         dropout_rate=dropout_rate, dropout_rng=dropout_rng)  # fmt: skip
+    return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal)
 
 
 class Attention(nn.Module):

@@ -11,9 +11,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Bottom to top. A module belongs to the layer of the longest prefix matching its dotted name.
 LAYERS = (
     ("foundation", ("lmzoo.sharding", "lmzoo.checkpoint", "lmzoo.workdir", "lmzoo.tokenizers", "lmzoo.decoding",
-                    "lmzoo.metrics", "lmzoo.train.host_memory")),  # fmt: skip
+                    "lmzoo.metrics")),  # fmt: skip
     ("data", ("lmzoo.data",)),
-    ("building blocks", ("lmzoo.layers",)),
+    ("building blocks", ("lmzoo.kernels", "lmzoo.layers")),
     ("models", ("lmzoo.models",)),
     ("conversion and rl maths", ("lmzoo.convert.mapping", "lmzoo.convert.gpt2", "lmzoo.convert.bert",
                                  "lmzoo.convert.seq2seq", "lmzoo.convert.hf", "lmzoo.rl")),  # fmt: skip

@@ -1,4 +1,5 @@
-"""Shared layers: `project` (the 2-D matmul form of projection einsums), CPU attention, GELU, LayerNorm backward."""
+"""Shared layers and their CPU forms (`kernels.cpu`): `project` (one 2-D matmul), attention, GELU, LayerNorm backward;
+the accelerator forms equal the CPU forms."""
 
 import functools
 
@@ -8,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmzoo import layers
+from lmzoo import kernels, layers, models, testing
+from lmzoo.kernels import cpu
+from lmzoo.objectives import causal_lm
 
 PROJECTIONS = [
     ("BTD,DNH->BTNH", (2, 8, 16), (16, 4, 4)),
@@ -31,9 +34,9 @@ def test_project_equals_einsum_in_value_and_gradients(eqn, x_shape, kernel_shape
     def loss(contract):
         return lambda x, kernel: jnp.sum(weights * contract(eqn, x, kernel))
 
-    chex.assert_trees_all_close(layers.project(eqn, x, kernel), jnp.einsum(eqn, x, kernel), atol=1e-5)
+    chex.assert_trees_all_close(cpu.project(eqn, x, kernel), jnp.einsum(eqn, x, kernel), atol=1e-5)
     chex.assert_trees_all_close(
-        jax.grad(loss(layers.project), argnums=(0, 1))(x, kernel),
+        jax.grad(loss(cpu.project), argnums=(0, 1))(x, kernel),
         jax.grad(loss(jnp.einsum), argnums=(0, 1))(x, kernel),
         atol=1e-5,
     )
@@ -43,7 +46,7 @@ def test_project_equals_einsum_in_value_and_gradients(eqn, x_shape, kernel_shape
 def test_project_is_one_two_dimensional_dot(eqn, x_shape, kernel_shape):
     """Every dot of the forward and backward pass has 2-D operands and one contracted axis."""
     x, kernel = _operands(x_shape, kernel_shape)
-    jaxpr = jax.make_jaxpr(jax.grad(lambda x, k: jnp.sum(layers.project(eqn, x, k)), argnums=(0, 1)))(x, kernel)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, k: jnp.sum(cpu.project(eqn, x, k)), argnums=(0, 1)))(x, kernel)
     dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 3  # forward, input gradient, kernel gradient
     for dot in dots:
@@ -55,7 +58,7 @@ def test_project_is_one_two_dimensional_dot(eqn, x_shape, kernel_shape):
 def test_non_projection_equations_fall_back_to_einsum():
     query, key = _operands((2, 8, 4, 4), (2, 6, 4, 4))
     chex.assert_trees_all_close(
-        layers.project("BTNH,BSNH->BNTS", query, key), jnp.einsum("BTNH,BSNH->BNTS", query, key), atol=1e-5
+        cpu.project("BTNH,BSNH->BNTS", query, key), jnp.einsum("BTNH,BSNH->BNTS", query, key), atol=1e-5
     )
 
 
@@ -77,7 +80,7 @@ def test_cpu_attention_equals_jax_attention_with_masks_and_bias(query_without_ke
 
         return jax.value_and_grad(fn, argnums=(0, 1, 2, 3))(query, key, value, bias)
 
-    ours = loss(functools.partial(layers.dot_product_attention, dropout_rate=0.0, dropout_rng=None))
+    ours = loss(functools.partial(cpu.dot_product_attention, dropout_rate=0.0, dropout_rng=None))
     reference = loss(jax.nn.dot_product_attention)
     chex.assert_trees_all_close(ours, reference, atol=1e-5)
 
@@ -86,7 +89,7 @@ def test_cpu_attention_equals_jax_attention_with_masks_and_bias(query_without_ke
 def test_causal_split_attention_equals_jax_attention(monkeypatch, length):
     """Causal self-attention split into query halves (recursively: 512 -> 256 + 256 -> ...) matches
     `jax.nn.dot_product_attention` in value and gradients, as does an odd-halved length (6 -> 3 + 3, then unsplit)."""
-    monkeypatch.setattr(layers, "CAUSAL_SPLIT_MIN_LEN", min(length, 128))
+    monkeypatch.setattr(cpu, "CAUSAL_SPLIT_MIN_LEN", min(length, 128))
     rng = np.random.default_rng(3)
     query, key, value = (rng.normal(size=(2, length, 2, 8)).astype(np.float32) for _ in range(3))
 
@@ -96,15 +99,15 @@ def test_causal_split_attention_equals_jax_attention(monkeypatch, length):
 
         return jax.value_and_grad(fn, argnums=(0, 1, 2))(query, key, value)
 
-    ours = loss(functools.partial(layers.dot_product_attention, dropout_rate=0.0, dropout_rng=None))
+    ours = loss(functools.partial(cpu.dot_product_attention, dropout_rate=0.0, dropout_rng=None))
     reference = loss(jax.nn.dot_product_attention)
     chex.assert_trees_all_close(ours, reference, atol=1e-4)
 
 
 def test_gelu_equals_exact_jax_gelu_in_value_and_gradient():
     x = np.linspace(-9.0, 9.0, 401, dtype=np.float32)
-    chex.assert_trees_all_close(layers.gelu(x), jax.nn.gelu(x, approximate=False), atol=1e-6)
-    gradient = jax.vmap(jax.grad(layers.gelu))(x)
+    chex.assert_trees_all_close(cpu.gelu(x), jax.nn.gelu(x, approximate=False), atol=1e-6)
+    gradient = jax.vmap(jax.grad(cpu.gelu))(x)
     chex.assert_trees_all_close(
         gradient, jax.vmap(jax.grad(functools.partial(jax.nn.gelu, approximate=False)))(x), atol=1e-6
     )
@@ -129,14 +132,14 @@ def test_normalize_matches_automatic_differentiation(use_mean, dtype):
         return jax.value_and_grad(lambda x, scale: jnp.sum(weights * norm(x, scale)), argnums=(0, 1))(x, scale)
 
     (value, grads), (expected_value, expected_grads) = (
-        loss(lambda x, s: layers.normalize(x, s, 1e-5, use_mean)),
+        loss(lambda x, s: cpu.normalize(x, s, 1e-5, use_mean)),
         loss(plain),
     )
     assert grads[0].dtype == dtype
     chex.assert_trees_all_close(value, expected_value, rtol=1e-5)
     chex.assert_trees_all_close(grads, expected_grads, atol=1e-4 if dtype == jnp.float32 else 2e-2)
     tangents = (jnp.asarray(rng.normal(size=x.shape), dtype), jnp.asarray(rng.normal(size=16), jnp.float32))
-    forward = jax.jvp(lambda x, s: layers.normalize(x, s, 1e-5, use_mean), (x, scale), tangents)
+    forward = jax.jvp(lambda x, s: cpu.normalize(x, s, 1e-5, use_mean), (x, scale), tangents)
     chex.assert_trees_all_close(forward, jax.jvp(plain, (x, scale), tangents), atol=1e-4 if dtype == jnp.float32 else 2e-2)
 
 
@@ -149,3 +152,39 @@ def test_embed_lookup_gives_nan_rows_for_ids_outside_the_vocabulary():
     assert np.isnan(out[0, 2]).all() and np.isnan(out[1, 0]).all() and np.isnan(out[1, 2]).all()
     grad = jax.grad(lambda t: jnp.sum(layers.embed_lookup(t, jnp.array([0, 2, 2])) * 2.0))(table)
     np.testing.assert_array_equal(grad, jnp.array([[2.0] * 3, [0.0] * 3, [4.0] * 3, [0.0] * 3]))
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_layers_choose_the_form_of_the_platform(platform):
+    """`layers` runs `kernels.cpu`'s forms on the CPU and the plain ones (einsum, jax.nn) elsewhere."""
+    x, kernel = _operands((2, 8, 16), (16, 4, 4))
+    with kernels.use_platform(platform):
+        jaxpr = str(jax.make_jaxpr(lambda x, k: layers.project("BTD,DNH->BTNH", x, k))(x, kernel))
+        gelu_jaxpr = str(jax.make_jaxpr(lambda x: layers.gelu(x))(x))  # a new function: no trace cached from the other platform
+    assert ("custom_jvp_call" in gelu_jaxpr) == (platform == "cpu")
+    assert ("reshape" in jaxpr) == (platform == "cpu")  # the 2-D form flattens [B, T, D] to [B*T, D]
+
+
+def test_accelerator_forms_equal_the_cpu_forms_in_loss_and_gradients():
+    """GPT-2's causal-LM loss and gradients traced with the GPU/TPU forms (einsum projections, jax.nn GELU and
+    attention, autodiff norms, large head chunks), run here on the CPU, equal the CPU forms'."""
+    model = models.build_model("gpt2", dict(testing.TINY_GPT2, dropout_rate=0.0))
+    task = causal_lm.causal_lm_task(model)
+    tokens = testing.random_tokens((2, 9), vocab_size=testing.TINY_GPT2["vocab_size"], seed=4)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((2, 8), np.float32)}
+    params, _ = task.init(jax.random.key(0), batch)
+
+    def loss_and_grads(platform):
+        with kernels.use_platform(platform):
+            fn = jax.jit(jax.value_and_grad(lambda p: task.loss(p, {}, {}, batch, jax.random.key(1), step=0, train=False)[0]))
+            return fn(params)
+
+    chex.assert_trees_all_close(loss_and_grads("gpu"), loss_and_grads("cpu"), rtol=1e-5, atol=1e-6)
+
+
+def test_head_chunks_are_sized_per_platform():
+    with kernels.use_platform("cpu"):
+        cpu_chunk = causal_lm.losses.head_loss_chunk_len(8, 1024, 50257)
+    with kernels.use_platform("tpu"):
+        accelerator_chunk = causal_lm.losses.head_loss_chunk_len(8, 1024, 50257)
+    assert (cpu_chunk, accelerator_chunk) == (4, 128)

@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lmzoo import layers
+from lmzoo import kernels, layers
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
 
@@ -138,8 +138,10 @@ def _fused_head_loss_bwd(chunk_len, grad_dtypes, residuals, cotangents):
 _fused_head_loss.defvjp(_fused_head_loss_fwd, _fused_head_loss_bwd, symbolic_zeros=True)
 
 
-def head_loss_chunk_len(batch: int, length: int, vocab: int, budget_bytes: int = 8 << 20) -> int:
-    """Largest divisor of `length` whose float32 logits chunk [batch, chunk, vocab] fits `budget_bytes`."""
+def head_loss_chunk_len(batch: int, length: int, vocab: int, budget_bytes: int | None = None) -> int:
+    """Largest divisor of `length` whose float32 logits chunk [batch, chunk, vocab] fits `budget_bytes` (default: the
+    platform's, `kernels.head_chunk_bytes`)."""
+    budget_bytes = kernels.head_chunk_bytes() if budget_bytes is None else budget_bytes
     fitting = [c for c in range(1, length + 1) if length % c == 0 and batch * c * vocab * 4 <= budget_bytes]
     return max(fitting, default=1)
 

@@ -23,7 +23,7 @@ from lmzoo import checkpoint, sharding
 from lmzoo import config as config_lib
 from lmzoo import metrics as metrics_lib
 from lmzoo import workdir as workdir_lib
-from lmzoo.train import host_memory
+from lmzoo.kernels import host_memory
 from lmzoo.train.run import Run, build, has_checkpoints, restore_or_init
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ PROGRAM = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from lmzoo import config as config_lib, models, sharding
     from lmzoo.objectives import causal_lm
-    from lmzoo.train import host_memory
+    from lmzoo.kernels import host_memory
     from lmzoo.trainers import optim
     from lmzoo.trainers import base as trainer_lib, supervised
 
@@ -61,7 +61,7 @@ BIG_PROGRAM = textwrap.dedent(
     """
     import resource, sys
     import jax, jax.numpy as jnp
-    from lmzoo.train import host_memory
+    from lmzoo.kernels import host_memory
 
     if sys.argv[1] == "calling_thread":
         host_memory.run_on_calling_thread()

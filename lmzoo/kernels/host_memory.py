@@ -15,6 +15,7 @@ hold at most 64 MB: a larger block asked for there is mapped afresh whatever the
 limit, so the setting keeps a buffer of any size.
 """
 
+import contextlib
 import ctypes
 import functools
 from typing import Any
@@ -58,14 +59,25 @@ def keep_freed_buffers_mapped(step_bytes: int = 0) -> bool:
 def keep_step_buffers_mapped(step: Any, *args: Any) -> bool:
     """`keep_freed_buffers_mapped` for jitted `step`'s temporaries on `args` (already compiled for them: this looks
     the executable up, ~20 ms, so call it once) when it runs on XLA:CPU and glibc can keep them: they fit a worker
-    thread's heap, or `step` runs on the calling thread (`run_on_calling_thread`, one device). Whether it was set."""
-    if jax.default_backend() != "cpu":
-        return False
+    thread's heap, or `step` runs on the calling thread (`run_on_calling_thread`, one device). Whether it was set;
+    a step on accelerator devices keeps nothing."""
     executable = step.lower(*args).compile()
-    temp_bytes = executable.memory_analysis().temp_size_in_bytes
     devices = {device for sharding in jax.tree.leaves(executable.input_shardings) for device in sharding.device_set}
+    if any(device.platform != "cpu" for device in devices):
+        return False
+    temp_bytes = executable.memory_analysis().temp_size_in_bytes
     on_calling_thread = not jax.config.read("jax_cpu_enable_async_dispatch") and len(devices) == 1
     return (on_calling_thread or temp_bytes <= THREAD_HEAP_BYTES) and keep_freed_buffers_mapped(temp_bytes)
+
+
+@contextlib.contextmanager
+def released():
+    """Returns freed pages to the OS before and after the block (an evaluation between steps whose buffers are kept)."""
+    release_freed_memory()
+    try:
+        yield
+    finally:
+        release_freed_memory()
 
 
 def release_freed_memory() -> None:

@@ -265,9 +265,8 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
                     code,
                 )
             if at_eval:
-                host_memory.release_freed_memory()  # the step's buffers, kept mapped between steps
-                final = evaluate(run, state)
-                host_memory.release_freed_memory()
+                with host_memory.released():  # the step's buffers, kept mapped between steps
+                    final = evaluate(run, state)
                 writer.write(done, final, "validation")
                 headline = ", ".join(f"{k} {final[k]:.4g}" for k in HEADLINE_METRICS if k in final)
                 progress.write(f"step {done}: validation {headline}")

@@ -1,176 +1,204 @@
-"""A/B of one speed change in lmzoo's train step, both sides in one process, interleaved.
+"""A/B of two settings of lmzoo's train step: each side in a process of its own, timed in alternating rounds.
 
-    python bench/step_ab.py --change gelu [--config=configs/shakespeare_char.py] [--rounds 5] [--steps 20]
+    python bench/step_ab.py --b model.scan_layers=True                      # A: the config as it is
+    python bench/step_ab.py --config=configs/default.py --a model.remat_policy=none --b model.remat_policy=full
+    python bench/step_ab.py --b_env XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=   # an environment change
+    python bench/step_ab.py --b_tree ../lmzoo-other                          # a code change: another checkout
 
-"new" is the code as it is; "old" is the same production train step (`compile_trainer`, as `train.py`
-runs it) traced with the change undone: the form it replaced is kept in OLD_FORMS below and swapped
-in only while the old step is traced and compiled. Each round times `--steps` steps of each side,
-alternating which goes first; the report gives per-round ms/step (wall, and CPU time of the
-process's threads), the median of the rounds and of each round's old/new (> 1: the change is faster). The load
-average is printed because the cores are shared.
+A side is the production train step (`compile_trainer`, as train.py runs it) of a decoder config (default
+configs/shakespeare_char.py; any `FILE[:variant]` whose model takes the causal_lm objective, such as gpt2) on one
+fixed random batch of the config's shape. Each side is built in a spawned process set up as train.py sets up its
+own, with:
+  --a/--b KEY=VALUE        config overrides, as train.py's --config.KEY=VALUE (repeatable);
+  --a_env/--b_env N=V      environment variables of that side's process (read at its start: XLA_FLAGS,
+                           GLIBC_TUNABLES, ...; repeatable);
+  --a_tree/--b_tree DIR    a checkout (e.g. a `git worktree` of another commit) whose lmzoo and bench modules
+                           that side imports instead of this one's.
+Each round times --steps steps of each side, alternating which goes first. The report gives per-round ms/step (wall,
+and CPU time of the side's process, which other processes on the machine disturb less), the median of the rounds,
+and the median of each round's A/B ratio (> 1: B is faster): the machine's speed drifts between rounds, so each
+round's ratio is taken before the median. The load average is printed because the cores may be shared. The last line
+is the whole record as JSON.
 """
 
 import argparse
+import ast
 import contextlib
-import functools
 import json
 import os
 import pathlib
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, os.environ.get("STEP_AB_TREE") or str(REPO))  # a side's --a_tree/--b_tree, else this checkout
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
-from lmzoo import layers, models  # noqa: E402
-from lmzoo.kernels import host_memory  # noqa: E402
-from lmzoo.objectives import causal_lm, losses  # noqa: E402
+from lmzoo import models  # noqa: E402
+from lmzoo.objectives import causal_lm  # noqa: E402
 
 
-def autodiff_normalize(x, scale, epsilon, use_mean):
-    """`layers.normalize` as it was before its backward was written out (automatic differentiation)."""
-    x32 = x.astype(jnp.float32)
-    if use_mean:
-        x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-    return x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + epsilon) * scale
+def parse_value(text: str, current):
+    """`text` as a value of the type of the field's `current` value (a Python literal where that fits)."""
+    if isinstance(current, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{text!r} is not a boolean")
+        return text.lower() in ("true", "1")
+    if isinstance(current, str):
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    if isinstance(current, float) and isinstance(value, int):
+        return float(value)
+    if isinstance(current, tuple) and isinstance(value, list):
+        return tuple(value)
+    return value
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _saved_logits_grad_loss(hidden, embedding, targets, weights, chunk_len):
-    return _saved_logits_grad_loss_fwd(hidden, embedding, targets, weights, chunk_len)[0]
+def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> ml_collections.ConfigDict:
+    """Sets each `KEY=VALUE` (`model.num_layers=2`; a leading `--config.` or `config.` is dropped) on `config`."""
+    for item in overrides:
+        key, sep, text = item.removeprefix("--").removeprefix("config.").partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r}: expected KEY=VALUE, e.g. model.scan_layers=True")
+        *sections, field = key.split(".")
+        node = config
+        for name in sections:
+            if not isinstance(node.get(name), ml_collections.ConfigDict):
+                raise ValueError(f"override {item!r}: no section {name!r}; sections: {sorted(node.keys())}")
+            node = node[name]
+        if field not in node:
+            raise ValueError(f"override {item!r}: no field {field!r}; fields: {sorted(node.keys())}")
+        node[field] = parse_value(text, node[field])
+    return config
 
 
-def _saved_logits_grad_loss_fwd(hidden, embedding, targets, weights, chunk_len):
-    def chunk(_, xs):
-        h, t, w = xs
-        logits = causal_lm._chunk_logits(h, embedding)
-        loss_sum, _ = losses.cross_entropy(logits, t, w)
-        correct = jnp.sum(losses.top1_correct(logits, t) * w)
-        return None, (loss_sum, correct, causal_lm._logits_grad(logits, jax.nn.logsumexp(logits, axis=-1), t, w))
-
-    xs = tuple(causal_lm._chunks(x, chunk_len) for x in (hidden, targets, weights))
-    _, (loss_sums, correct_sums, logits_grads) = jax.lax.scan(chunk, None, xs)
-    return (jnp.sum(loss_sums), jnp.sum(correct_sums)), (hidden, embedding, logits_grads)
+def load_config(spec: str, overrides: list[str]) -> ml_collections.ConfigDict:
+    path, _, variant = spec.partition(":")
+    return apply_overrides(config_lib.load_config_file(path, variant or None), overrides)
 
 
-def _saved_logits_grad_loss_bwd(chunk_len, residuals, cotangents):
-    hidden, embedding, logits_grads = residuals
-    loss_cotangent = cotangents[0]  # the accuracy count has no gradient
+class Side:
+    """One side's train step on a fixed random batch; `run(steps)` returns (wall s, CPU s) of those steps."""
 
-    def chunk(embedding_grad, xs):
-        h, logits_grad = xs
-        flat_grad, flat_hidden = logits_grad.reshape(-1, logits_grad.shape[-1]), h.reshape(-1, h.shape[-1])
-        return embedding_grad + flat_grad.T @ flat_hidden, jnp.einsum("BCV,VD->BCD", logits_grad, embedding)
+    def __init__(self, spec: str, overrides: list[str]):
+        config = load_config(spec, overrides)
+        b, t = config.train.batch_size, config.data.seq_len
+        tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (b, t + 1), dtype=np.int32)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((b, t), np.float32)}
+        model = models.build_model(config.model_name, config.model.to_dict())
+        self.trainer = common.LmzooTrainer(causal_lm.causal_lm_task(model), batch, config.optim)
+        self.loss = None
 
-    embedding_grad, hidden_grads = jax.lax.scan(
-        chunk, jnp.zeros(embedding.shape, jnp.float32), (causal_lm._chunks(hidden, chunk_len), logits_grads)
-    )
-    return causal_lm._unchunk(hidden_grads) * loss_cotangent, embedding_grad * loss_cotangent, None, None
-
-
-_saved_logits_grad_loss.defvjp(_saved_logits_grad_loss_fwd, _saved_logits_grad_loss_bwd)
-
-
-def saved_logits_grad_head_loss(hidden, embedding, batch, chunk_len=None):
-    """`causal_lm.fused_head_loss` (f32) as it was before the gradients moved into its forward pass: the forward
-    kept the logits' gradient [B, T, V] and the backward pass did the two gradient matmuls."""
-    b, t, _ = hidden.shape
-    weights = batch["weights"].astype(jnp.float32)
-    chunk_len = chunk_len or causal_lm.head_loss_chunk_len(b, t, embedding.shape[0])
-    total, correct = _saved_logits_grad_loss(hidden, embedding, batch["targets"], weights, chunk_len)
-    count = jnp.sum(weights)
-    return total / jnp.maximum(count, 1.0), {"loss": (total, count), "accuracy": (correct, count)}
+    def run(self, steps: int) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.trainer.run(steps)
+        self.loss = self.trainer.loss
+        return time.perf_counter() - wall, time.process_time() - cpu
 
 
-OLD_FORMS = {  # change -> [(module, attribute, key or None, the form before the change)]
-    "gelu": [(layers, "ACTIVATIONS", "gelu", functools.partial(jax.nn.gelu, approximate=False))],
-    "layernorm": [(layers, "normalize", None, autodiff_normalize)],
-    "causal_split": [(layers, "CAUSAL_SPLIT_MIN_LEN", None, 1 << 30)],
-    "head_grads_in_forward": [(causal_lm, "fused_head_loss", None, saved_logits_grad_head_loss)],
-}
-OLD_FORMS["gelu+layernorm"] = OLD_FORMS["gelu"] + OLD_FORMS["layernorm"]
+def build_side(spec: str, overrides: list[str]) -> Side:
+    return Side(spec, overrides)
 
 
 @contextlib.contextmanager
-def swapped(forms):
-    """Temporarily replaces module attributes (or dict entries when key is not None) with `forms`."""
-    saved = []
-    for owner, attribute, key, value in forms:
-        target = getattr(owner, attribute)
-        saved.append((owner, attribute, key, target[key] if key is not None else target))
-        if key is None:
-            setattr(owner, attribute, value)
-        else:
-            target[key] = value
+def environment(settings: dict[str, str]):
+    """`os.environ` with `settings` while a side's process is spawned (it inherits them)."""
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        for owner, attribute, key, value in reversed(saved):
-            if key is None:
-                setattr(owner, attribute, value)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
             else:
-                getattr(owner, attribute)[key] = value
+                os.environ[name] = value
 
 
-def build(config, batch, forms) -> common.LmzooTrainer:
-    """The production train step traced and compiled (by its first step) with `forms` swapped in."""
-    with swapped(forms):
-        model = models.build_model(config.model_name, config.model.to_dict())
-        trainer = common.LmzooTrainer(causal_lm.causal_lm_task(model), batch, config.optim)
-        trainer.run(1)
-    return trainer
+def side_environment(pairs: list[str], tree: str | None) -> dict[str, str]:
+    settings = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"environment setting {pair!r}: expected NAME=VALUE")
+        settings[name] = value
+    if tree:
+        root = pathlib.Path(tree).resolve()
+        if not (root / "lmzoo").is_dir() or not (root / "bench" / "common.py").is_file():
+            raise ValueError(f"--*_tree {tree!r}: not an lmzoo checkout (no lmzoo/ or bench/common.py)")
+        settings["STEP_AB_TREE"] = str(root)
+    return settings
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--change", choices=sorted(OLD_FORMS), required=True)
-    parser.add_argument(
-        "--config", default=str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "shakespeare_char.py")
-    )
+    parser.add_argument("--config", default=str(REPO / "configs" / "shakespeare_char.py"), help="FILE[:variant]")
+    for side in ("a", "b"):
+        parser.add_argument(f"--{side}", action="append", default=[], metavar="KEY=VALUE",
+                            help=f"config override of side {side.upper()} (repeatable)")  # fmt: skip
+        parser.add_argument(f"--{side}_env", action="append", default=[], metavar="NAME=VALUE",
+                            help=f"environment variable of side {side.upper()}'s process (repeatable)")  # fmt: skip
+        parser.add_argument(f"--{side}_tree", default=None, metavar="DIR",
+                            help=f"checkout whose lmzoo side {side.upper()} imports")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    host_memory.run_on_calling_thread()  # as train.py runs its steps
-    config = config_lib.load_config_file(args.config)
-    load = common.announce(
-        f"step_ab[{args.change}]", args.config, f"B={config.train.batch_size} T={config.data.seq_len}", args.rounds
+    sides = {
+        name: {"overrides": getattr(args, name), "env": side_environment(getattr(args, f"{name}_env"),
+                                                                          getattr(args, f"{name}_tree"))}
+        for name in ("a", "b")
+    }  # fmt: skip
+    if sides["a"] == sides["b"]:
+        print("note: A and B are the same setting (an A/A run: the ratios show the noise)", flush=True)
+    for side in sides.values():
+        load_config(args.config, side["overrides"])  # a bad key or value fails here, before anything is built
+    config = load_config(args.config, [])
+    label = " vs ".join(
+        f"{name.upper()}[{' '.join(s['overrides'] + [f'{k}={v}' for k, v in s['env'].items()]) or 'as is'}]"
+        for name, s in sides.items()
     )
+    load = common.announce("step_ab", f"{args.config}: {label}", f"B={config.train.batch_size} T={config.data.seq_len}",
+                           args.rounds)  # fmt: skip
     peak = common.matmul_peak()
     print("matmul peak (f32, best of 5): " + ", ".join(f"{n}: {g:.1f} GFLOP/s" for n, g in peak.items()), flush=True)
-    b, t = config.train.batch_size, config.data.seq_len
-    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (b, t + 1), dtype=np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((b, t), np.float32)}
-    trainers = {"old": build(config, batch, OLD_FORMS[args.change]), "new": build(config, batch, [])}
-    print(f"loss after 1 step: old {trainers['old'].loss:.6f}, new {trainers['new'].loss:.6f}")
+    trainers = {}
+    for name, side in sides.items():
+        with environment(side["env"]):
+            trainers[name] = common.Isolated(build_side, args.config, side["overrides"])
+        trainers[name].run(1)  # compiles the step and keeps its buffers mapped, as the loop does after its first step
+    print(f"loss after 1 step: A {trainers['a'].loss:.6f}, B {trainers['b'].loss:.6f}")
     ms = {name: [] for name in trainers}
-    cpu_ms = {
-        name: [] for name in trainers
-    }  # CPU time of all threads: less sensitive to other processes than wall time
+    cpu_ms = {name: [] for name in trainers}
     for r in range(args.rounds):
         for name in list(trainers) if r % 2 == 0 else list(trainers)[::-1]:
-            cpu_start = time.process_time()
-            ms[name].append(1e3 * common.timed(lambda t=trainers[name]: t.run(args.steps)) / args.steps)
-            cpu_ms[name].append(1e3 * (time.process_time() - cpu_start) / args.steps)
-        print(f"  round {r + 1}: old {ms['old'][-1]:.2f} ms/step (CPU {cpu_ms['old'][-1]:.2f}), "
-              f"new {ms['new'][-1]:.2f} ms/step (CPU {cpu_ms['new'][-1]:.2f}), load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+            wall, cpu = trainers[name].run(args.steps)
+            ms[name].append(1e3 * wall / args.steps)
+            cpu_ms[name].append(1e3 * cpu / args.steps)
+        print(f"  round {r + 1}: A {ms['a'][-1]:.2f} ms/step (CPU {cpu_ms['a'][-1]:.2f}), "
+              f"B {ms['b'][-1]:.2f} ms/step (CPU {cpu_ms['b'][-1]:.2f}), load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+    losses = {name: trainer.loss for name, trainer in trainers.items()}
+    for trainer in trainers.values():
+        trainer.close()
     median = {name: common.median(values) for name, values in ms.items()}
     cpu_median = {name: common.median(values) for name, values in cpu_ms.items()}
-    # Paired: the machine's speed drifts between rounds, so each round's old/new is taken before the median.
-    ratio = common.median(o / n for o, n in zip(ms["old"], ms["new"], strict=True))
-    cpu_ratio = common.median(o / n for o, n in zip(cpu_ms["old"], cpu_ms["new"], strict=True))
-    print(f"median ms/step: old {median['old']:.2f}, new {median['new']:.2f}; rounds' old/new median {ratio:.3f}")
-    print(f"median CPU ms/step: old {cpu_median['old']:.2f}, new {cpu_median['new']:.2f}; "
-          f"rounds' old/new median {cpu_ratio:.3f}")  # fmt: skip
-    print(f"loss after all steps: old {trainers['old'].loss:.6f}, new {trainers['new'].loss:.6f}")
+    ratio = common.median(a / b for a, b in zip(ms["a"], ms["b"], strict=True))
+    cpu_ratio = common.median(a / b for a, b in zip(cpu_ms["a"], cpu_ms["b"], strict=True))
+    print(f"median ms/step: A {median['a']:.2f}, B {median['b']:.2f}; rounds' A/B median {ratio:.3f}")
+    print(f"median CPU ms/step: A {cpu_median['a']:.2f}, B {cpu_median['b']:.2f}; rounds' A/B median {cpu_ratio:.3f}")
+    print(f"loss after all steps: A {losses['a']:.6f}, B {losses['b']:.6f}")
     load["end"] = os.getloadavg()[0]
     record = {
-        "bench": "step_ab", "change": args.change, "config": args.config, "matmul_peak_gflops": peak, "ms_per_step": ms,
-        "median_ms": median, "old_over_new": ratio, "cpu_ms_per_step": cpu_ms, "cpu_old_over_new": cpu_ratio, "load_average": load,
+        "bench": "step_ab", "config": args.config, "sides": sides, "rounds": args.rounds, "steps": args.steps,
+        "matmul_peak_gflops": peak, "ms_per_step": ms, "median_ms": median, "a_over_b": ratio,
+        "cpu_ms_per_step": cpu_ms, "cpu_median_ms": cpu_median, "cpu_a_over_b": cpu_ratio, "loss": losses,
+        "load_average": load,
     }  # fmt: skip
     print(json.dumps(record))
 

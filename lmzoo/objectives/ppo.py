@@ -1,19 +1,12 @@
 """RLHF policy optimisation against a frozen reward model (InstructGPT's third stage): PPO, REINFORCE and RLOO.
 
-One trainer step is one iteration, composed of three phases that the training loop jits and times
-apart (`phases`, `run_phase`; `step` runs them as one program): `generate` samples responses to
-left-padded prompts with the KV-cache sampler (stop at EOS, mask after it); `score` scores
-prompt ⊕ response with the frozen reward model (normalised so SFT samples score mean 0, std 1; a
-penalty for no EOS), reads the log-probs of the frozen SFT reference, shapes per-token rewards −β·KL with the score on the last token and runs GAE;
-`update` makes `epochs` passes of `minibatches` clipped PPO updates (or one REINFORCE/RLOO update on
-the same rollout), each optionally adding γ_ptx times the LM loss on packed SFT demonstrations
-(PPO-ptx). β follows the adaptive controller, whose value lives in the state. The policy is the SFT
-decoder with a zero-initialised value head on its trunk (`heads.LMWithValueHead`), or beside a
+The recipe around the policy trainer (`lmzoo.trainers.rl`: rollout, scoring and updates per step): the policy
+is the SFT decoder with a zero-initialised value head on its trunk (`heads.LMWithValueHead`), or beside a
 separate value network initialised from the reward model or the SFT trunk (`heads.LMWithValueModel`);
-`optim.groups` gives "value_head" / "value_model" its own learning rate. The reference and reward
-model are frozen subtrees read from `objective.sft` and `objective.reward_model` at every start,
-never checkpointed; the data position (prompts and demonstrations) is the step, so a resumed run
-continues exactly.
+`optim.groups` gives "value_head" / "value_model" its own learning rate. The reference and reward model are
+frozen subtrees read from `objective.sft` and `objective.reward_model` at every start (`lmzoo.weights`), never
+checkpointed, and the reward is normalised so SFT samples score mean 0, std 1. The data position (prompts
+and PPO-ptx demonstrations) is the step, so a resumed run continues exactly.
 """
 
 import dataclasses

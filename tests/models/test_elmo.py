@@ -135,11 +135,11 @@ def _classify_on_frozen_features(tmp_path, bilm_config):
         config.data.train_path, config.data.validation_path = str(tmp_path / "train.tsv"), str(tmp_path / "dev.tsv")
         config.objective.bilm, config.objective.features = f"ckpt:{tmp_path / 'run'}", features
         with pytest.raises(ValueError, match="the biLM's word ids"):
-            elmo_classify.ELMoClassify().check(config)
+            elmo_classify.ELMoClassify(config).check()
         config.data.tokenizer.path = str(tmp_path / "run" / "tokenizer" / "words.txt")
         if features == "scratch":
             with pytest.raises(ValueError, match="reads no biLM"):
-                elmo_classify.ELMoClassify().check(config)
+                elmo_classify.ELMoClassify(config).check()
             config.objective.bilm = ""
         workdir = tmp_path / f"sst2_{features}"
         final = loop.train_and_evaluate(config, str(workdir))

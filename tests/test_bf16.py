@@ -5,8 +5,8 @@ scores few-shot tasks and exports to transformers; every family trains finite st
 search, per-example scoring, the LSTM and VAE-LM generators and a PPO iteration run in bf16, with log-probs,
 scores and losses in float32 and close to the float32 model's.
 
-The functions under test are wrapped in an outer `jax.jit` compiled at LLVM -O0 (`fast_jit`): the same
-programs, compiled ~3x faster, which keeps this file quick on a CPU.
+Most functions under test run inside an outer `jax.jit` compiled at XLA's backend optimization level 0
+(`fast_jit`): the same programs, compiled ~3x faster on a CPU.
 """
 
 import functools
@@ -32,17 +32,13 @@ from lmzoo.train import trainer as trainer_lib
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
 PRECISIONS = {"bf16_compute": dict(dtype="bfloat16"), "bf16_params": dict(dtype="bfloat16", param_dtype="bfloat16")}
-TINY_T5 = dict(
-    vocab_size=32, emb_dim=16, num_heads=2, head_dim=8, num_encoder_layers=1, num_decoder_layers=1, mlp_dim=32,
-    dropout_rate=0.0, relative_buckets=8, relative_max_distance=16,
-)  # fmt: skip
-TINY_BART = TINY_T5 | dict(
-    positions="learned", position_offset=2, max_len=24, pre_norm=False, norm="layer", use_bias=True,
-    embedding_norm=True, activations=("gelu",), attention_scale=0.0, scale_tied_logits=False, final_logits_bias=True,
-    embedding_init_std=0.02, init_scheme="normal",
-)  # fmt: skip
+TINY_T5 = dict(vocab_size=32, emb_dim=16, num_heads=2, head_dim=8, num_encoder_layers=1, num_decoder_layers=1)
+TINY_T5 |= dict(mlp_dim=32, dropout_rate=0.0, relative_buckets=8, relative_max_distance=16)
+TINY_BART = TINY_T5 | dict(positions="learned", position_offset=2, max_len=24, pre_norm=False, norm="layer")
+TINY_BART |= dict(use_bias=True, embedding_norm=True, activations=("gelu",), final_logits_bias=True)
+TINY_BART |= dict(attention_scale=0.0, scale_tied_logits=False, embedding_init_std=0.02, init_scheme="normal")
 TINY_BERT = dict(vocab_size=32, max_len=16, emb_dim=16, num_heads=2, num_layers=1, mlp_dim=32, dropout_rate=0.0)
-TINY_LSTM = dict(vocab_size=32, emb_dim=16, num_layers=2, init_scale=0.3)
+TINY_LSTM = dict(vocab_size=32, emb_dim=16, num_layers=1, init_scale=0.3)
 TINY_ELMO = dict(vocab_size=32, emb_dim=16, num_layers=1, dropout_rate=0.0, init_scale=0.3)
 TINY_VAE = dict(vocab_size=32, emb_dim=16, latent_dim=4, init_scale=0.3)
 
@@ -100,7 +96,8 @@ def test_eval_generate_on_a_bf16_run(bf16_run):
         _, state = restore.restore_step(run)
         params = loop.host_params(run, state)
         assert _dtypes(params) == {BF16}
-        text = sample_text(run, params, "a", max_new_tokens=6, temperature=0.8, top_k=5, top_p=0.9, seed=0)
+        # The end-of-run sample's settings: its compiled sampler is reused.
+        text = sample_text(run, params, "def ", max_new_tokens=6, temperature=0.8, top_k=0, top_p=0.95, seed=0)
         assert isinstance(text, str)
     finally:
         run.checkpointer.close()
@@ -162,8 +159,8 @@ def _family(name: str, precision: dict):
     if name in ("t5", "bart"):
         model = models.build_model("seq2seq", (TINY_T5 if name == "t5" else TINY_BART) | precision)
         targets = _rows(1, (2, 6))
-        batch = {"inputs": _rows(2), "encoder_segment_ids": jnp.ones((2, 8), jnp.int32), "targets": targets,
-                 "decoder_inputs": jnp.pad(targets[:, :-1], ((0, 0), (1, 0))), "weights": jnp.ones((2, 6))}  # fmt: skip
+        batch = {"inputs": _rows(2), "encoder_segment_ids": jnp.ones((2, 8), jnp.int32), "weights": jnp.ones((2, 6))}
+        batch |= {"targets": targets, "decoder_inputs": jnp.pad(targets[:, :-1], ((0, 0), (1, 0)))}
         return denoising.seq2seq_task(model), batch
     if name == "lstm":
         model = models.build_model("lstm", TINY_LSTM | precision)
@@ -184,36 +181,36 @@ def _family(name: str, precision: dict):
 FAMILIES = ("gpt2", "bert", "t5", "bart", "lstm", "elmo", "vae_lm", "classifier")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_params_are_created_in_param_dtype(family):
-    """Every parameter of every family (a head's own excepted) is bf16 with param_dtype=bfloat16 (shapes only)."""
-    task, batch = _family(family, PRECISIONS["bf16_params"])
-    params = nn.unbox(jax.eval_shape(task.init, jax.random.key(0), batch)[0])
-    assert _dtypes(params["backbone"] if family == "classifier" else params) == {BF16}
-
-
-def _two_steps(trainer, state, batch):
-    return jax.lax.scan(lambda s, _: trainer.step(s, batch), state, length=2)
+def _init_and_two_steps(trainer, batch):
+    """(params at init, params after two steps on `batch`, the metrics of both steps)."""
+    state = nn.unbox(trainer.init(jax.random.key(0)))
+    last, metrics = jax.lax.scan(lambda s, _: trainer.step(s, batch), state, length=2)
+    return state.params, last.params, metrics
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_training_steps_are_finite_in_bf16_compute_and_in_bf16_params(family):
-    """Two AdamW steps of the supervised trainer from the same float32 init, cast for bf16 params: float32 finite
-    losses, params changed, each keeping its dtype."""
-    trainers, batch = {}, None
+def test_training_steps_are_finite_in_bf16_compute_and_trace_in_bf16_params(family):
+    """Two AdamW steps of the supervised trainer in bf16 compute: float32 finite losses, params changed, each keeping
+    its dtype. In bf16 params the same steps are traced (float32 losses, bf16 params kept); they run for GPT-2 in the
+    bf16 train.py run and in the PPO test."""
+    runs = {}
     for name, fields in PRECISIONS.items():
         task, batch = _family(family, fields)
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-        trainers[name] = trainer_lib.SupervisedTrainer(task, optax.adamw(1e-2), optax.constant_schedule(1e-2), shapes)
-    init = fast_jit(lambda rng: nn.unbox(trainers["bf16_compute"].init(rng)))(jax.random.key(0))
-    for name, trainer in trainers.items():
-        state = trainer.with_params(init, _cast(init.params, PRECISIONS[name]))
-        last, metrics = fast_jit(functools.partial(_two_steps, trainer))(state, batch)
-        loss_sums, counts = metrics["loss"]
-        assert loss_sums.dtype == F32 and np.isfinite(loss_sums).all() and (counts > 0).all(), name
-        assert np.isfinite(metrics["grad_norm"][0]).all(), name
-        assert _dtypes(last.params) == _dtypes(state.params), name  # the optimizer keeps every param's dtype
-        assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(last.params))), name
+        trainer = trainer_lib.SupervisedTrainer(task, optax.adamw(1e-2), optax.constant_schedule(1e-2), shapes)
+        runs[name] = functools.partial(_init_and_two_steps, trainer), batch
+    run, batch = runs["bf16_params"]
+    before, after, metrics = jax.eval_shape(run, batch)
+    assert metrics["loss"][0].dtype == F32 and _dtypes(after) == _dtypes(before)
+    assert _dtypes(before["backbone"] if family == "classifier" else before) == {BF16}
+
+    run, batch = runs["bf16_compute"]
+    before, after, metrics = fast_jit(run)(batch)
+    loss_sums, counts = metrics["loss"]
+    assert loss_sums.dtype == F32 and np.isfinite(loss_sums).all() and (counts > 0).all()
+    assert np.isfinite(metrics["grad_norm"][0]).all()
+    assert _dtypes(after) == _dtypes(before)  # the optimizer keeps every param's dtype
+    assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
 
 
 # --- sampling, beam search and scoring in bf16 ---
@@ -237,11 +234,12 @@ def _random_params(model, *inputs, seed: int):
 @pytest.fixture(scope="module")
 def decoders():
     """A tiny GPT-2 with large random weights: {"float32" | precision: (model, params)}, the same weights."""
-    model = models.build_model("gpt2", testing.TINY_GPT2)
+    fields = testing.TINY_GPT2 | dict(num_layers=1)
+    model = models.build_model("gpt2", fields)
     params = _random_params(model, jnp.zeros((2, 8), jnp.int32), seed=2)
     out = {"float32": (model, params)}
-    for name, fields in PRECISIONS.items():
-        out[name] = (models.build_model("gpt2", testing.TINY_GPT2 | fields), _cast(params, fields))
+    for name, precision in PRECISIONS.items():
+        out[name] = (models.build_model("gpt2", fields | precision), _cast(params, precision))
     return out
 
 
@@ -316,8 +314,8 @@ def test_seq2seq_greedy_decoding_in_bf16_follows_float32(variant, precision):
 
     @fast_jit
     def greedy(model_params, reference_params):
-        run = functools.partial(decoding.sample_seq2seq, inputs=SEQ2SEQ_INPUTS, encoder_segment_ids=None,
-                                rng=jax.random.key(2), max_new_tokens=5, temperature=0.0)  # fmt: skip
+        settings = dict(encoder_segment_ids=None, rng=jax.random.key(2), max_new_tokens=5, temperature=0.0)
+        run = functools.partial(decoding.sample_seq2seq, inputs=SEQ2SEQ_INPUTS, **settings)
         return run(model, model_params), run(f32_model, reference_params)
 
     ours, reference = greedy(params, f32_params)
@@ -359,10 +357,9 @@ def test_per_example_scores_are_float32_and_close_to_float32(decoders, precision
 def test_recurrent_and_latent_generation_and_bounds_in_bf16(precision):
     """What the LSTM's and the VAE-LM's evaluators run: sampling, the importance-weighted bound, decoding from z."""
     fields = PRECISIONS[precision]
-    lstm_model, vae_model, prompt, batch = (
-        models.build_model("lstm", TINY_LSTM | fields), models.build_model("vae_lm", TINY_VAE | fields),
-        _rows(5, (2, 3)), _lm_batch(),
-    )  # fmt: skip
+    lstm_model = models.build_model("lstm", TINY_LSTM | fields)
+    vae_model = models.build_model("vae_lm", TINY_VAE | fields)
+    prompt, batch = _rows(5, (2, 3)), _lm_batch()
 
     @fast_jit
     def run(rng):
@@ -386,10 +383,10 @@ def test_ppo_iteration_in_bf16():
     policy = heads.LMWithValueHead(models.build_model("gpt2", fields))
     reward_model = reward.reward_model(models.build_model("gpt2", fields), fields["emb_dim"])
     settings = ppo_objective.PPOConfig(prompt_len=6, response_len=4, epochs=1, minibatches=1, missing_eos_penalty=0.0)
+    optimizer = dict(tx=optax.adam(1e-3), schedule=optax.constant_schedule(1e-3))
     trainer = ppo_objective.PPOTrainer(
-        policy=policy, reward_model=reward_model, settings=settings, tx=optax.adam(1e-3),
-        schedule=optax.constant_schedule(1e-3), batch_size=2, eos_id=30, pad_id=31,
-    )  # fmt: skip
+        policy=policy, reward_model=reward_model, settings=settings, batch_size=2, eos_id=30, pad_id=31, **optimizer
+    )
     prompts = _rows(1, (2, 6), vocab_size=30)
 
     @fast_jit
@@ -399,9 +396,8 @@ def test_ppo_iteration_in_bf16():
         scored = trainer.run_phase("scoring", state, batch, samples)
         return state.params, samples, scored, trainer.run_phase("update", state, batch, scored)
 
-    before, samples, (rollout, _), (state, metrics) = iteration(
-        {"prompts": prompts, "prompt_mask": jnp.ones_like(prompts)}
-    )
+    batch = {"prompts": prompts, "prompt_mask": jnp.ones_like(prompts)}
+    before, samples, (rollout, _), (state, metrics) = iteration(batch)
     assert _valid_ids(samples["responses"])
     for key in ("old_logprobs", "advantages", "returns", "scores"):
         assert rollout[key].dtype == F32 and np.isfinite(rollout[key]).all(), key

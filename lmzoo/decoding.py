@@ -10,7 +10,8 @@ every row's last prompt token sits at column P-1 and new tokens are written in l
 run the one loop `_sample_loop`, a `lax.while_loop`; with `use_cache=False` each step recomputes the
 full forward pass (the reference the KV-cache path is tested and benchmarked against). Encoder-decoders
 run the encoder once and feed the decoder one token per step against its KV cache, starting from
-`model.config.decoder_start_id`."""
+`model.config.decoder_start_id`. Whatever the model's dtype (bfloat16 compute or params), the loops carry
+the logits in float32: the sampling filters, softmax, log-probs and beam scores are float32."""
 
 import functools
 

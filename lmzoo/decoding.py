@@ -10,7 +10,8 @@ every row's last prompt token sits at column P-1 and new tokens are written in l
 run the one loop `_sample_loop`, a `lax.while_loop`; with `use_cache=False` each step recomputes the
 full forward pass (the reference the KV-cache path is tested and benchmarked against). Encoder-decoders
 run the encoder once and feed the decoder one token per step against its KV cache, starting from
-`model.config.decoder_start_id`."""
+`model.config.decoder_start_id`. Whatever the model's dtype (bfloat16 compute or params), the loops carry
+the logits in float32: the sampling filters, softmax, log-probs and beam scores are float32."""
 
 import functools
 
@@ -74,7 +75,10 @@ def _ends_with(tokens: jax.Array, last: jax.Array, sequence: tuple[int, ...]) ->
 
 def _sample_loop(step, logits, state, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, stop_sequences, pad_id):
     """The one sampling loop: `logits` [B, V] predict the first new token; `step(state, token [B], i)` returns the
-    logits [B, V] after new token i and the next state. Stops early once every row has stopped."""
+    logits [B, V] after new token i and the next state. Stops early once every row has stopped.
+
+    The loop carries the logits in float32 whatever the model's dtype (a bfloat16 model's step returns bfloat16
+    logits): the sampling filters, the softmax and the log-probs all read them in float32."""
     batch = logits.shape[0]
     sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     stop_sequences = tuple(s for s in stop_sequences if len(s) <= max_new_tokens)  # longer ones can never match
@@ -86,7 +90,6 @@ def _sample_loop(step, logits, state, rng, *, max_new_tokens, temperature, top_k
     def body(carry):
         i, tokens, log_probs, mask, logits, state, done, rng = carry
         rng, step_rng = jax.random.split(rng)
-        logits = logits.astype(jnp.float32)
         token = jnp.where(done, pad_id, sample(step_rng, logits)).astype(jnp.int32)
         scaled = logits if temperature == 0.0 else logits / temperature
         log_prob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], axis=1)[:, 0]
@@ -98,7 +101,7 @@ def _sample_loop(step, logits, state, rng, *, max_new_tokens, temperature, top_k
         for sequence in stop_sequences:
             done = done | _ends_with(tokens, i, sequence)
         logits, state = step(state, token, i)
-        return i + 1, tokens, log_probs, mask, logits, state, done, rng
+        return i + 1, tokens, log_probs, mask, logits.astype(jnp.float32), state, done, rng
 
     carry = (
         jnp.int32(0), jnp.full((batch, max_new_tokens), pad_id, jnp.int32), jnp.zeros((batch, max_new_tokens)),

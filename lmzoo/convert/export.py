@@ -14,7 +14,8 @@ the language model (its value head or separate value network is left out).
 The weights and config.json come from the per-family tables of gpt2.py, bert.py and seq2seq.py, which
 refuse a config HF cannot express. A run's HF tokenizer (GPT-2 BPE, WordPiece, tokenizer.json) is written
 as tokenizer.json + tokenizer_config.json that `AutoTokenizer` reads; others (char, byte, word,
-sentencepiece) have no HF form and are left out, which `export_hf` reports.
+sentencepiece) have no HF form and are left out, which `export_hf` reports. Tensors are written in float32
+(config.json `torch_dtype` "float32") whatever the run's param_dtype: bfloat16 params are upcast exactly.
 """
 
 import argparse

@@ -106,7 +106,9 @@ class Bert(nn.Module):
             self.sentence_classifier = dense((h, 2), ("embed", "classes"))
         self.mlm_dense = dense((h, e), ("mlp", "embed"))
         self.mlm_norm = norm()
-        self.mlm_bias = self.param("mlm_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,))
+        self.mlm_bias = self.param(
+            "mlm_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,), param_dtype
+        )
         self.dropout = nn.Dropout(cfg.dropout_rate)
 
     def _positions(self, tokens: jax.Array, segment_ids: jax.Array | None) -> jax.Array:

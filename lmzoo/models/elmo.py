@@ -10,6 +10,7 @@ frozen features (computed outside the gradient).
 """
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import flax.linen as nn
@@ -30,6 +31,8 @@ class ELMoConfig:
     num_layers: int = 2
     dropout_rate: float = 0.1
     init_scale: float = 0.1
+    dtype: str = "float32"
+    param_dtype: str = "float32"
 
 
 def reverse_within_length(x: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -52,20 +55,22 @@ class BiLM(nn.Module):
 
     def setup(self):
         cfg = self.config
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         init = symmetric_uniform(cfg.init_scale)
-        self.embedding = self.param(
-            "embedding", nn.with_logical_partitioning(init, ("vocab", "embed")), (cfg.vocab_size, cfg.emb_dim)
-        )
-        self.forward_layers = [LSTMLayer(cfg.emb_dim, cfg.init_scale) for _ in range(cfg.num_layers)]
-        self.backward_layers = [LSTMLayer(cfg.emb_dim, cfg.init_scale) for _ in range(cfg.num_layers)]
-        self.out = nn.Dense(cfg.vocab_size, kernel_init=nn.with_logical_partitioning(init, ("embed", "vocab")))
+        table_init = nn.with_logical_partitioning(init, ("vocab", "embed"))
+        self.embedding = self.param("embedding", table_init, (cfg.vocab_size, cfg.emb_dim), param_dtype)
+        lstm = functools.partial(LSTMLayer, cfg.emb_dim, cfg.init_scale, dtype, param_dtype)
+        self.forward_layers = [lstm() for _ in range(cfg.num_layers)]
+        self.backward_layers = [lstm() for _ in range(cfg.num_layers)]
+        kernel_init = nn.with_logical_partitioning(init, ("embed", "vocab"))
+        self.out = nn.Dense(cfg.vocab_size, kernel_init=kernel_init, dtype=dtype, param_dtype=param_dtype)
         self.dropout = nn.Dropout(cfg.dropout_rate)
 
     def __call__(self, tokens: jax.Array, weights: jax.Array, *, deterministic: bool = True):
         """tokens, weights [B, T] (sentences, padding weighted 0) -> forward logits [B, T, V] (position t predicts
         token t + 1), backward logits [B, T, V] (position t predicts token t - 1), layers [L + 1, B, T, 2D]."""
         lengths = jnp.sum(weights, axis=1).astype(jnp.int32)
-        x = embed_lookup(self.embedding, tokens)
+        x = embed_lookup(self.embedding, tokens).astype(self.config.dtype)
         zeros = jnp.zeros((tokens.shape[0], self.config.emb_dim), x.dtype)
         forward, backward = x, reverse_within_length(x, lengths)
         layers = [jnp.concatenate([x, x], axis=-1)]

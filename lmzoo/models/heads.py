@@ -8,6 +8,9 @@
 
 Head styles of the HF checkpoints: "pooler" (BERT, ALBERT: the backbone's tanh pooler, then a
 linear layer), "dense_tanh" (RoBERTa), "dense_relu" (DistilBERT), "linear" (GPT).
+
+Whatever the backbone's dtype and param_dtype (bfloat16), the heads' own layers compute in float32 (its hidden
+states cast up) and keep float32 params: class logits, rewards and values are what the losses read.
 """
 
 import flax.linen as nn

@@ -32,6 +32,7 @@ class LSTMConfig:
     dropout_rate: float = 0.0
     init_scale: float = 0.1
     dtype: str = "float32"
+    param_dtype: str = "float32"
 
 
 def symmetric_uniform(scale: float):
@@ -54,11 +55,13 @@ class LSTMLayer(nn.Module):
     Attributes:
         hidden: width D of the cell and hidden state.
         init_scale: half-width of the uniform initializer.
+        dtype: of the computation, the outputs and the final (c, h); param_dtype: of the weights.
     """
 
     hidden: int
     init_scale: float = 0.1
     dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(
@@ -67,12 +70,14 @@ class LSTMLayer(nn.Module):
         """x [B, T, D_in], state (c, h) each [B, D] -> outputs [B, T, D], final (c, h)."""
         init = symmetric_uniform(self.init_scale)
         gates = 4 * self.hidden
-        wi = self.param("wi", nn.with_logical_partitioning(init, ("embed", "mlp")), (x.shape[-1], gates))
-        wh = self.param("wh", nn.with_logical_partitioning(init, ("embed", "mlp")), (self.hidden, gates))
-        bias = self.param("bias", nn.with_logical_partitioning(init, ("mlp",)), (gates,))
+        param = functools.partial(self.param, dtype=self.param_dtype)
+        wi = param("wi", nn.with_logical_partitioning(init, ("embed", "mlp")), (x.shape[-1], gates))
+        wh = param("wh", nn.with_logical_partitioning(init, ("embed", "mlp")), (self.hidden, gates))
+        bias = param("bias", nn.with_logical_partitioning(init, ("mlp",)), (gates,))
         # The input half of every step's gates in one matmul, time-major for the scan: [T, B, 4D].
         x = jnp.swapaxes(x, 0, 1).astype(self.dtype)
-        input_gates = layers.project("TBD,DG->TBG", x, wi.astype(self.dtype)) + bias
+        # The bias in dtype too: a float32 bias would turn a bfloat16 scan carry into float32.
+        input_gates = layers.project("TBD,DG->TBG", x, wi.astype(self.dtype)) + bias.astype(self.dtype)
 
         def cell(carry, step_gates):
             c, h = carry
@@ -110,9 +115,10 @@ class LSTM(nn.Module):
 
         With `return_layers`, also the outputs of the embedding and of every layer, each [B, T, D]."""
         cfg = self.config
-        dtype = jnp.dtype(cfg.dtype)
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         init = symmetric_uniform(cfg.init_scale)
-        embedding = self.param(
+        param = functools.partial(self.param, dtype=param_dtype)
+        embedding = param(
             "embedding", nn.with_logical_partitioning(init, ("vocab", "embed")), (cfg.vocab_size, cfg.emb_dim)
         )
         x = layers.embed_lookup(embedding, tokens).astype(dtype)
@@ -121,19 +127,20 @@ class LSTM(nn.Module):
         cs, hs = [], []
         for layer in range(cfg.num_layers):
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-            x, (c, h) = LSTMLayer(cfg.emb_dim, cfg.init_scale, dtype, name=f"layer_{layer}")(
+            x, (c, h) = LSTMLayer(cfg.emb_dim, cfg.init_scale, dtype, param_dtype, name=f"layer_{layer}")(
                 x, (carry["c"][:, layer], carry["h"][:, layer])
             )
             layer_outputs.append(x)
             cs.append(c)
             hs.append(h)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        out = self.param("out", nn.with_logical_partitioning(init, ("embed", "vocab")), (cfg.emb_dim, cfg.vocab_size))
-        out_bias = self.param("out_bias", nn.with_logical_partitioning(init, ("vocab",)), (cfg.vocab_size,))
+        out = param("out", nn.with_logical_partitioning(init, ("embed", "vocab")), (cfg.emb_dim, cfg.vocab_size))
+        out_bias = param("out_bias", nn.with_logical_partitioning(init, ("vocab",)), (cfg.vocab_size,))
+        # Logits in float32 whatever the dtype (the matmul accumulates in float32).
         logits = layers.project(
             "BTD,DV->BTV", x, out.astype(dtype), preferred_element_type=jnp.promote_types(dtype, jnp.float32)
         )
-        logits = logits + out_bias
+        logits = logits + out_bias.astype(logits.dtype)
         new_carry = {
             "c": jnp.stack(cs, axis=1).astype(carry["c"].dtype),
             "h": jnp.stack(hs, axis=1).astype(carry["h"].dtype),

@@ -185,7 +185,8 @@ class Seq2Seq(nn.Module):
                 dtype=dtype, param_dtype=param_dtype,
             )  # fmt: skip
         if cfg.final_logits_bias:
-            self.logits_bias = self.param("final_logits_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,))
+            bias_init = nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",))
+            self.logits_bias = self.param("final_logits_bias", bias_init, (cfg.vocab_size,), param_dtype)
         self.dropout = nn.Dropout(cfg.dropout_rate)
 
     def _check_length(self, length: int, what: str) -> None:
@@ -196,7 +197,7 @@ class Seq2Seq(nn.Module):
         cfg = self.config
         x = self.embed(tokens)
         if cfg.scale_embeddings:
-            x = x * np.sqrt(cfg.emb_dim)
+            x = x * np.sqrt(cfg.emb_dim).astype(x.dtype)  # a float64 scalar would promote bfloat16 to float32
         if cfg.positions == "learned":
             x = x + getattr(self, f"{which}_positions")(positions + cfg.position_offset)
         elif cfg.positions == "sinusoidal":

@@ -24,13 +24,16 @@ from lmzoo.models.lstm import LSTMLayer, per_position, symmetric_uniform
 class VAELMConfig:
     """Sizes of the VAE-LM; the field names are exactly the keys of `config.model`. emb_dim is also the LSTM width.
 
-    latent_dim 0 leaves the decoder alone: an LSTM LM from a zero state (no encoder, KL 0, exact likelihood)."""
+    latent_dim 0 leaves the decoder alone: an LSTM LM from a zero state (no encoder, KL 0, exact likelihood).
+    dtype is that of the LSTMs and projections; the posterior (mu, logvar) and z stay float32."""
 
     vocab_size: int = 10000
     emb_dim: int = 256
     latent_dim: int = 32
     dropout_rate: float = 0.0
     init_scale: float = 0.1
+    dtype: str = "float32"
+    param_dtype: str = "float32"
 
 
 def gaussian_kl(mu: jax.Array, logvar: jax.Array) -> jax.Array:
@@ -56,15 +59,17 @@ class VAELM(nn.Module):
 
     def setup(self):
         cfg = self.config
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         init = symmetric_uniform(cfg.init_scale)
-        self.embedding = self.param(
-            "embedding", nn.with_logical_partitioning(init, ("vocab", "embed")), (cfg.vocab_size, cfg.emb_dim)
-        )
-        self.encoder = LSTMLayer(cfg.emb_dim, cfg.init_scale)
-        self.posterior = nn.Dense(2 * cfg.latent_dim, kernel_init=nn.with_logical_partitioning(init, ("embed", None)))
-        self.initial_state = nn.Dense(2 * cfg.emb_dim, kernel_init=nn.with_logical_partitioning(init, (None, "embed")))
-        self.decoder = LSTMLayer(cfg.emb_dim, cfg.init_scale)
-        self.out = nn.Dense(cfg.vocab_size, kernel_init=nn.with_logical_partitioning(init, ("embed", "vocab")))
+        table_init = nn.with_logical_partitioning(init, ("vocab", "embed"))
+        self.embedding = self.param("embedding", table_init, (cfg.vocab_size, cfg.emb_dim), param_dtype)
+        lstm = functools.partial(LSTMLayer, cfg.emb_dim, cfg.init_scale, dtype, param_dtype)
+        dense = functools.partial(nn.Dense, dtype=dtype, param_dtype=param_dtype)
+        self.encoder = lstm()
+        self.posterior = dense(2 * cfg.latent_dim, kernel_init=nn.with_logical_partitioning(init, ("embed", None)))
+        self.initial_state = dense(2 * cfg.emb_dim, kernel_init=nn.with_logical_partitioning(init, (None, "embed")))
+        self.decoder = lstm()
+        self.out = dense(cfg.vocab_size, kernel_init=nn.with_logical_partitioning(init, ("embed", "vocab")))
         self.dropout = nn.Dropout(cfg.dropout_rate)
 
     def encode(self, tokens: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -76,13 +81,14 @@ class VAELM(nn.Module):
         hidden, _ = self.encoder(layers.embed_lookup(self.embedding, tokens), (zeros, zeros))
         last = jnp.maximum(jnp.sum(weights, axis=1).astype(jnp.int32) - 1, 0)
         summary = hidden[jnp.arange(b), last]  # [B, D]: the state after the sentence's last real token
-        mu, logvar = jnp.split(self.posterior(summary), 2, axis=-1)
+        # float32 whatever the dtype: the KL and the importance weights exponentiate logvar.
+        mu, logvar = jnp.split(self.posterior(summary).astype(jnp.float32), 2, axis=-1)
         return mu, logvar
 
     def start_state(self, z: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """z [B, Z] -> the decoder's initial (c, h), each [B, D] (zeros when Z = 0)."""
+        """z [B, Z] -> the decoder's initial (c, h), each [B, D] in dtype (zeros when Z = 0)."""
         if self.config.latent_dim == 0:
-            zeros = jnp.zeros((z.shape[0], self.config.emb_dim), jnp.float32)
+            zeros = jnp.zeros((z.shape[0], self.config.emb_dim), self.config.dtype)
             return zeros, zeros
         c, h = jnp.split(self.initial_state(z), 2, axis=-1)
         return c, jnp.tanh(h)
@@ -91,9 +97,9 @@ class VAELM(nn.Module):
         self, z: jax.Array, inputs: jax.Array, state: tuple[jax.Array, jax.Array], *, deterministic: bool = True
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """z [B, Z], inputs [B, T] (the sentence shifted right), state (c, h) -> logits [B, T, V], state after."""
-        x = layers.embed_lookup(self.embedding, inputs)
+        x = layers.embed_lookup(self.embedding, inputs).astype(self.config.dtype)
         x = self.dropout(x, deterministic=deterministic)
-        x = jnp.concatenate([x, jnp.broadcast_to(z[:, None], x.shape[:2] + z.shape[-1:])], axis=-1)
+        x = jnp.concatenate([x, jnp.broadcast_to(z[:, None], x.shape[:2] + z.shape[-1:]).astype(x.dtype)], axis=-1)
         hidden, state = self.decoder(x, state)
         return per_position(self.out, self.dropout(hidden, deterministic=deterministic)), state
 

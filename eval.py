@@ -78,8 +78,10 @@ def fewshot_table(baseline: dict, results: list[dict]) -> str:
             if r["accuracy_norm"] is None
             else (f"{r['accuracy_norm']:.4f}", "{:.3f}-{:.3f}".format(*r["accuracy_norm_ci95"]))
         )
-        lines.append(f"{r['k']!s:>8}  {r['examples']:>8}  {r['accuracy']:>8.4f}  {'{:.3f}-{:.3f}'.format(*r['accuracy_ci95']):>15}  "
-                     f"{norm[0]:>8}  {norm[1]:>15}  {r.get('truncated_prompts', '-')}")  # fmt: skip
+        lines.append(
+            f"{r['k']!s:>8}  {r['examples']:>8}  {r['accuracy']:>8.4f}  {'{:.3f}-{:.3f}'.format(*r['accuracy_ci95']):>15}  "
+            f"{norm[0]:>8}  {norm[1]:>15}  {r.get('truncated_prompts', '-')}"
+        )
     return "\n".join(lines)
 
 
@@ -101,15 +103,31 @@ def run_fewshot(loaded) -> None:
     for k in ks:
         try:
             result, prompts = fewshot.evaluate_fewshot(
-                loaded.model, loaded.params, loaded.tokenizer, examples, train, k=k, template=FLAGS.fewshot_template,
-                separator=FLAGS.fewshot_separator, seed=FLAGS.seed, batch_size=FLAGS.batch_size,
-            )  # fmt: skip
+                loaded.model,
+                loaded.params,
+                loaded.tokenizer,
+                examples,
+                train,
+                k=k,
+                template=FLAGS.fewshot_template,
+                separator=FLAGS.fewshot_separator,
+                seed=FLAGS.seed,
+                batch_size=FLAGS.batch_size,
+            )
         except ValueError as e:
             raise SystemExit(f"error: --fewshot k={k}: {e}") from None
         results.append(result)
         dumped += [{"k": k, "index": i, "prompt": p} for i, p in enumerate(prompts)]
-    line = json.dumps({"step": loaded.step, "task": FLAGS.fewshot, "template": FLAGS.fewshot_template, "seed": FLAGS.seed,
-                       "majority": baseline, "fewshot": results})  # fmt: skip
+    line = json.dumps(
+        {
+            "step": loaded.step,
+            "task": FLAGS.fewshot,
+            "template": FLAGS.fewshot_template,
+            "seed": FLAGS.seed,
+            "majority": baseline,
+            "fewshot": results,
+        }
+    )
     print(line)
     print(fewshot_table(baseline, results))
     (pathlib.Path(FLAGS.workdir) / f"eval_fewshot_{pathlib.Path(FLAGS.fewshot).stem}.json").write_text(line + "\n")
@@ -167,9 +185,15 @@ def main(argv):
     if FLAGS.generate is not None:
         try:
             text = sample_text(
-                run, run.compiled.host_params(state), FLAGS.generate, max_new_tokens=FLAGS.max_new_tokens,
-                temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
-            )  # fmt: skip
+                run,
+                run.compiled.host_params(state),
+                FLAGS.generate,
+                max_new_tokens=FLAGS.max_new_tokens,
+                temperature=FLAGS.temperature,
+                top_k=FLAGS.top_k,
+                top_p=FLAGS.top_p,
+                seed=FLAGS.seed,
+            )
         except ValueError as e:
             raise SystemExit(f"--generate: {e}") from None
         print(FLAGS.generate + text)
@@ -183,8 +207,9 @@ def main(argv):
         metrics, _ = evaluation.EVALUATORS[name](run, state, split, max_batches=FLAGS.max_batches)
         result.update(metrics)
     if FLAGS.reconstruct:
-        scores, examples = evaluation.EVALUATORS["reconstruction"](run, state, split, num_examples=FLAGS.reconstruct,
-                                                                    beam_size=FLAGS.beam_size)  # fmt: skip
+        scores, examples = evaluation.EVALUATORS["reconstruction"](
+            run, state, split, num_examples=FLAGS.reconstruct, beam_size=FLAGS.beam_size
+        )
         result.update(scores)
     line = json.dumps(result)
     print(line)

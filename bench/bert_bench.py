@@ -59,16 +59,45 @@ class Spec:
 
     def model_fields(self) -> dict:
         return dict(
-            vocab_size=self.vocab_size, max_len=self.seq_len, emb_dim=self.emb_dim, num_heads=self.num_heads,
-            num_layers=self.num_layers, mlp_dim=self.mlp_dim, dropout_rate=0.0, attention_dropout_rate=0.0,
-            pooler=False, sentence_head=False,
-        )  # fmt: skip
+            vocab_size=self.vocab_size,
+            max_len=self.seq_len,
+            emb_dim=self.emb_dim,
+            num_heads=self.num_heads,
+            num_layers=self.num_layers,
+            mlp_dim=self.mlp_dim,
+            dropout_rate=0.0,
+            attention_dropout_rate=0.0,
+            pooler=False,
+            sentence_head=False,
+        )
 
 
-FULL = Spec(30522, 256, 4, 4, 1024, seq_len=128, batch_size=16, steps_per_round=4, batches_per_round=20,
-            num_pair_examples=100_000, max_documents=0)  # fmt: skip
-QUICK = Spec(512, 64, 2, 2, 256, seq_len=32, batch_size=4, steps_per_round=2, batches_per_round=5,
-             num_pair_examples=256, max_documents=200)  # fmt: skip
+FULL = Spec(
+    30522,
+    256,
+    4,
+    4,
+    1024,
+    seq_len=128,
+    batch_size=16,
+    steps_per_round=4,
+    batches_per_round=20,
+    num_pair_examples=100_000,
+    max_documents=0,
+)
+QUICK = Spec(
+    512,
+    64,
+    2,
+    2,
+    256,
+    seq_len=32,
+    batch_size=4,
+    steps_per_round=2,
+    batches_per_round=5,
+    num_pair_examples=256,
+    max_documents=200,
+)
 
 
 def full_logits_task(model) -> Task:
@@ -93,16 +122,25 @@ def torch_trainer(spec: Spec, batch: dict[str, np.ndarray], optim_config) -> com
     """HF BertForMaskedLM (sdpa attention, labels -100 at unmasked positions) + torch AdamW as lmzoo trains."""
     torch.manual_seed(0)
     hf_config = transformers.BertConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.emb_dim, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, intermediate_size=spec.mlp_dim, hidden_act="gelu",
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=spec.seq_len,
-        type_vocab_size=2, layer_norm_eps=1e-12, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.emb_dim,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        intermediate_size=spec.mlp_dim,
+        hidden_act="gelu",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        max_position_embeddings=spec.seq_len,
+        type_vocab_size=2,
+        layer_norm_eps=1e-12,
+        tie_word_embeddings=True,
+    )
     model = transformers.BertForMaskedLM._from_config(hf_config, attn_implementation="sdpa")
     inputs = {"input_ids": batch["inputs"], "labels": np.where(batch["weights"] > 0, batch["targets"], -100)}
     return common.TorchTrainer(
         model, inputs, optim_config, decays=lambda name, param: param.ndim == 2 and "embeddings" not in name
     )
+
 
 def masked_batch(spec: Spec, tokenizer: tokenizers.Tokenizer) -> dict[str, np.ndarray]:
     """[CLS] random word pieces [SEP] rows, 15% masked by `mask_rows` (static, example ids 0..B-1)."""
@@ -112,9 +150,16 @@ def masked_batch(spec: Spec, tokenizer: tokenizers.Tokenizer) -> dict[str, np.nd
     tokens = np.concatenate([column(tokenizer.cls_id), words, column(tokenizer.sep_id)], axis=1)
     ids = np.arange(spec.batch_size)
     return transforms.mask_rows(
-        tokens, ids, np.zeros_like(ids), seed=0, static=True, mask_id=tokenizer.mask_id, vocab_size=spec.vocab_size,
-        special_ids=sorted(tokenizer.special_ids.values()), rate=MASK_RATE,
-    )  # fmt: skip
+        tokens,
+        ids,
+        np.zeros_like(ids),
+        seed=0,
+        static=True,
+        mask_id=tokenizer.mask_id,
+        vocab_size=spec.vocab_size,
+        special_ids=sorted(tokenizer.special_ids.values()),
+        rate=MASK_RATE,
+    )
 
 
 def data_loaders(spec: Spec) -> tuple[tokenizers.Tokenizer, dict, dict]:
@@ -134,8 +179,12 @@ def data_loaders(spec: Spec) -> tuple[tokenizers.Tokenizer, dict, dict]:
         loaders[name] = run_lib.validated_objective(config).train_loader(tokenizer, documents["train"], Shard())
         seconds = time.perf_counter() - start
         size = loaders[name].num_examples if name == "mlm_nsp" else len(loaders[name].stream)
-        info[name] = {"loader": type(loaders[name]).__name__, "build_s": seconds,
-                      "size": size, "size_unit": "pairs" if name == "mlm_nsp" else "tokens"}  # fmt: skip
+        info[name] = {
+            "loader": type(loaders[name]).__name__,
+            "build_s": seconds,
+            "size": size,
+            "size_unit": "pairs" if name == "mlm_nsp" else "tokens",
+        }
     return tokenizer, loaders, info
 
 
@@ -184,13 +233,20 @@ def bench(spec: Spec, rounds: int) -> dict:
 
 
 TRAIN_COLUMNS = [
-    ("lmzoo tok/s", "lmzoo", "{:.0f}"), ("lmzoo full-logits tok/s", "lmzoo_full", "{:.0f}"), ("torch tok/s", "torch", "{:.0f}"),
-    ("lmzoo/torch", "ratio", "{:.3f}"), ("full/torch", "full_ratio", "{:.3f}"), ("lmzoo/full", "masked_speedup", "{:.3f}"),
-]  # fmt: skip
+    ("lmzoo tok/s", "lmzoo", "{:.0f}"),
+    ("lmzoo full-logits tok/s", "lmzoo_full", "{:.0f}"),
+    ("torch tok/s", "torch", "{:.0f}"),
+    ("lmzoo/torch", "ratio", "{:.3f}"),
+    ("full/torch", "full_ratio", "{:.3f}"),
+    ("lmzoo/full", "masked_speedup", "{:.3f}"),
+]
 PIPELINE_COLUMNS = [
-    ("step ex/s", "step_examples", "{:.1f}"), ("mlm_nsp ex/s", "mlm_nsp", "{:.0f}"), ("mlm ex/s", "mlm", "{:.0f}"),
-    ("mlm_nsp/step", "mlm_nsp_vs_step", "{:.1f}"), ("mlm/step", "mlm_vs_step", "{:.1f}"),
-]  # fmt: skip
+    ("step ex/s", "step_examples", "{:.1f}"),
+    ("mlm_nsp ex/s", "mlm_nsp", "{:.0f}"),
+    ("mlm ex/s", "mlm", "{:.0f}"),
+    ("mlm_nsp/step", "mlm_nsp_vs_step", "{:.1f}"),
+    ("mlm/step", "mlm_vs_step", "{:.1f}"),
+]
 
 
 def main():
@@ -204,15 +260,23 @@ def main():
     load["end"] = os.getloadavg()[0]
 
     compile_s, loss, data = result["compile_s"], result["loss_after_warmup"], result["data"]
-    print(f"\ntrain (MLM only): B={spec.batch_size} T={spec.seq_len} ({spec.batch_size * spec.seq_len} tokens/step), "
-          f"{spec.steps_per_round} steps/round, {result['masked_positions_per_row']:.1f} masked positions/row; "
-          "lmzoo computes the vocabulary projection at the M = ceil(0.15 T) + 1 top-weight positions, "
-          "full-logits lmzoo and HF at all T")  # fmt: skip
-    print("compile+1st step s: " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items())
-          + "; loss after warm-up: " + ", ".join(f"{k} {v:.4f}" for k, v in loss.items()))  # fmt: skip
+    print(
+        f"\ntrain (MLM only): B={spec.batch_size} T={spec.seq_len} ({spec.batch_size * spec.seq_len} tokens/step), "
+        f"{spec.steps_per_round} steps/round, {result['masked_positions_per_row']:.1f} masked positions/row; "
+        "lmzoo computes the vocabulary projection at the M = ceil(0.15 T) + 1 top-weight positions, "
+        "full-logits lmzoo and HF at all T"
+    )
+    print(
+        "compile+1st step s: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items())
+        + "; loss after warm-up: "
+        + ", ".join(f"{k} {v:.4f}" for k, v in loss.items())
+    )
     print_table(result, TRAIN_COLUMNS)
-    print(f"\ndata pipeline ({spec.batches_per_round} batches/loader/round, single host thread) vs the lmzoo step's "
-          f"consumption; {data['text']}, {data['vocab']}")  # fmt: skip
+    print(
+        f"\ndata pipeline ({spec.batches_per_round} batches/loader/round, single host thread) vs the lmzoo step's "
+        f"consumption; {data['text']}, {data['vocab']}"
+    )
     for name in ("mlm_nsp", "mlm"):
         d = data[name]
         print(f"  {name}: {d['loader']} over {d['size']} {d['size_unit']}, built in {d['build_s']:.1f} s")
@@ -224,9 +288,13 @@ def main():
     }
     print("medians: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
     record = {
-        "bench": "bert", "config": "quick" if args.quick else "full", "spec": dataclasses.asdict(spec),
-        "results": result, "load_average": load, "medians": medians,
-    }  # fmt: skip
+        "bench": "bert",
+        "config": "quick" if args.quick else "full",
+        "spec": dataclasses.asdict(spec),
+        "results": result,
+        "load_average": load,
+        "medians": medians,
+    }
     print(json.dumps(record))
 
 

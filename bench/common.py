@@ -50,7 +50,9 @@ def interleaved_ms(runs: dict[str, tuple[Callable, object]], repeats: int) -> di
 def cpu_model_and_isa() -> tuple[str, str]:
     """The CPU model and the widest vector ISA it offers (XLA:CPU compiles for the host's features)."""
     cpuinfo = pathlib.Path("/proc/cpuinfo")
-    fields = [line.split(":", 1) for line in cpuinfo.read_text().splitlines() if ":" in line] if cpuinfo.exists() else []
+    fields = (
+        [line.split(":", 1) for line in cpuinfo.read_text().splitlines() if ":" in line] if cpuinfo.exists() else []
+    )
     model = next((value.strip() for key, value in fields if key.strip() == "model name"), "unknown")
     flags = next((set(value.split()) for key, value in fields if key.strip() == "flags"), set())
     isa = [name for name in ("avx512_bf16", "avx512f", "avx2", "avx", "sse4_2") if name in flags]
@@ -64,7 +66,9 @@ def matmul_peak(sizes=(1024, 2048), repeats: int = 5) -> dict[int, float]:
     for n in sizes:
         a, b = jax.random.normal(jax.random.key(0), (2, n, n), jnp.float32)
         matmul(a, b).block_until_ready()
-        best = min(timed(functools.partial(lambda x, y: matmul(x, y).block_until_ready(), a, b)) for _ in range(repeats))
+        best = min(
+            timed(functools.partial(lambda x, y: matmul(x, y).block_until_ready(), a, b)) for _ in range(repeats)
+        )
         peak[n] = 2 * n**3 / best / 1e9
     return peak
 
@@ -75,15 +79,20 @@ def announce(name: str, label: str, spec, rounds: int) -> dict[str, float]:
 
     import torch
 
-    print(f"{name} bench: {label} {spec}, {rounds} round(s), jax {jax.__version__} on {jax.devices()[0].platform}, "
-          f"torch {torch.__version__}", flush=True)  # fmt: skip
+    print(
+        f"{name} bench: {label} {spec}, {rounds} round(s), jax {jax.__version__} on {jax.devices()[0].platform}, "
+        f"torch {torch.__version__}",
+        flush=True,
+    )
     model, isa = cpu_model_and_isa()
     print(f"CPU: {model}, ISA: {isa}")
     load = {"start": os.getloadavg()[0]}
     print(f"load average at start: {load['start']:.2f} on {os.cpu_count()} cores")
     if load["start"] > 1.0:
-        print("WARNING: other processes compete for the cores; torch's 2 OpenMP threads slow down far more than XLA "
-              "under contention, so lmzoo/torch is inflated and per-round matmul peaks are noisy")  # fmt: skip
+        print(
+            "WARNING: other processes compete for the cores; torch's 2 OpenMP threads slow down far more than XLA "
+            "under contention, so lmzoo/torch is inflated and per-round matmul peaks are noisy"
+        )
     return load
 
 
@@ -156,7 +165,10 @@ class LmzooTrainer:
         """Compiles `task` with optimizer `tx` as the loop does and puts its state and `batch` on the mesh."""
         shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
         self.compiled = trainer_lib.compile_trainer(
-            supervised.SupervisedTrainer(task, tx, schedule, shapes), mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0
+            supervised.SupervisedTrainer(task, tx, schedule, shapes),
+            mesh=sharding.make_mesh(),
+            rules=sharding.axis_rules(),
+            seed=0,
         )
         with self.compiled.context():
             self.state = self.compiled.init(jax.random.key(0))
@@ -188,8 +200,10 @@ class TorchTrainer:
             (decay if decays(name, param) else no_decay).append(param)
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": optim_config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=optim_config.learning_rate, betas=(optim_config.b1, optim_config.b2), eps=optim_config.eps,
-        )  # fmt: skip
+            lr=optim_config.learning_rate,
+            betas=(optim_config.b1, optim_config.b2),
+            eps=optim_config.eps,
+        )
         _, schedule = optim.make_optimizer(optim_config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: float(schedule(step)) / optim_config.learning_rate

@@ -53,9 +53,15 @@ class Spec:
 
     def model_fields(self, max_len: int) -> dict:
         return dict(
-            vocab_size=self.vocab_size, max_len=max_len, emb_dim=self.emb_dim, num_heads=self.num_heads,
-            num_layers=self.num_layers, mlp_dim=self.mlp_dim, dropout_rate=0.0, attention_dropout_rate=0.0,
-        )  # fmt: skip
+            vocab_size=self.vocab_size,
+            max_len=max_len,
+            emb_dim=self.emb_dim,
+            num_heads=self.num_heads,
+            num_layers=self.num_layers,
+            mlp_dim=self.mlp_dim,
+            dropout_rate=0.0,
+            attention_dropout_rate=0.0,
+        )
 
     def flops_per_token(self) -> float:
         """6 * N_matmul + 12 * L * T * D, N_matmul = block kernels + the tied head (V * D)."""
@@ -72,17 +78,30 @@ def torch_trainer(spec: Spec, tokens: np.ndarray) -> common.TorchTrainer:
     """HF GPT2LMHeadModel (sdpa attention) + torch AdamW as lmzoo trains; loss over the same B*T next tokens."""
     torch.manual_seed(0)
     hf_config = transformers.GPT2Config(
-        vocab_size=spec.vocab_size, n_positions=spec.seq_len, n_embd=spec.emb_dim, n_layer=spec.num_layers,
-        n_head=spec.num_heads, n_inner=spec.mlp_dim, activation_function="gelu_new", resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
+        vocab_size=spec.vocab_size,
+        n_positions=spec.seq_len,
+        n_embd=spec.emb_dim,
+        n_layer=spec.num_layers,
+        n_head=spec.num_heads,
+        n_inner=spec.mlp_dim,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     model = transformers.GPT2LMHeadModel._from_config(hf_config, attn_implementation="sdpa")
     # T inputs, loss over the same T next tokens as lmzoo (shift_labels stops HF's internal shift).
     inputs = {"input_ids": tokens[:, :-1], "labels": tokens[:, :-1], "shift_labels": tokens[:, 1:]}
     return common.TorchTrainer(
-        model, inputs, config_lib.base_config().optim,
+        model,
+        inputs,
+        config_lib.base_config().optim,
         decays=lambda name, param: param.ndim == 2 and not name.startswith(("transformer.wte", "transformer.wpe")),
-    )  # fmt: skip
+    )
+
 
 def lmzoo_trainer(spec: Spec, tokens: np.ndarray) -> common.LmzooTrainer:
     """lmzoo's GPT-2 train step on next-token targets of `tokens` [B, T + 1]."""
@@ -141,9 +160,17 @@ def bench_decode(spec: Spec, rounds: int) -> dict:
     params = jax.jit(model.init)(jax.random.key(0), jnp.asarray(prompt))["params"]
 
     def decode(use_cache):
-        return np.asarray(decoding.generate(
-            model, params, prompt, rng=jax.random.key(0), max_new_tokens=spec.new_tokens, temperature=0.0, use_cache=use_cache
-        ))  # fmt: skip
+        return np.asarray(
+            decoding.generate(
+                model,
+                params,
+                prompt,
+                rng=jax.random.key(0),
+                max_new_tokens=spec.new_tokens,
+                temperature=0.0,
+                use_cache=use_cache,
+            )
+        )
 
     modes = {"cache": True, "recompute": False}
     outputs = {name: decode(use_cache) for name, use_cache in modes.items()}
@@ -162,10 +189,18 @@ def bench_decode(spec: Spec, rounds: int) -> dict:
 
 
 TRAIN_COLUMNS = [
-    ("lmzoo tok/s", "lmzoo", "{:.0f}"), ("torch tok/s", "torch", "{:.0f}"), ("lmzoo/torch", "ratio", "{:.3f}"),
-    ("peak GFLOP/s", "peak_gflops", "{:.1f}"), ("lmzoo MFU", "mfu", "{:.1%}"), ("torch MFU", "torch_mfu", "{:.1%}"),
-]  # fmt: skip
-DECODE_COLUMNS = [("cache tok/s", "cache", "{:.1f}"), ("recompute tok/s", "recompute", "{:.1f}"), ("speedup", "speedup", "{:.2f}")]
+    ("lmzoo tok/s", "lmzoo", "{:.0f}"),
+    ("torch tok/s", "torch", "{:.0f}"),
+    ("lmzoo/torch", "ratio", "{:.3f}"),
+    ("peak GFLOP/s", "peak_gflops", "{:.1f}"),
+    ("lmzoo MFU", "mfu", "{:.1%}"),
+    ("torch MFU", "torch_mfu", "{:.1%}"),
+]
+DECODE_COLUMNS = [
+    ("cache tok/s", "cache", "{:.1f}"),
+    ("recompute tok/s", "recompute", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}"),
+]
 
 
 def print_table(result: dict, columns: list[tuple[str, str, str]]) -> None:
@@ -175,7 +210,10 @@ def print_table(result: dict, columns: list[tuple[str, str, str]]) -> None:
     widths = [max(len(header), 8) for header, _, _ in columns]
     print(f"{'round':>6} " + " ".join(f"{header:>{w}}" for (header, _, _), w in zip(columns, widths, strict=True)))
     for label, row in rows:
-        print(f"{label:>6} " + " ".join(f"{fmt.format(row[key]):>{w}}" for (_, key, fmt), w in zip(columns, widths, strict=True)))
+        print(
+            f"{label:>6} "
+            + " ".join(f"{fmt.format(row[key]):>{w}}" for (_, key, fmt), w in zip(columns, widths, strict=True))
+        )
 
 
 def verdict(value: float, target: float) -> str:
@@ -198,30 +236,42 @@ def main():
     load["end"] = os.getloadavg()[0]
 
     compile_s, loss = train["compile_s"], train["loss_after_warmup"]
-    print(f"\ntrain: B={spec.batch_size} T={spec.seq_len} ({spec.batch_size * spec.seq_len} tokens/step), "
-          f"{spec.steps_per_round} steps/round, {train['flops_per_token'] / 1e6:.1f} MFLOP/token; "
-          f"compile+1st step s: lmzoo {compile_s['lmzoo']:.1f}, torch {compile_s['torch']:.1f}; "
-          f"loss after warm-up: lmzoo {loss['lmzoo']:.3f}, torch {loss['torch']:.3f}")  # fmt: skip
+    print(
+        f"\ntrain: B={spec.batch_size} T={spec.seq_len} ({spec.batch_size * spec.seq_len} tokens/step), "
+        f"{spec.steps_per_round} steps/round, {train['flops_per_token'] / 1e6:.1f} MFLOP/token; "
+        f"compile+1st step s: lmzoo {compile_s['lmzoo']:.1f}, torch {compile_s['torch']:.1f}; "
+        f"loss after warm-up: lmzoo {loss['lmzoo']:.3f}, torch {loss['torch']:.3f}"
+    )
     print_table(train, TRAIN_COLUMNS)
-    print(f"\ndecode: batch 1, prompt {spec.prompt_len}, {spec.new_tokens} new tokens, greedy; "
-          f"cache/recompute tokens agree: {decode['greedy_tokens_agree']:.1%}")  # fmt: skip
+    print(
+        f"\ndecode: batch 1, prompt {spec.prompt_len}, {spec.new_tokens} new tokens, greedy; "
+        f"cache/recompute tokens agree: {decode['greedy_tokens_agree']:.1%}"
+    )
     print_table(decode, DECODE_COLUMNS)
 
     results = {
-        "train_ratio": train["median_ratio"], "mfu_minus_torch_mfu": train["median_mfu"] - train["median_torch_mfu"],
+        "train_ratio": train["median_ratio"],
+        "mfu_minus_torch_mfu": train["median_mfu"] - train["median_torch_mfu"],
         "decode_speedup": decode["median_speedup"],
-    }  # fmt: skip
+    }
     print(f"\nload average (1 min) at start {load['start']:.2f}, at end {load['end']:.2f}")
     caveat = " torch ran with lmzoo's malloc setting, not as the reference" if args.torch_kept_buffers else ""
     print("targets (medians):" + caveat)
     for name, target in TARGETS.items():
         print(f"  {name:<19} {results[name]:>8.3f}  target >= {target:<5}  {verdict(results[name], target)}")
     record = {
-        "bench": "gpt2", "config": "quick" if args.quick else "matmul-bound",
-        "torch_kept_buffers": args.torch_kept_buffers, "spec": dataclasses.asdict(spec),
-        "matmul_peak_gflops": {str(n): g for n, g in peak.items()}, "train": train, "decode": decode, "load_average": load,
-        "targets": {name: {"value": results[name], "target": t, "pass": results[name] >= t} for name, t in TARGETS.items()},
-    }  # fmt: skip
+        "bench": "gpt2",
+        "config": "quick" if args.quick else "matmul-bound",
+        "torch_kept_buffers": args.torch_kept_buffers,
+        "spec": dataclasses.asdict(spec),
+        "matmul_peak_gflops": {str(n): g for n, g in peak.items()},
+        "train": train,
+        "decode": decode,
+        "load_average": load,
+        "targets": {
+            name: {"value": results[name], "target": t, "pass": results[name] >= t} for name, t in TARGETS.items()
+        },
+    }
     print(json.dumps(record))
 
 

@@ -108,8 +108,11 @@ def main():
             **{f"{n}_tokens_per_sec": round(tokens / t) for n, t in times.items()},
         }
         row["torch_over_lmzoo"] = round(times["lmzoo"] / times["torch"], 3)
-        print(f"round {r + 1}: f32 matmul peak {peak:.0f} GFLOP/s; lmzoo {row['lmzoo_tokens_per_sec']} tokens/s, "
-              f"torch nn.LSTM {row['torch_tokens_per_sec']} tokens/s (torch/lmzoo speed {row['torch_over_lmzoo']:.2f})", flush=True)  # fmt: skip
+        print(
+            f"round {r + 1}: f32 matmul peak {peak:.0f} GFLOP/s; lmzoo {row['lmzoo_tokens_per_sec']} tokens/s, "
+            f"torch nn.LSTM {row['torch_tokens_per_sec']} tokens/s (torch/lmzoo speed {row['torch_over_lmzoo']:.2f})",
+            flush=True,
+        )
         record["rounds"].append(row)
     ours.close()
     theirs.close()

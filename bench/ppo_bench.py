@@ -63,8 +63,13 @@ def lmzoo_parts(config, repeats: int) -> dict[str, tuple[float, float]]:
     batch = {"prompts": prompts, "prompt_mask": jnp.ones_like(prompts)}
     if s.ptx_coef > 0:
         tokens = jax.random.randint(jax.random.key(3), (s.ptx_batch_size, config.data.seq_len + 1), 0, 256)
-        rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": jnp.ones(tokens[:, 1:].shape),
-                "segment_ids": jnp.ones_like(tokens[:, 1:]), "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1] - 1), tokens[:, 1:].shape)}  # fmt: skip
+        rows = {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "weights": jnp.ones(tokens[:, 1:].shape),
+            "segment_ids": jnp.ones_like(tokens[:, 1:]),
+            "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1] - 1), tokens[:, 1:].shape),
+        }
         batch |= {"ptx_" + k: v for k, v in rows.items()}
     phase = {name: jax.jit(functools.partial(trainer.run_phase, name)) for name in trainer.phases}
     samples = phase["rollout"](state, batch, None)
@@ -98,11 +103,23 @@ def trl_rloo_iterations(config, iterations: int) -> dict[str, list[float]]:
     byte_tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     byte_tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     byte_tokenizer.decoder = decoders.Fuse()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer, eos_token="<eos>", pad_token="<pad>",
-                                                     unk_token="<pad>", padding_side="left")  # fmt: skip
-    gpt2 = dict(vocab_size=m.vocab_size, n_positions=m.max_len, n_embd=m.emb_dim, n_layer=m.num_layers, n_head=m.num_heads,
-                n_inner=m.mlp_dim, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=256, eos_token_id=256,
-                pad_token_id=257)  # fmt: skip
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=byte_tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<pad>", padding_side="left"
+    )
+    gpt2 = dict(
+        vocab_size=m.vocab_size,
+        n_positions=m.max_len,
+        n_embd=m.emb_dim,
+        n_layer=m.num_layers,
+        n_head=m.num_heads,
+        n_inner=m.mlp_dim,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=256,
+        eos_token_id=256,
+        pad_token_id=257,
+    )
     torch.manual_seed(0)
     workdir = tempfile.mkdtemp(prefix="trl_rloo_")
     policy_dir = os.path.join(workdir, "policy")  # trl builds the reference model from the policy's path
@@ -114,14 +131,33 @@ def trl_rloo_iterations(config, iterations: int) -> dict[str, list[float]]:
     updates = s.epochs * s.minibatches
     rows = config.train.batch_size * s.samples_per_prompt
     args = RLOOConfig(
-        output_dir=workdir, use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=10**6,
-        per_device_train_batch_size=rows // s.minibatches, steps_per_generation=s.minibatches, num_iterations=s.epochs,
-        num_generations=s.samples_per_prompt, max_completion_length=s.response_len, temperature=s.temperature,
-        learning_rate=config.optim.learning_rate, max_grad_norm=config.optim.grad_clip, beta=s.kl_coef,
-        max_steps=updates * (iterations + 1), seed=0, dataloader_num_workers=0,
-    )  # fmt: skip
-    trainer = RLOOTrainer(model=policy_dir, reward_funcs=reward_model, args=args, processing_class=tokenizer,
-                          reward_processing_classes=tokenizer, train_dataset=datasets.Dataset.from_dict({"prompt": prompts}))  # fmt: skip
+        output_dir=workdir,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**6,
+        per_device_train_batch_size=rows // s.minibatches,
+        steps_per_generation=s.minibatches,
+        num_iterations=s.epochs,
+        num_generations=s.samples_per_prompt,
+        max_completion_length=s.response_len,
+        temperature=s.temperature,
+        learning_rate=config.optim.learning_rate,
+        max_grad_norm=config.optim.grad_clip,
+        beta=s.kl_coef,
+        max_steps=updates * (iterations + 1),
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    trainer = RLOOTrainer(
+        model=policy_dir,
+        reward_funcs=reward_model,
+        args=args,
+        processing_class=tokenizer,
+        reward_processing_classes=tokenizer,
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+    )
     events = []  # (name, seconds) from trl's profiling contexts, in order
     step_ends = [time.perf_counter()]
 
@@ -165,9 +201,11 @@ def main():
     common.announce("ppo", args.variant, f"emb_dim {config.model.emb_dim}, {config.model.num_layers} layers", 1)
     print("f32 matmul peak (GFLOP/s): " + ", ".join(f"{n}: {g:.0f}" for n, g in common.matmul_peak().items()))
     rows = config.train.batch_size * s.samples_per_prompt
-    print(f"rollout {config.train.batch_size} prompts x {s.samples_per_prompt} samples = {rows} x ({s.prompt_len} + "
-          f"{s.response_len}) tokens, {s.epochs} epochs x {s.minibatches} minibatches; value_model {s.value_model}, "
-          f"ptx_coef {s.ptx_coef} ({s.ptx_batch_size} x {config.data.seq_len} rows)")  # fmt: skip
+    print(
+        f"rollout {config.train.batch_size} prompts x {s.samples_per_prompt} samples = {rows} x ({s.prompt_len} + "
+        f"{s.response_len}) tokens, {s.epochs} epochs x {s.minibatches} minibatches; value_model {s.value_model}, "
+        f"ptx_coef {s.ptx_coef} ({s.ptx_batch_size} x {config.data.seq_len} rows)"
+    )
     columns = {"lmzoo": {name: ms[1] for name, ms in lmzoo_parts(config, args.repeats).items()}}
     if args.trl:
         import trl

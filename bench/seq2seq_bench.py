@@ -75,10 +75,18 @@ class Spec:
     def model_fields(self) -> dict:
         """T5 v1.0 (ReLU MLP, tied head scaled by D ** -0.5, 32 relative buckets up to distance 128)."""
         return dict(
-            vocab_size=self.vocab_size, emb_dim=self.emb_dim, num_heads=self.num_heads, head_dim=self.head_dim,
-            num_encoder_layers=self.num_layers, num_decoder_layers=self.num_layers, mlp_dim=self.mlp_dim,
-            relative_buckets=32, relative_max_distance=128, dropout_rate=0.0, attention_dropout_rate=0.0,
-        )  # fmt: skip
+            vocab_size=self.vocab_size,
+            emb_dim=self.emb_dim,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            num_encoder_layers=self.num_layers,
+            num_decoder_layers=self.num_layers,
+            mlp_dim=self.mlp_dim,
+            relative_buckets=32,
+            relative_max_distance=128,
+            dropout_rate=0.0,
+            attention_dropout_rate=0.0,
+        )
 
     def bart_fields(self) -> dict:
         """configs/bart.py's architecture switches at this spec's sizes."""
@@ -95,17 +103,53 @@ class Spec:
 
         with H = heads * head_dim, L layers per stack, times B S encoder and B T decoder tokens.
         """
-        d, h, f, layers, v = self.emb_dim, self.num_heads * self.head_dim, self.mlp_dim, self.num_layers, self.vocab_size
+        d, h, f, layers, v = (
+            self.emb_dim,
+            self.num_heads * self.head_dim,
+            self.mlp_dim,
+            self.num_layers,
+            self.vocab_size,
+        )
         s, t = self.inputs_len, decoder_len or self.targets_len
         encoder = 6 * (layers * (4 * d * h + 2 * d * f) + layers * 2 * d * h) + 12 * layers * s * h
         decoder = 6 * (layers * (6 * d * h + 2 * d * f) + v * d) + 12 * layers * (t + s) * h
         return self.batch_size * (s * encoder + t * decoder)
 
 
-FULL = Spec(16384, 256, 4, 64, 4, 1024, inputs_len=128, batch_size=16, steps_per_round=3, bart_steps_per_round=2,
-            batches_per_round=20, data_variant="tiny", decode_batch=8, beam_size=4, new_tokens=32)  # fmt: skip
-QUICK = Spec(512, 64, 2, 32, 2, 256, inputs_len=32, batch_size=4, steps_per_round=2, bart_steps_per_round=1,
-             batches_per_round=5, data_variant="test", decode_batch=2, beam_size=4, new_tokens=8)  # fmt: skip
+FULL = Spec(
+    16384,
+    256,
+    4,
+    64,
+    4,
+    1024,
+    inputs_len=128,
+    batch_size=16,
+    steps_per_round=3,
+    bart_steps_per_round=2,
+    batches_per_round=20,
+    data_variant="tiny",
+    decode_batch=8,
+    beam_size=4,
+    new_tokens=32,
+)
+QUICK = Spec(
+    512,
+    64,
+    2,
+    32,
+    2,
+    256,
+    inputs_len=32,
+    batch_size=4,
+    steps_per_round=2,
+    bart_steps_per_round=1,
+    batches_per_round=5,
+    data_variant="test",
+    decode_batch=2,
+    beam_size=4,
+    new_tokens=8,
+)
 
 
 def random_batch(spec: Spec, decoder_len: int, decoder_start_id: int, seed: int) -> dict[str, np.ndarray]:
@@ -115,10 +159,12 @@ def random_batch(spec: Spec, decoder_len: int, decoder_start_id: int, seed: int)
     targets = rng.integers(2, spec.vocab_size, (spec.batch_size, decoder_len), dtype=np.int32)
     start = np.full((spec.batch_size, 1), decoder_start_id, np.int32)
     return {
-        "inputs": inputs, "encoder_segment_ids": np.ones_like(inputs), "targets": targets,
+        "inputs": inputs,
+        "encoder_segment_ids": np.ones_like(inputs),
+        "targets": targets,
         "decoder_inputs": np.ascontiguousarray(np.concatenate([start, targets[:, :-1]], axis=1)),
         "weights": np.ones(targets.shape, np.float32),
-    }  # fmt: skip
+    }
 
 
 def hf_t5(cfg) -> "transformers.T5ForConditionalGeneration":
@@ -135,13 +181,18 @@ def lmzoo_trainer(cfg, batch: dict[str, np.ndarray], optim_config) -> common.Lmz
 def torch_trainer(cfg, batch: dict[str, np.ndarray], optim_config) -> common.TorchTrainer:
     """HF T5ForConditionalGeneration (eager attention: T5's relative bias) + torch AdamW as lmzoo trains."""
     inputs = {
-        "input_ids": batch["inputs"], "attention_mask": batch["encoder_segment_ids"],
-        "decoder_input_ids": batch["decoder_inputs"], "labels": batch["targets"],
-    }  # fmt: skip
+        "input_ids": batch["inputs"],
+        "attention_mask": batch["encoder_segment_ids"],
+        "decoder_input_ids": batch["decoder_inputs"],
+        "labels": batch["targets"],
+    }
     return common.TorchTrainer(
-        hf_t5(cfg), inputs, optim_config,
+        hf_t5(cfg),
+        inputs,
+        optim_config,
         decays=lambda name, param: param.ndim == 2 and "shared" not in name and "relative_attention_bias" not in name,
-    )  # fmt: skip
+    )
+
 
 def data_loaders(spec: Spec) -> tuple[dict, dict]:
     """({objective: train loader}, description) of configs/t5.py and configs/bart.py on their own corpus and
@@ -153,15 +204,23 @@ def data_loaders(spec: Spec) -> tuple[dict, dict]:
         documents = pipeline.load_documents(config.data)
         start = time.perf_counter()
         kwargs = config.data.tokenizer.to_dict()
-        tokenizer = tokenizers.build_tokenizer(kwargs.pop("kind"), corpus=documents["train"] + documents["validation"], **kwargs)
+        tokenizer = tokenizers.build_tokenizer(
+            kwargs.pop("kind"), corpus=documents["train"] + documents["validation"], **kwargs
+        )
         loaders[name] = objectives.build(config).train_loader(tokenizer, documents["train"], Shard())
         batch = loaders[name].batch(0)
         info[name] = {
-            "objective": config.objective.name, "text": config.data.path, "build_s": time.perf_counter() - start,
-            "tokens": len(loaders[name].stream), "window": loaders[name].seq_len, "vocab": tokenizer.vocab_size,
-            "inputs_shape": list(batch["inputs"].shape), "targets_shape": list(batch["targets"].shape),
-            "inputs_fill": float(batch["encoder_segment_ids"].mean()), "targets_fill": float(batch["weights"].mean()),
-        }  # fmt: skip
+            "objective": config.objective.name,
+            "text": config.data.path,
+            "build_s": time.perf_counter() - start,
+            "tokens": len(loaders[name].stream),
+            "window": loaders[name].seq_len,
+            "vocab": tokenizer.vocab_size,
+            "inputs_shape": list(batch["inputs"].shape),
+            "targets_shape": list(batch["targets"].shape),
+            "inputs_fill": float(batch["encoder_segment_ids"].mean()),
+            "targets_fill": float(batch["weights"].mean()),
+        }
     return loaders, info
 
 
@@ -233,18 +292,27 @@ def bench_decode(spec: Spec, rounds: int) -> dict:
     inputs = np.random.default_rng(2).integers(2, spec.vocab_size, (spec.decode_batch, spec.inputs_len), dtype=np.int32)
     never = spec.vocab_size  # an EOS id outside the vocabulary is never produced: every row runs to the full length
     model.generation_config = transformers.GenerationConfig(
-        decoder_start_token_id=cfg.decoder_start_id, eos_token_id=never, pad_token_id=0, bos_token_id=None,
-        forced_bos_token_id=None, forced_eos_token_id=None, no_repeat_ngram_size=0, min_length=0,
-    )  # fmt: skip
+        decoder_start_token_id=cfg.decoder_start_id,
+        eos_token_id=never,
+        pad_token_id=0,
+        bos_token_id=None,
+        forced_bos_token_id=None,
+        forced_eos_token_id=None,
+        no_repeat_ngram_size=0,
+        min_length=0,
+    )
     torch_inputs = torch.from_numpy(inputs.astype(np.int64))
 
     def hf_generate(beams: int, new_tokens: int = spec.new_tokens) -> np.ndarray:
         search = dict(num_beams=beams, early_stopping=True, length_penalty=1.0) if beams > 1 else {}
         with torch.no_grad():
             out = model.generate(
-                torch_inputs, attention_mask=torch.ones_like(torch_inputs), do_sample=False,
-                max_new_tokens=new_tokens, **search,
-            )  # fmt: skip
+                torch_inputs,
+                attention_mask=torch.ones_like(torch_inputs),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                **search,
+            )
         return out[:, 1:].numpy()
 
     # Decoding runs many small ops, which torch's 2 OpenMP threads can slow down many-fold when other processes
@@ -259,9 +327,15 @@ def bench_decode(spec: Spec, rounds: int) -> dict:
 
     def lmzoo_beam() -> np.ndarray:
         tokens, _ = decoding.beam_search(
-            module, params, inputs, beam_size=spec.beam_size, max_new_tokens=spec.new_tokens, eos_id=never,
-            length_penalty=1.0, early_stopping=True,
-        )  # fmt: skip
+            module,
+            params,
+            inputs,
+            beam_size=spec.beam_size,
+            max_new_tokens=spec.new_tokens,
+            eos_id=never,
+            length_penalty=1.0,
+            early_stopping=True,
+        )
         return np.asarray(tokens)
 
     def lmzoo_greedy() -> np.ndarray:
@@ -271,9 +345,11 @@ def bench_decode(spec: Spec, rounds: int) -> dict:
         )
 
     runs = {
-        "lmzoo_beam": lmzoo_beam, "hf_beam": lambda: hf_generate(spec.beam_size),
-        "lmzoo_greedy": lmzoo_greedy, "hf_greedy": lambda: hf_generate(1),
-    }  # fmt: skip
+        "lmzoo_beam": lmzoo_beam,
+        "hf_beam": lambda: hf_generate(spec.beam_size),
+        "lmzoo_greedy": lmzoo_greedy,
+        "hf_greedy": lambda: hf_generate(1),
+    }
     compile_s, outputs = {}, {}
     for name, run in runs.items():  # first call: jit compile (lmzoo)
         start = time.perf_counter()
@@ -306,19 +382,29 @@ def bench_decode(spec: Spec, rounds: int) -> dict:
 
 
 TRAIN_COLUMNS = [
-    ("lmzoo tok/s", "lmzoo", "{:.0f}"), ("torch tok/s", "torch", "{:.0f}"), ("lmzoo/torch", "ratio", "{:.3f}"),
-    ("peak GFLOP/s", "peak_gflops", "{:.1f}"), ("lmzoo MFU", "mfu", "{:.1%}"), ("torch MFU", "torch_mfu", "{:.1%}"),
-]  # fmt: skip
+    ("lmzoo tok/s", "lmzoo", "{:.0f}"),
+    ("torch tok/s", "torch", "{:.0f}"),
+    ("lmzoo/torch", "ratio", "{:.3f}"),
+    ("peak GFLOP/s", "peak_gflops", "{:.1f}"),
+    ("lmzoo MFU", "mfu", "{:.1%}"),
+    ("torch MFU", "torch_mfu", "{:.1%}"),
+]
 DATA_COLUMNS = [
-    ("T5 data enc tok/s", "t5_data", "{:.0f}"), ("T5 step enc tok/s", "t5_step_enc", "{:.0f}"),
-    ("T5 data/step", "t5_data_vs_step", "{:.1f}"), ("BART data enc tok/s", "bart_data", "{:.0f}"),
-    ("BART step enc tok/s", "bart_step_enc", "{:.0f}"), ("BART data/step", "bart_data_vs_step", "{:.1f}"),
-]  # fmt: skip
+    ("T5 data enc tok/s", "t5_data", "{:.0f}"),
+    ("T5 step enc tok/s", "t5_step_enc", "{:.0f}"),
+    ("T5 data/step", "t5_data_vs_step", "{:.1f}"),
+    ("BART data enc tok/s", "bart_data", "{:.0f}"),
+    ("BART step enc tok/s", "bart_step_enc", "{:.0f}"),
+    ("BART data/step", "bart_data_vs_step", "{:.1f}"),
+]
 DECODE_COLUMNS = [
-    ("lmzoo beam tok/s", "lmzoo_beam", "{:.1f}"), ("HF beam tok/s", "hf_beam", "{:.1f}"), ("beam lmzoo/HF", "beam_ratio", "{:.2f}"),
-    ("lmzoo greedy tok/s", "lmzoo_greedy", "{:.1f}"), ("HF greedy tok/s", "hf_greedy", "{:.1f}"),
+    ("lmzoo beam tok/s", "lmzoo_beam", "{:.1f}"),
+    ("HF beam tok/s", "hf_beam", "{:.1f}"),
+    ("beam lmzoo/HF", "beam_ratio", "{:.2f}"),
+    ("lmzoo greedy tok/s", "lmzoo_greedy", "{:.1f}"),
+    ("HF greedy tok/s", "hf_greedy", "{:.1f}"),
     ("greedy lmzoo/HF", "greedy_ratio", "{:.2f}"),
-]  # fmt: skip
+]
 
 
 def main():
@@ -335,46 +421,79 @@ def main():
     load["end"] = os.getloadavg()[0]
 
     compile_s, loss, s, t = train["compile_s"], train["loss_after_warmup"], spec.inputs_len, spec.targets_len
-    print(f"\ntrain: T5 v1.0, {spec.num_layers}+{spec.num_layers} layers, D={spec.emb_dim}, {spec.num_heads}x{spec.head_dim} "
-          f"heads, F={spec.mlp_dim}, V={spec.vocab_size}; B={spec.batch_size}, encoder S={s} + decoder T={t} "
-          f"(span-corruption lengths), tokens/step = B (S + T) = {spec.batch_size * (s + t)}; {spec.steps_per_round} steps/round; "
-          f"{train['flops_per_token'] / 1e6:.1f} MFLOP/token (see Spec.step_flops)")  # fmt: skip
-    print("compile+1st step s: " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items())
-          + "; loss after warm-up: " + ", ".join(f"{k} {v:.3f}" for k, v in loss.items()))  # fmt: skip
+    print(
+        f"\ntrain: T5 v1.0, {spec.num_layers}+{spec.num_layers} layers, D={spec.emb_dim}, {spec.num_heads}x{spec.head_dim} "
+        f"heads, F={spec.mlp_dim}, V={spec.vocab_size}; B={spec.batch_size}, encoder S={s} + decoder T={t} "
+        f"(span-corruption lengths), tokens/step = B (S + T) = {spec.batch_size * (s + t)}; {spec.steps_per_round} steps/round; "
+        f"{train['flops_per_token'] / 1e6:.1f} MFLOP/token (see Spec.step_flops)"
+    )
+    print(
+        "compile+1st step s: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items())
+        + "; loss after warm-up: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in loss.items())
+    )
     print_table(train, TRAIN_COLUMNS)
-    print(f"\ndata pipeline ({spec.batches_per_round} batches/loader/round, single host thread) vs the lmzoo step's "
-          f"consumption at the same batch shape, in encoder-input tokens/s (B x {s} per batch):")  # fmt: skip
+    print(
+        f"\ndata pipeline ({spec.batches_per_round} batches/loader/round, single host thread) vs the lmzoo step's "
+        f"consumption at the same batch shape, in encoder-input tokens/s (B x {s} per batch):"
+    )
     for name, d in train["data"].items():
-        print(f"  {name} ({d['objective']}): {d['text']}, {d['tokens']} tokens (vocab {d['vocab']}), window {d['window']}, "
-              f"batches inputs {d['inputs_shape']} ({d['inputs_fill']:.0%} real) -> targets {d['targets_shape']} "
-              f"({d['targets_fill']:.0%} real); built in {d['build_s']:.1f} s")  # fmt: skip
-    print(f"  step for BART batches: configs/bart.py architecture at the T5 sizes, decoder T={s}, "
-          f"{spec.bart_steps_per_round} steps/round")  # fmt: skip
+        print(
+            f"  {name} ({d['objective']}): {d['text']}, {d['tokens']} tokens (vocab {d['vocab']}), window {d['window']}, "
+            f"batches inputs {d['inputs_shape']} ({d['inputs_fill']:.0%} real) -> targets {d['targets_shape']} "
+            f"({d['targets_fill']:.0%} real); built in {d['build_s']:.1f} s"
+        )
+    print(
+        f"  step for BART batches: configs/bart.py architecture at the T5 sizes, decoder T={s}, "
+        f"{spec.bart_steps_per_round} steps/round"
+    )
     print_table(train, DATA_COLUMNS)
-    print(f"\ndecode: batch {spec.decode_batch}, encoder {s} tokens, {spec.new_tokens} new tokens per row, EOS id "
-          f"{spec.vocab_size} (outside the vocabulary, never produced: every row runs to full length); tokens/s = "
-          f"{spec.decode_batch} x {spec.new_tokens} returned tokens per call; beam {spec.beam_size}, length penalty 1, "
-          f"early stopping; same random weights (HF init, lmzoo via t5_from_hf)")  # fmt: skip
+    print(
+        f"\ndecode: batch {spec.decode_batch}, encoder {s} tokens, {spec.new_tokens} new tokens per row, EOS id "
+        f"{spec.vocab_size} (outside the vocabulary, never produced: every row runs to full length); tokens/s = "
+        f"{spec.decode_batch} x {spec.new_tokens} returned tokens per call; beam {spec.beam_size}, length penalty 1, "
+        f"early stopping; same random weights (HF init, lmzoo via t5_from_hf)"
+    )
     probe = decode["hf_thread_probe_s"]
-    print(f"HF decodes with {decode['hf_threads']} torch thread(s): greedy probe of {decode['hf_thread_probe_tokens']} "
-          f"tokens took {probe['1']:.2f} s with 1 thread, {probe['2']:.2f} s with 2")  # fmt: skip
-    print("first call s (lmzoo includes jit compile): " + ", ".join(f"{k} {v:.1f}" for k, v in decode["compile_s"].items())
-          + f"; tokens agree with HF: beam {decode['beam_tokens_agree']:.1%}, greedy {decode['greedy_tokens_agree']:.1%}")  # fmt: skip
+    print(
+        f"HF decodes with {decode['hf_threads']} torch thread(s): greedy probe of {decode['hf_thread_probe_tokens']} "
+        f"tokens took {probe['1']:.2f} s with 1 thread, {probe['2']:.2f} s with 2"
+    )
+    print(
+        "first call s (lmzoo includes jit compile): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in decode["compile_s"].items())
+        + f"; tokens agree with HF: beam {decode['beam_tokens_agree']:.1%}, greedy {decode['greedy_tokens_agree']:.1%}"
+    )
     print_table(decode, DECODE_COLUMNS)
 
     results = {name: train[f"median_{name}"] for name in TARGETS}
-    medians = {"train_ratio": train["median_ratio"], "mfu": train["median_mfu"], "beam_ratio": decode["median_beam_ratio"],
-               "greedy_ratio": decode["median_greedy_ratio"]}  # fmt: skip
+    medians = {
+        "train_ratio": train["median_ratio"],
+        "mfu": train["median_mfu"],
+        "beam_ratio": decode["median_beam_ratio"],
+        "greedy_ratio": decode["median_greedy_ratio"],
+    }
     print(f"\nload average (1 min) at start {load['start']:.2f}, at end {load['end']:.2f}")
     print("medians: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
     print("targets (medians):")
     for name, target in TARGETS.items():
-        print(f"  {name:<18} {results[name]:>8.2f}  target > {target:<4}  {'PASS' if results[name] > target else 'MISS'}")
+        print(
+            f"  {name:<18} {results[name]:>8.2f}  target > {target:<4}  {'PASS' if results[name] > target else 'MISS'}"
+        )
     record = {
-        "bench": "seq2seq", "config": "quick" if args.quick else "full", "spec": dataclasses.asdict(spec),
-        "targets_len": t, "train": train, "decode": decode, "load_average": load, "medians": medians,
-        "targets": {name: {"value": results[name], "target": v, "pass": results[name] > v} for name, v in TARGETS.items()},
-    }  # fmt: skip
+        "bench": "seq2seq",
+        "config": "quick" if args.quick else "full",
+        "spec": dataclasses.asdict(spec),
+        "targets_len": t,
+        "train": train,
+        "decode": decode,
+        "load_average": load,
+        "medians": medians,
+        "targets": {
+            name: {"value": results[name], "target": v, "pass": results[name] > v} for name, v in TARGETS.items()
+        },
+    }
     print(json.dumps(record))
 
 

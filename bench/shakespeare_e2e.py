@@ -36,8 +36,13 @@ LOSS_PATTERNS = {  # the last match in the output is the final whole-split valid
 
 def command(name: str, workdir: str, seed: int) -> list[str]:
     if name == "lmzoo":
-        return [sys.executable, "train.py", "--config=configs/shakespeare_char.py", f"--workdir={workdir}",
-                f"--config.data.path={DATA}"]  # fmt: skip
+        return [
+            sys.executable,
+            "train.py",
+            "--config=configs/shakespeare_char.py",
+            f"--workdir={workdir}",
+            f"--config.data.path={DATA}",
+        ]
     return [sys.executable, "bench/shakespeare_torch_reference.py", "--mode", "independent", "--seed", str(seed)]
 
 
@@ -60,9 +65,11 @@ def run(name: str, seed: int, log_path: pathlib.Path, extra_env: dict[str, str])
     if not losses:
         raise RuntimeError(f"{name}: no final validation loss in its output {log_path}")
     return {
-        "wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mib": usage.ru_maxrss / 1024,
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mib": usage.ru_maxrss / 1024,
         "val_loss": float(losses[-1]),
-    }  # fmt: skip
+    }
 
 
 def verdict(passed: bool) -> str:
@@ -75,9 +82,10 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="the torch run's seed (lmzoo uses its config's)")
     parser.add_argument("--log-dir", default=tempfile.gettempdir(), help="where each run's output is kept")
     parser.add_argument(
-        "--compilation-cache", default="",
+        "--compilation-cache",
+        default="",
         help="JAX persistent compilation cache dir for lmzoo's runs (every compile cached); a warm-up run fills it first",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     load = common.announce(
         "shakespeare_e2e", "configs/shakespeare_char.py", "train.py vs torch --mode independent", args.rounds
@@ -99,8 +107,12 @@ def main():
         row = {}
         for name in ("lmzoo", "torch") if r % 2 == 0 else ("torch", "lmzoo"):
             row[name] = run(name, args.seed, log_dir / f"shakespeare_e2e_{name}_{r + 1}.log", env[name])
-            print(f"  round {r + 1} {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in row[name].items())
-                  + f" (load {os.getloadavg()[0]:.2f})", flush=True)  # fmt: skip
+            print(
+                f"  round {r + 1} {name}: "
+                + ", ".join(f"{k} {v:.4g}" for k, v in row[name].items())
+                + f" (load {os.getloadavg()[0]:.2f})",
+                flush=True,
+            )
         rounds.append(row)
     median = {
         name: {key: common.median(row[name][key] for row in rounds) for key in rounds[0][name]}
@@ -120,15 +132,24 @@ def main():
     print(
         f"  equal loss      lmzoo - torch {loss_gap:+.4f}   target <= {LOSS_TOLERANCE}    {verdict(loss_gap <= LOSS_TOLERANCE)}"
     )
-    print(f"  wall clock      {wall_ratio:.3f}x torch   target <= {TARGETS['wall_ratio']}x  {verdict(wall_ratio <= TARGETS['wall_ratio'])}"
-          f" (stretch <= {TARGETS['wall_ratio_stretch']}x: {verdict(wall_ratio <= TARGETS['wall_ratio_stretch'])})")  # fmt: skip
+    print(
+        f"  wall clock      {wall_ratio:.3f}x torch   target <= {TARGETS['wall_ratio']}x  {verdict(wall_ratio <= TARGETS['wall_ratio'])}"
+        f" (stretch <= {TARGETS['wall_ratio_stretch']}x: {verdict(wall_ratio <= TARGETS['wall_ratio_stretch'])})"
+    )
     print(
         f"  peak RSS        {rss_ratio:.3f}x torch   target <= {TARGETS['rss_ratio']}x {verdict(rss_ratio <= TARGETS['rss_ratio'])}"
     )
     record = {
-        "bench": "shakespeare_e2e", "matmul_peak_gflops": peak, "rounds": rounds, "median": median, "wall_ratio": wall_ratio,
-        "rss_ratio": rss_ratio, "cpu_ratio": cpu_ratio, "loss_gap": loss_gap, "load_average": load,
-    }  # fmt: skip
+        "bench": "shakespeare_e2e",
+        "matmul_peak_gflops": peak,
+        "rounds": rounds,
+        "median": median,
+        "wall_ratio": wall_ratio,
+        "rss_ratio": rss_ratio,
+        "cpu_ratio": cpu_ratio,
+        "loss_gap": loss_gap,
+        "load_average": load,
+    }
     print(json.dumps(record))
 
 

@@ -243,15 +243,21 @@ def report(model: BabyGPT, val: np.ndarray, val_t: torch.Tensor, seed: int, draw
     generator = torch.Generator().manual_seed(10_000 + seed)
     estimates = [nanogpt_estimate(model, val_t, generator) for _ in range(draws)]
     model.train()
-    print(f"{label}: whole-split val loss {whole:.4f} ({count} targets, {whole_s:.1f}s); "
-          f"nanoGPT 20-batch estimate {estimates[0]:.4f} (first draw), over {draws} draws mean {np.mean(estimates):.4f} "
-          f"min {np.min(estimates):.4f} max {np.max(estimates):.4f}", flush=True)  # fmt: skip
+    print(
+        f"{label}: whole-split val loss {whole:.4f} ({count} targets, {whole_s:.1f}s); "
+        f"nanoGPT 20-batch estimate {estimates[0]:.4f} (first draw), over {draws} draws mean {np.mean(estimates):.4f} "
+        f"min {np.min(estimates):.4f} max {np.max(estimates):.4f}",
+        flush=True,
+    )
 
 
 def run_independent(args) -> None:
     train, val, vocab_size = char_splits()
-    print(f"train {len(train)} chars, val {len(val)} chars, vocab {vocab_size}; seed {args.seed}, "
-          f"schedule {args.schedule}, iterations 0..{args.iters}", flush=True)  # fmt: skip
+    print(
+        f"train {len(train)} chars, val {len(val)} chars, vocab {vocab_size}; seed {args.seed}, "
+        f"schedule {args.schedule}, iterations 0..{args.iters}",
+        flush=True,
+    )
     torch.manual_seed(args.seed)
     model = BabyGPT(vocab_size)
     optimizer = make_optimizer(model)
@@ -268,8 +274,11 @@ def run_independent(args) -> None:
         train_s += time.perf_counter() - start
         running.append(loss)
         if (it + 1) % 250 == 0:
-            print(f"iter {it}: mean train loss of the last {len(running)} batches {np.mean(running):.4f}, "
-                  f"lr {schedule(it):.3e}, train wall clock {train_s:.1f}s", flush=True)  # fmt: skip
+            print(
+                f"iter {it}: mean train loss of the last {len(running)} batches {np.mean(running):.4f}, "
+                f"lr {schedule(it):.3e}, train wall clock {train_s:.1f}s",
+                flush=True,
+            )
             running = []
     report(model, val, val_t, args.seed, args.estimate_draws, f"after {steps} steps")
     print(f"training wall clock {train_s:.1f}s for {steps} steps ({1000 * train_s / steps:.1f} ms/step)")
@@ -349,8 +358,11 @@ def run_lockstep(args) -> None:
         loader = run.train_loader()
         model = torch_from_lmzoo(jax.device_get(state.params))
         optimizer = make_optimizer(model)
-        print(f"lockstep {args.steps} steps; lmzoo: configs/shakespeare_char.py via run_lib.build/restore_or_init "
-              f"(seed {config.train.seed}); torch lr: {args.torch_schedule} schedule", flush=True)  # fmt: skip
+        print(
+            f"lockstep {args.steps} steps; lmzoo: configs/shakespeare_char.py via run_lib.build/restore_or_init "
+            f"(seed {config.train.seed}); torch lr: {args.torch_schedule} schedule",
+            flush=True,
+        )
         print("step  lmzoo_loss  torch_loss  rel_diff    lmzoo_lr    torch_lr    lmzoo_gnorm torch_gnorm")
         worst, worst_first10, seconds = 0.0, 0.0, {"lmzoo": 0.0, "torch": 0.0}
         for step in range(args.steps):
@@ -374,20 +386,29 @@ def run_lockstep(args) -> None:
             worst = max(worst, rel)
             worst_first10 = max(worst_first10, rel) if step < 10 else worst_first10
             if step < 20 or step % args.print_every == 0 or step == args.steps - 1:
-                print(f"{step:4d}  {lmzoo_loss:.6f}  {torch_loss:.6f}  {rel:.3e}  {lmzoo_step_lr:.4e}  {lr:.4e}  "
-                      f"{float(metrics['grad_norm'][0]):.5f}     {torch_norm:.5f}", flush=True)  # fmt: skip
-        print(f"train-step wall clock (lmzoo's first step includes compilation): lmzoo {seconds['lmzoo']:.1f}s, "
-              f"torch {seconds['torch']:.1f}s")  # fmt: skip
+                print(
+                    f"{step:4d}  {lmzoo_loss:.6f}  {torch_loss:.6f}  {rel:.3e}  {lmzoo_step_lr:.4e}  {lr:.4e}  "
+                    f"{float(metrics['grad_norm'][0]):.5f}     {torch_norm:.5f}",
+                    flush=True,
+                )
+        print(
+            f"train-step wall clock (lmzoo's first step includes compilation): lmzoo {seconds['lmzoo']:.1f}s, "
+            f"torch {seconds['torch']:.1f}s"
+        )
         lmzoo_lrs = np.asarray(lmzoo_schedule(np.arange(DECAY_ITERS + 1)), np.float64)
         schedule_gap = float(np.max(np.abs(lmzoo_lrs - np.array([schedule(s) for s in range(DECAY_ITERS + 1)]))))
         print(f"max relative loss difference: first 10 steps {worst_first10:.3e}, all {args.steps} steps {worst:.3e}")
-        print(f"max |lmzoo lr - torch lr| over steps 0..{DECAY_ITERS}: {schedule_gap:.3e}; "
-              f"lmzoo lr at steps 0, 1, 99, 100, 1999: {[float(lmzoo_lrs[s]) for s in (0, 1, 99, 100, 1999)]}; "
-              f"nanoGPT: {[nanogpt_lr(s) for s in (0, 1, 99, 100, 1999, 2000)]} (steps 0, 1, 99, 100, 1999, 2000)")  # fmt: skip
+        print(
+            f"max |lmzoo lr - torch lr| over steps 0..{DECAY_ITERS}: {schedule_gap:.3e}; "
+            f"lmzoo lr at steps 0, 1, 99, 100, 1999: {[float(lmzoo_lrs[s]) for s in (0, 1, 99, 100, 1999)]}; "
+            f"nanoGPT: {[nanogpt_lr(s) for s in (0, 1, 99, 100, 1999, 2000)]} (steps 0, 1, 99, 100, 1999, 2000)"
+        )
         diffs = param_differences(jax.device_get(state.params), model)
         name = max(diffs, key=diffs.get)
-        print(f"after {args.steps} steps: max per-tensor ||lmzoo - torch|| / ||lmzoo|| = {diffs[name]:.3e} ({name}); "
-              f"median {np.median(list(diffs.values())):.3e}")  # fmt: skip
+        print(
+            f"after {args.steps} steps: max per-tensor ||lmzoo - torch|| / ||lmzoo|| = {diffs[name]:.3e} ({name}); "
+            f"median {np.median(list(diffs.values())):.3e}"
+        )
         lmzoo_val = evaluate_loss(run, state)["loss"]
         model.eval()
         torch_val = torch_loss_on_lmzoo_batches(model, run.eval_batches("validation"))

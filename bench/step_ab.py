@@ -141,20 +141,33 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "configs" / "shakespeare_char.py"), help="FILE[:variant]")
     for side in ("a", "b"):
-        parser.add_argument(f"--{side}", action="append", default=[], metavar="KEY=VALUE",
-                            help=f"config override of side {side.upper()} (repeatable)")  # fmt: skip
-        parser.add_argument(f"--{side}_env", action="append", default=[], metavar="NAME=VALUE",
-                            help=f"environment variable of side {side.upper()}'s process (repeatable)")  # fmt: skip
-        parser.add_argument(f"--{side}_tree", default=None, metavar="DIR",
-                            help=f"checkout whose lmzoo side {side.upper()} imports")  # fmt: skip
+        parser.add_argument(
+            f"--{side}",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help=f"config override of side {side.upper()} (repeatable)",
+        )
+        parser.add_argument(
+            f"--{side}_env",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help=f"environment variable of side {side.upper()}'s process (repeatable)",
+        )
+        parser.add_argument(
+            f"--{side}_tree", default=None, metavar="DIR", help=f"checkout whose lmzoo side {side.upper()} imports"
+        )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     sides = {
-        name: {"overrides": getattr(args, name), "env": side_environment(getattr(args, f"{name}_env"),
-                                                                          getattr(args, f"{name}_tree"))}
+        name: {
+            "overrides": getattr(args, name),
+            "env": side_environment(getattr(args, f"{name}_env"), getattr(args, f"{name}_tree")),
+        }
         for name in ("a", "b")
-    }  # fmt: skip
+    }
     if sides["a"] == sides["b"]:
         print("note: A and B are the same setting (an A/A run: the ratios show the noise)", flush=True)
     for side in sides.values():
@@ -164,8 +177,9 @@ def main():
         f"{name.upper()}[{' '.join(s['overrides'] + [f'{k}={v}' for k, v in s['env'].items()]) or 'as is'}]"
         for name, s in sides.items()
     )
-    load = common.announce("step_ab", f"{args.config}: {label}", f"B={config.train.batch_size} T={config.data.seq_len}",
-                           args.rounds)  # fmt: skip
+    load = common.announce(
+        "step_ab", f"{args.config}: {label}", f"B={config.train.batch_size} T={config.data.seq_len}", args.rounds
+    )
     peak = common.matmul_peak()
     print("matmul peak (f32, best of 5): " + ", ".join(f"{n}: {g:.1f} GFLOP/s" for n, g in peak.items()), flush=True)
     trainers = {}
@@ -181,8 +195,11 @@ def main():
             wall, cpu = trainers[name].run(args.steps)
             ms[name].append(1e3 * wall / args.steps)
             cpu_ms[name].append(1e3 * cpu / args.steps)
-        print(f"  round {r + 1}: A {ms['a'][-1]:.2f} ms/step (CPU {cpu_ms['a'][-1]:.2f}), "
-              f"B {ms['b'][-1]:.2f} ms/step (CPU {cpu_ms['b'][-1]:.2f}), load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+        print(
+            f"  round {r + 1}: A {ms['a'][-1]:.2f} ms/step (CPU {cpu_ms['a'][-1]:.2f}), "
+            f"B {ms['b'][-1]:.2f} ms/step (CPU {cpu_ms['b'][-1]:.2f}), load {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
     losses = {name: trainer.loss for name, trainer in trainers.items()}
     for trainer in trainers.values():
         trainer.close()
@@ -195,11 +212,21 @@ def main():
     print(f"loss after all steps: A {losses['a']:.6f}, B {losses['b']:.6f}")
     load["end"] = os.getloadavg()[0]
     record = {
-        "bench": "step_ab", "config": args.config, "sides": sides, "rounds": args.rounds, "steps": args.steps,
-        "matmul_peak_gflops": peak, "ms_per_step": ms, "median_ms": median, "a_over_b": ratio,
-        "cpu_ms_per_step": cpu_ms, "cpu_median_ms": cpu_median, "cpu_a_over_b": cpu_ratio, "loss": losses,
+        "bench": "step_ab",
+        "config": args.config,
+        "sides": sides,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "matmul_peak_gflops": peak,
+        "ms_per_step": ms,
+        "median_ms": median,
+        "a_over_b": ratio,
+        "cpu_ms_per_step": cpu_ms,
+        "cpu_median_ms": cpu_median,
+        "cpu_a_over_b": cpu_ratio,
+        "loss": losses,
         "load_average": load,
-    }  # fmt: skip
+    }
     print(json.dumps(record))
 
 

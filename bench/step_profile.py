@@ -157,8 +157,10 @@ def main():
         print(
             f"  {kind:<40} {by_kind['forward'][0].get(kind, 0.0):7.2f} | {by_kind['forward+backward'][0].get(kind, 0.0):7.2f} ms"
         )
-    print(f"  {'total':<40} {sum(by_kind['forward'][0].values()):7.2f} | {sum(by_kind['forward+backward'][0].values()):7.2f} ms"
-          f"  ({by_kind['forward'][1]} | {by_kind['forward+backward'][1]} ops)")  # fmt: skip
+    print(
+        f"  {'total':<40} {sum(by_kind['forward'][0].values()):7.2f} | {sum(by_kind['forward+backward'][0].values()):7.2f} ms"
+        f"  ({by_kind['forward'][1]} | {by_kind['forward+backward'][1]} ops)"
+    )
 
     hlo_text = trainer.compiled.step.lower(trainer.state, trainer.batch).compile().as_text()
     groups, top = profile_ops(trainer.run, hlo_text, args.steps)
@@ -171,9 +173,14 @@ def main():
         print(f"  {ms:7.2f} ms  {name:<28} {op_name[-90:]}")
     load["end"] = os.getloadavg()[0]
     record = {
-        "bench": "step_profile", "config": args.config, "matmul_peak_gflops": peak, "timings_ms": timings, "load_average": load,
-        "op_ms": groups, "op_ms_by_kind": {name: kinds for name, (kinds, _) in by_kind.items()},
-    }  # fmt: skip
+        "bench": "step_profile",
+        "config": args.config,
+        "matmul_peak_gflops": peak,
+        "timings_ms": timings,
+        "load_average": load,
+        "op_ms": groups,
+        "op_ms_by_kind": {name: kinds for name, (kinds, _) in by_kind.items()},
+    }
     print(json.dumps(record))
 
 

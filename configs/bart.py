@@ -20,9 +20,21 @@ SIZES = {
     "tiny": dict(emb_dim=128, num_heads=4, head_dim=32, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=512),
     "base": dict(emb_dim=768, num_heads=12, head_dim=64, num_encoder_layers=6, num_decoder_layers=6, mlp_dim=3072),
 }
-BART = dict(positions="learned", position_offset=2, pre_norm=False, norm="layer", use_bias=True, embedding_norm=True,
-            activations=("gelu",), attention_scale=0.0, scale_tied_logits=False, final_logits_bias=True,
-            layer_norm_epsilon=1e-5, embedding_init_std=0.02, init_scheme="normal")  # fmt: skip
+BART = dict(
+    positions="learned",
+    position_offset=2,
+    pre_norm=False,
+    norm="layer",
+    use_bias=True,
+    embedding_norm=True,
+    activations=("gelu",),
+    attention_scale=0.0,
+    scale_tied_logits=False,
+    final_logits_bias=True,
+    layer_norm_epsilon=1e-5,
+    embedding_init_std=0.02,
+    init_scheme="normal",
+)
 
 
 def get_config(arg: str | None = None):
@@ -32,7 +44,9 @@ def get_config(arg: str | None = None):
     c.model_name = "seq2seq"
     vocab = 2000 if size == "tiny" else 32000
     c.data.seq_len = 128
-    model = dict(SIZES[size], **BART, vocab_size=vocab, max_len=c.data.seq_len + 2, dropout_rate=0.1 if size != "tiny" else 0.0)
+    model = dict(
+        SIZES[size], **BART, vocab_size=vocab, max_len=c.data.seq_len + 2, dropout_rate=0.1 if size != "tiny" else 0.0
+    )
     noising = (
         ("sentence_permutation", {"sentence_end_ids": "auto"}),  # ids of ".", "!", "?" in the vocabulary
         ("text_infilling", {"mask_ratio": 0.3, "poisson_lambda": 3.0}),
@@ -46,7 +60,12 @@ def get_config(arg: str | None = None):
         # infilling alone (the BART paper's best single transform) keeps the copy monotonic.
         noising = (("text_infilling", {"mask_ratio": 0.3, "poisson_lambda": 3.0}),)
         c.data.path = str(DATA / "kjv_bible" / "kjv.txt")
-    c.data.tokenizer = {"kind": "sentencepiece", "vocab_size": vocab, "model_type": "unigram", "user_defined_symbols": ["[MASK]"]}
+    c.data.tokenizer = {
+        "kind": "sentencepiece",
+        "vocab_size": vocab,
+        "model_type": "unigram",
+        "user_defined_symbols": ["[MASK]"],
+    }
     c.data.sampler = "sequential"
     c.optim.learning_rate = 1e-3
     c.optim.min_learning_rate = 1e-4

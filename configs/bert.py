@@ -21,9 +21,15 @@ def get_config(arg: str | None = None):
     c = base_config()
     c.model_name = "bert"
     model = dict(
-        vocab_size=30522, max_len=128, emb_dim=256, num_heads=4, num_layers=4, mlp_dim=1024,
-        dropout_rate=0.1, attention_dropout_rate=0.1,
-    )  # fmt: skip
+        vocab_size=30522,
+        max_len=128,
+        emb_dim=256,
+        num_heads=4,
+        num_layers=4,
+        mlp_dim=1024,
+        dropout_rate=0.1,
+        attention_dropout_rate=0.1,
+    )
     objective = dict(name="mlm_nsp", static_masking=True)
     if "roberta" in variant:
         model.update(type_vocab_size=1, position_offset=2, pooler=False, sentence_head=False, max_len=130)

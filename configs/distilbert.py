@@ -22,7 +22,9 @@ def get_config(arg: str | None = None):
         teacher.update(emb_dim=32, num_heads=2, num_layers=2, mlp_dim=64, max_len=32)
     c = base_config()
     c.model_name = "bert"
-    c.model = model_section("bert", **{**teacher, "num_layers": teacher["num_layers"] // 2, "pooler": False, "sentence_head": False})
+    c.model = model_section(
+        "bert", **{**teacher, "num_layers": teacher["num_layers"] // 2, "pooler": False, "sentence_head": False}
+    )
     c.objective = objective_section("distill", teacher_model=model_section("bert", **teacher))
     c.data.source = "local"
     c.data.path = str(DATA / "kjv_bible" / "kjv.txt")

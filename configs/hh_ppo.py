@@ -22,8 +22,18 @@ def get_config(arg: str | None = None):
     variants = check_variants(arg, ("tiny", "nokl", "rloo", "value_model"))
     tiny = "tiny" in variants
     c = load_config_file(pathlib.Path(__file__).with_name("hh_sft.py"), "tiny" if tiny else None)
-    objective = dict(prompt_len=64, response_len=32, temperature=1.0, epochs=4, minibatches=2, kl_coef=0.1,
-                     kl_target=4.0, kl_horizon=2000.0, missing_eos_penalty=1.0, normalize_samples=128)  # fmt: skip
+    objective = dict(
+        prompt_len=64,
+        response_len=32,
+        temperature=1.0,
+        epochs=4,
+        minibatches=2,
+        kl_coef=0.1,
+        kl_target=4.0,
+        kl_horizon=2000.0,
+        missing_eos_penalty=1.0,
+        normalize_samples=128,
+    )
     if "nokl" in variants:
         objective.update(kl_coef=0.0, kl_target=0.0)
     if "rloo" in variants:

@@ -36,8 +36,18 @@ def get_config(arg: str | None = None):
     c.eval.evaluators = ("loss", "preference")
     if "minilm" in variants:  # the real all-MiniLM-L6-v2 encoder (init_from=hf:MODEL_DIR), read at [SEP]
         c.model_name = "bert"
-        c.model = model_section("bert", vocab_size=30522, max_len=512, emb_dim=384, num_heads=12, num_layers=6, mlp_dim=1536,
-                                sentence_head=False, dropout_rate=0.0, attention_dropout_rate=0.0)  # fmt: skip
+        c.model = model_section(
+            "bert",
+            vocab_size=30522,
+            max_len=512,
+            emb_dim=384,
+            num_heads=12,
+            num_layers=6,
+            mlp_dim=1536,
+            sentence_head=False,
+            dropout_rate=0.0,
+            attention_dropout_rate=0.0,
+        )
         c.data.tokenizer = {"kind": "wordpiece", "path": str(DATA / "tokenizers" / "bert_uncased" / "vocab.txt")}
         c.data.seq_len = 128  # WordPiece tokens
         c.optim.learning_rate, c.optim.min_learning_rate = 3e-5, 3e-6

@@ -18,10 +18,26 @@ HH_PATH = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "hh_
 def alignment_model(tiny: bool) -> dict:
     """The decoder every alignment stage shares (the reward model and PPO load the SFT weights into it)."""
     if tiny:
-        return dict(vocab_size=258, max_len=64, emb_dim=32, num_heads=2, num_layers=1, mlp_dim=64, dropout_rate=0.0,
-                    attention_dropout_rate=0.0)  # fmt: skip
-    return dict(vocab_size=258, max_len=256, emb_dim=128, num_heads=4, num_layers=4, mlp_dim=512, dropout_rate=0.0,
-                attention_dropout_rate=0.0)  # fmt: skip
+        return dict(
+            vocab_size=258,
+            max_len=64,
+            emb_dim=32,
+            num_heads=2,
+            num_layers=1,
+            mlp_dim=64,
+            dropout_rate=0.0,
+            attention_dropout_rate=0.0,
+        )
+    return dict(
+        vocab_size=258,
+        max_len=256,
+        emb_dim=128,
+        num_heads=4,
+        num_layers=4,
+        mlp_dim=512,
+        dropout_rate=0.0,
+        attention_dropout_rate=0.0,
+    )
 
 
 def get_config(arg: str | None = None):

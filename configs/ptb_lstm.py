@@ -15,7 +15,9 @@ import pathlib
 from lmzoo.config import base_config, check_variants, model_section
 from lmzoo.objectives import objective_section
 
-PTB = pathlib.Path(os.environ.get("LMZOO_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data")) / "ptb"  # Mikolov's ptb.{train,valid,test}.txt
+PTB = (
+    pathlib.Path(os.environ.get("LMZOO_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data")) / "ptb"
+)  # Mikolov's ptb.{train,valid,test}.txt
 TRAIN_TOKENS = 929589  # words + <eos> of ptb.train.txt
 
 
@@ -24,8 +26,14 @@ def get_config(arg: str | None = None):
     (size,) = check_variants(arg or "small", known=("small", "medium", "tiny"), single=True)
     medium = size == "medium"
     c.model_name = "lstm"
-    c.model = model_section("lstm", vocab_size=10000, emb_dim=650 if medium else 200, num_layers=2,
-                            dropout_rate=0.5 if medium else 0.0, init_scale=0.05 if medium else 0.1)  # fmt: skip
+    c.model = model_section(
+        "lstm",
+        vocab_size=10000,
+        emb_dim=650 if medium else 200,
+        num_layers=2,
+        dropout_rate=0.5 if medium else 0.0,
+        init_scale=0.05 if medium else 0.1,
+    )
     c.data.train_path = str(PTB / "ptb.train.txt")
     c.data.validation_path = str(PTB / "ptb.valid.txt")
     c.data.tokenizer.kind = "word"
@@ -33,8 +41,9 @@ def get_config(arg: str | None = None):
     c.train.batch_size = 20
     epoch_steps = (TRAIN_TOKENS // c.train.batch_size - 1) // c.data.seq_len
     epochs = 39 if medium else 13
-    c.objective = objective_section("recurrent_lm", epoch_steps=epoch_steps, decay_start_epoch=6 if medium else 4,
-                                    lr_decay=0.8 if medium else 0.5)  # fmt: skip
+    c.objective = objective_section(
+        "recurrent_lm", epoch_steps=epoch_steps, decay_start_epoch=6 if medium else 4, lr_decay=0.8 if medium else 0.5
+    )
     c.optim.name = "sgd"
     c.optim.learning_rate = 1.0
     c.optim.grad_clip = 5.0

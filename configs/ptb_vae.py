@@ -18,7 +18,9 @@ import pathlib
 from lmzoo.config import base_config, check_variants, model_section
 from lmzoo.objectives import objective_section
 
-PTB = pathlib.Path(os.environ.get("LMZOO_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data")) / "ptb"  # Mikolov's ptb.{train,valid,test}.txt
+PTB = (
+    pathlib.Path(os.environ.get("LMZOO_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data")) / "ptb"
+)  # Mikolov's ptb.{train,valid,test}.txt
 TRAIN_SENTENCES = 42068
 
 

@@ -27,7 +27,9 @@ def get_config(arg: str | None = None):
     c.model_name = "bert"
     model = dict(vocab_size=30522, max_len=128, emb_dim=256, num_heads=4, num_layers=4, mlp_dim=1024)
     if "minilm" in variant:
-        model = dict(vocab_size=30522, max_len=512, emb_dim=384, num_heads=12, num_layers=6, mlp_dim=1536, sentence_head=False)
+        model = dict(
+            vocab_size=30522, max_len=512, emb_dim=384, num_heads=12, num_layers=6, mlp_dim=1536, sentence_head=False
+        )
     c.objective = objective_section("classify", num_classes=2, head="pooler")
     c.data.source = "tsv"
     c.data.train_path = str(DATA / "sst2" / "train.tsv")

@@ -15,7 +15,9 @@ import pathlib
 from lmzoo.config import check_variants, load_config_file
 from lmzoo.objectives import objective_section
 
-SST2 = pathlib.Path(os.environ.get("LMZOO_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data")) / "sst2"
+SST2 = (
+    pathlib.Path(os.environ.get("LMZOO_DATA", pathlib.Path(__file__).resolve().parents[2] / "shared" / "data")) / "sst2"
+)
 
 
 def get_config(arg: str | None = None):

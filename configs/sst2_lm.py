@@ -18,8 +18,16 @@ DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 def get_config(arg: str | None = None):
     c = base_config()
     c.model_name = "gpt2"
-    model = dict(vocab_size=50257, max_len=256, emb_dim=128, num_heads=4, num_layers=4, mlp_dim=512, dropout_rate=0.0,
-                 attention_dropout_rate=0.0)  # fmt: skip
+    model = dict(
+        vocab_size=50257,
+        max_len=256,
+        emb_dim=128,
+        num_heads=4,
+        num_layers=4,
+        mlp_dim=512,
+        dropout_rate=0.0,
+        attention_dropout_rate=0.0,
+    )
     c.data.source = "local"
     c.data.path = "runs/sst2_icl/data/corpus.txt"  # scripts/sst2_icl_data.py
     c.data.document_unit = "line"  # one sentence per document

@@ -37,7 +37,9 @@ def get_config(arg: str | None = None):
     vocab = 2000 if size == "tiny" else 32000
     padded_vocab = -(-(vocab + 100) // 128) * 128  # pieces + 100 sentinels, padded like T5's 32128
     v1_1 = "v1_1" in variant
-    model = dict((V1_1_SIZES if v1_1 else SIZES)[size], vocab_size=padded_vocab, dropout_rate=0.1 if size != "tiny" else 0.0)
+    model = dict(
+        (V1_1_SIZES if v1_1 else SIZES)[size], vocab_size=padded_vocab, dropout_rate=0.1 if size != "tiny" else 0.0
+    )
     if v1_1:
         model.update(activations=("gelu_tanh", "linear"), tie_embeddings=False, scale_tied_logits=False)
     c.model = model_section("seq2seq", **model)
@@ -58,7 +60,9 @@ def get_config(arg: str | None = None):
     c.train.sample_tokens = 0
     c.eval.batch_size = 64
     if "test" in variant:
-        c.model = model_section("seq2seq", **{**model, "emb_dim": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64, "vocab_size": 600})
+        c.model = model_section(
+            "seq2seq", **{**model, "emb_dim": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64, "vocab_size": 600}
+        )
         c.data.tokenizer.vocab_size = 500
         c.data.seq_len, c.train.batch_size, c.train.steps, c.train.log_every = 32, 4, 4, 2
         c.train.eval_every = c.train.checkpoint_every = 2

@@ -24,9 +24,18 @@ SIZES = {
     "tiny": dict(emb_dim=128, num_heads=4, head_dim=32, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=512),
     "base": dict(emb_dim=512, num_heads=8, head_dim=64, num_encoder_layers=6, num_decoder_layers=6, mlp_dim=2048),
 }
-TRANSFORMER = dict(positions="sinusoidal", pre_norm=False, norm="layer", use_bias=True, scale_embeddings=True,
-                   activations=("relu",), attention_scale=0.0, scale_tied_logits=False, layer_norm_epsilon=1e-6,
-                   init_scheme="normal")  # fmt: skip
+TRANSFORMER = dict(
+    positions="sinusoidal",
+    pre_norm=False,
+    norm="layer",
+    use_bias=True,
+    scale_embeddings=True,
+    activations=("relu",),
+    attention_scale=0.0,
+    scale_tied_logits=False,
+    layer_norm_epsilon=1e-6,
+    init_scheme="normal",
+)
 
 
 def get_config(arg: str | None = None):
@@ -38,11 +47,18 @@ def get_config(arg: str | None = None):
     c.data.seq_len = 128
     model = dict(SIZES[size], **TRANSFORMER, vocab_size=vocab, max_len=c.data.seq_len, dropout_rate=0.1)
     model["embedding_init_std"] = model["emb_dim"] ** -0.5  # tensor2tensor's embedding init, scaled back up by sqrt(d)
-    c.objective = objective_section("denoising", noising=(("text_infilling", {"mask_ratio": 0.3, "poisson_lambda": 3.0}),))
+    c.objective = objective_section(
+        "denoising", noising=(("text_infilling", {"mask_ratio": 0.3, "poisson_lambda": 3.0}),)
+    )
     c.data.source = "local"
     c.data.path = str(DATA / "timemachine" / "timemachine.txt")
     c.data.document_unit = "paragraph"
-    c.data.tokenizer = {"kind": "sentencepiece", "vocab_size": vocab, "model_type": "unigram", "user_defined_symbols": ["[MASK]"]}
+    c.data.tokenizer = {
+        "kind": "sentencepiece",
+        "vocab_size": vocab,
+        "model_type": "unigram",
+        "user_defined_symbols": ["[MASK]"],
+    }
     c.data.sampler = "sequential"
     c.optim.learning_rate = 1e-3
     c.optim.min_learning_rate = 1e-4

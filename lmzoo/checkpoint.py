@@ -245,10 +245,14 @@ class Checkpointer:
         (no model or restore target needed; the rest of the state is not read)."""
         saved = self.manager.item_metadata(step)["state"]
         if not hasattr(saved, "get") or "params" not in saved:
-            raise FileNotFoundError(f"{self.directory / str(step) / 'state'}: no params in its metadata (missing or damaged)")
+            raise FileNotFoundError(
+                f"{self.directory / str(step) / 'state'}: no params in its metadata (missing or damaged)"
+            )
         params = jax.tree.map(lambda m: np.zeros((), m.dtype), dict(saved["params"]))
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params)
-        args = ocp.args.PyTreeRestore(item={"params": params}, restore_args={"params": restore_args}, partial_restore=True)
+        args = ocp.args.PyTreeRestore(
+            item={"params": params}, restore_args={"params": restore_args}, partial_restore=True
+        )
         with ocp.PyTreeCheckpointer() as reader:
             return reader.restore(self.directory / str(step) / "state", args=args)["params"]
 

@@ -101,9 +101,21 @@ def model_section(name: str, **fields) -> ml_collections.ConfigDict:
 
 # Fields a resumed run may change: how long it trains, how often it logs, evaluates and saves, and
 # where it runs. Every other field changes what the checkpoints were trained with.
-RESUMABLE_FIELDS = ("train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
-                    "train.keep_checkpoints", "train.async_checkpoints", "train.sample_prompt", "train.sample_tokens",
-                    "eval.", "sharding.", "distributed.", "init_from", "init_from_partial")  # fmt: skip
+RESUMABLE_FIELDS = (
+    "train.steps",
+    "train.log_every",
+    "train.eval_every",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.async_checkpoints",
+    "train.sample_prompt",
+    "train.sample_tokens",
+    "eval.",
+    "sharding.",
+    "distributed.",
+    "init_from",
+    "init_from_partial",
+)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -180,8 +192,13 @@ def check_variants(arg: str | None, known: tuple[str, ...], *, single: bool = Fa
     return words
 
 
-def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, batches: bool = True,
-                 more_problems: tuple[str, ...] = ()) -> None:  # fmt: skip
+def check_values(
+    config: ml_collections.ConfigDict,
+    *,
+    data_parallel_size: int,
+    batches: bool = True,
+    more_problems: tuple[str, ...] = (),
+) -> None:
     """Raises one ValueError listing every out-of-range value (and `more_problems`, the objective's), each naming
     its field and the fix.
 
@@ -202,22 +219,33 @@ def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, 
         if not ok:
             problems.append(f"config.{field}={value(field)!r}: {why}")
 
-    for field in ("train.steps", "train.batch_size", "train.grad_accum_steps", "train.log_every", "train.eval_every",
-                  "train.checkpoint_every", "train.keep_checkpoints", "eval.batch_size", "data.seq_len"):  # fmt: skip
+    for field in (
+        "train.steps",
+        "train.batch_size",
+        "train.grad_accum_steps",
+        "train.log_every",
+        "train.eval_every",
+        "train.checkpoint_every",
+        "train.keep_checkpoints",
+        "eval.batch_size",
+        "data.seq_len",
+    ):
         require(value(field) >= 1, field, f"must be a positive integer; set --config.{field}=N with N >= 1")
     if batches and not problems:
         accum = train.grad_accum_steps
         multiple = accum * data_parallel_size
         require(
-            train.batch_size % multiple == 0, "train.batch_size",
+            train.batch_size % multiple == 0,
+            "train.batch_size",
             f"must be a multiple of {multiple} (grad_accum_steps={accum} x {data_parallel_size} data-parallel devices); "
             f"set --config.train.batch_size={max(multiple, train.batch_size // multiple * multiple)}",
-        )  # fmt: skip
+        )
         require(
-            evals.batch_size % data_parallel_size == 0, "eval.batch_size",
+            evals.batch_size % data_parallel_size == 0,
+            "eval.batch_size",
             f"must be a multiple of the {data_parallel_size} data-parallel devices; "
             f"set --config.eval.batch_size={max(data_parallel_size, evals.batch_size // data_parallel_size * data_parallel_size)}",
-        )  # fmt: skip
+        )
     require(train.sample_tokens >= 0, "train.sample_tokens", "must be >= 0 (0 skips sampling)")
     require(
         evals.max_batches is None or evals.max_batches >= 1,
@@ -258,9 +286,10 @@ def check_values(config: ml_collections.ConfigDict, *, data_parallel_size: int, 
     require(optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 turns clipping off)")
     mesh = tuple(config.sharding.mesh_shape)
     require(
-        len(mesh) == 3 and all(n >= 1 or n == -1 for n in mesh) and mesh.count(-1) <= 1, "sharding.mesh_shape",
+        len(mesh) == 3 and all(n >= 1 or n == -1 for n in mesh) and mesh.count(-1) <= 1,
+        "sharding.mesh_shape",
         "must be 3 sizes (data, fsdp, tensor), each >= 1, one of them may be -1 (the remaining devices)",
-    )  # fmt: skip
+    )
     problems += more_problems
     if problems:
         raise ValueError("invalid config values:\n  " + "\n  ".join(problems))

@@ -73,7 +73,9 @@ def _ends_with(tokens: jax.Array, last: jax.Array, sequence: tuple[int, ...]) ->
     return (last + 1 >= length) & jnp.all(window == jnp.asarray(sequence, tokens.dtype), axis=1)
 
 
-def _sample_loop(step, logits, state, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, stop_sequences, pad_id):
+def _sample_loop(
+    step, logits, state, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, stop_sequences, pad_id
+):
     """The one sampling loop: `logits` [B, V] predict the first new token; `step(state, token [B], i)` returns the
     logits [B, V] after new token i and the next state. Stops early once every row has stopped.
 
@@ -104,9 +106,15 @@ def _sample_loop(step, logits, state, rng, *, max_new_tokens, temperature, top_k
         return i + 1, tokens, log_probs, mask, logits.astype(jnp.float32), state, done, rng
 
     carry = (
-        jnp.int32(0), jnp.full((batch, max_new_tokens), pad_id, jnp.int32), jnp.zeros((batch, max_new_tokens)),
-        jnp.zeros((batch, max_new_tokens), jnp.int32), logits.astype(jnp.float32), state, jnp.zeros((batch,), bool), rng,
-    )  # fmt: skip
+        jnp.int32(0),
+        jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
+        jnp.zeros((batch, max_new_tokens)),
+        jnp.zeros((batch, max_new_tokens), jnp.int32),
+        logits.astype(jnp.float32),
+        state,
+        jnp.zeros((batch,), bool),
+        rng,
+    )
     _, tokens, log_probs, mask, *_ = jax.lax.while_loop(cond, body, carry)
     return Samples(tokens=tokens, log_probs=log_probs, mask=mask)
 
@@ -152,8 +160,12 @@ def sample(
     if use_cache:
         logits, variables = model.apply(
             {"params": params, "cache": _init_cache(model, batch, total)},
-            prompts, positions=positions, segment_ids=segment_ids, decode=True, mutable=["cache"],
-        )  # fmt: skip
+            prompts,
+            positions=positions,
+            segment_ids=segment_ids,
+            decode=True,
+            mutable=["cache"],
+        )
 
         def step(cache, token, i):
             logits, variables = model.apply(
@@ -178,9 +190,18 @@ def sample(
 
         state = jnp.concatenate([prompts, jnp.full((batch, max_new_tokens), pad_id, prompts.dtype)], axis=1)
     return _sample_loop(
-        step, logits[:, -1], state, rng, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences, pad_id=pad_id,
-    )  # fmt: skip
+        step,
+        logits[:, -1],
+        state,
+        rng,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=eos_id,
+        stop_sequences=stop_sequences,
+        pad_id=pad_id,
+    )
 
 
 def generate(
@@ -206,9 +227,19 @@ def generate(
     _check_ids(model, prompts, "prompt")
     prompt_mask = jnp.ones_like(prompts) if prompt_mask is None else jnp.asarray(prompt_mask, jnp.int32)
     return sample(
-        model, params, prompts, prompt_mask, rng, max_new_tokens=max_new_tokens, temperature=float(temperature),
-        top_k=int(top_k), top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id), use_cache=use_cache,
-    ).tokens  # fmt: skip
+        model,
+        params,
+        prompts,
+        prompt_mask,
+        rng,
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p),
+        eos_id=eos_id,
+        pad_id=int(pad_id),
+        use_cache=use_cache,
+    ).tokens
 
 
 def _check_seq2seq_inputs(model: nn.Module, inputs: jax.Array, max_new_tokens: int) -> jax.Array:
@@ -240,10 +271,16 @@ def _decoder_step(model, params, cache, tokens, step, encoded, encoder_segment_i
 
     `encoded` [N, S, D] on the first step fills the cross-attention cache; None afterwards reads it."""
     logits, variables = model.apply(
-        {"params": params, "cache": cache}, tokens[:, None], encoded, encoder_segment_ids=encoder_segment_ids,
-        positions=jnp.full((tokens.shape[0], 1), step), decode=True, max_decode_len=max_decode_len,
-        mutable=["cache"], method="decode",
-    )  # fmt: skip
+        {"params": params, "cache": cache},
+        tokens[:, None],
+        encoded,
+        encoder_segment_ids=encoder_segment_ids,
+        positions=jnp.full((tokens.shape[0], 1), step),
+        decode=True,
+        max_decode_len=max_decode_len,
+        mutable=["cache"],
+        method="decode",
+    )
     return logits[:, 0].astype(jnp.float32), variables["cache"]
 
 
@@ -286,13 +323,24 @@ def sample_seq2seq(
 
     def step_state(state, token, i):
         """state (logits, cache): the last logits pass through once the final token is sampled."""
-        logits, cache = _next_step(functools.partial(step, encoded=None), state[1], token, i + 1, state[0], max_new_tokens)
+        logits, cache = _next_step(
+            functools.partial(step, encoded=None), state[1], token, i + 1, state[0], max_new_tokens
+        )
         return logits, (logits, cache)
 
     return _sample_loop(
-        step_state, logits, (logits, cache), rng, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, top_p=top_p, eos_id=eos_id, stop_sequences=stop_sequences, pad_id=pad_id,
-    )  # fmt: skip
+        step_state,
+        logits,
+        (logits, cache),
+        rng,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=eos_id,
+        stop_sequences=stop_sequences,
+        pad_id=pad_id,
+    )
 
 
 def generate_seq2seq(
@@ -314,9 +362,18 @@ def generate_seq2seq(
     inputs = _check_seq2seq_inputs(model, inputs, max_new_tokens)
     segments = None if encoder_segment_ids is None else jnp.asarray(encoder_segment_ids, jnp.int32)
     return sample_seq2seq(
-        model, params, inputs, segments, rng, max_new_tokens=max_new_tokens, temperature=float(temperature),
-        top_k=int(top_k), top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id),
-    ).tokens  # fmt: skip
+        model,
+        params,
+        inputs,
+        segments,
+        rng,
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p),
+        eos_id=eos_id,
+        pad_id=int(pad_id),
+    ).tokens
 
 
 def _reorder_cache(cache, rows: jax.Array, batch_axis: int):
@@ -339,9 +396,19 @@ _NEG = -1.0e9  # HF's score of excluded candidates and empty pool slots
 
 @functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens", "pad_id"))
 def _beam_search(
-    model, params, inputs, encoder_segment_ids, eos_id, penalties, best_penalties, stop_when_full, *, beam_size,
-    max_new_tokens, pad_id,
-):  # fmt: skip
+    model,
+    params,
+    inputs,
+    encoder_segment_ids,
+    eos_id,
+    penalties,
+    best_penalties,
+    stop_when_full,
+    *,
+    beam_size,
+    max_new_tokens,
+    pad_id,
+):
     """penalties [T]: length ** length_penalty for lengths 1..T; best_penalties [T]: that of the length at which
     a live beam's best possible score is estimated after step t; stop_when_full: early_stopping is True."""
     batch, k, steps = inputs.shape[0], beam_size, max_new_tokens
@@ -349,7 +416,9 @@ def _beam_search(
     encoded = jnp.repeat(_encode(model, params, inputs, encoder_segment_ids), k, axis=0)
     if encoder_segment_ids is not None:
         encoder_segment_ids = jnp.repeat(encoder_segment_ids, k, axis=0)
-    step = functools.partial(_decoder_step, model, params, encoder_segment_ids=encoder_segment_ids, max_decode_len=steps)
+    step = functools.partial(
+        _decoder_step, model, params, encoder_segment_ids=encoder_segment_ids, max_decode_len=steps
+    )
     batch_axis = 1 if model.config.scan_layers else 0  # scanned caches are [layers, B*K, ...]
     top_beams = jnp.arange(2 * k) < k
 
@@ -386,7 +455,9 @@ def _beam_search(
         # A row closes once its pool is full and the best live beam cannot beat the pool's worst.
         worst = jnp.where(pool_finished, jnp.min(pool_scores, axis=1, keepdims=True), _NEG)
         open_rows &= jnp.any(run_scores[:, :1] / best_penalties[i] > worst, axis=1)
-        logits, cache = _next_step(functools.partial(step, encoded=None), cache, run_tokens[:, :, i].reshape(-1), i + 1, logits, steps)
+        logits, cache = _next_step(
+            functools.partial(step, encoded=None), cache, run_tokens[:, :, i].reshape(-1), i + 1, logits, steps
+        )
         return i + 1, logits, cache, run_tokens, run_scores, pool_tokens, pool_scores, pool_finished, open_rows
 
     start = jnp.full((batch * k,), model.config.decoder_start_id, jnp.int32)
@@ -395,9 +466,16 @@ def _beam_search(
     pool_scores = jnp.full((batch, k), _NEG)
     logits, cache = step(_init_decoder_cache(model, encoded, steps), start, 0, encoded=encoded)
     carry = (
-        jnp.int32(0), logits, cache, tokens, run_scores, tokens, pool_scores, jnp.zeros((batch, k), bool),
+        jnp.int32(0),
+        logits,
+        cache,
+        tokens,
+        run_scores,
+        tokens,
+        pool_scores,
+        jnp.zeros((batch, k), bool),
         jnp.ones((batch,), bool),
-    )  # fmt: skip
+    )
     _, _, _, _, _, pool_tokens, pool_scores, _, _ = jax.lax.while_loop(cond, body, carry)
     return pool_tokens[:, 0], pool_scores[:, 0]
 
@@ -435,7 +513,15 @@ def beam_search(
     penalties = np.arange(1, max_new_tokens + 1, dtype=np.float64) ** float(length_penalty)
     best = np.full_like(penalties, penalties[-1]) if early_stopping == "never" and length_penalty > 0 else penalties
     return _beam_search(
-        model, params, inputs, segments, jnp.int32(eos_id), jnp.asarray(penalties, jnp.float32),
-        jnp.asarray(best, jnp.float32), jnp.asarray(early_stopping is True), beam_size=int(beam_size),
-        max_new_tokens=int(max_new_tokens), pad_id=int(pad_id),
-    )  # fmt: skip
+        model,
+        params,
+        inputs,
+        segments,
+        jnp.int32(eos_id),
+        jnp.asarray(penalties, jnp.float32),
+        jnp.asarray(best, jnp.float32),
+        jnp.asarray(early_stopping is True),
+        beam_size=int(beam_size),
+        max_new_tokens=int(max_new_tokens),
+        pad_id=int(pad_id),
+    )

@@ -69,7 +69,10 @@ class Einsum(nn.Module):
     @nn.compact
     def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
         kernel = self.param(
-            "kernel", nn.with_logical_partitioning(self.kernel_init, tuple(self.axes)), tuple(self.shape), self.param_dtype
+            "kernel",
+            nn.with_logical_partitioning(self.kernel_init, tuple(self.axes)),
+            tuple(self.shape),
+            self.param_dtype,
         )
         y = project(eqn, x.astype(self.dtype), kernel.astype(self.dtype))
         if self.use_bias:
@@ -151,10 +154,14 @@ class LayerNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., D] -> [..., D] in dtype; the statistics are computed in float32."""
         d = x.shape[-1]
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (d,), self.param_dtype)
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (d,), self.param_dtype
+        )
         y = normalize(x, scale, self.epsilon, self.use_mean)
         if self.use_bias:
-            y = y + self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), (d,), self.param_dtype)
+            y = y + self.param(
+                "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), (d,), self.param_dtype
+            )
         return y.astype(self.dtype)
 
 
@@ -199,10 +206,14 @@ def attention_mask(
         return None
     mask = None
     if query_segment_ids is not None:
-        same_segment = (query_segment_ids[:, :, None] == key_segment_ids[:, None, :]) | (query_segment_ids[:, :, None] == 0)
+        same_segment = (query_segment_ids[:, :, None] == key_segment_ids[:, None, :]) | (
+            query_segment_ids[:, :, None] == 0
+        )
         mask = same_segment & (key_segment_ids[:, None, :] != 0)
     elif key_segment_ids is not None:
-        mask = jnp.broadcast_to(key_segment_ids[:, None, :] != 0, key_segment_ids.shape[:1] + (1,) + key_segment_ids.shape[1:])
+        mask = jnp.broadcast_to(
+            key_segment_ids[:, None, :] != 0, key_segment_ids.shape[:1] + (1,) + key_segment_ids.shape[1:]
+        )
     if causal and query_positions is not None:
         future = key_positions[:, None, :] <= query_positions[:, :, None]
         mask = future if mask is None else mask & future
@@ -228,8 +239,17 @@ def dot_product_attention(
     then `kernels.cpu.dot_product_attention`, the explicit form.
     """
     if kernels.on_cpu() or (dropout_rng is not None and dropout_rate > 0.0):
-        return cpu.dot_product_attention(query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale,
-                                         dropout_rate=dropout_rate, dropout_rng=dropout_rng)  # fmt: skip
+        return cpu.dot_product_attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            scale=scale,
+            dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng,
+        )
     return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal)
 
 
@@ -284,7 +304,9 @@ class Attention(nn.Module):
             Einsum, use_bias=self.use_bias, kernel_init=self.kernel_init, dtype=self.dtype, param_dtype=self.param_dtype
         )
         qkv_shape, qkv_axes = (d, self.num_heads, self.head_dim), ("embed", "heads", "kv")
-        query = proj(qkv_shape, qkv_axes, kernel_init=self.query_init or self.kernel_init, name="query")("BTD,DNH->BTNH", x)
+        query = proj(qkv_shape, qkv_axes, kernel_init=self.query_init or self.kernel_init, name="query")(
+            "BTD,DNH->BTNH", x
+        )
         query = sharding.constrain(query, ("act_batch", "act_len", "act_heads", "act_kv"))
 
         def project_keys_values(source):
@@ -295,7 +317,9 @@ class Attention(nn.Module):
 
         is_causal = self.causal
         if self.cross:
-            key, value = self._context_keys_values(context, project_keys_values) if decode else project_keys_values(context)
+            key, value = (
+                self._context_keys_values(context, project_keys_values) if decode else project_keys_values(context)
+            )
             mask = attention_mask(segment_ids, context_segment_ids, causal=False)
         elif decode:
             key, value, mask = self._update_cache(*project_keys_values(x), segment_ids)
@@ -337,7 +361,9 @@ class Attention(nn.Module):
                 self.put_variable("cache", "cached_context_value", value)
             return key, value
         if not self.has_variable("cache", "cached_context_key"):
-            raise ValueError("cross-attention decoding without a context needs a cache filled by an earlier step with the context")
+            raise ValueError(
+                "cross-attention decoding without a context needs a cache filled by an earlier step with the context"
+            )
         return self.get_variable("cache", "cached_context_key"), self.get_variable("cache", "cached_context_value")
 
     def _update_cache(self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None):
@@ -393,7 +419,9 @@ class MlpBlock(nn.Module):
         h = None
         for i, name in enumerate(self.activations):
             wi_name = "wi" if len(self.activations) == 1 else f"wi_{i}"
-            a = activation(name)(proj((d, self.mlp_dim), ("embed", "mlp"), kernel_init=self.kernel_init, name=wi_name)("BTD,DF->BTF", x))
+            a = activation(name)(
+                proj((d, self.mlp_dim), ("embed", "mlp"), kernel_init=self.kernel_init, name=wi_name)("BTD,DF->BTF", x)
+            )
             h = a if h is None else h * a
         h = sharding.constrain(h, ("act_batch", "act_len", "act_mlp"))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
@@ -454,25 +482,52 @@ class TransformerBlock(nn.Module):
             raise ValueError(f"unknown norm {self.norm!r}; choose 'layer' or 'rms'")
         rms = self.norm == "rms"
         norm = functools.partial(
-            LayerNorm, epsilon=self.layer_norm_epsilon, use_bias=self.use_bias and not rms, use_mean=not rms,
-            dtype=self.dtype, param_dtype=self.param_dtype,
-        )  # fmt: skip
+            LayerNorm,
+            epsilon=self.layer_norm_epsilon,
+            use_bias=self.use_bias and not rms,
+            use_mean=not rms,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
         d, heads_width = x.shape[-1], self.num_heads * self.head_dim
         if self.fan_in_init:
-            std = {"kernel": d**-0.5, "query": (d * self.head_dim) ** -0.5, "attn_out": heads_width**-0.5, "mlp_out": self.mlp_dim**-0.5}
+            std = {
+                "kernel": d**-0.5,
+                "query": (d * self.head_dim) ** -0.5,
+                "attn_out": heads_width**-0.5,
+                "mlp_out": self.mlp_dim**-0.5,
+            }
         else:
-            std = {"kernel": self.init_std, "query": self.init_std, "attn_out": self.residual_init_std, "mlp_out": self.residual_init_std}
+            std = {
+                "kernel": self.init_std,
+                "query": self.init_std,
+                "attn_out": self.residual_init_std,
+                "mlp_out": self.residual_init_std,
+            }
         normal = nn.initializers.normal
         attention = functools.partial(
-            Attention, num_heads=self.num_heads, head_dim=self.head_dim, use_bias=self.use_bias, scale=self.attention_scale,
-            dropout_rate=self.attention_dropout_rate, kernel_init=normal(std["kernel"]), query_init=normal(std["query"]),
-            out_init=normal(std["attn_out"]), dtype=self.dtype, param_dtype=self.param_dtype,
-        )  # fmt: skip
+            Attention,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            use_bias=self.use_bias,
+            scale=self.attention_scale,
+            dropout_rate=self.attention_dropout_rate,
+            kernel_init=normal(std["kernel"]),
+            query_init=normal(std["query"]),
+            out_init=normal(std["attn_out"]),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
         mlp = MlpBlock(
-            mlp_dim=self.mlp_dim, activations=tuple(self.activations), use_bias=self.use_bias,
-            kernel_init=normal(std["kernel"]), out_init=normal(std["mlp_out"]), dtype=self.dtype,
-            param_dtype=self.param_dtype, name="mlp",
-        )  # fmt: skip
+            mlp_dim=self.mlp_dim,
+            activations=tuple(self.activations),
+            use_bias=self.use_bias,
+            kernel_init=normal(std["kernel"]),
+            out_init=normal(std["mlp_out"]),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="mlp",
+        )
         dropout = nn.Dropout(self.dropout_rate)
 
         def residual(x, norm_name, fn):
@@ -482,16 +537,25 @@ class TransformerBlock(nn.Module):
 
         x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
         self_attention = attention(causal=self.causal, name="attn")
-        x = residual(x, "ln_attn", lambda h: self_attention(h, segment_ids=segment_ids, bias=bias, deterministic=deterministic, decode=decode))
+        x = residual(
+            x,
+            "ln_attn",
+            lambda h: self_attention(h, segment_ids=segment_ids, bias=bias, deterministic=deterministic, decode=decode),
+        )
         if self.cross_attention:
             cross = attention(cross=True, name="cross_attn")
             x = residual(
-                x, "ln_cross",
+                x,
+                "ln_cross",
                 lambda h: cross(
-                    h, context, segment_ids=segment_ids, context_segment_ids=context_segment_ids, deterministic=deterministic,
+                    h,
+                    context,
+                    segment_ids=segment_ids,
+                    context_segment_ids=context_segment_ids,
+                    deterministic=deterministic,
                     decode=decode,
                 ),
-            )  # fmt: skip
+            )
         return residual(x, "ln_mlp", lambda h: mlp(h, deterministic=deterministic))
 
 

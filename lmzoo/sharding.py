@@ -63,7 +63,9 @@ def initialize_distributed(coordinator_address: str, num_processes: int, process
         return
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id {process_id} must be in [0, num_processes={num_processes})")
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
 
 
 def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -7,8 +7,16 @@ import numpy as np
 
 from lmzoo import models
 
-TINY_GPT2 = dict(vocab_size=32, max_len=16, emb_dim=16, num_heads=2, num_layers=2, mlp_dim=32,
-                 dropout_rate=0.0, attention_dropout_rate=0.0)  # fmt: skip
+TINY_GPT2 = dict(
+    vocab_size=32,
+    max_len=16,
+    emb_dim=16,
+    num_heads=2,
+    num_layers=2,
+    mlp_dim=32,
+    dropout_rate=0.0,
+    attention_dropout_rate=0.0,
+)
 
 
 def tiny_gpt2(**overrides):
@@ -22,8 +30,15 @@ def random_tokens(shape=(2, 8), vocab_size: int = 32, seed: int = 0) -> np.ndarr
     return np.random.default_rng(seed).integers(0, vocab_size, size=shape).astype(np.int32)
 
 
-def tiny_word_corpus_config(folder, config_file: str, *, num_words: int = 14, lines: tuple[int, int] = (64, 16),
-                            words_per_line: tuple[int, int] = (2, 8), ptb_spacing: bool = False):  # fmt: skip
+def tiny_word_corpus_config(
+    folder,
+    config_file: str,
+    *,
+    num_words: int = 14,
+    lines: tuple[int, int] = (64, 16),
+    words_per_line: tuple[int, int] = (2, 8),
+    ptb_spacing: bool = False,
+):
     """configs/<config_file>.py:tiny on random sentences of `num_words` words and <unk>, written to
     <folder>/ptb.{train,valid}.txt (`lines` sentences each, lengths in [low, high)), vocab_size set to fit
     (the words, <unk> and <eos>). ptb_spacing: lines start with a space and end with " \\n", as in PTB's files.

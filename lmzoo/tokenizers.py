@@ -127,8 +127,7 @@ class CharTokenizer(Tokenizer):
             return [self._index[c] for c in text]
         except KeyError as e:
             raise ValueError(
-                f"character {e.args[0]!r} is not in the character vocabulary, which was built from the "
-                "training corpus"
+                f"character {e.args[0]!r} is not in the character vocabulary, which was built from the training corpus"
             ) from None
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -240,8 +239,11 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         parts = []
         for is_byte, run in itertools.groupby((i for i in ids if i != self.pad_id), key=lambda i: i < 256):
-            parts.append(bytes(run).decode("utf-8", errors="replace") if is_byte else
-                         "".join(self.SPECIALS[i - 256] for i in run))
+            parts.append(
+                bytes(run).decode("utf-8", errors="replace")
+                if is_byte
+                else "".join(self.SPECIALS[i - 256] for i in run)
+            )
         return "".join(parts)
 
     def token_char_lengths(self) -> np.ndarray:
@@ -284,9 +286,16 @@ class SentencePieceTokenizer(Tokenizer):
             return cls(f.read(), extra_ids)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, model_type: str = "bpe",
-              user_defined_symbols: Sequence[str] = (), byte_fallback: bool = True, extra_ids: int = 0,
-              **trainer_kwargs) -> SentencePieceTokenizer:
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        model_type: str = "bpe",
+        user_defined_symbols: Sequence[str] = (),
+        byte_fallback: bool = True,
+        extra_ids: int = 0,
+        **trainer_kwargs,
+    ) -> SentencePieceTokenizer:
         """Train in memory on the non-empty lines of `texts` (a str or strs); `vocab_size` excludes `extra_ids`.
 
         Defaults are lossless (identity normalization, whitespace kept, no dummy prefix, byte fallback so
@@ -294,10 +303,20 @@ class SentencePieceTokenizer(Tokenizer):
         With byte_fallback, vocab_size must cover 256 byte pieces + 3 specials + the corpus characters.
         """
         options = dict(
-            vocab_size=vocab_size, model_type=model_type, user_defined_symbols=list(user_defined_symbols),
-            byte_fallback=byte_fallback, pad_id=0, eos_id=1, unk_id=2, bos_id=-1, num_threads=2,
-            character_coverage=0.9995, normalization_rule_name="identity", remove_extra_whitespaces=False,
-            add_dummy_prefix=False, minloglevel=2,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            user_defined_symbols=list(user_defined_symbols),
+            byte_fallback=byte_fallback,
+            pad_id=0,
+            eos_id=1,
+            unk_id=2,
+            bos_id=-1,
+            num_threads=2,
+            character_coverage=0.9995,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            minloglevel=2,
         )
         options.update(trainer_kwargs)
         model = io.BytesIO()
@@ -326,8 +345,9 @@ class SentencePieceTokenizer(Tokenizer):
         n = self.sp.get_piece_size()
         parts = []
         for is_piece, run in itertools.groupby((i for i in ids if i != self.pad_id), key=lambda i: i < n):
-            parts.append(self.sp.decode(list(run)) if is_piece else
-                         "".join(f"<extra_id_{self.vocab_size - 1 - i}>" for i in run))
+            parts.append(
+                self.sp.decode(list(run)) if is_piece else "".join(f"<extra_id_{self.vocab_size - 1 - i}>" for i in run)
+            )
         return "".join(parts)
 
     def token_char_lengths(self) -> np.ndarray:
@@ -475,8 +495,9 @@ def from_spec(spec: dict, base_dir: str | None = None) -> Tokenizer:
     raise ValueError(f"unknown tokenizer spec kind {kind!r}; expected char, word, byte, sentencepiece or hf_json")
 
 
-def build_tokenizer(kind: str, *, corpus: Iterable[str] | None = None, path: str | None = None,
-                    vocab_size: int | None = None, **kwargs) -> Tokenizer:
+def build_tokenizer(
+    kind: str, *, corpus: Iterable[str] | None = None, path: str | None = None, vocab_size: int | None = None, **kwargs
+) -> Tokenizer:
     """Tokenizer from config. kinds: char (corpus), word (corpus, or path = a saved words.txt), byte, sentencepiece (path to .model, or corpus +
     vocab_size to train), gpt2 (path = folder with vocab.json + merges.txt), wordpiece (path = vocab.txt),
     hf_json (path = tokenizer.json). `kwargs` go to the constructor/trainer."""
@@ -490,7 +511,9 @@ def build_tokenizer(kind: str, *, corpus: Iterable[str] | None = None, path: str
         if path:  # the words.txt a run saved (e.g. a pretrained model's vocabulary, so the ids match)
             return from_spec({"kind": "word", "path": path, "specials": kwargs.get("specials", ("<eos>",))})
         if corpus is None:
-            raise ValueError("tokenizer kind 'word' needs corpus= to build its word vocabulary, or path= to a words.txt")
+            raise ValueError(
+                "tokenizer kind 'word' needs corpus= to build its word vocabulary, or path= to a words.txt"
+            )
         return WordTokenizer.from_corpus(corpus, **kwargs)
     if kind == "byte":
         return ByteTokenizer(**kwargs)

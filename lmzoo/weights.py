@@ -48,7 +48,9 @@ def read_params(spec: str, model_name: str, model_config, target, *, allow_parti
 TOKEN_TABLES = ("wte/embedding",)  # token embeddings that may gain rows for new special tokens (GPT classifier)
 
 
-def merge_pretrained(fresh, source, model_name: str, model_config=None, *, name: str | None = None, allow_partial: bool = False):
+def merge_pretrained(
+    fresh, source, model_name: str, model_config=None, *, name: str | None = None, allow_partial: bool = False
+):
     """`fresh` params with every parameter `source` (params, or a read_params spec, read for `model_config`
     with `allow_partial`) provides replaced.
 
@@ -61,10 +63,19 @@ def merge_pretrained(fresh, source, model_name: str, model_config=None, *, name:
     if isinstance(source, str):
         source = read_params(source, model_name, model_config, target, allow_partial=allow_partial)
     flat_target, flat_source = traverse_util.flatten_dict(target, sep="/"), traverse_util.flatten_dict(source, sep="/")
-    grown = {k for k, v in flat_target.items() if k in TOKEN_TABLES and k in flat_source
-             and flat_source[k].shape[1:] == v.shape[1:] and flat_source[k].shape[0] < v.shape[0]}  # fmt: skip
-    mismatched = [f"{k}: {flat_source[k].shape} vs model {v.shape}" for k, v in flat_target.items()
-                  if k in flat_source and k not in grown and flat_source[k].shape != v.shape]  # fmt: skip
+    grown = {
+        k
+        for k, v in flat_target.items()
+        if k in TOKEN_TABLES
+        and k in flat_source
+        and flat_source[k].shape[1:] == v.shape[1:]
+        and flat_source[k].shape[0] < v.shape[0]
+    }
+    mismatched = [
+        f"{k}: {flat_source[k].shape} vs model {v.shape}"
+        for k, v in flat_target.items()
+        if k in flat_source and k not in grown and flat_source[k].shape != v.shape
+    ]
     if mismatched:
         raise ValueError(f"weights from {name} do not fit the configured model:\n  " + "\n  ".join(mismatched))
     loaded = {k: np.asarray(flat_source[k], dtype=v.dtype) if k in flat_source else v for k, v in flat_target.items()}
@@ -72,9 +83,13 @@ def merge_pretrained(fresh, source, model_name: str, model_config=None, *, name:
         loaded[k] = np.concatenate([loaded[k], np.asarray(flat_target[k])[len(loaded[k]) :]])
     fresh_keys = sorted(set(flat_target) - set(flat_source))
     if jax.process_index() == 0:
-        print(f"{name}: loaded {len(flat_target) - len(fresh_keys)} parameters; newly initialised: {fresh_keys or 'none'}")
+        print(
+            f"{name}: loaded {len(flat_target) - len(fresh_keys)} parameters; newly initialised: {fresh_keys or 'none'}"
+        )
         for k in sorted(grown):
-            print(f"{name}: {k} has {len(flat_source[k])} pretrained rows; rows {len(flat_source[k])}.."
-                  f"{len(flat_target[k]) - 1} (new tokens) keep their fresh initialisation")  # fmt: skip
+            print(
+                f"{name}: {k} has {len(flat_source[k])} pretrained rows; rows {len(flat_source[k])}.."
+                f"{len(flat_target[k]) - 1} (new tokens) keep their fresh initialisation"
+            )
     merged = traverse_util.unflatten_dict(loaded, sep="/")
     return {**fresh, "backbone": merged} if "backbone" in fresh else merged

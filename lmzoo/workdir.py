@@ -134,9 +134,11 @@ class WorkdirLock:
             )
         self.stale_holder = stale
         self.holder = HolderInfo(
-            pid=os.getpid(), host=socket.gethostname(), command=" ".join(sys.argv),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            command=" ".join(sys.argv),
             started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        )  # fmt: skip
+        )
         self._file.seek(0)
         self._file.truncate()
         self._file.write(json.dumps(dataclasses.asdict(self.holder)))

@@ -20,7 +20,9 @@ from lmzoo.tokenizers import WordTokenizer
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data_dir", default=str(pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"))
+    parser.add_argument(
+        "--data_dir", default=str(pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb")
+    )
     parser.add_argument("--kn_orders", default="3,4,5")
     parser.add_argument("--add_k_orders", default="2,3")
     parser.add_argument("--add_k_values", default="1,0.1,0.01")

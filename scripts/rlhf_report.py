@@ -63,8 +63,10 @@ def samples(name: str, workdir: str, count: int) -> None:
     with run.context():
         rollout = jax.device_get(rollout_fn(state, sharding.put_batch(batch, compiled.batch_sharding)))
     keep = np.flatnonzero(batch["example_weights"] > 0)
-    print(f"\n### {name} ({workdir}, step {int(state.step)}): held-out prompts, mean score "
-          f"{rollout['scores'][keep].mean():.3f}, mean KL {rollout['sequence_kl'][keep].mean():.2f}\n")  # fmt: skip
+    print(
+        f"\n### {name} ({workdir}, step {int(state.step)}): held-out prompts, mean score "
+        f"{rollout['scores'][keep].mean():.3f}, mean KL {rollout['sequence_kl'][keep].mean():.2f}\n"
+    )
     tokenizer = run.tokenizer
     for i in keep[:count]:
         prompt = tokenizer.decode(batch["prompts"][i][batch["prompt_mask"][i] > 0].tolist())

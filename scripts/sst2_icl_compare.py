@@ -61,8 +61,15 @@ def main(argv):
         theirs_dir = root / f"hf_k{k}"
         a, b = samples(ours_dir), samples(theirs_dir)
         lls = [(x[0], y[0]) for doc in a for x, y in zip(a[doc], b[doc], strict=True)]
-        result["lm_eval"].append({"k": int(k), "docs": len(a), "max_abs_loglikelihood_diff": max(abs(x - y) for x, y in lls),
-                                  "acc_lmzoo": accuracy(ours_dir), "acc_hf": accuracy(theirs_dir)})  # fmt: skip
+        result["lm_eval"].append(
+            {
+                "k": int(k),
+                "docs": len(a),
+                "max_abs_loglikelihood_diff": max(abs(x - y) for x, y in lls),
+                "acc_lmzoo": accuracy(ours_dir),
+                "acc_hf": accuracy(theirs_dir),
+            }
+        )
     print(json.dumps(result))
 
 

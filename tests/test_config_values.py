@@ -24,14 +24,26 @@ def test_defaults_pass():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("train__batch_size", 0, "config.train.batch_size=0: must be a positive integer; set --config.train.batch_size=N"),
+        (
+            "train__batch_size",
+            0,
+            "config.train.batch_size=0: must be a positive integer; set --config.train.batch_size=N",
+        ),
         ("train__batch_size", -4, "config.train.batch_size=-4: must be a positive integer"),
         ("train__keep_checkpoints", 0, "config.train.keep_checkpoints=0: must be a positive integer"),
         ("train__log_every", 0, "config.train.log_every=0: must be a positive integer"),
         ("eval__batch_size", 0, "config.eval.batch_size=0: must be a positive integer"),
         ("data__seq_len", 0, "config.data.seq_len=0: must be a positive integer"),
-        ("eval__batch_size", 12, "config.eval.batch_size=12: must be a multiple of the 8 data-parallel devices; set --config.eval.batch_size=8"),
-        ("train__batch_size", 4, "config.train.batch_size=4: must be a multiple of 8 (grad_accum_steps=1 x 8 data-parallel devices); set --config.train.batch_size=8"),
+        (
+            "eval__batch_size",
+            12,
+            "config.eval.batch_size=12: must be a multiple of the 8 data-parallel devices; set --config.eval.batch_size=8",
+        ),
+        (
+            "train__batch_size",
+            4,
+            "config.train.batch_size=4: must be a multiple of 8 (grad_accum_steps=1 x 8 data-parallel devices); set --config.train.batch_size=8",
+        ),
         ("data__validation_fraction", 1.0, "config.data.validation_fraction=1.0: must be between 0 and 1"),
         ("data__sampler", "sequentail", "config.data.sampler='sequentail': choose 'random' or 'sequential'"),
         ("optim__learning_rate", 0.0, "config.optim.learning_rate=0.0: must be > 0"),
@@ -62,7 +74,9 @@ def test_ppo_demonstration_rows_must_split_over_the_devices():
         config_lib.check_values(config, data_parallel_size=devices, more_problems=tuple(more))
 
     check(4)  # minibatch parts of 1 row: padded by the partitioner
-    with pytest.raises(ValueError, match=r"objective.ptx_batch_size=4 must be a multiple of the 8 data-parallel devices"):
+    with pytest.raises(
+        ValueError, match=r"objective.ptx_batch_size=4 must be a multiple of the 8 data-parallel devices"
+    ):
         check(8)
     assert ppo.value_problems(data_parallel_size=8, batches=False) == []  # a run opened to restore params
     config.objective.ptx_coef = 0.0  # no demonstrations are read
@@ -82,8 +96,10 @@ def test_every_problem_is_listed_at_once():
     with pytest.raises(ValueError) as raised:
         config_lib.check_values(_config(train__batch_size=0, train__log_every=0, optim__eps=0.0), data_parallel_size=1)
     assert [line.split("=")[0].strip() for line in str(raised.value).splitlines()[1:]] == [
-        "config.train.batch_size", "config.train.log_every", "config.optim.eps",
-    ]  # fmt: skip
+        "config.train.batch_size",
+        "config.train.log_every",
+        "config.optim.eps",
+    ]
 
 
 def test_check_variants():
@@ -93,7 +109,9 @@ def test_check_variants():
         config_lib.check_variants("tinyy", known=("tiny",))
 
 
-@pytest.mark.parametrize("path", sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.py")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.py")), ids=lambda p: p.stem
+)
 def test_every_config_refuses_an_unknown_variant(path):
     with pytest.raises(ValueError, match="unknown config variant 'tinyy'"):
         config_lib.load_config_file(path, "tinyy")

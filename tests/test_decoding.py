@@ -47,9 +47,15 @@ def prompts():
 def greedy(model, params, tokens, mask=None, **kwargs):
     return np.asarray(
         decoding.generate(
-            model, params, tokens, prompt_mask=mask, rng=jax.random.key(0), max_new_tokens=NEW_TOKENS, temperature=0.0,
+            model,
+            params,
+            tokens,
+            prompt_mask=mask,
+            rng=jax.random.key(0),
+            max_new_tokens=NEW_TOKENS,
+            temperature=0.0,
             **kwargs,
-        )  # fmt: skip
+        )
     )
 
 
@@ -114,8 +120,18 @@ def test_out_of_range_prompt_ids_raise(gpt2, bad_id):
         decoding.generate(*gpt2, np.array([[1, bad_id, 2]]), rng=jax.random.key(0), max_new_tokens=2)
 
 
-TINY_T5 = dict(vocab_size=32, emb_dim=16, num_heads=2, head_dim=8, num_encoder_layers=2, num_decoder_layers=2,
-               mlp_dim=32, dropout_rate=0.0, relative_buckets=8, relative_max_distance=16)  # fmt: skip
+TINY_T5 = dict(
+    vocab_size=32,
+    emb_dim=16,
+    num_heads=2,
+    head_dim=8,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    mlp_dim=32,
+    dropout_rate=0.0,
+    relative_buckets=8,
+    relative_max_distance=16,
+)
 
 
 def test_beam_search_with_scanned_layers_matches_per_layer():
@@ -131,9 +147,13 @@ def test_beam_search_with_scanned_layers_matches_per_layer():
     inputs, mask = testing.random_tokens((2, 7), seed=3), np.ones((2, 7), np.int32)
     mask[1, 5:] = 0
     search = functools.partial(
-        decoding.beam_search, inputs=inputs, beam_size=3, max_new_tokens=NEW_TOKENS, length_penalty=0.6,
+        decoding.beam_search,
+        inputs=inputs,
+        beam_size=3,
+        max_new_tokens=NEW_TOKENS,
+        length_penalty=0.6,
         encoder_segment_ids=mask,
-    )  # fmt: skip
+    )
     unconstrained, _ = search(model, params, eos_id=-1)
     eos_id = int(unconstrained[1, 2])
     tokens, scores = search(model, params, eos_id=eos_id)
@@ -152,8 +172,15 @@ def test_seq2seq_input_checks():
     with pytest.raises(ValueError, match=r"inputs contains token ids outside \[0, 32\)"):
         decoding.generate_seq2seq(bart_like, {}, np.array([[1, 32]]), rng=jax.random.key(0), max_new_tokens=2)
     with pytest.raises(ValueError, match="early_stopping must be True, False or 'never'"):
-        decoding.beam_search(bart_like, {}, np.ones((1, 3), np.int32), beam_size=2, max_new_tokens=4, eos_id=1,
-                             early_stopping="sometimes")  # fmt: skip
+        decoding.beam_search(
+            bart_like,
+            {},
+            np.ones((1, 3), np.int32),
+            beam_size=2,
+            max_new_tokens=4,
+            eos_id=1,
+            early_stopping="sometimes",
+        )
 
 
 def reference_sample(model, params, tokens, mask, rng, *, new_tokens, eos_id=None, stop=(), pad_id=0, **settings):
@@ -174,16 +201,29 @@ def reference_sample(model, params, tokens, mask, rng, *, new_tokens, eos_id=Non
         sequence = np.concatenate([sequence, token[:, None]], axis=1)
         segments = np.concatenate([segments, np.ones((batch, 1), segments.dtype)], axis=1)
         generated = np.stack(out, axis=1)
-        done = done | (token == eos_id) | np.array([any(row[-len(s):].tolist() == list(s) for s in stop) for row in generated])
+        done = (
+            done
+            | (token == eos_id)
+            | np.array([any(row[-len(s) :].tolist() == list(s) for s in stop) for row in generated])
+        )
         if done.all():
             break
     pad = new_tokens - len(out)
     tokens = np.pad(np.stack(out, axis=1), ((0, 0), (0, pad)), constant_values=pad_id)
-    return tokens, np.pad(np.stack(log_probs, axis=1), ((0, 0), (0, pad))), np.pad(np.stack(out_mask, axis=1), ((0, 0), (0, pad)))
+    return (
+        tokens,
+        np.pad(np.stack(log_probs, axis=1), ((0, 0), (0, pad))),
+        np.pad(np.stack(out_mask, axis=1), ((0, 0), (0, pad))),
+    )
 
 
 @pytest.mark.parametrize(
-    "settings", [dict(temperature=0.0, top_k=0, top_p=1.0), dict(temperature=1.3, top_k=5, top_p=1.0), dict(temperature=0.8, top_k=0, top_p=0.7)]
+    "settings",
+    [
+        dict(temperature=0.0, top_k=0, top_p=1.0),
+        dict(temperature=1.3, top_k=5, top_p=1.0),
+        dict(temperature=0.8, top_k=0, top_p=0.7),
+    ],
 )
 def test_sample_under_an_outer_jit_equals_a_host_loop(gpt2, prompts, settings):
     tokens, mask, _ = prompts
@@ -194,12 +234,16 @@ def test_sample_under_an_outer_jit_equals_a_host_loop(gpt2, prompts, settings):
         return decoding.sample(gpt2[0], params, tokens, mask, rng, max_new_tokens=NEW_TOKENS, **settings)
 
     samples = run(gpt2[1], tokens, mask, rng)
-    expected_tokens, expected_log_probs, expected_mask = reference_sample(*gpt2, tokens, mask, rng, new_tokens=NEW_TOKENS, **settings)
+    expected_tokens, expected_log_probs, expected_mask = reference_sample(
+        *gpt2, tokens, mask, rng, new_tokens=NEW_TOKENS, **settings
+    )
     np.testing.assert_array_equal(samples.tokens, expected_tokens)
     np.testing.assert_allclose(samples.log_probs, expected_log_probs, atol=1e-5)
     np.testing.assert_array_equal(samples.mask, expected_mask)
-    np.testing.assert_array_equal(samples.tokens, np.asarray(decoding.generate(
-        *gpt2, tokens, prompt_mask=mask, rng=rng, max_new_tokens=NEW_TOKENS, **settings)))  # fmt: skip
+    np.testing.assert_array_equal(
+        samples.tokens,
+        np.asarray(decoding.generate(*gpt2, tokens, prompt_mask=mask, rng=rng, max_new_tokens=NEW_TOKENS, **settings)),
+    )
 
 
 def test_rows_stop_at_eos_or_a_stop_sequence(gpt2, prompts):
@@ -209,12 +253,32 @@ def test_rows_stop_at_eos_or_a_stop_sequence(gpt2, prompts):
     eos_id = int(free[0, 1])  # row 0 stops after its 2nd token (unless stop_sequence comes first)
     settings = dict(temperature=0.0, top_k=0, top_p=1.0)
     samples = decoding.sample(
-        *gpt2, tokens, mask, jax.random.key(0), max_new_tokens=NEW_TOKENS, eos_id=eos_id, stop_sequences=(stop_sequence,), pad_id=3, **settings
+        *gpt2,
+        tokens,
+        mask,
+        jax.random.key(0),
+        max_new_tokens=NEW_TOKENS,
+        eos_id=eos_id,
+        stop_sequences=(stop_sequence,),
+        pad_id=3,
+        **settings,
     )
-    expected = reference_sample(*gpt2, tokens, mask, jax.random.key(0), new_tokens=NEW_TOKENS, eos_id=eos_id, stop=(stop_sequence,), pad_id=3, **settings)
+    expected = reference_sample(
+        *gpt2,
+        tokens,
+        mask,
+        jax.random.key(0),
+        new_tokens=NEW_TOKENS,
+        eos_id=eos_id,
+        stop=(stop_sequence,),
+        pad_id=3,
+        **settings,
+    )
     np.testing.assert_array_equal(samples.tokens, expected[0])
     np.testing.assert_array_equal(samples.mask, expected[2])
     lengths = np.asarray(samples.mask).sum(axis=1)
     assert lengths[0] <= 2 and lengths[1] <= 4 and lengths.max() < NEW_TOKENS, lengths
     for row, length in enumerate(lengths):
-        assert np.all(np.asarray(samples.tokens)[row, length:] == 3) and np.all(np.asarray(samples.log_probs)[row, length:] == 0)
+        assert np.all(np.asarray(samples.tokens)[row, length:] == 3) and np.all(
+            np.asarray(samples.log_probs)[row, length:] == 0
+        )

@@ -112,9 +112,16 @@ def _copy(trained, tmp_path) -> pathlib.Path:
 
 def test_second_run_stops_naming_the_process_that_holds_the_workdir(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom lmzoo import workdir\nheld = workdir.lock(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(60)", str(tmp_path)],
-        stdout=subprocess.PIPE, text=True, env=ENV,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom lmzoo import workdir\nheld = workdir.lock(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(60)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(workdir.WorkdirLockedError, match=f"in use by pid {holder.pid} on .*use another --workdir"):
@@ -128,12 +135,20 @@ def test_second_run_stops_naming_the_process_that_holds_the_workdir(tmp_path):
 @pytest.mark.parametrize(
     "override, error, message",
     [
-        ({"model": {"mlp_dim": 48}}, checkpoint.IncompatibleCheckpointError, r"mlp/wi/kernel: checkpoint \(32, 64\) vs model \(32, 48\)"),
-        ({"optim": {"learning_rate": 3e-4}}, ValueError, r"optim.learning_rate: 0.001 -> 0.0003\n.*pass a new --workdir"),
+        (
+            {"model": {"mlp_dim": 48}},
+            checkpoint.IncompatibleCheckpointError,
+            r"mlp/wi/kernel: checkpoint \(32, 64\) vs model \(32, 48\)",
+        ),
+        (
+            {"optim": {"learning_rate": 3e-4}},
+            ValueError,
+            r"optim.learning_rate: 0.001 -> 0.0003\n.*pass a new --workdir",
+        ),
         ({"model": {"activation": "relu"}}, ValueError, r"model.activation: 'gelu_tanh' -> 'relu'"),
         ({"train": {"steps": 2}}, ValueError, r"train.steps=2 is below the checkpoint's step 4"),
     ],
-)  # fmt: skip
+)
 def test_resume_that_changes_training_is_refused_and_leaves_the_run_state(trained, tmp_path, override, error, message):
     run_dir = _copy(trained, tmp_path)
     before = _snapshot(run_dir)
@@ -344,8 +359,11 @@ def test_metrics_have_each_step_once_after_a_resume(trained, tmp_path):
 def test_train_py_from_another_folder_prints_start_and_end_summaries(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--config=configs/default.py:tiny", "--workdir=run"],
-        capture_output=True, text=True, cwd=tmp_path, env=ENV,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=ENV,
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for expected in (

@@ -10,13 +10,24 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Bottom to top. A module belongs to the layer of the longest prefix matching its dotted name.
 LAYERS = (
-    ("foundation", ("lmzoo.sharding", "lmzoo.checkpoint", "lmzoo.workdir", "lmzoo.tokenizers", "lmzoo.decoding",
-                    "lmzoo.metrics")),  # fmt: skip
+    (
+        "foundation",
+        ("lmzoo.sharding", "lmzoo.checkpoint", "lmzoo.workdir", "lmzoo.tokenizers", "lmzoo.decoding", "lmzoo.metrics"),
+    ),
     ("data", ("lmzoo.data",)),
     ("building blocks", ("lmzoo.kernels", "lmzoo.layers")),
     ("models", ("lmzoo.models",)),
-    ("conversion and rl maths", ("lmzoo.convert.mapping", "lmzoo.convert.gpt2", "lmzoo.convert.bert",
-                                 "lmzoo.convert.seq2seq", "lmzoo.convert.hf", "lmzoo.rl")),  # fmt: skip
+    (
+        "conversion and rl maths",
+        (
+            "lmzoo.convert.mapping",
+            "lmzoo.convert.gpt2",
+            "lmzoo.convert.bert",
+            "lmzoo.convert.seq2seq",
+            "lmzoo.convert.hf",
+            "lmzoo.rl",
+        ),
+    ),
     ("weights and config", ("lmzoo.weights", "lmzoo.config")),
     ("trainers", ("lmzoo.trainers",)),
     ("objectives", ("lmzoo.objectives",)),

@@ -140,7 +140,9 @@ def test_normalize_matches_automatic_differentiation(use_mean, dtype):
     chex.assert_trees_all_close(grads, expected_grads, atol=1e-4 if dtype == jnp.float32 else 2e-2)
     tangents = (jnp.asarray(rng.normal(size=x.shape), dtype), jnp.asarray(rng.normal(size=16), jnp.float32))
     forward = jax.jvp(lambda x, s: cpu.normalize(x, s, 1e-5, use_mean), (x, scale), tangents)
-    chex.assert_trees_all_close(forward, jax.jvp(plain, (x, scale), tangents), atol=1e-4 if dtype == jnp.float32 else 2e-2)
+    chex.assert_trees_all_close(
+        forward, jax.jvp(plain, (x, scale), tangents), atol=1e-4 if dtype == jnp.float32 else 2e-2
+    )
 
 
 def test_embed_lookup_gives_nan_rows_for_ids_outside_the_vocabulary():
@@ -160,7 +162,9 @@ def test_layers_choose_the_form_of_the_platform(platform):
     x, kernel = _operands((2, 8, 16), (16, 4, 4))
     with kernels.use_platform(platform):
         jaxpr = str(jax.make_jaxpr(lambda x, k: layers.project("BTD,DNH->BTNH", x, k))(x, kernel))
-        gelu_jaxpr = str(jax.make_jaxpr(lambda x: layers.gelu(x))(x))  # a new function: no trace cached from the other platform
+        gelu_jaxpr = str(
+            jax.make_jaxpr(lambda x: layers.gelu(x))(x)
+        )  # a new function: no trace cached from the other platform
     assert ("custom_jvp_call" in gelu_jaxpr) == (platform == "cpu")
     assert ("reshape" in jaxpr) == (platform == "cpu")  # the 2-D form flattens [B, T, D] to [B*T, D]
 
@@ -176,7 +180,9 @@ def test_accelerator_forms_equal_the_cpu_forms_in_loss_and_gradients():
 
     def loss_and_grads(platform):
         with kernels.use_platform(platform):
-            fn = jax.jit(jax.value_and_grad(lambda p: task.loss(p, {}, {}, batch, jax.random.key(1), step=0, train=False)[0]))
+            fn = jax.jit(
+                jax.value_and_grad(lambda p: task.loss(p, {}, {}, batch, jax.random.key(1), step=0, train=False)[0])
+            )
             return fn(params)
 
     chex.assert_trees_all_close(loss_and_grads("gpu"), loss_and_grads("cpu"), rtol=1e-5, atol=1e-6)

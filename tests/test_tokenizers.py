@@ -51,8 +51,9 @@ def wordpiece() -> HFTokenizer:
 
 @pytest.fixture(scope="module")
 def spm_bpe(shakespeare: str) -> SentencePieceTokenizer:
-    return SentencePieceTokenizer.train([shakespeare[:20000]], vocab_size=400, model_type="bpe",
-                                        user_defined_symbols=("[MASK]",), extra_ids=4)
+    return SentencePieceTokenizer.train(
+        [shakespeare[:20000]], vocab_size=400, model_type="bpe", user_defined_symbols=("[MASK]",), extra_ids=4
+    )
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,8 @@ _COMMON_KEYS = {
 _HF_KEYS = {
     "bert": _COMMON_KEYS,
     "roberta": _COMMON_KEYS,
-    "albert": _COMMON_KEYS | {
+    "albert": _COMMON_KEYS
+    | {
         "embedding_dim": ("embedding_size", 128),
         "activation": ("hidden_act", "gelu_new"),
         "dropout_rate": ("hidden_dropout_prob", 0.0),
@@ -88,7 +89,8 @@ _MODULES_BERT = {
 # model_type -> lmzoo module -> HF module name without the "{model_type}." prefix ("{i}": layer index; None: absent).
 _MODULES = {
     "bert": _MODULES_BERT,
-    "roberta": _MODULES_BERT | {
+    "roberta": _MODULES_BERT
+    | {
         "sentence_classifier": None,
         "mlm_dense": "lm_head.dense",
         "mlm_norm": "lm_head.layer_norm",
@@ -194,18 +196,18 @@ def _check_family(cfg: BertConfig, model_type: str) -> None:
     names = _MODULES[model_type]
     rules = {
         "share_layers exactly for ALBERT (one shared layer)": cfg.share_layers == (model_type == "albert"),
-        "embed_projection exactly for ALBERT (its E -> H projection always exists)":
-            cfg.embed_projection == (model_type == "albert"),
+        "embed_projection exactly for ALBERT (its E -> H projection always exists)": cfg.embed_projection
+        == (model_type == "albert"),
         "type_vocab_size 0 exactly for DistilBERT": (cfg.type_vocab_size == 0) == (model_type == "distilbert"),
         "position_offset > 0 exactly for RoBERTa": (cfg.position_offset > 0) == (model_type == "roberta"),
-        "activation 'gelu' for RoBERTa (its MLM head hard-codes exact GELU)":
-            model_type != "roberta" or cfg.activation == "gelu",
-        "layer_norm_epsilon 1e-12 for DistilBERT (hard-coded)":
-            model_type != "distilbert" or cfg.layer_norm_epsilon == 1e-12,
+        "activation 'gelu' for RoBERTa (its MLM head hard-codes exact GELU)": model_type != "roberta"
+        or cfg.activation == "gelu",
+        "layer_norm_epsilon 1e-12 for DistilBERT (hard-coded)": model_type != "distilbert"
+        or cfg.layer_norm_epsilon == 1e-12,
         f"pooler False ({model_type} has none)": not cfg.pooler or names["pooler"] is not None,
-        f"sentence_head False ({model_type} has no NSP/SOP head)":
-            not cfg.sentence_head or names["sentence_classifier"] is not None,
-    }  # fmt: skip
+        f"sentence_head False ({model_type} has no NSP/SOP head)": not cfg.sentence_head
+        or names["sentence_classifier"] is not None,
+    }
     broken = [rule for rule, ok in rules.items() if not ok]
     if broken:
         raise ValueError(f"the config has no HF {model_type} equivalent; it needs: " + "; ".join(broken))
@@ -280,10 +282,15 @@ def layout(model_type: str, *, heads: frozenset[str] = frozenset(), tied: bool =
     """Naming around the entries; `heads`: the names outside the `{model_type}.` body; tied: fold the MLM
     decoder copies."""
     return mapping.Layout(
-        name=f"HF {model_type}", family="bert", prefix=f"{model_type}.", heads=heads, tied=_tied(model_type) if tied else {},
-        skip=_BUFFER, note=f" (names shown without the optional '{model_type}.' prefix; pooler and sentence_head of "
+        name=f"HF {model_type}",
+        family="bert",
+        prefix=f"{model_type}.",
+        heads=heads,
+        tied=_tied(model_type) if tied else {},
+        skip=_BUFFER,
+        note=f" (names shown without the optional '{model_type}.' prefix; pooler and sentence_head of "
         "the config say whether the checkpoint has a pooler and an NSP/SOP head)",
-    )  # fmt: skip
+    )
 
 
 def from_hf(state_dict: Mapping[str, np.ndarray], cfg: BertConfig, *, model_type: str) -> Params:

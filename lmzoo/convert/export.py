@@ -58,8 +58,10 @@ def classifier_to_hf(
     ours = (classifier.head, "first" if classifier.head == "pooler" else classifier.pooling)
     if hf_head is None or ours != hf_head:
         supported = "none" if hf_head is None else f"head={hf_head[0]!r}, pooling={hf_head[1]!r}"
-        raise ValueError(f"a {model_type} classifier with head={ours[0]!r}, pooling={ours[1]!r} has no HF "
-                         f"*ForSequenceClassification equivalent; that class reads {supported}")  # fmt: skip
+        raise ValueError(
+            f"a {model_type} classifier with head={ours[0]!r}, pooling={ours[1]!r} has no HF "
+            f"*ForSequenceClassification equivalent; that class reads {supported}"
+        )
     if model_type == "gpt2":
         return gpt2.classifier_to_hf(params, cfg)
     return bert.classifier_to_hf(params, cfg, model_type=model_type)
@@ -98,9 +100,15 @@ def save_tokenizer(tokenizer: tokenizers.Tokenizer, out: pathlib.Path) -> bool:
 
 
 def export_hf(
-    model_name: str, model_fields: Any, params: Any, out_dir: str, tokenizer: tokenizers.Tokenizer | None = None,
-    *, classifier: heads.SequenceClassifier | None = None, labels: Sequence[str] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    model_name: str,
+    model_fields: Any,
+    params: Any,
+    out_dir: str,
+    tokenizer: tokenizers.Tokenizer | None = None,
+    *,
+    classifier: heads.SequenceClassifier | None = None,
+    labels: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """Writes an HF folder for `params` of family `model_name` (config.model fields or dataclass) to `out_dir`.
 
     classifier: the SequenceClassifier `params` belong to (a *ForSequenceClassification export); labels: its
@@ -110,8 +118,10 @@ def export_hf(
 
     cfg = make_config(model_name, model_fields) if not hasattr(model_fields, "__dataclass_fields__") else model_fields
     if labels is not None and (classifier is None or len(labels) != classifier.num_classes):
-        raise ValueError(f"--labels gives {len(labels)} names; the run's classifier has "
-                         f"{'no' if classifier is None else classifier.num_classes} classes")  # fmt: skip
+        raise ValueError(
+            f"--labels gives {len(labels)} names; the run's classifier has "
+            f"{'no' if classifier is None else classifier.num_classes} classes"
+        )
     hf_config, state_dict = to_hf(model_name, cfg, params, classifier)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -124,11 +134,19 @@ def export_hf(
             {f"{role}_token_id": i for role, i in tokenizer.special_ids.items() if role in ("eos", "pad", "bos")}
         )
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in state_dict.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {k: np.ascontiguousarray(v, np.float32) for k, v in state_dict.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     wrote_tokenizer = tokenizer is not None and save_tokenizer(tokenizer, out)
-    summary = {"path": str(out), "model_type": hf_config["model_type"], "architecture": hf_config["architectures"][0],
-               "tensors": len(state_dict), "tokenizer": wrote_tokenizer}  # fmt: skip
+    summary = {
+        "path": str(out),
+        "model_type": hf_config["model_type"],
+        "architecture": hf_config["architectures"][0],
+        "tensors": len(state_dict),
+        "tokenizer": wrote_tokenizer,
+    }
     return summary if classifier is None else {**summary, "labels": labels}
 
 
@@ -141,8 +159,15 @@ def export_workdir(
 
     loaded = run_lib.load(workdir, step)
     params, classifier = exported_part(loaded.model, loaded.params)
-    summary = export_hf(loaded.config.model_name, loaded.config.model.to_dict(), params, out_dir, loaded.tokenizer,
-                        classifier=classifier, labels=labels)  # fmt: skip
+    summary = export_hf(
+        loaded.config.model_name,
+        loaded.config.model.to_dict(),
+        params,
+        out_dir,
+        loaded.tokenizer,
+        classifier=classifier,
+        labels=labels,
+    )
     if isinstance(loaded.model, heads.LMWithValueHead | heads.LMWithValueModel):
         summary["left_out"] = "the value head or value network (PPO's value estimate)"
     return {**summary, "step": loaded.step}

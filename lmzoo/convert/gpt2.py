@@ -115,10 +115,15 @@ def entries(cfg: GPT2Config) -> list[Entry]:
 
 def layout(cfg: GPT2Config) -> mapping.Layout:
     return mapping.Layout(
-        name="HF GPT-2", family="gpt2", prefix="transformer.", heads=frozenset({"lm_head.weight"}),
-        tied={"lm_head.weight": "wte.weight"} if cfg.tie_embeddings else {}, skip=_BUFFER,
-        tie_hint="; set tie_embeddings: False", note=" (names shown without the optional 'transformer.' prefix)",
-    )  # fmt: skip
+        name="HF GPT-2",
+        family="gpt2",
+        prefix="transformer.",
+        heads=frozenset({"lm_head.weight"}),
+        tied={"lm_head.weight": "wte.weight"} if cfg.tie_embeddings else {},
+        skip=_BUFFER,
+        tie_hint="; set tie_embeddings: False",
+        note=" (names shown without the optional 'transformer.' prefix)",
+    )
 
 
 def from_hf(state_dict: Mapping[str, np.ndarray], cfg: GPT2Config) -> Params:

@@ -119,9 +119,14 @@ def convert_pretrained(
 
 
 def _mismatch_message(
-    spec: str, model_name: str, fields: Mapping[str, Any], fix: str, report: LoadReport, found: Mapping[str, Any],
+    spec: str,
+    model_name: str,
+    fields: Mapping[str, Any],
+    fix: str,
+    report: LoadReport,
+    found: Mapping[str, Any],
     wanted: Mapping[str, Any],
-) -> str:  # fmt: skip
+) -> str:
     lines = [f"checkpoint {spec!r} does not fit the configured {model_name} model:"]
     for path in report.initialised:
         if path in found:

@@ -66,9 +66,16 @@ class Layout(NamedTuple):
 
 
 def linear(
-    module: str, path: tuple[str, ...], n_in: int, n_out: int, *, in_shape: tuple[int, ...] | None = None,
-    out_shape: tuple[int, ...] | None = None, bias: bool = True, group: str = "",
-) -> list[Entry]:  # fmt: skip
+    module: str,
+    path: tuple[str, ...],
+    n_in: int,
+    n_out: int,
+    *,
+    in_shape: tuple[int, ...] | None = None,
+    out_shape: tuple[int, ...] | None = None,
+    bias: bool = True,
+    group: str = "",
+) -> list[Entry]:
     """HF nn.Linear weight [out, in] (and bias [out]) -> Einsum kernel (*in_shape, *out_shape) (and bias out_shape)."""
     in_shape, out_shape = in_shape or (n_in,), out_shape or (n_out,)
     entries = [Entry(f"{module}.weight", (*path, "kernel"), (n_out, n_in), (*in_shape, *out_shape), True, group=group)]
@@ -78,9 +85,15 @@ def linear(
 
 
 def conv1d(
-    module: str, path: tuple[str, ...], n_in: int, n_out: int, *, in_shape: tuple[int, ...] | None = None,
-    out_shape: tuple[int, ...] | None = None, part: tuple[int, int] | None = None,
-) -> list[Entry]:  # fmt: skip
+    module: str,
+    path: tuple[str, ...],
+    n_in: int,
+    n_out: int,
+    *,
+    in_shape: tuple[int, ...] | None = None,
+    out_shape: tuple[int, ...] | None = None,
+    part: tuple[int, int] | None = None,
+) -> list[Entry]:
     """HF GPT-2 Conv1D weight [in, out * count] (and bias) -> the `part` = (index, count) slice of it as an
     Einsum kernel (*in_shape, *out_shape) (and bias out_shape); no transpose."""
     in_shape, out_shape = in_shape or (n_in,), out_shape or (n_out,)
@@ -132,9 +145,13 @@ def diff_tensors(
 
 
 def check_tensors(
-    found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], *, what: str, note: str = "",
+    found: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, tuple[int, ...]],
+    *,
+    what: str,
+    note: str = "",
     duplicates: Sequence[str] = (),
-) -> None:  # fmt: skip
+) -> None:
     """The validator of every conversion, both directions: raises listing unexpected, missing and misshapen names."""
     diff = diff_tensors(found, expected, duplicates)
     if any(diff):

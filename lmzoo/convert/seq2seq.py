@@ -45,14 +45,28 @@ _BART_HF_KEYS = {
 }
 # config.model fields that HF T5 / BART hard-code.
 _T5_FIXED = {
-    "positions": "relative", "pre_norm": True, "norm": "rms", "use_bias": False, "embedding_norm": False,
-    "scale_embeddings": False, "final_logits_bias": False, "attention_scale": 1.0,
-}  # fmt: skip
+    "positions": "relative",
+    "pre_norm": True,
+    "norm": "rms",
+    "use_bias": False,
+    "embedding_norm": False,
+    "scale_embeddings": False,
+    "final_logits_bias": False,
+    "attention_scale": 1.0,
+}
 _BART_FIXED = {
-    "positions": "learned", "position_offset": 2, "pre_norm": False, "norm": "layer", "use_bias": True,
-    "embedding_norm": True, "tie_embeddings": True, "scale_tied_logits": False, "final_logits_bias": True,
-    "attention_scale": 0.0, "layer_norm_epsilon": 1e-5,
-}  # fmt: skip
+    "positions": "learned",
+    "position_offset": 2,
+    "pre_norm": False,
+    "norm": "layer",
+    "use_bias": True,
+    "embedding_norm": True,
+    "tie_embeddings": True,
+    "scale_tied_logits": False,
+    "final_logits_bias": True,
+    "attention_scale": 0.0,
+    "layer_norm_epsilon": 1e-5,
+}
 # Gated MLPs (activation, "linear") -> HF T5 feed_forward_proj; HF reads "gated-gelu" as tanh GELU.
 _T5_GATED_TO_HF = {"gelu_tanh": "gated-gelu", "relu": "gated-relu", "silu": "gated-silu"}
 # model_type -> (prefix of the model body's keys in *ForConditionalGeneration, keys HF skips when loading).
@@ -91,25 +105,23 @@ def _check(cfg: Seq2SeqConfig, model_type: str) -> None:
     broken = [f"{key}={value!r}" for key, value in fixed.items() if getattr(cfg, key) != value]
     if model_type == "t5":
         rules = {
-            "tie_embeddings == scale_tied_logits (HF T5 scales the decoder output exactly when the head is tied)":
-                cfg.tie_embeddings == cfg.scale_tied_logits,
+            "tie_embeddings == scale_tied_logits (HF T5 scales the decoder output exactly when the head is tied)": cfg.tie_embeddings
+            == cfg.scale_tied_logits,
             f"activations (ACT,) with ACT in {sorted(mapping.ACTIVATION_TO_HF)} or (ACT, 'linear') with ACT in "
             f"{sorted(_T5_GATED_TO_HF)}": _t5_feed_forward_proj(cfg.activations) is not None,
-        }  # fmt: skip
+        }
     else:
         rules = {
             "head_dim * num_heads == emb_dim": cfg.head_dim * cfg.num_heads == cfg.emb_dim,
-            f"one activation in {sorted(mapping.ACTIVATION_TO_HF)}":
-                len(cfg.activations) == 1 and cfg.activations[0] in mapping.ACTIVATION_TO_HF,
-        }  # fmt: skip
+            f"one activation in {sorted(mapping.ACTIVATION_TO_HF)}": len(cfg.activations) == 1
+            and cfg.activations[0] in mapping.ACTIVATION_TO_HF,
+        }
     broken += [rule for rule, ok in rules.items() if not ok]
     if broken:
         raise ValueError(f"the config has no HF {model_type} equivalent; it needs: " + "; ".join(broken))
 
 
-def _typed_fields(
-    hf_config: Mapping[str, Any], model_type: str, keys: Mapping[str, tuple[str, Any]]
-) -> dict[str, Any]:
+def _typed_fields(hf_config: Mapping[str, Any], model_type: str, keys: Mapping[str, tuple[str, Any]]) -> dict[str, Any]:
     """The fields of `keys` from an HF config dict (None values take the HF default), typed like Seq2SeqConfig."""
     if hf_config.get("model_type", model_type) != model_type:
         raise ValueError(f"HF config has model_type={hf_config['model_type']!r}; expected {model_type!r}")
@@ -137,14 +149,18 @@ def t5_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     start = next(
         (hf_config[key] for key in ("decoder_start_token_id", "pad_token_id") if hf_config.get(key) is not None), 0
     )
-    return fields | _T5_FIXED | {
-        "num_decoder_layers": fields["num_encoder_layers"] if decoder_layers is None else int(decoder_layers),
-        "activations": _t5_activations(hf_config.get("feed_forward_proj", "relu")),
-        "attention_dropout_rate": fields["dropout_rate"],
-        "tie_embeddings": tied,
-        "scale_tied_logits": tied,
-        "decoder_start_id": int(start),
-    }
+    return (
+        fields
+        | _T5_FIXED
+        | {
+            "num_decoder_layers": fields["num_encoder_layers"] if decoder_layers is None else int(decoder_layers),
+            "activations": _t5_activations(hf_config.get("feed_forward_proj", "relu")),
+            "attention_dropout_rate": fields["dropout_rate"],
+            "tie_embeddings": tied,
+            "scale_tied_logits": tied,
+            "decoder_start_id": int(start),
+        }
+    )
 
 
 def t5_config_to_hf(cfg: Seq2SeqConfig) -> dict[str, Any]:
@@ -182,12 +198,16 @@ def bart_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"HF activation {activation!r} has no lmzoo equivalent; supported: {sorted(mapping.ACTIVATION_FROM_HF)}"
         )
-    return fields | _BART_FIXED | {
-        "head_dim": fields["emb_dim"] // fields["num_heads"],
-        "max_len": fields["max_len"] + _BART_FIXED["position_offset"],  # HF adds the offset rows itself
-        "activations": (mapping.ACTIVATION_FROM_HF[activation],),
-        "init_scheme": "normal",  # BART's std init_std (0.02) for every weight
-    }
+    return (
+        fields
+        | _BART_FIXED
+        | {
+            "head_dim": fields["emb_dim"] // fields["num_heads"],
+            "max_len": fields["max_len"] + _BART_FIXED["position_offset"],  # HF adds the offset rows itself
+            "activations": (mapping.ACTIVATION_FROM_HF[activation],),
+            "init_scheme": "normal",  # BART's std init_std (0.02) for every weight
+        }
+    )
 
 
 def bart_config_to_hf(cfg: Seq2SeqConfig) -> dict[str, Any]:
@@ -277,11 +297,15 @@ def _layout(cfg: Seq2SeqConfig, model_type: str) -> mapping.Layout:
     prefix, ignored = _LAYOUT[model_type]
     copies = ["encoder.embed_tokens.weight", "decoder.embed_tokens.weight"] + ["lm_head.weight"] * cfg.tie_embeddings
     return mapping.Layout(
-        name=f"HF {model_type}", family="seq2seq", prefix=prefix, heads=_HEAD_KEYS,
-        tied=dict.fromkeys(copies, "shared.weight"), skip=ignored,
+        name=f"HF {model_type}",
+        family="seq2seq",
+        prefix=prefix,
+        heads=_HEAD_KEYS,
+        tied=dict.fromkeys(copies, "shared.weight"),
+        skip=ignored,
         tie_hint="; set tie_embeddings and scale_tied_logits False (T5 v1.1)",
         note=f" (names shown without the optional '{prefix}' prefix)" if prefix else "",
-    )  # fmt: skip
+    )
 
 
 def _from_hf(state_dict: Mapping[str, Any], cfg: Seq2SeqConfig, model_type: str) -> Params:
@@ -331,10 +355,7 @@ def read_checkpoint(
     """(config.model fields, params) of an HF T5 or BART checkpoint (by config.json model_type)."""
     model_type = hf_config.get("model_type")
     if model_type not in _MODEL_TYPES:
-        raise ValueError(
-            f"HF config has model_type={model_type!r}; the seq2seq converter reads {sorted(_MODEL_TYPES)}"
-        )
+        raise ValueError(f"HF config has model_type={model_type!r}; the seq2seq converter reads {sorted(_MODEL_TYPES)}")
     config_from_hf, from_hf = _MODEL_TYPES[model_type]
     fields = config_from_hf(hf_config)
     return fields, from_hf(state_dict, make_config("seq2seq", fields))
-

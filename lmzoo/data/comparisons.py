@@ -119,9 +119,14 @@ def _fit(prompt: list[int], responses: list[list[int]], max_len: int, eos_id: in
 
 
 def reward_model_arrays(
-    groups: Sequence[RankedResponses], encode: Callable[[str], list[int]], *, max_len: int, max_responses: int,
-    pad_id: int, eos_id: int,
-) -> dict[str, np.ndarray]:  # fmt: skip
+    groups: Sequence[RankedResponses],
+    encode: Callable[[str], list[int]],
+    *,
+    max_len: int,
+    max_responses: int,
+    pad_id: int,
+    eos_id: int,
+) -> dict[str, np.ndarray]:
     """Ranked groups -> "tokens" [N, K, max_len] int32 (prompt ⊕ response ⊕ EOS, right-padded with pad_id),
     "ranks" [N, K] int32 and "valid" [N, K] bool, K = max_responses (groups with fewer responses are padded)."""
     if pad_id == eos_id:

@@ -96,8 +96,10 @@ def sentence_rows(tokens: np.ndarray, eos_id: int, max_len: int) -> tuple[np.nda
     starts = np.concatenate([[0], ends[:-1]])
     lengths = ends - starts
     if lengths.max() > max_len:
-        raise ValueError(f"sentence {int(np.argmax(lengths))} has {lengths.max()} tokens with its <eos>, more than "
-                         f"config.data.seq_len={max_len}; raise config.data.seq_len to at least {lengths.max()}")  # fmt: skip
+        raise ValueError(
+            f"sentence {int(np.argmax(lengths))} has {lengths.max()} tokens with its <eos>, more than "
+            f"config.data.seq_len={max_len}; raise config.data.seq_len to at least {lengths.max()}"
+        )
     columns = np.arange(max_len)
     weights = (columns < lengths[:, None]).astype(np.float32)
     ids = np.where(weights > 0, tokens[np.minimum(starts[:, None] + columns, len(tokens) - 1)], 0)

@@ -44,7 +44,9 @@ def read_text(path: pathlib.Path) -> str:
     raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
     nul = raw.find(b"\0")
     if nul >= 0:
-        raise ValueError(f"{path}: NUL byte at offset {nul}; this is a binary file, not text. Remove it from config.data.path")
+        raise ValueError(
+            f"{path}: NUL byte at offset {nul}; this is a binary file, not text. Remove it from config.data.path"
+        )
     text = raw.decode("utf-8", errors="replace")
     undecodable = text.count("\ufffd") - raw.count("\ufffd".encode())
     if undecodable > MAX_UNDECODABLE_FRACTION * max(len(text), 1):
@@ -67,12 +69,16 @@ def read_jsonl(path: pathlib.Path, fields: tuple[str, ...], fix: str) -> list[di
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: line {number} is not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object with field(s) {list(fields)}")
+            raise ValueError(
+                f"{path}: line {number} is a JSON {type(row).__name__}, not an object with field(s) {list(fields)}"
+            )
         for field in fields:
             if field not in row:
                 raise ValueError(f"{path}: line {number} has no field {field!r} (it has {sorted(row)}); {fix}")
             if not isinstance(row[field], str):
-                raise ValueError(f"{path}: line {number} field {field!r} is a {type(row[field]).__name__}, not a string")
+                raise ValueError(
+                    f"{path}: line {number} field {field!r} is a {type(row[field]).__name__}, not a string"
+                )
         rows.append(row)
     return rows
 
@@ -109,11 +115,19 @@ def read_local_text(path: str, text_field: str = "text", unit: str = "file") -> 
         raise ValueError("config.data.path is empty; set it to a text file or folder (data.source='local')")
     root = pathlib.Path(path).expanduser()
     if not root.exists():
-        raise FileNotFoundError(f"data path {str(root)!r} does not exist; set config.data.path to a text file or folder")
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES))
+        raise FileNotFoundError(
+            f"data path {str(root)!r} does not exist; set config.data.path to a text file or folder"
+        )
+    files = (
+        [root]
+        if root.is_file()
+        else sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES))
+    )
     docs = [d for f in files for d in _read_file(f, text_field, unit) if d]
     if not docs:
-        raise ValueError(f"no text found in {str(root)!r} (looked for {', '.join(TEXT_SUFFIXES)} files); check config.data.path")
+        raise ValueError(
+            f"no text found in {str(root)!r} (looked for {', '.join(TEXT_SUFFIXES)} files); check config.data.path"
+        )
     return docs
 
 
@@ -158,17 +172,26 @@ def load_documents(data: ml_collections.ConfigDict) -> dict[str, list[str]]:
             for split in ("train", "validation")
         }
     if data.source == "tsv":
-        return {split: [" ".join(t) for t in read_labelled_tsv(data[f"{split}_path"], tuple(data.text_fields), data.label_field)[0]]
-                for split in ("train", "validation")}  # fmt: skip
+        return {
+            split: [
+                " ".join(t)
+                for t in read_labelled_tsv(data[f"{split}_path"], tuple(data.text_fields), data.label_field)[0]
+            ]
+            for split in ("train", "validation")
+        }
     if data.source == "pairs":
-        train, validation = split_documents(read_text_pairs(data.path, tuple(data.text_fields), data.split_marker), data.validation_fraction)
+        train, validation = split_documents(
+            read_text_pairs(data.path, tuple(data.text_fields), data.split_marker), data.validation_fraction
+        )
         return {"train": [f"{a}\n{b}" for a, b in train], "validation": [f"{a}\n{b}" for a, b in validation]}
     if data.source == "local":
         docs = read_local_text(data.path, data.text_field, data.document_unit)
     elif data.source == "python_stdlib":
         docs = read_python_stdlib(data.max_files)
     else:
-        raise ValueError(f"unknown config.data.source {data.source!r}; choose 'local', 'python_stdlib', 'tfds', 'tsv' or 'pairs'")
+        raise ValueError(
+            f"unknown config.data.source {data.source!r}; choose 'local', 'python_stdlib', 'tfds', 'tsv' or 'pairs'"
+        )
     train, validation = split_documents(docs, data.validation_fraction)
     return {"train": train, "validation": validation}
 
@@ -262,9 +285,13 @@ class LMLoader:
 
 
 def eval_batches(
-    stream: TokenStream, batch_size: int, seq_len: int, process_index: int = 0, process_count: int = 1,
+    stream: TokenStream,
+    batch_size: int,
+    seq_len: int,
+    process_index: int = 0,
+    process_count: int = 1,
     transform: Callable[..., dict[str, np.ndarray]] | None = None,
-) -> Iterator[dict[str, np.ndarray]]:  # fmt: skip
+) -> Iterator[dict[str, np.ndarray]]:
     """Every target of the split exactly once: consecutive windows, the last batch padded with weight 0.
 
     `transform` (as in LMLoader) sees each window's start as its example id and epoch 0.
@@ -324,7 +351,9 @@ class ExampleLoader:
         n = self.num_examples
         for first in range(0, n, self.batch_size):
             ids = self._local(np.arange(first, first + self.batch_size))
-            batch = self.transform({k: v[np.minimum(ids, n - 1)] for k, v in self.examples.items()}, ids, np.zeros_like(ids))
+            batch = self.transform(
+                {k: v[np.minimum(ids, n - 1)] for k, v in self.examples.items()}, ids, np.zeros_like(ids)
+            )
             batch["example_weights"] = (ids < n).astype(np.float32)
             if "weights" in batch:
                 batch["weights"] = batch["weights"] * batch["example_weights"][:, None]
@@ -348,7 +377,9 @@ def read_text_pairs(path: str, text_fields: tuple[str, ...], split_marker: str =
     else:
         raise ValueError(f"{path}: pairs are read from .jsonl, .jsonl.gz or .tsv files")
     if len(rows) < 2:
-        raise ValueError(f"{path} has {len(rows)} rows; pairs need at least 2 (the last config.data.validation_fraction are held out)")
+        raise ValueError(
+            f"{path} has {len(rows)} rows; pairs need at least 2 (the last config.data.validation_fraction are held out)"
+        )
     if len(text_fields) == 2 and not split_marker:
         return [(row[text_fields[0]], row[text_fields[1]]) for row in rows]
     if len(text_fields) == 1 and split_marker:
@@ -356,24 +387,32 @@ def read_text_pairs(path: str, text_fields: tuple[str, ...], split_marker: str =
         for i, row in enumerate(rows):
             cut = row[text_fields[0]].rfind(split_marker)
             if cut < 0:
-                raise ValueError(f"{path}: row {i + 1} has no {split_marker!r} (config.data.split_marker) in {text_fields[0]!r}")
+                raise ValueError(
+                    f"{path}: row {i + 1} has no {split_marker!r} (config.data.split_marker) in {text_fields[0]!r}"
+                )
             cut += len(split_marker)
             pairs.append((row[text_fields[0]][:cut], row[text_fields[0]][cut:]))
         return pairs
     raise ValueError("pairs need config.data.text_fields = (source, target), or one field and config.data.split_marker")
 
 
-def read_labelled_tsv(path: str, text_fields: tuple[str, ...], label_field: str) -> tuple[list[tuple[str, ...]], np.ndarray]:
+def read_labelled_tsv(
+    path: str, text_fields: tuple[str, ...], label_field: str
+) -> tuple[list[tuple[str, ...]], np.ndarray]:
     """(texts, labels) from a TSV with a header row (GLUE format)."""
     file = pathlib.Path(path)
     if not file.exists():
-        raise FileNotFoundError(f"labelled data file {path!r} does not exist; check config.data.{{train,validation}}_path")
+        raise FileNotFoundError(
+            f"labelled data file {path!r} does not exist; check config.data.{{train,validation}}_path"
+        )
     rows = read_tsv(file, (*text_fields, label_field), "set config.data.text_fields / label_field")
     if not rows:
         raise ValueError(f"{path} has no examples (needs a header row and at least one row)")
     labels = []
     for number, row in enumerate(rows, start=1):
         if not row[label_field].strip().lstrip("-").isdigit():
-            raise ValueError(f"{path}: example {number} has label {row[label_field]!r} in column {label_field!r}, not an integer")
+            raise ValueError(
+                f"{path}: example {number} has label {row[label_field]!r} in column {label_field!r}, not an integer"
+            )
         labels.append(int(row[label_field]))
     return [tuple(row[f].strip() for f in text_fields) for row in rows], np.array(labels, np.int32)

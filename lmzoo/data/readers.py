@@ -44,8 +44,10 @@ def _check_split_files(config: Config) -> None:
     for field in ("train_path", "validation_path"):
         path = config.data[field]
         if not path or not pathlib.Path(path).is_file():
-            raise ValueError(f"config.data.{field}={path!r} is not a file; objective {config.objective.name!r} reads "
-                             "one text file per split (e.g. ptb.train.txt and ptb.valid.txt)")  # fmt: skip
+            raise ValueError(
+                f"config.data.{field}={path!r} is not a file; objective {config.objective.name!r} reads "
+                "one text file per split (e.g. ptb.train.txt and ptb.valid.txt)"
+            )
 
 
 def _text_file(config: Config, path: str) -> list[str]:
@@ -53,9 +55,7 @@ def _text_file(config: Config, path: str) -> list[str]:
 
 
 # Whole text files, one per split: config.data.{train,validation}_path (Mikolov's PTB files).
-TEXT_FILES = Reader(
-    splits=lambda config: _split_paths(config, _text_file), file=_text_file, check=_check_split_files
-)
+TEXT_FILES = Reader(splits=lambda config: _split_paths(config, _text_file), file=_text_file, check=_check_split_files)
 
 
 def text_file_tokens(raw: list[str], tokenizer: tokenizers.Tokenizer, vocab_size: int, where: str) -> np.ndarray:
@@ -79,8 +79,10 @@ LABELLED_TSV = Reader(
 
 def _comparison_splits(config: Config) -> dict[str, list[comparisons.Comparison]]:
     if not config.data.path:
-        raise ValueError(f"objective {config.objective.name!r} reads comparisons: set --config.data.path=FILE.jsonl(.gz) "
-                         "(HH-RLHF format)")  # fmt: skip
+        raise ValueError(
+            f"objective {config.objective.name!r} reads comparisons: set --config.data.path=FILE.jsonl(.gz) "
+            "(HH-RLHF format)"
+        )
     o = config.objective
     return comparisons.read_splits(config.data.path, o.heldout_fraction, o.split_seed)
 

@@ -1,7 +1,7 @@
 """Turn local text into a prepared TFDS dataset (array_record; readable without TensorFlow).
 
-    prepare_text_dataset("/data/tfds", {"train": docs, "validation": docs})
-    # then: config.data.source="tfds", config.data.name="lmzoo_text", config.data.data_dir="/data/tfds"
+prepare_text_dataset("/data/tfds", {"train": docs, "validation": docs})
+# then: config.data.source="tfds", config.data.name="lmzoo_text", config.data.data_dir="/data/tfds"
 """
 
 import tensorflow_datasets as tfds

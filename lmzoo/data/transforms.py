@@ -269,27 +269,42 @@ def split_sentences(text: str, *, wrapped: bool = False) -> list[str]:
 
 
 def mask_rows(
-    tokens: np.ndarray, example_ids: np.ndarray, epochs: np.ndarray, *, seed: int, static: bool,
-    continuation_mask: np.ndarray | None = None, **mask_kwargs,
-) -> dict[str, np.ndarray]:  # fmt: skip
+    tokens: np.ndarray,
+    example_ids: np.ndarray,
+    epochs: np.ndarray,
+    *,
+    seed: int,
+    static: bool,
+    continuation_mask: np.ndarray | None = None,
+    **mask_kwargs,
+) -> dict[str, np.ndarray]:
     """`mask_tokens` row by row, row i with `masking_rng(seed, example_ids[i])`: the same mask every
     epoch if `static` (BERT), a fresh one per epoch otherwise (RoBERTa). tokens [B, T] -> inputs/targets/weights.
     continuation_mask [vocab] (WordPiece "##" pieces) turns on whole-word masking."""
     rows = [
         mask_tokens(
-            tokens[i : i + 1], rng=masking_rng(seed, int(example_ids[i]), epoch=None if static else int(epochs[i])),
-            word_starts=None if continuation_mask is None else wordpiece_word_starts(tokens[i : i + 1], continuation_mask),
+            tokens[i : i + 1],
+            rng=masking_rng(seed, int(example_ids[i]), epoch=None if static else int(epochs[i])),
+            word_starts=None
+            if continuation_mask is None
+            else wordpiece_word_starts(tokens[i : i + 1], continuation_mask),
             **mask_kwargs,
-        )  # fmt: skip
+        )
         for i in range(tokens.shape[0])
     ]
     return {k: np.concatenate([r[k] for r in rows]) for k in ("inputs", "targets", "weights")}
 
 
 def mlm_from_windows(
-    batch: dict[str, np.ndarray], example_ids: np.ndarray, epochs: np.ndarray, *, cls_id: int, sep_id: int, pad_id: int,
+    batch: dict[str, np.ndarray],
+    example_ids: np.ndarray,
+    epochs: np.ndarray,
+    *,
+    cls_id: int,
+    sep_id: int,
+    pad_id: int,
     **mask_kwargs,
-) -> dict[str, np.ndarray]:  # fmt: skip
+) -> dict[str, np.ndarray]:
     """Packed LM windows -> masked-LM examples `[CLS] window [SEP]` (RoBERTa's full-sentences input).
 
     batch["inputs"], batch["segment_ids"] [B, T-2] -> inputs, targets, weights, segment_ids [B, T];
@@ -304,9 +319,17 @@ def mlm_from_windows(
 
 
 def seq2seq_from_windows(
-    batch: dict[str, np.ndarray], example_ids: np.ndarray, epochs: np.ndarray, *, noise, seed: int, inputs_length: int,
-    targets_length: int, pad_id: int, decoder_start_id: int,
-) -> dict[str, np.ndarray]:  # fmt: skip
+    batch: dict[str, np.ndarray],
+    example_ids: np.ndarray,
+    epochs: np.ndarray,
+    *,
+    noise,
+    seed: int,
+    inputs_length: int,
+    targets_length: int,
+    pad_id: int,
+    decoder_start_id: int,
+) -> dict[str, np.ndarray]:
     """Token windows -> denoising examples, row by row with `masking_rng(seed, id, epoch)`.
 
     batch["inputs"] [B, W] (padding where segment_ids is 0); noise(tokens [w], rng=) -> {"inputs", "targets"}
@@ -339,7 +362,14 @@ def shift_right(targets: np.ndarray, start_id: int) -> np.ndarray:
 
 
 def gpt_classifier_example(
-    first: list[int], second: list[int] | None, *, start_id: int, delim_id: int, extract_id: int, max_len: int, pad_id: int
+    first: list[int],
+    second: list[int] | None,
+    *,
+    start_id: int,
+    delim_id: int,
+    extract_id: int,
+    max_len: int,
+    pad_id: int,
 ) -> dict[str, np.ndarray]:
     """GPT's (Radford et al. 2018) classification input `[START] a [DELIM] b [EXTRACT]`, right-padded:
     "tokens", "segment_ids" [max_len] int32. The head reads the final state at the last real token

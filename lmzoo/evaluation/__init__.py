@@ -35,12 +35,16 @@ def check_scorable(objective) -> None:
         missing = [name for name in objective.evaluators if name not in EVALUATORS]
         able = sorted(name for name, o in objectives.REGISTRY.items() if scorable(o))
         why = f"its evaluators {missing} are not registered" if missing else "it lists no evaluators"
-        raise ValueError(f"eval.py cannot score objective {objective.name!r}: {why} in lmzoo.evaluation.EVALUATORS; "
-                         f"objectives it can score: {able}")  # fmt: skip
+        raise ValueError(
+            f"eval.py cannot score objective {objective.name!r}: {why} in lmzoo.evaluation.EVALUATORS; "
+            f"objectives it can score: {able}"
+        )
 
 
 def check_evaluator(objective, name: str) -> None:
     """Raises unless evaluator `name` applies to `objective`, naming those that do."""
     if name not in objective.evaluators:
-        raise ValueError(f"evaluator {name!r} does not apply to objective {objective.name!r}; "
-                         f"its evaluators: {list(objective.evaluators)}")  # fmt: skip
+        raise ValueError(
+            f"evaluator {name!r} does not apply to objective {objective.name!r}; "
+            f"its evaluators: {list(objective.evaluators)}"
+        )

@@ -21,8 +21,9 @@ def f1_scores(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> 
     return scores
 
 
-def evaluate_classification(run, state: Any, split: str = "validation", *,
-                            max_batches: int | None = None) -> tuple[dict[str, float], list]:  # fmt: skip
+def evaluate_classification(
+    run, state: Any, split: str = "validation", *, max_batches: int | None = None
+) -> tuple[dict[str, float], list]:
     """(accuracy / F1 over the split's examples, []); padding rows (example_weights 0) are skipped."""
     params = run.compiled.host_params(state)
     predict = jax.jit(lambda p, batch: classify.classify_logits(run.model, p, batch).argmax(-1))
@@ -32,6 +33,10 @@ def evaluate_classification(run, state: Any, split: str = "validation", *,
             break
         keep = batch["example_weights"] > 0
         labels.append(batch["labels"][keep])
-        predictions.append(np.asarray(predict(params, {k: v for k, v in batch.items() if k in ("inputs", "token_types", "segment_ids")}))[keep])
+        predictions.append(
+            np.asarray(
+                predict(params, {k: v for k, v in batch.items() if k in ("inputs", "token_types", "segment_ids")})
+            )[keep]
+        )
     labels, predictions = np.concatenate(labels), np.concatenate(predictions)
     return {**f1_scores(labels, predictions, run.config.objective.num_classes), "examples": len(labels)}, []

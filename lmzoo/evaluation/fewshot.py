@@ -87,9 +87,18 @@ def majority_baseline(train: Sequence[Example], examples: Sequence[Example]) -> 
 
 
 def evaluate_fewshot(
-    model, params, tokenizer: tokenizers.Tokenizer, examples: Sequence[Example], train: Sequence[Example], *, k: int,
-    template: str = "{context}", separator: str = "\n\n", seed: int = 0, batch_size: int = 16,
-) -> tuple[dict, list[str]]:  # fmt: skip
+    model,
+    params,
+    tokenizer: tokenizers.Tokenizer,
+    examples: Sequence[Example],
+    train: Sequence[Example],
+    *,
+    k: int,
+    template: str = "{context}",
+    separator: str = "\n\n",
+    seed: int = 0,
+    batch_size: int = 16,
+) -> tuple[dict, list[str]]:
     """({k, examples, accuracy, accuracy_ci95, accuracy_norm, accuracy_norm_ci95, truncated_prompts}, the prompts)."""
     prompts = [
         build_prompt(
@@ -120,6 +129,11 @@ def evaluate_fewshot(
         lengths = np.asarray([max(len(c), 1) for c in example.choices])
         correct.append(int(np.argmax(scores)) == example.gold)
         correct_norm.append(int(np.argmax(scores / lengths)) == example.gold)
-    result = {"k": k, "examples": len(examples), **_accuracy(np.asarray(correct), "accuracy"),
-              **_accuracy(np.asarray(correct_norm), "accuracy_norm"), "truncated_prompts": truncated}  # fmt: skip
+    result = {
+        "k": k,
+        "examples": len(examples),
+        **_accuracy(np.asarray(correct), "accuracy"),
+        **_accuracy(np.asarray(correct_norm), "accuracy_norm"),
+        "truncated_prompts": truncated,
+    }
     return result, prompts

@@ -9,8 +9,18 @@ from lmzoo.evaluation import reconstruction
 from lmzoo.models import kinds
 
 
-def sample_text(run, params, prompt: str, *, max_new_tokens: int, temperature: float,
-                top_k: int, top_p: float, seed: int, fit_to_model: bool = False) -> str:  # fmt: skip
+def sample_text(
+    run,
+    params,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    fit_to_model: bool = False,
+) -> str:
     """Decodes a continuation of `prompt` with the KV cache; params are host arrays (`CompiledTrainer.host_params`).
 
     Encoder-decoders read the prompt (plus EOS) with the encoder and write a new sequence. A decoder's
@@ -37,8 +47,10 @@ def sample_text(run, params, prompt: str, *, max_new_tokens: int, temperature: f
         if fit_to_model:
             max_new_tokens = min(max_new_tokens, room)
         elif max_new_tokens > room:
-            raise ValueError(f"max_new_tokens={max_new_tokens} does not fit: the prompt is {len(ids)} tokens and the model's "
-                             f"max_len is {model.config.max_len}; ask for at most {room}")  # fmt: skip
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} does not fit: the prompt is {len(ids)} tokens and the model's "
+                f"max_len is {model.config.max_len}; ask for at most {room}"
+            )
         new = decoding.generate(
             model, params, np.asarray([ids]), rng=jax.random.key(seed), max_new_tokens=max_new_tokens, **sampling
         )
@@ -78,8 +90,17 @@ def evaluate_generation(
         count += 1
         keep = batch["example_weights"] > 0
         inputs, segments, targets = batch["inputs"][keep], batch["encoder_segment_ids"][keep], batch["targets"][keep]
-        samples = decoding.sample_seq2seq(model, params, inputs, segments, jax.random.key(0), max_new_tokens=targets.shape[1],
-                                          temperature=0.0, eos_id=eos, pad_id=pad)  # fmt: skip
+        samples = decoding.sample_seq2seq(
+            model,
+            params,
+            inputs,
+            segments,
+            jax.random.key(0),
+            max_new_tokens=targets.shape[1],
+            temperature=0.0,
+            eos_id=eos,
+            pad_id=pad,
+        )
         tokens, mask = jax.device_get((samples.tokens, samples.mask))
         for source, generated, generated_mask, target in zip(inputs, tokens, mask, targets, strict=True):
             examples.append(

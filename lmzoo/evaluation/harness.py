@@ -33,8 +33,15 @@ from lmzoo.models import kinds
 class LmzooLM(LM):
     """lm-eval's LM interface over a loaded lmzoo checkpoint (`lmzoo.load`)."""
 
-    def __init__(self, workdir: str | None = None, step: int | None = None, batch_size: int | str | None = 16,
-                 max_gen_toks: int = 256, loaded=None, **unused):  # fmt: skip
+    def __init__(
+        self,
+        workdir: str | None = None,
+        step: int | None = None,
+        batch_size: int | str | None = 16,
+        max_gen_toks: int = 256,
+        loaded=None,
+        **unused,
+    ):
         super().__init__()
         if loaded is None:
             if workdir is None:
@@ -72,8 +79,9 @@ class LmzooLM(LM):
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = [self._encode_pair(*request.args) for request in requests]
-        totals, greedy = scoring.loglikelihoods(self.model, self.params, pairs, batch_size=self.batch_size,
-                                                pad_id=self.tokenizer.pad_id or 0)  # fmt: skip
+        totals, greedy = scoring.loglikelihoods(
+            self.model, self.params, pairs, batch_size=self.batch_size, pad_id=self.tokenizer.pad_id or 0
+        )
         return [(float(t), bool(g)) for t, g in zip(totals, greedy, strict=True)]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -84,7 +92,7 @@ class LmzooLM(LM):
                 self.tokenizer.encode(request.args[0]),
                 prefix_id=self.tokenizer.eos_id,
                 batch_size=self.batch_size,
-            )  # fmt: skip
+            )
             for request in requests
         ]
 

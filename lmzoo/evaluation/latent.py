@@ -11,8 +11,17 @@ from lmzoo.objectives import vae_lm as vae_lm_objective
 ACTIVE_UNIT_THRESHOLD = 0.01  # Burda et al. 2016: Cov_x(E_q[z_u]) above this counts as active
 
 
-def evaluate_latent(run, state, split: str = "validation", *, max_batches: int | None = None, seed: int = 0,
-                    num_prior_samples: int = 3, interpolation_steps: int = 5, max_len: int = 30):  # fmt: skip
+def evaluate_latent(
+    run,
+    state,
+    split: str = "validation",
+    *,
+    max_batches: int | None = None,
+    seed: int = 0,
+    num_prior_samples: int = 3,
+    interpolation_steps: int = 5,
+    max_len: int = 30,
+):
     """Metrics over `split` (at most `max_batches` batches): iw_perplexity (K = config.objective.num_iw_samples),
     elbo_perplexity of the same samples, kl per sentence, active_units; prints the decoded samples."""
     num_samples = run.objective.fields.num_iw_samples
@@ -23,8 +32,9 @@ def evaluate_latent(run, state, split: str = "validation", *, max_batches: int |
     for index, batch in enumerate(run.eval_batches(split)):
         if max_batches is not None and index >= max_batches:
             break
-        iw, bound, mu, kl = vae_lm_objective.importance_weighted_bound(run.model, params, batch, jax.random.fold_in(rng, index),
-                                                           num_samples=num_samples)  # fmt: skip
+        iw, bound, mu, kl = vae_lm_objective.importance_weighted_bound(
+            run.model, params, batch, jax.random.fold_in(rng, index), num_samples=num_samples
+        )
         real = np.asarray(batch["weights"][:, 0] > 0)
         iw_sum += float(np.sum(np.asarray(iw)[real]))
         elbo_sum += float(np.sum(np.asarray(bound)[real]))
@@ -34,8 +44,13 @@ def evaluate_latent(run, state, split: str = "validation", *, max_batches: int |
         first = np.asarray(mu)[real][:2] if first is None else first
     means = np.concatenate(means)
     active = int(np.sum(np.var(means, axis=0) > ACTIVE_UNIT_THRESHOLD))
-    metrics = {"iw_perplexity": float(np.exp(-iw_sum / tokens)), "elbo_perplexity": float(np.exp(-elbo_sum / tokens)),
-               "kl": kl_sum / len(means), "active_units": active, "iw_samples": num_samples}  # fmt: skip
+    metrics = {
+        "iw_perplexity": float(np.exp(-iw_sum / tokens)),
+        "elbo_perplexity": float(np.exp(-elbo_sum / tokens)),
+        "kl": kl_sum / len(means),
+        "active_units": active,
+        "iw_samples": num_samples,
+    }
     examples = []
     prior = jax.random.normal(prior_rng, (num_prior_samples, means.shape[1]))
     for text in _decode(run, params, prior, max_len):

@@ -20,9 +20,17 @@ from lmzoo import metrics as metrics_lib
 SPLIT_COLORS = {"train": "C0", "validation": "C1"}  # the same in every panel
 # Sizes of what an evaluation read, not curves.
 COUNTS = frozenset(
-    {"tokens", "examples", "evaluated_batches", "pairs", "generated_examples", "reconstruct_examples", "iw_samples",
-     "beam_size"}
-)  # fmt: skip
+    {
+        "tokens",
+        "examples",
+        "evaluated_batches",
+        "pairs",
+        "generated_examples",
+        "reconstruct_examples",
+        "iw_samples",
+        "beam_size",
+    }
+)
 # (group, metric names it takes), the first match wins; a metric none matches is a group of its own, and
 # a name with a "/" (PPO's "loss/policy", "objective/kl") goes to the group before its first "/".
 GROUPS = (
@@ -59,8 +67,13 @@ def read_records(path: pathlib.Path) -> Iterator[bytes]:
             raise ValueError(f"{path}: damaged record at byte {offset} (the CRC of its length does not match)")
         body = data[offset + 12 : offset + 16 + length]
         if len(body) < length + 4:
-            logging.warning("%s: truncated record at byte %d (%d of its %d bytes); read up to it", path, offset,
-                            12 + len(body), 16 + length)  # fmt: skip
+            logging.warning(
+                "%s: truncated record at byte %d (%d of its %d bytes); read up to it",
+                path,
+                offset,
+                12 + len(body),
+                16 + length,
+            )
             return
         if masked_crc32c(body[:length]) != struct.unpack("<I", body[length:])[0]:
             raise ValueError(f"{path}: damaged record at byte {offset} (the CRC of its {length} bytes does not match)")

@@ -15,8 +15,9 @@ def pairwise_accuracy(scores: np.ndarray, ranks: np.ndarray, valid: np.ndarray, 
     return float(np.sum(pairs & (margins > 0)) + tie * np.sum(pairs & (margins == 0))), int(np.sum(pairs))
 
 
-def evaluate_preference(run, state: Any, split: str = "validation", *,
-                        max_batches: int | None = None) -> tuple[dict[str, float], list]:  # fmt: skip
+def evaluate_preference(
+    run, state: Any, split: str = "validation", *, max_batches: int | None = None
+) -> tuple[dict[str, float], list]:
     """Reward-model accuracy over the split's comparisons (exact ties count as wrong) and two length-only
     baselines on the same pairs: the reply with more tokens wins ("longer"), or the one with fewer ("shorter");
     length ties count ½. Token counts are of the replies as the model reads them (after truncation to seq_len)."""
@@ -40,5 +41,9 @@ def evaluate_preference(run, state: Any, split: str = "validation", *,
         raise ValueError(
             f"the {split} split holds no ranked pair; check config.data.path and config.objective.heldout_fraction"
         )
-    return {"pairwise_accuracy": correct / pairs, "length_longer_accuracy": longer / pairs,
-            "length_shorter_accuracy": shorter / pairs, "pairs": float(pairs)}, []  # fmt: skip
+    return {
+        "pairwise_accuracy": correct / pairs,
+        "length_longer_accuracy": longer / pairs,
+        "length_shorter_accuracy": shorter / pairs,
+        "pairs": float(pairs),
+    }, []

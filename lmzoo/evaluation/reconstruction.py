@@ -30,7 +30,9 @@ from lmzoo import metrics as metrics_lib
 from lmzoo.data import noising
 
 
-def reconstruct_tokens(objective: str, inputs: np.ndarray, prediction: np.ndarray, *, sentinel_ids, eos_id: int) -> np.ndarray:
+def reconstruct_tokens(
+    objective: str, inputs: np.ndarray, prediction: np.ndarray, *, sentinel_ids, eos_id: int
+) -> np.ndarray:
     """The original tokens a decoder output [T] implies for encoder input [S] (both without padding)."""
     if objective == "span_corruption":
         return noising.reconstruct_from_span_corruption(inputs, prediction, sentinel_ids, eos_id)
@@ -53,7 +55,9 @@ def text_metrics(hypotheses: list[str], references: list[str]) -> dict[str, floa
     from rouge_score import rouge_scorer
 
     if len(hypotheses) != len(references) or not references:
-        raise ValueError(f"need equally many hypotheses and references, at least one; got {len(hypotheses)} and {len(references)}")
+        raise ValueError(
+            f"need equally many hypotheses and references, at least one; got {len(hypotheses)} and {len(references)}"
+        )
     scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False)
     scores = [scorer.score(ref, hyp) for hyp, ref in zip(hypotheses, references, strict=True)]
     return {
@@ -68,16 +72,34 @@ def _decode(run, params, inputs: np.ndarray, segments: np.ndarray, length: int, 
     pad_id = run.tokenizer.pad_id or 0
     if beam_size > 1:
         # eos_id -1 matches no token: every hypothesis runs to `length` (targets may hold EOS mid-way).
-        tokens, _ = decoding.beam_search(run.model, params, inputs, beam_size=beam_size, max_new_tokens=length, eos_id=-1,
-                                         pad_id=pad_id, encoder_segment_ids=segments)  # fmt: skip
+        tokens, _ = decoding.beam_search(
+            run.model,
+            params,
+            inputs,
+            beam_size=beam_size,
+            max_new_tokens=length,
+            eos_id=-1,
+            pad_id=pad_id,
+            encoder_segment_ids=segments,
+        )
     else:
-        tokens = decoding.generate_seq2seq(run.model, params, inputs, rng=jax.random.key(0), max_new_tokens=length,
-                                           encoder_segment_ids=segments, temperature=0.0, eos_id=None, pad_id=pad_id)  # fmt: skip
+        tokens = decoding.generate_seq2seq(
+            run.model,
+            params,
+            inputs,
+            rng=jax.random.key(0),
+            max_new_tokens=length,
+            encoder_segment_ids=segments,
+            temperature=0.0,
+            eos_id=None,
+            pad_id=pad_id,
+        )
     return np.asarray(tokens)
 
 
-def evaluate_reconstruction(run, state, split: str = "validation", *, num_examples: int = 200,
-                            beam_size: int = 1) -> tuple[dict[str, float], list[dict[str, str]]]:  # fmt: skip
+def evaluate_reconstruction(
+    run, state, split: str = "validation", *, num_examples: int = 200, beam_size: int = 1
+) -> tuple[dict[str, float], list[dict[str, str]]]:
     """(metrics, examples) over the first `num_examples` complete windows of `split`; see the module doc.
 
     Each example is {"corrupted", "reconstruction", "original"} text. Single process only.
@@ -105,20 +127,30 @@ def evaluate_reconstruction(run, state, split: str = "validation", *, num_exampl
             step_metrics, _ = run.compiled.eval_step(state, sharding.put_batch(masked, run.compiled.batch_sharding), {})
         total = metrics_lib.accumulate(total, step_metrics)
         predictions = _decode(run, params, batch["inputs"][keep], batch["encoder_segment_ids"][keep], width, beam_size)
-        rows = zip(batch["inputs"][keep], batch["encoder_segment_ids"][keep], batch["targets"][keep], predictions, strict=True)
+        rows = zip(
+            batch["inputs"][keep], batch["encoder_segment_ids"][keep], batch["targets"][keep], predictions, strict=True
+        )
         for inputs, segments, targets, prediction in rows:
             inputs = inputs[segments != 0]
             original = reconstruct_tokens(objective, inputs, targets, sentinel_ids=sentinel_ids, eos_id=eos)
             restored = reconstruct_tokens(objective, inputs, prediction, sentinel_ids=sentinel_ids, eos_id=eos)
             corrupted = inputs[:-1] if len(inputs) and inputs[-1] == eos else inputs
-            examples.append({"corrupted": detokenize(tokenizer, corrupted), "reconstruction": detokenize(tokenizer, restored),
-                             "original": detokenize(tokenizer, original)})  # fmt: skip
+            examples.append(
+                {
+                    "corrupted": detokenize(tokenizer, corrupted),
+                    "reconstruction": detokenize(tokenizer, restored),
+                    "original": detokenize(tokenizer, original),
+                }
+            )
             copies.append(detokenize(tokenizer, corrupted[~np.isin(corrupted, markers)]))
     if not examples:
         raise ValueError(f"the {split} split has no complete evaluation window to reconstruct; use more data")
     references = [e["original"] for e in examples]
-    result = {"reconstruct_examples": len(examples), "beam_size": beam_size,
-              **text_metrics([e["reconstruction"] for e in examples], references)}  # fmt: skip
+    result = {
+        "reconstruct_examples": len(examples),
+        "beam_size": beam_size,
+        **text_metrics([e["reconstruction"] for e in examples], references),
+    }
     result["target_token_accuracy"] = metrics_lib.summarize(total)["accuracy"]
     result.update({f"copy_{k}": v for k, v in text_metrics(copies, references).items()})
     return result, examples

@@ -103,8 +103,12 @@ def seq2seq_rows(
             )
     source = _padded_length(max(len(c) for c, _ in pairs), length_multiple, max_len)
     target = _padded_length(max(len(c) for _, c in pairs), length_multiple, max_len)
-    batch = {"inputs": np.full((len(pairs), source), pad_id, np.int32), "input_mask": np.zeros((len(pairs), source), np.int32),
-             "targets": np.full((len(pairs), target), pad_id, np.int32), "weights": np.zeros((len(pairs), target), np.int32)}  # fmt: skip
+    batch = {
+        "inputs": np.full((len(pairs), source), pad_id, np.int32),
+        "input_mask": np.zeros((len(pairs), source), np.int32),
+        "targets": np.full((len(pairs), target), pad_id, np.int32),
+        "weights": np.zeros((len(pairs), target), np.int32),
+    }
     for i, (context, continuation) in enumerate(pairs):
         batch["inputs"][i, : len(context)], batch["input_mask"][i, : len(context)] = context, 1
         batch["targets"][i, : len(continuation)], batch["weights"][i, : len(continuation)] = continuation, 1
@@ -121,8 +125,10 @@ def loglikelihoods(
     elif kind == kinds.ENCODER_DECODER:
         make_rows, score = seq2seq_rows, seq2seq_loglikelihood
     else:
-        raise ValueError(f"{type(model).__name__} cannot score continuations; loglikelihood needs a decoder (gpt2) "
-                         "or an encoder-decoder (seq2seq)")  # fmt: skip
+        raise ValueError(
+            f"{type(model).__name__} cannot score continuations; loglikelihood needs a decoder (gpt2) "
+            "or an encoder-decoder (seq2seq)"
+        )
     # Longest first, so each batch pads to rows of similar length; results go back to the given order.
     order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
     totals, greedy = np.zeros(len(pairs), np.float64), np.zeros(len(pairs), bool)

@@ -15,7 +15,7 @@ _override = threading.local()
 
 
 def platform() -> str:
-    """"cpu", "gpu" or "tpu": the override, else the platform of the mesh in context, else JAX's default backend."""
+    """ "cpu", "gpu" or "tpu": the override, else the platform of the mesh in context, else JAX's default backend."""
     forced = getattr(_override, "platform", None)
     if forced is not None:
         return forced

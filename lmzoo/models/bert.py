@@ -93,10 +93,18 @@ class Bert(nn.Module):
         if cfg.embed_projection:
             self.embed_projection = dense((e, h), ("embed", "mlp"))
         block = layers.TransformerBlock(
-            num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim, causal=False, pre_norm=False,
-            activations=(cfg.activation,), layer_norm_epsilon=cfg.layer_norm_epsilon, dropout_rate=cfg.dropout_rate,
-            attention_dropout_rate=cfg.attention_dropout_rate, dtype=dtype, param_dtype=param_dtype,
-        )  # fmt: skip
+            num_heads=cfg.num_heads,
+            head_dim=cfg.head_dim,
+            mlp_dim=cfg.mlp_dim,
+            causal=False,
+            pre_norm=False,
+            activations=(cfg.activation,),
+            layer_norm_epsilon=cfg.layer_norm_epsilon,
+            dropout_rate=cfg.dropout_rate,
+            attention_dropout_rate=cfg.attention_dropout_rate,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
         self.blocks = layers.BlockStack(
             block, cfg.num_layers, scan=cfg.scan_layers, remat_policy=cfg.remat_policy, share_params=cfg.share_layers
         )
@@ -166,7 +174,9 @@ class Bert(nn.Module):
         """MLM logits only at prediction_positions [B, M] -> [B, M, V] (the vocabulary projection is
         the costliest matmul, so pretraining computes it for the ~15% masked positions only), and
         NSP/SOP logits [B, 2] (None without a sentence head)."""
-        hidden, pooled = self.encode(tokens, token_types=token_types, segment_ids=segment_ids, deterministic=deterministic)
+        hidden, pooled = self.encode(
+            tokens, token_types=token_types, segment_ids=segment_ids, deterministic=deterministic
+        )
         gathered = jnp.take_along_axis(hidden, prediction_positions[..., None], axis=1)
         sentence = self.sentence_logits(pooled) if self.config.sentence_head else None
         return self.mlm_logits(gathered), sentence

@@ -88,31 +88,48 @@ class GPT2(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         wte = layers.Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, name="wte")
         wpe = layers.Embed(
-            cfg.max_len, cfg.emb_dim, axes=("position", "embed"), dtype=dtype, param_dtype=param_dtype, name="wpe",
-        )  # fmt: skip
+            cfg.max_len,
+            cfg.emb_dim,
+            axes=("position", "embed"),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            name="wpe",
+        )
         x = wte(tokens) + wpe(positions)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         block = layers.TransformerBlock(
-            num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim, causal=True, pre_norm=cfg.pre_norm,
-            activations=(cfg.activation,), use_bias=cfg.use_bias, layer_norm_epsilon=cfg.layer_norm_epsilon,
-            dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
+            num_heads=cfg.num_heads,
+            head_dim=cfg.head_dim,
+            mlp_dim=cfg.mlp_dim,
+            causal=True,
+            pre_norm=cfg.pre_norm,
+            activations=(cfg.activation,),
+            use_bias=cfg.use_bias,
+            layer_norm_epsilon=cfg.layer_norm_epsilon,
+            dropout_rate=cfg.dropout_rate,
+            attention_dropout_rate=cfg.attention_dropout_rate,
             residual_init_std=0.02 / (2 * cfg.num_layers) ** 0.5 if cfg.scale_residual_init else 0.02,
-            dtype=dtype, param_dtype=param_dtype,
-        )  # fmt: skip
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
         x = layers.BlockStack(
             block, cfg.num_layers, scan=cfg.scan_layers, remat_policy=cfg.remat_policy, name="blocks"
         )(x, segment_ids, deterministic=deterministic, decode=decode)
         if cfg.pre_norm:
             x = layers.LayerNorm(
-                epsilon=cfg.layer_norm_epsilon, use_bias=cfg.use_bias, dtype=dtype, param_dtype=param_dtype, name="ln_final"
+                epsilon=cfg.layer_norm_epsilon,
+                use_bias=cfg.use_bias,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                name="ln_final",
             )(x)
         x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
         if cfg.tie_embeddings:
             logits = wte.attend(x)
         else:
-            logits = layers.Einsum((cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), dtype=dtype, param_dtype=param_dtype, name="lm_head")(
-                "BTD,DV->BTV", x
-            )
+            logits = layers.Einsum(
+                (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), dtype=dtype, param_dtype=param_dtype, name="lm_head"
+            )("BTD,DV->BTV", x)
         logits = sharding.constrain(logits, ("act_batch", "act_len", "act_vocab"))
         return (logits, x) if return_hidden else logits
 
@@ -125,14 +142,21 @@ class GPT2(nn.Module):
         return params["wte"]["embedding"] if self.config.tie_embeddings else params["lm_head"]["kernel"].T
 
     def encode(
-        self, tokens: jax.Array, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-        deterministic: bool = True, token_types: jax.Array | None = None,
-    ) -> tuple[jax.Array, None]:  # fmt: skip
+        self,
+        tokens: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        deterministic: bool = True,
+        token_types: jax.Array | None = None,
+    ) -> tuple[jax.Array, None]:
         """Final hidden states [B, T, D] (and no pooled output), the interface heads use.
 
         token_types is accepted for interface compatibility with encoders and must be None.
         """
         if token_types is not None:
             raise ValueError("GPT-2 has no token-type embeddings; encode pairs with delimiter tokens instead")
-        _, hidden = self(tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True)
+        _, hidden = self(
+            tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True
+        )
         return hidden, None

@@ -76,7 +76,11 @@ class SequenceClassifier(nn.Module):
             x = jnp.tanh(x) if self.head == "dense_tanh" else jax.nn.relu(x)
         x = dropout(x, deterministic=deterministic)
         classifier = layers.Einsum(
-            (d, self.num_classes), ("embed", "classes"), use_bias=True, kernel_init=self.classifier_init, name="classifier"
+            (d, self.num_classes),
+            ("embed", "classes"),
+            use_bias=True,
+            kernel_init=self.classifier_init,
+            name="classifier",
         )
         return classifier("BD,DC->BC", x)
 
@@ -95,7 +99,9 @@ class TokenClassifier(nn.Module):
         )
         hidden = nn.Dropout(self.dropout_rate)(hidden, deterministic=deterministic)
         d = hidden.shape[-1]
-        return layers.Einsum((d, self.num_labels), ("embed", "classes"), use_bias=True, name="classifier")("BTD,DC->BTC", hidden)
+        return layers.Einsum((d, self.num_labels), ("embed", "classes"), use_bias=True, name="classifier")(
+            "BTD,DC->BTC", hidden
+        )
 
 
 class LMWithValueHead(nn.Module):
@@ -114,7 +120,9 @@ class LMWithValueHead(nn.Module):
             tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True
         )
         d = hidden.shape[-1]
-        head = layers.Einsum((d, 1), ("embed", "classes"), use_bias=True, kernel_init=nn.initializers.zeros, name="value_head")
+        head = layers.Einsum(
+            (d, 1), ("embed", "classes"), use_bias=True, kernel_init=nn.initializers.zeros, name="value_head"
+        )
         return logits, head("BTD,DC->BTC", hidden)[..., 0]
 
 

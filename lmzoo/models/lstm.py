@@ -152,9 +152,16 @@ class LSTM(nn.Module):
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p"))
 def generate(
-    model: LSTM, params, prompt: jax.Array, rng: jax.Array, *, max_new_tokens: int, temperature: float = 1.0,
-    top_k: int = 0, top_p: float = 1.0,
-) -> jax.Array:  # fmt: skip
+    model: LSTM,
+    params,
+    prompt: jax.Array,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> jax.Array:
     """prompt [B, P] (P >= 1) -> [B, max_new_tokens] ids sampled one at a time, the carry threaded through."""
     logits, carry = model.apply({"params": params}, prompt, model.initial_carry(prompt.shape[0]))
 

@@ -53,7 +53,9 @@ class Seq2SeqConfig:
     embedding_norm: bool = False  # BART's layernorm_embedding
     scale_embeddings: bool = False  # multiply embeddings by sqrt(emb_dim)
     embedding_init_std: float = 1.0  # T5 1.0; BART / Transformer 0.02
-    init_scheme: str = "t5"  # "t5": kernels std fan_in ** -0.5 (queries (D H) ** -0.5, untied head 1.0); "normal": std 0.02
+    init_scheme: str = (
+        "t5"  # "t5": kernels std fan_in ** -0.5 (queries (D H) ** -0.5, untied head 1.0); "normal": std 0.02
+    )
     tie_embeddings: bool = True
     scale_tied_logits: bool = True  # T5: decoder output * emb_dim ** -0.5 before the tied head
     final_logits_bias: bool = False  # BART
@@ -102,7 +104,9 @@ def distance_buckets(num_buckets: int, max_distance: int) -> np.ndarray:
     return np.array([bucket(d) for d in range(max(max_distance, max_exact) + 1)], np.int32)
 
 
-def relative_position_bucket(relative_position: jax.Array, *, bidirectional: bool, num_buckets: int, max_distance: int) -> jax.Array:
+def relative_position_bucket(
+    relative_position: jax.Array, *, bidirectional: bool, num_buckets: int, max_distance: int
+) -> jax.Array:
     """T5's bucketing of key - query offsets [...] -> bucket ids [...]: one bucket per small distance,
     logarithmic up to max_distance, the last bucket beyond; bidirectional halves the buckets between
     keys before and after the query. The buckets are looked up in a host table (`distance_buckets`)."""
@@ -130,9 +134,11 @@ class RelativePositionBias(nn.Module):
     @nn.compact
     def __call__(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
         table = self.param(
-            "embedding", nn.with_logical_partitioning(nn.initializers.normal(self.init_std), ("relpos_buckets", "heads")),
-            (self.num_buckets, self.num_heads), self.param_dtype,
-        )  # fmt: skip
+            "embedding",
+            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), ("relpos_buckets", "heads")),
+            (self.num_buckets, self.num_heads),
+            self.param_dtype,
+        )
         offsets = key_positions[None, None, :] - query_positions[:, :, None]
         buckets = relative_position_bucket(
             offsets, bidirectional=self.bidirectional, num_buckets=self.num_buckets, max_distance=self.max_distance
@@ -150,30 +156,56 @@ class Seq2Seq(nn.Module):
     def setup(self):
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        self.embed = layers.Embed(cfg.vocab_size, cfg.emb_dim, embedding_init=nn.initializers.normal(cfg.embedding_init_std), dtype=dtype, param_dtype=param_dtype)
+        self.embed = layers.Embed(
+            cfg.vocab_size,
+            cfg.emb_dim,
+            embedding_init=nn.initializers.normal(cfg.embedding_init_std),
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
         norm = functools.partial(
-            layers.LayerNorm, epsilon=cfg.layer_norm_epsilon, use_bias=cfg.norm == "layer" and cfg.use_bias,
-            use_mean=cfg.norm == "layer", dtype=dtype, param_dtype=param_dtype,
-        )  # fmt: skip
+            layers.LayerNorm,
+            epsilon=cfg.layer_norm_epsilon,
+            use_bias=cfg.norm == "layer" and cfg.use_bias,
+            use_mean=cfg.norm == "layer",
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
         block = functools.partial(
-            layers.TransformerBlock, num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim,
-            pre_norm=cfg.pre_norm, norm=cfg.norm, activations=cfg.activations, use_bias=cfg.use_bias,
-            attention_scale=cfg.attention_scale or None, layer_norm_epsilon=cfg.layer_norm_epsilon,
-            dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
-            fan_in_init=cfg.init_scheme == "t5", dtype=dtype, param_dtype=param_dtype,
-        )  # fmt: skip
+            layers.TransformerBlock,
+            num_heads=cfg.num_heads,
+            head_dim=cfg.head_dim,
+            mlp_dim=cfg.mlp_dim,
+            pre_norm=cfg.pre_norm,
+            norm=cfg.norm,
+            activations=cfg.activations,
+            use_bias=cfg.use_bias,
+            attention_scale=cfg.attention_scale or None,
+            layer_norm_epsilon=cfg.layer_norm_epsilon,
+            dropout_rate=cfg.dropout_rate,
+            attention_dropout_rate=cfg.attention_dropout_rate,
+            fan_in_init=cfg.init_scheme == "t5",
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
         stack = functools.partial(layers.BlockStack, scan=cfg.scan_layers, remat_policy=cfg.remat_policy)
         self.encoder = stack(block(), cfg.num_encoder_layers)
         self.decoder = stack(block(causal=True, cross_attention=True), cfg.num_decoder_layers)
         if cfg.positions == "relative":
             relpos = functools.partial(
-                RelativePositionBias, cfg.num_heads, cfg.relative_buckets, cfg.relative_max_distance,
-                init_std=cfg.emb_dim**-0.5 if cfg.init_scheme == "t5" else 0.02, param_dtype=param_dtype,
-            )  # fmt: skip
+                RelativePositionBias,
+                cfg.num_heads,
+                cfg.relative_buckets,
+                cfg.relative_max_distance,
+                init_std=cfg.emb_dim**-0.5 if cfg.init_scheme == "t5" else 0.02,
+                param_dtype=param_dtype,
+            )
             self.encoder_relpos = relpos(bidirectional=True)
             self.decoder_relpos = relpos(bidirectional=False)
         elif cfg.positions == "learned":
-            table = functools.partial(layers.Embed, cfg.max_len, cfg.emb_dim, axes=("position", "embed"), dtype=dtype, param_dtype=param_dtype)
+            table = functools.partial(
+                layers.Embed, cfg.max_len, cfg.emb_dim, axes=("position", "embed"), dtype=dtype, param_dtype=param_dtype
+            )
             self.encoder_positions, self.decoder_positions = table(), table()
         if cfg.embedding_norm:
             self.encoder_embed_norm, self.decoder_embed_norm = norm(), norm()
@@ -181,9 +213,12 @@ class Seq2Seq(nn.Module):
             self.encoder_final_norm, self.decoder_final_norm = norm(), norm()
         if not cfg.tie_embeddings:
             self.lm_head = layers.Einsum(
-                (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), kernel_init=nn.initializers.normal(1.0 if cfg.init_scheme == "t5" else 0.02),
-                dtype=dtype, param_dtype=param_dtype,
-            )  # fmt: skip
+                (cfg.emb_dim, cfg.vocab_size),
+                ("embed", "vocab"),
+                kernel_init=nn.initializers.normal(1.0 if cfg.init_scheme == "t5" else 0.02),
+                dtype=dtype,
+                param_dtype=param_dtype,
+            )
         if cfg.final_logits_bias:
             bias_init = nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",))
             self.logits_bias = self.param("final_logits_bias", bias_init, (cfg.vocab_size,), param_dtype)
@@ -206,7 +241,9 @@ class Seq2Seq(nn.Module):
             x = getattr(self, f"{which}_embed_norm")(x)
         return self.dropout(x, deterministic=deterministic)
 
-    def encode(self, inputs: jax.Array, *, segment_ids: jax.Array | None = None, deterministic: bool = True) -> jax.Array:
+    def encode(
+        self, inputs: jax.Array, *, segment_ids: jax.Array | None = None, deterministic: bool = True
+    ) -> jax.Array:
         """inputs [B, S] int (segment_ids [B, S], 0 = padding) -> encoded [B, S, D].
 
         With learned positions, S + position_offset > max_len raises.
@@ -277,7 +314,9 @@ class Seq2Seq(nn.Module):
         """inputs [B, S], decoder_inputs [B, T] -> logits [B, T, V]."""
         encoded = self.encode(inputs, segment_ids=encoder_segment_ids, deterministic=deterministic)
         return self.decode(
-            decoder_inputs, encoded, encoder_segment_ids=encoder_segment_ids, segment_ids=decoder_segment_ids,
+            decoder_inputs,
+            encoded,
+            encoder_segment_ids=encoder_segment_ids,
+            segment_ids=decoder_segment_ids,
             deterministic=deterministic,
-        )  # fmt: skip
-
+        )

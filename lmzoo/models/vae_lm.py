@@ -112,8 +112,9 @@ class VAELM(nn.Module):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_len", "temperature"))
-def generate_from_latent(model: VAELM, params, z: jax.Array, rng: jax.Array, *, bos_id: int, max_len: int,
-                         temperature: float = 0.0) -> jax.Array:  # fmt: skip
+def generate_from_latent(
+    model: VAELM, params, z: jax.Array, rng: jax.Array, *, bos_id: int, max_len: int, temperature: float = 0.0
+) -> jax.Array:
     """z [B, Z] -> [B, max_len] ids decoded one at a time from `bos_id` (greedy at temperature 0)."""
     state = model.apply({"params": params}, z, method=model.start_state)
 

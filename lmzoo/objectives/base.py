@@ -90,8 +90,13 @@ class Objective:
     def trainer(self, model: nn.Module):
         """The trainer (`lmzoo.trainers`) the loop runs: supervised on `task` by default."""
         tx, schedule = optim.make_optimizer(self.config.optim)
-        return supervised.SupervisedTrainer(self.task(model), tx, schedule, self.input_shapes(self.config.train.batch_size),
-                                         grad_accum_steps=self.config.train.grad_accum_steps)  # fmt: skip
+        return supervised.SupervisedTrainer(
+            self.task(model),
+            tx,
+            schedule,
+            self.input_shapes(self.config.train.batch_size),
+            grad_accum_steps=self.config.train.grad_accum_steps,
+        )
 
     def step_summary(self) -> str:
         """What one training step reads, for the start summary."""
@@ -106,8 +111,7 @@ class Objective:
         """A loader whose `batch(step)` is a pure function of (seed, step, process)."""
         raise NotImplementedError
 
-    def eval_batches(self, tokenizer: tokenizers.Tokenizer, raw: Any,
-                     shard: Shard) -> Iterator[Batch]:  # fmt: skip
+    def eval_batches(self, tokenizer: tokenizers.Tokenizer, raw: Any, shard: Shard) -> Iterator[Batch]:
         """Every example of a split once (padding rows weighted 0)."""
         raise NotImplementedError
 
@@ -143,5 +147,6 @@ def sentence_step_summary(config: ml_collections.ConfigDict, length_multiple: in
     b, t = config.train.batch_size, config.data.seq_len
     if length_multiple <= 0:
         return f"{b} sentences x {t} tokens (padded) = {b * t:,} token positions"
-    return (f"{b} sentences, each batch padded to its longest sentence rounded up to {length_multiple} "
-            f"(at most {t} tokens)")  # fmt: skip
+    return (
+        f"{b} sentences, each batch padded to its longest sentence rounded up to {length_multiple} (at most {t} tokens)"
+    )

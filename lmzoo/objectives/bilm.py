@@ -75,15 +75,22 @@ class BiLMObjective(base.Objective):
 
     def _sentences(self, tokenizer, raw, batch_size: int, where: str, shard) -> SentenceLoader:
         ids, weights = sentence_rows(
-            readers.text_file_tokens(raw, tokenizer, self.config.model.vocab_size, where), tokenizer.eos_id, self.config.data.seq_len
+            readers.text_file_tokens(raw, tokenizer, self.config.model.vocab_size, where),
+            tokenizer.eos_id,
+            self.config.data.seq_len,
         )
-        return SentenceLoader(ids, weights, batch_size, **dataclasses.asdict(shard),
-                              length_multiple=self.fields.length_multiple)  # fmt: skip
+        return SentenceLoader(
+            ids, weights, batch_size, **dataclasses.asdict(shard), length_multiple=self.fields.length_multiple
+        )
 
     def train_loader(self, tokenizer, raw, shard):
         sentences = self._sentences(tokenizer, raw, self.config.train.batch_size, "train split", shard)
-        return ShuffledSentences(sentences, self.config.train.seed, self.fields.length_pool,
-                                 lambda batch, rng: framed(batch, tokenizer.eos_id))  # fmt: skip
+        return ShuffledSentences(
+            sentences,
+            self.config.train.seed,
+            self.fields.length_pool,
+            lambda batch, rng: framed(batch, tokenizer.eos_id),
+        )
 
     def eval_batches(self, tokenizer, raw, shard):
         sentences = self._sentences(tokenizer, raw, self.config.eval.batch_size, "evaluation split", shard)

@@ -15,14 +15,21 @@ def causal_lm_task(model) -> Task:
     `output_embedding` (GPT-2): the head and loss are fused so the [B, T, V] logits are never stored."""
 
     def init(rng, batch):
-        params = model.init({"params": rng, "dropout": rng}, batch["inputs"], positions=batch.get("positions"))["params"]
+        params = model.init({"params": rng, "dropout": rng}, batch["inputs"], positions=batch.get("positions"))[
+            "params"
+        ]
         return params, {}
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
         _, hidden = model.apply(
-            {"params": params}, batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
-            deterministic=not train, return_hidden=True, rngs={"dropout": rng},
-        )  # fmt: skip
+            {"params": params},
+            batch["inputs"],
+            positions=batch.get("positions"),
+            segment_ids=batch.get("segment_ids"),
+            deterministic=not train,
+            return_hidden=True,
+            rngs={"dropout": rng},
+        )
         embedding = model.apply({"params": params}, method=model.output_embedding)
         value, metrics = losses.fused_head_loss(hidden, embedding, batch)
         return value, (metrics, carry)
@@ -40,9 +47,17 @@ class CausalLM(base.Objective):
 
     def train_loader(self, tokenizer, raw, shard):
         stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "train split")
-        return pipeline.LMLoader(stream, self.config.train.batch_size, self.config.data.seq_len, seed=self.config.train.seed,
-                                 sampler=self.config.data.sampler, **dataclasses.asdict(shard))  # fmt: skip
+        return pipeline.LMLoader(
+            stream,
+            self.config.train.batch_size,
+            self.config.data.seq_len,
+            seed=self.config.train.seed,
+            sampler=self.config.data.sampler,
+            **dataclasses.asdict(shard),
+        )
 
     def eval_batches(self, tokenizer, raw, shard):
         stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "evaluation split")
-        return pipeline.eval_batches(stream, self.config.eval.batch_size, self.config.data.seq_len, **dataclasses.asdict(shard))
+        return pipeline.eval_batches(
+            stream, self.config.eval.batch_size, self.config.data.seq_len, **dataclasses.asdict(shard)
+        )

@@ -41,25 +41,37 @@ class ClassificationConfig:
         if self.pooling not in heads.POOLINGS:
             raise ValueError(f"unknown config.objective.pooling {self.pooling!r}; choose one of {heads.POOLINGS}")
         if self.input_format not in INPUT_FORMATS:
-            raise ValueError(f"unknown config.objective.input_format {self.input_format!r}; choose one of {INPUT_FORMATS}")
+            raise ValueError(
+                f"unknown config.objective.input_format {self.input_format!r}; choose one of {INPUT_FORMATS}"
+            )
         if self.input_format == "gpt" and self.pooling != "last":
-            raise ValueError("input_format='gpt' is read at its final [EXTRACT] token: set config.objective.pooling='last'")
+            raise ValueError(
+                "input_format='gpt' is read at its final [EXTRACT] token: set config.objective.pooling='last'"
+            )
 
 
 def classify_logits(model, params, batch, rng=None, *, train: bool = False):
     """logits [B, C] of a SequenceClassifier for batch inputs / token_types / segment_ids [B, T]."""
     return model.apply(
-        {"params": params}, batch["inputs"], token_types=batch.get("token_types"), segment_ids=batch.get("segment_ids"),
-        deterministic=not train, rngs=None if rng is None else {"dropout": rng},
-    )  # fmt: skip
+        {"params": params},
+        batch["inputs"],
+        token_types=batch.get("token_types"),
+        segment_ids=batch.get("segment_ids"),
+        deterministic=not train,
+        rngs=None if rng is None else {"dropout": rng},
+    )
 
 
 def classification_task(model) -> Task:
     """Sequence classification: model(tokens, token_types, segment_ids) -> logits [B, C]; batch["labels"] [B]."""
 
     def init(rng, batch):
-        params = model.init({"params": rng, "dropout": rng}, batch["inputs"], token_types=batch.get("token_types"),
-                            segment_ids=batch.get("segment_ids"))["params"]  # fmt: skip
+        params = model.init(
+            {"params": rng, "dropout": rng},
+            batch["inputs"],
+            token_types=batch.get("token_types"),
+            segment_ids=batch.get("segment_ids"),
+        )["params"]
         return params, {}
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
@@ -71,8 +83,13 @@ def classification_task(model) -> Task:
     return Task(init=init, loss=loss)
 
 
-def classification_examples(texts: list[tuple[str, ...]], labels: np.ndarray, tokenizer: tokenizers.Tokenizer, max_len: int,
-                            input_format: str = "bert") -> dict[str, np.ndarray]:  # fmt: skip
+def classification_examples(
+    texts: list[tuple[str, ...]],
+    labels: np.ndarray,
+    tokenizer: tokenizers.Tokenizer,
+    max_len: int,
+    input_format: str = "bert",
+) -> dict[str, np.ndarray]:
     """Labelled examples truncated to max_len: tokens, segment_ids (and token_types for "bert") [N, T]; labels [N].
 
     "bert": [CLS] a [SEP] (b [SEP]); "gpt": [START] a ([DELIM] b) [EXTRACT] with the markers numbered
@@ -83,12 +100,33 @@ def classification_examples(texts: list[tuple[str, ...]], labels: np.ndarray, to
         second = parts[1] if len(parts) > 1 else None
         if input_format == "gpt":
             start = tokenizer.vocab_size
-            rows.append(transforms.gpt_classifier_example(parts[0], second, start_id=start, delim_id=start + 1, extract_id=start + 2,
-                                                          max_len=max_len, pad_id=tokenizer.pad_id or 0))  # fmt: skip
+            rows.append(
+                transforms.gpt_classifier_example(
+                    parts[0],
+                    second,
+                    start_id=start,
+                    delim_id=start + 1,
+                    extract_id=start + 2,
+                    max_len=max_len,
+                    pad_id=tokenizer.pad_id or 0,
+                )
+            )
         else:
-            rows.append(transforms.pair_example(parts[0], second, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id,
-                                                max_len=max_len, pad_id=tokenizer.pad_id))  # fmt: skip
-    out = {"tokens": np.stack([r["tokens"] for r in rows]), "segment_ids": np.stack([r["segment_ids"] for r in rows]), "labels": labels}
+            rows.append(
+                transforms.pair_example(
+                    parts[0],
+                    second,
+                    cls_id=tokenizer.cls_id,
+                    sep_id=tokenizer.sep_id,
+                    max_len=max_len,
+                    pad_id=tokenizer.pad_id,
+                )
+            )
+    out = {
+        "tokens": np.stack([r["tokens"] for r in rows]),
+        "segment_ids": np.stack([r["segment_ids"] for r in rows]),
+        "labels": labels,
+    }
     if input_format == "bert":
         out["token_types"] = np.stack([r["token_type_ids"] for r in rows])
     return out
@@ -110,8 +148,9 @@ class Classification(base.Objective):
 
     def model(self):
         o = self.fields
-        return heads.SequenceClassifier(super().model(), o.num_classes, head=o.head, pooling=o.pooling,
-                                        dropout_rate=o.head_dropout_rate)  # fmt: skip
+        return heads.SequenceClassifier(
+            super().model(), o.num_classes, head=o.head, pooling=o.pooling, dropout_rate=o.head_dropout_rate
+        )
 
     def task(self, model):
         return classification_task(model)
@@ -125,15 +164,24 @@ class Classification(base.Objective):
         texts, labels = raw
         num_classes = self.fields.num_classes
         if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-            raise ValueError(f"{where} labels span [{labels.min()}, {labels.max()}] but config.objective.num_classes={num_classes}")
+            raise ValueError(
+                f"{where} labels span [{labels.min()}, {labels.max()}] but config.objective.num_classes={num_classes}"
+            )
         input_format = self.fields.input_format
         if input_format == "gpt" and self.config.model.vocab_size < tokenizer.vocab_size + 3:
-            raise ValueError(f"input_format='gpt' numbers [START] [DELIM] [EXTRACT] after the tokenizer's {tokenizer.vocab_size} ids: "
-                             f"set config.model.vocab_size to at least {tokenizer.vocab_size + 3}")  # fmt: skip
+            raise ValueError(
+                f"input_format='gpt' numbers [START] [DELIM] [EXTRACT] after the tokenizer's {tokenizer.vocab_size} ids: "
+                f"set config.model.vocab_size to at least {tokenizer.vocab_size + 3}"
+            )
         examples = classification_examples(texts, labels, tokenizer, self.config.data.seq_len, input_format)
         transforms.check_token_ids(examples["tokens"], self.config.model.vocab_size, where=where)
-        return pipeline.ExampleLoader(examples, batch_size, seed=self.config.train.seed, transform=classification_rows,
-                                      **dataclasses.asdict(shard))  # fmt: skip
+        return pipeline.ExampleLoader(
+            examples,
+            batch_size,
+            seed=self.config.train.seed,
+            transform=classification_rows,
+            **dataclasses.asdict(shard),
+        )
 
     def train_loader(self, tokenizer, raw, shard):
         return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")

@@ -23,9 +23,13 @@ def seq2seq_task(model) -> Task:
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
         logits = model.apply(
-            {"params": params}, batch["inputs"], batch["decoder_inputs"], encoder_segment_ids=batch.get("encoder_segment_ids"),
-            deterministic=not train, rngs={"dropout": rng},
-        )  # fmt: skip
+            {"params": params},
+            batch["inputs"],
+            batch["decoder_inputs"],
+            encoder_segment_ids=batch.get("encoder_segment_ids"),
+            deterministic=not train,
+            rngs={"dropout": rng},
+        )
         value, metrics = losses.token_loss(logits, batch)
         return value, (metrics, carry)
 
@@ -80,29 +84,46 @@ class WindowDenoising(base.Objective):
         raise NotImplementedError
 
     def input_shapes(self, batch_size):
-        return {"inputs": base.int_inputs((batch_size, self.config.data.seq_len)),
-                "decoder_inputs": base.int_inputs((batch_size, self.lengths()[1]))}  # fmt: skip
+        return {
+            "inputs": base.int_inputs((batch_size, self.config.data.seq_len)),
+            "decoder_inputs": base.int_inputs((batch_size, self.lengths()[1])),
+        }
 
     def real_tokens(self, batch):
         return seq2seq_real_tokens(batch)
 
     def _transform(self, tokenizer):
         return functools.partial(
-            transforms.seq2seq_from_windows, noise=self.noise(tokenizer), seed=self.config.train.seed,
-            inputs_length=self.config.data.seq_len, targets_length=self.lengths()[1], pad_id=tokenizer.pad_id,
+            transforms.seq2seq_from_windows,
+            noise=self.noise(tokenizer),
+            seed=self.config.train.seed,
+            inputs_length=self.config.data.seq_len,
+            targets_length=self.lengths()[1],
+            pad_id=tokenizer.pad_id,
             decoder_start_id=self.config.model.decoder_start_id,
-        )  # fmt: skip
+        )
 
     def train_loader(self, tokenizer, raw, shard):
         stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "train split")
-        return pipeline.LMLoader(stream, self.config.train.batch_size, self.lengths()[0], seed=self.config.train.seed,
-                                 sampler=self.config.data.sampler, transform=self._transform(tokenizer),
-                                 **dataclasses.asdict(shard))  # fmt: skip
+        return pipeline.LMLoader(
+            stream,
+            self.config.train.batch_size,
+            self.lengths()[0],
+            seed=self.config.train.seed,
+            sampler=self.config.data.sampler,
+            transform=self._transform(tokenizer),
+            **dataclasses.asdict(shard),
+        )
 
     def eval_batches(self, tokenizer, raw, shard):
         stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "evaluation split")
-        return pipeline.eval_batches(stream, self.config.eval.batch_size, self.lengths()[0],
-                                     transform=self._transform(tokenizer), **dataclasses.asdict(shard))  # fmt: skip
+        return pipeline.eval_batches(
+            stream,
+            self.config.eval.batch_size,
+            self.lengths()[0],
+            transform=self._transform(tokenizer),
+            **dataclasses.asdict(shard),
+        )
 
 
 class SpanCorruption(WindowDenoising):
@@ -113,22 +134,32 @@ class SpanCorruption(WindowDenoising):
 
     def lengths(self):
         o = self.fields
-        window, targets_length = noising.span_corruption_lengths(self.config.data.seq_len, o.noise_density, o.mean_noise_span_length)
+        window, targets_length = noising.span_corruption_lengths(
+            self.config.data.seq_len, o.noise_density, o.mean_noise_span_length
+        )
         return window - 1, targets_length  # span_corruption_lengths counts the EOS that span_corruption appends
 
     def noise(self, tokenizer):
         if not getattr(tokenizer, "extra_ids", 0):
-            raise ValueError("span_corruption needs sentinel tokens: use a sentencepiece tokenizer with extra_ids (e.g. 100)")
+            raise ValueError(
+                "span_corruption needs sentinel tokens: use a sentencepiece tokenizer with extra_ids (e.g. 100)"
+            )
         o = self.fields
         return functools.partial(
-            noising.span_corruption, sentinel_ids=[tokenizer.sentinel_id(i) for i in range(tokenizer.extra_ids)],
-            noise_density=o.noise_density, mean_noise_span_length=o.mean_noise_span_length, eos_id=tokenizer.eos_id,
-        )  # fmt: skip
+            noising.span_corruption,
+            sentinel_ids=[tokenizer.sentinel_id(i) for i in range(tokenizer.extra_ids)],
+            noise_density=o.noise_density,
+            mean_noise_span_length=o.mean_noise_span_length,
+            eos_id=tokenizer.eos_id,
+        )
 
 
 def bart_noise(tokens: np.ndarray, rng: np.random.Generator, *, steps: list, eos_id: int) -> dict[str, np.ndarray]:
     """BART example: the noised window and the original window, each followed by EOS."""
-    return {"inputs": np.append(noising.apply_noising(tokens, steps, rng=rng), eos_id), "targets": np.append(tokens, eos_id)}
+    return {
+        "inputs": np.append(noising.apply_noising(tokens, steps, rng=rng), eos_id),
+        "targets": np.append(tokens, eos_id),
+    }
 
 
 class Denoising(WindowDenoising):
@@ -142,7 +173,9 @@ class Denoising(WindowDenoising):
 
     def noise(self, tokenizer):
         if tokenizer.mask_id is None:
-            raise ValueError("BART denoising needs a mask token: e.g. sentencepiece with user_defined_symbols=['[MASK]']")
+            raise ValueError(
+                "BART denoising needs a mask token: e.g. sentencepiece with user_defined_symbols=['[MASK]']"
+            )
         steps = [(name, dict(kwargs)) for name, kwargs in self.fields.noising]
         specials = [i for i in tokenizer.special_ids.values() if i is not None]
         for name, kwargs in steps:

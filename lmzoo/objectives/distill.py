@@ -24,7 +24,9 @@ def soft_cross_entropy(
     return jnp.sum(per_position * weights), jnp.sum(weights)
 
 
-def cosine_loss(student_hidden: jax.Array, teacher_hidden: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+def cosine_loss(
+    student_hidden: jax.Array, teacher_hidden: jax.Array, weights: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """1 - cos(student, teacher) of hidden states [..., D] at weighted positions [...] -> (sum, count)."""
     s, t = student_hidden.astype(jnp.float32), teacher_hidden.astype(jnp.float32)
     cos = jnp.sum(s * t, axis=-1) / (jnp.linalg.norm(s, axis=-1) * jnp.linalg.norm(t, axis=-1) + 1e-8)
@@ -63,22 +65,34 @@ def distillation_task(student, teacher, fields: DistillationConfig) -> Task:
 
     def forward(model, params, batch, positions, rng, train):
         hidden, _ = model.apply(
-            {"params": params}, batch["inputs"], token_types=batch.get("token_types"), segment_ids=batch.get("segment_ids"),
-            deterministic=not train, rngs={"dropout": rng}, method=model.encode,
-        )  # fmt: skip
+            {"params": params},
+            batch["inputs"],
+            token_types=batch.get("token_types"),
+            segment_ids=batch.get("segment_ids"),
+            deterministic=not train,
+            rngs={"dropout": rng},
+            method=model.encode,
+        )
         gathered = jnp.take_along_axis(hidden, positions[..., None], axis=1)
         return hidden, model.apply({"params": params}, gathered, method=model.mlm_logits)
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
         positions, gathered = mlm.gather_predictions(batch, fields.mask_rate)
-        teacher_hidden, teacher_logits = jax.lax.stop_gradient(forward(teacher, frozen["teacher"], batch, positions, rng, False))
+        teacher_hidden, teacher_logits = jax.lax.stop_gradient(
+            forward(teacher, frozen["teacher"], batch, positions, rng, False)
+        )
         student_hidden, student_logits = forward(student, params, batch, positions, rng, train)
         mlm_value, metrics = losses.token_loss(student_logits, gathered)
-        soft_sum, soft_count = soft_cross_entropy(student_logits, teacher_logits, gathered["weights"], fields.temperature)
+        soft_sum, soft_count = soft_cross_entropy(
+            student_logits, teacher_logits, gathered["weights"], fields.temperature
+        )
         real = jnp.ones(batch["inputs"].shape) if batch.get("segment_ids") is None else (batch["segment_ids"] != 0)
         cos_sum, cos_count = cosine_loss(student_hidden, teacher_hidden, real)
-        value = (fields.alpha_ce * soft_sum / jnp.maximum(soft_count, 1.0) + fields.alpha_mlm * mlm_value
-                 + fields.alpha_cos * cos_sum / jnp.maximum(cos_count, 1.0))  # fmt: skip
+        value = (
+            fields.alpha_ce * soft_sum / jnp.maximum(soft_count, 1.0)
+            + fields.alpha_mlm * mlm_value
+            + fields.alpha_cos * cos_sum / jnp.maximum(cos_count, 1.0)
+        )
         return value, ({**metrics, "distill_loss": (soft_sum, soft_count), "cosine_loss": (cos_sum, cos_count)}, carry)
 
     return Task(init=init, loss=loss)
@@ -96,7 +110,11 @@ class Distillation(mlm.MaskedLM):
         return distillation_task(model, models.build_model("bert", dict(fields.teacher_model)), fields)
 
     def load_frozen(self, frozen):
-        return {"teacher": weights.merge_pretrained(frozen["teacher"], self.fields.teacher, "bert", self.fields.teacher_model.to_dict())}
+        return {
+            "teacher": weights.merge_pretrained(
+                frozen["teacher"], self.fields.teacher, "bert", self.fields.teacher_model.to_dict()
+            )
+        }
 
     def init_params(self, params, frozen):
         if not self.fields.init_student_from_teacher:

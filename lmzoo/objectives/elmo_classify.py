@@ -60,8 +60,13 @@ def elmo_classify_task(bilm: elmo.BiLM, head: elmo.ELMoClassifier, features: str
         return {"head": head_params}, frozen
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
-        logits = head.apply({"params": params["head"]}, layers_of(params, frozen, batch), batch["weights"],
-                            deterministic=not train, rngs={"dropout": rng})  # fmt: skip
+        logits = head.apply(
+            {"params": params["head"]},
+            layers_of(params, frozen, batch),
+            batch["weights"],
+            deterministic=not train,
+            rngs={"dropout": rng},
+        )
         value, metrics = losses.weighted_loss(logits, batch["labels"], batch["example_weights"])
         return value, (metrics, carry)
 
@@ -94,12 +99,15 @@ class ELMoClassify(base.Objective):
     def check(self):
         super().check()
         if not self.config.data.tokenizer.get("path"):
-            raise ValueError("set --config.data.tokenizer.path=WORKDIR/tokenizer/words.txt of the biLM run: the "
-                             "classifier must read the biLM's word ids")  # fmt: skip
+            raise ValueError(
+                "set --config.data.tokenizer.path=WORKDIR/tokenizer/words.txt of the biLM run: the "
+                "classifier must read the biLM's word ids"
+            )
         if self.fields.features == "scratch":
             if self.fields.bilm:
-                raise ValueError(f"config.objective.bilm={self.fields.bilm!r}: features 'scratch' reads no biLM; "
-                                 "leave it empty")  # fmt: skip
+                raise ValueError(
+                    f"config.objective.bilm={self.fields.bilm!r}: features 'scratch' reads no biLM; leave it empty"
+                )
         elif not self.fields.bilm.startswith("ckpt:"):
             raise ValueError(
                 f"config.objective.bilm={self.fields.bilm!r}: name the pretrained biLM as 'ckpt:WORKDIR' of a bilm run"

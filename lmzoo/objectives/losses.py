@@ -36,7 +36,9 @@ def top1_correct(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
 
 
-def weighted_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array, prefix: str = "") -> tuple[jax.Array, Metrics]:
+def weighted_loss(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array, prefix: str = ""
+) -> tuple[jax.Array, Metrics]:
     """Mean cross-entropy and top-1 accuracy at weighted positions or examples.
 
     logits [..., V]; targets, weights [...]. Metrics `{prefix}loss` and `{prefix}accuracy`.
@@ -130,7 +132,8 @@ def _fused_head_loss_bwd(chunk_len, grad_dtypes, residuals, cotangents):
     if type(loss_cotangent) is SymbolicZero:
         return None, None, None, None
     hidden_grad, embedding_grad = (
-        None if grad is None else (grad * loss_cotangent).astype(dtype) for grad, dtype in zip(residuals, grad_dtypes)
+        None if grad is None else (grad * loss_cotangent).astype(dtype)
+        for grad, dtype in zip(residuals, grad_dtypes, strict=True)
     )
     return hidden_grad, embedding_grad, None, None
 

@@ -61,20 +61,29 @@ def masked_lm_task(model, *, mask_rate: float, sentence_loss_weight: float = 1.0
     Logits are computed only at the `num_predictions` highest-weight positions of each row."""
 
     def init(rng, batch):
-        params = model.init({"params": rng, "dropout": rng}, batch["inputs"], token_types=batch.get("token_types"))["params"]
+        params = model.init({"params": rng, "dropout": rng}, batch["inputs"], token_types=batch.get("token_types"))[
+            "params"
+        ]
         return params, {}
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
         positions, gathered = gather_predictions(batch, mask_rate)
         logits, sentence_logits = model.apply(
-            {"params": params}, batch["inputs"], positions, token_types=batch.get("token_types"),
-            segment_ids=batch.get("segment_ids"), deterministic=not train, rngs={"dropout": rng},
+            {"params": params},
+            batch["inputs"],
+            positions,
+            token_types=batch.get("token_types"),
+            segment_ids=batch.get("segment_ids"),
+            deterministic=not train,
+            rngs={"dropout": rng},
             method=model.pretraining_logits,
-        )  # fmt: skip
+        )
         value, metrics = losses.token_loss(logits, gathered)
         if sentence_logits is not None and "sentence_labels" in batch:
             weights = batch.get("example_weights", jnp.ones(batch["sentence_labels"].shape, jnp.float32))
-            sentence_value, sentence_metrics = losses.weighted_loss(sentence_logits, batch["sentence_labels"], weights, "sentence_")
+            sentence_value, sentence_metrics = losses.weighted_loss(
+                sentence_logits, batch["sentence_labels"], weights, "sentence_"
+            )
             value = value + sentence_loss_weight * sentence_value
             metrics = {**metrics, **sentence_metrics}
         return value, (metrics, carry)
@@ -86,11 +95,19 @@ def mask_settings(tokenizer: tokenizers.Tokenizer, fields: MaskedLMConfig, seed:
     """Keyword arguments of `transforms.mask_rows` for the run's tokenizer."""
     missing = [name for name in ("cls_id", "sep_id", "mask_id", "pad_id") if getattr(tokenizer, name) is None]
     if missing:
-        raise ValueError(f"masked-LM objectives need a tokenizer with [CLS]/[SEP]/[MASK]/[PAD]; this one lacks {missing} "
-                         "(use data.tokenizer.kind='wordpiece', or sentencepiece with user_defined_symbols)")  # fmt: skip
+        raise ValueError(
+            f"masked-LM objectives need a tokenizer with [CLS]/[SEP]/[MASK]/[PAD]; this one lacks {missing} "
+            "(use data.tokenizer.kind='wordpiece', or sentencepiece with user_defined_symbols)"
+        )
     specials = sorted({i for i in tokenizer.special_ids.values() if i is not None})
-    settings = dict(mask_id=tokenizer.mask_id, vocab_size=tokenizer.vocab_size, special_ids=specials, rate=fields.mask_rate,
-                    seed=seed, static=fields.static_masking)  # fmt: skip
+    settings = dict(
+        mask_id=tokenizer.mask_id,
+        vocab_size=tokenizer.vocab_size,
+        special_ids=specials,
+        rate=fields.mask_rate,
+        seed=seed,
+        static=fields.static_masking,
+    )
     if fields.whole_word_masking:
         pieces = [tokenizer.decode([i]) if i not in specials else "" for i in range(tokenizer.vocab_size)]
         settings["continuation_mask"] = transforms.continuation_mask_from_vocab(pieces)
@@ -99,8 +116,13 @@ def mask_settings(tokenizer: tokenizers.Tokenizer, fields: MaskedLMConfig, seed:
 
 def window_transform(config, tokenizer: tokenizers.Tokenizer, fields: MaskedLMConfig):
     """LMLoader transform: packed windows of T-2 tokens -> masked `[CLS] window [SEP]` rows of T tokens."""
-    return functools.partial(transforms.mlm_from_windows, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id,
-                             pad_id=tokenizer.pad_id, **mask_settings(tokenizer, fields, config.train.seed))  # fmt: skip
+    return functools.partial(
+        transforms.mlm_from_windows,
+        cls_id=tokenizer.cls_id,
+        sep_id=tokenizer.sep_id,
+        pad_id=tokenizer.pad_id,
+        **mask_settings(tokenizer, fields, config.train.seed),
+    )
 
 
 class MaskedLM(base.Objective):
@@ -114,15 +136,25 @@ class MaskedLM(base.Objective):
 
     def train_loader(self, tokenizer, raw, shard):
         stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "train split")
-        return pipeline.LMLoader(stream, self.config.train.batch_size, self.config.data.seq_len - 2, seed=self.config.train.seed,
-                                 sampler=self.config.data.sampler, transform=window_transform(self.config, tokenizer, self.fields),
-                                 **dataclasses.asdict(shard))  # fmt: skip
+        return pipeline.LMLoader(
+            stream,
+            self.config.train.batch_size,
+            self.config.data.seq_len - 2,
+            seed=self.config.train.seed,
+            sampler=self.config.data.sampler,
+            transform=window_transform(self.config, tokenizer, self.fields),
+            **dataclasses.asdict(shard),
+        )
 
     def eval_batches(self, tokenizer, raw, shard):
         stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "evaluation split")
-        return pipeline.eval_batches(stream, self.config.eval.batch_size, self.config.data.seq_len - 2,
-                                     transform=window_transform(self.config, tokenizer, self.fields),
-                                     **dataclasses.asdict(shard))  # fmt: skip
+        return pipeline.eval_batches(
+            stream,
+            self.config.eval.batch_size,
+            self.config.data.seq_len - 2,
+            transform=window_transform(self.config, tokenizer, self.fields),
+            **dataclasses.asdict(shard),
+        )
 
 
 def make_pair_examples(
@@ -138,11 +170,16 @@ def make_pair_examples(
     if not pairs:
         raise ValueError(f"no sentence pairs could be built for {kind}; the corpus needs documents with 2+ sentences")
     rows = [
-        transforms.pair_example(a, b, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, max_len=max_len, pad_id=tokenizer.pad_id)
+        transforms.pair_example(
+            a, b, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, max_len=max_len, pad_id=tokenizer.pad_id
+        )
         for a, b, _ in pairs
     ]
-    out = {"tokens": np.stack([r["tokens"] for r in rows]), "token_types": np.stack([r["token_type_ids"] for r in rows]),
-           "segment_ids": np.stack([r["segment_ids"] for r in rows])}  # fmt: skip
+    out = {
+        "tokens": np.stack([r["tokens"] for r in rows]),
+        "token_types": np.stack([r["token_type_ids"] for r in rows]),
+        "segment_ids": np.stack([r["segment_ids"] for r in rows]),
+    }
     return {**out, "sentence_labels": np.array([label for _, _, label in pairs], np.int32)}
 
 
@@ -166,12 +203,19 @@ class SentencePairMLM(base.Objective):
     def _loader(self, tokenizer, raw, shard, *, train: bool) -> pipeline.ExampleLoader:
         fields = self.fields
         settings = mask_settings(tokenizer, fields, self.config.train.seed)
-        pairs = make_pair_examples(raw, tokenizer, kind=self.kind, max_len=self.config.data.seq_len,
-                                   seed=self.config.train.seed + (0 if train else 1),
-                                   count=fields.num_pair_examples if train else fields.num_eval_pairs)  # fmt: skip
+        pairs = make_pair_examples(
+            raw,
+            tokenizer,
+            kind=self.kind,
+            max_len=self.config.data.seq_len,
+            seed=self.config.train.seed + (0 if train else 1),
+            count=fields.num_pair_examples if train else fields.num_eval_pairs,
+        )
         transform = functools.partial(masked_pairs, mask=functools.partial(transforms.mask_rows, **settings))
         batch_size = self.config.train.batch_size if train else self.config.eval.batch_size
-        return pipeline.ExampleLoader(pairs, batch_size, seed=self.config.train.seed, transform=transform, **dataclasses.asdict(shard))
+        return pipeline.ExampleLoader(
+            pairs, batch_size, seed=self.config.train.seed, transform=transform, **dataclasses.asdict(shard)
+        )
 
     def train_loader(self, tokenizer, raw, shard):
         return self._loader(tokenizer, raw, shard, train=True)

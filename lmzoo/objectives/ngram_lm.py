@@ -52,17 +52,25 @@ class NgramLM(base.Objective):
 
     def sentences(self, tokenizer, raw, where: str) -> tuple[np.ndarray, np.ndarray]:
         if tokenizer.eos_id != self.config.model.vocab_size - 1:
-            raise ValueError(f"the tokenizer's <eos> is id {tokenizer.eos_id}; set --config.model.vocab_size="
-                             f"{tokenizer.eos_id + 1} (the word vocabulary with <eos> last)")  # fmt: skip
-        return sentence_rows(readers.text_file_tokens(raw, tokenizer, self.config.model.vocab_size, where), tokenizer.eos_id, self.config.data.seq_len)
+            raise ValueError(
+                f"the tokenizer's <eos> is id {tokenizer.eos_id}; set --config.model.vocab_size="
+                f"{tokenizer.eos_id + 1} (the word vocabulary with <eos> last)"
+            )
+        return sentence_rows(
+            readers.text_file_tokens(raw, tokenizer, self.config.model.vocab_size, where),
+            tokenizer.eos_id,
+            self.config.data.seq_len,
+        )
 
     def train_loader(self, tokenizer, raw, shard):
         ids, weights = self.sentences(tokenizer, raw, "train split")
         loader = SentenceLoader(ids, weights, self.config.train.batch_size, **dataclasses.asdict(shard))
         self.check_capacity(ids, weights, tokenizer.eos_id)
         if self.config.train.steps > loader.num_batches:
-            raise ValueError(f"counting reads every training sentence at most once: {len(ids)} sentences make {loader.num_batches} "
-                             f"batches of {self.config.train.batch_size}; set --config.train.steps={loader.num_batches}")  # fmt: skip
+            raise ValueError(
+                f"counting reads every training sentence at most once: {len(ids)} sentences make {loader.num_batches} "
+                f"batches of {self.config.train.batch_size}; set --config.train.steps={loader.num_batches}"
+            )
         return loader
 
     def check_capacity(self, ids: np.ndarray, weights: np.ndarray, eos_id: int) -> None:
@@ -73,8 +81,10 @@ class NgramLM(base.Objective):
             return
         distinct = len(ngram.count_ngrams(ids[weights > 0], order=self.config.model.order, eos_id=eos_id)["counts"])
         if distinct > max_ngrams:
-            raise ValueError(f"the training split has {distinct} distinct {self.config.model.order}-gram rows, more than "
-                             f"config.objective.max_ngrams={max_ngrams}; set --config.objective.max_ngrams={distinct}")  # fmt: skip
+            raise ValueError(
+                f"the training split has {distinct} distinct {self.config.model.order}-gram rows, more than "
+                f"config.objective.max_ngrams={max_ngrams}; set --config.objective.max_ngrams={distinct}"
+            )
 
     def eval_batches(self, tokenizer, raw, shard):
         ids, weights = self.sentences(tokenizer, raw, "evaluation split")
@@ -89,5 +99,3 @@ class NgramLM(base.Objective):
 
     def real_tokens(self, batch):
         return int(np.sum(batch["weights"]))
-
-

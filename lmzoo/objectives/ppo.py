@@ -134,13 +134,17 @@ class PPO(base.Objective):
                 )
         rollout_rows = self.config.train.batch_size * o.samples_per_prompt
         if rollout_rows % o.minibatches:
-            raise ValueError(f"train.batch_size x samples_per_prompt = {rollout_rows} rollout rows must split into "
-                             f"config.objective.minibatches={o.minibatches} equal minibatches")  # fmt: skip
+            raise ValueError(
+                f"train.batch_size x samples_per_prompt = {rollout_rows} rollout rows must split into "
+                f"config.objective.minibatches={o.minibatches} equal minibatches"
+            )
         if o.ptx_coef > 0:
             base.check_length(self.config, "seq_len", self.config.data.seq_len)
             if o.ptx_batch_size % o.minibatches:
-                raise ValueError(f"config.objective.ptx_batch_size={o.ptx_batch_size} must split into "
-                                 f"config.objective.minibatches={o.minibatches} equal parts")  # fmt: skip
+                raise ValueError(
+                    f"config.objective.ptx_batch_size={o.ptx_batch_size} must split into "
+                    f"config.objective.minibatches={o.minibatches} equal parts"
+                )
 
     def value_problems(self, *, data_parallel_size, batches):
         """PPO-ptx demonstration rows come in the batch, sharded over the data-parallel devices like its prompts. (The
@@ -149,8 +153,10 @@ class PPO(base.Objective):
         if not batches or o.ptx_coef == 0 or o.ptx_batch_size % data_parallel_size == 0:
             return []
         fit = max(data_parallel_size, o.ptx_batch_size // data_parallel_size * data_parallel_size)
-        return [f"objective.ptx_batch_size={o.ptx_batch_size} must be a multiple of the {data_parallel_size} "
-                f"data-parallel devices; set --config.objective.ptx_batch_size={fit}"]  # fmt: skip
+        return [
+            f"objective.ptx_batch_size={o.ptx_batch_size} must be a multiple of the {data_parallel_size} "
+            f"data-parallel devices; set --config.objective.ptx_batch_size={fit}"
+        ]
 
     def model(self):
         decoder = super().model()
@@ -171,15 +177,25 @@ class PPO(base.Objective):
         )
         o = self.fields
         ptx_loss = causal_lm.causal_lm_task(model.decoder).loss if o.ptx_coef > 0 else None
-        return PPOTrainer(policy=model, reward_model=reward_model, settings=RLSettings.of(o), tx=tx, schedule=schedule,
-                          batch_size=self.config.train.batch_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                          ptx_loss=ptx_loss)  # fmt: skip
+        return PPOTrainer(
+            policy=model,
+            reward_model=reward_model,
+            settings=RLSettings.of(o),
+            tx=tx,
+            schedule=schedule,
+            batch_size=self.config.train.batch_size,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+            ptx_loss=ptx_loss,
+        )
 
     def step_summary(self):
         o = self.fields
         ptx = f"; + {o.ptx_batch_size} demonstration rows x {self.config.data.seq_len} tokens" if o.ptx_coef > 0 else ""
-        return (f"{self.config.train.batch_size} prompts x {o.samples_per_prompt} sampled response(s): {o.prompt_len} prompt + "
-                f"{o.response_len} response tokens each, {o.epochs} epoch(s) of {o.minibatches} minibatch updates{ptx}")  # fmt: skip
+        return (
+            f"{self.config.train.batch_size} prompts x {o.samples_per_prompt} sampled response(s): {o.prompt_len} prompt + "
+            f"{o.response_len} response tokens each, {o.epochs} epoch(s) of {o.minibatches} minibatch updates{ptx}"
+        )
 
     def input_shapes(self, batch_size):
         shape = (batch_size, self.fields.prompt_len)
@@ -194,24 +210,40 @@ class PPO(base.Objective):
 
     def _prompts(self, raw, where):
         tokenizer = sft.fixed_tokenizer(self.config)
-        arrays = comparisons.prompt_arrays(_unique_prompts(raw), tokenizer.encode, prompt_len=self.fields.prompt_len,
-                                           pad_id=tokenizer.pad_id)  # fmt: skip
+        arrays = comparisons.prompt_arrays(
+            _unique_prompts(raw), tokenizer.encode, prompt_len=self.fields.prompt_len, pad_id=tokenizer.pad_id
+        )
         transforms.check_token_ids(arrays["prompts"], self.config.model.vocab_size, where=where)
         return arrays
 
     def train_loader(self, tokenizer, raw, shard):
-        prompts = pipeline.ExampleLoader(self._prompts(raw, "train split"), self.config.train.batch_size,
-                                         seed=self.config.train.seed, transform=_as_batch, **dataclasses.asdict(shard))  # fmt: skip
+        prompts = pipeline.ExampleLoader(
+            self._prompts(raw, "train split"),
+            self.config.train.batch_size,
+            seed=self.config.train.seed,
+            transform=_as_batch,
+            **dataclasses.asdict(shard),
+        )
         o = self.fields
         if o.ptx_coef == 0:
             return prompts
-        demonstrations = pipeline.ExampleLoader(sft.sft_examples(raw, tokenizer, self.config, "train split"), o.ptx_batch_size,
-                                                seed=self.config.train.seed, transform=_as_batch, **dataclasses.asdict(shard))  # fmt: skip
+        demonstrations = pipeline.ExampleLoader(
+            sft.sft_examples(raw, tokenizer, self.config, "train split"),
+            o.ptx_batch_size,
+            seed=self.config.train.seed,
+            transform=_as_batch,
+            **dataclasses.asdict(shard),
+        )
         return PromptsAndDemonstrations(prompts, demonstrations, PTX_PREFIX)
 
     def eval_batches(self, tokenizer, raw, shard):
-        return pipeline.ExampleLoader(self._prompts(raw, "evaluation split"), self.config.eval.batch_size, seed=0,
-                                      transform=_as_batch, **dataclasses.asdict(shard)).eval_batches()  # fmt: skip
+        return pipeline.ExampleLoader(
+            self._prompts(raw, "evaluation split"),
+            self.config.eval.batch_size,
+            seed=0,
+            transform=_as_batch,
+            **dataclasses.asdict(shard),
+        ).eval_batches()
 
     def real_tokens(self, batch):
         return int(np.sum(batch["prompt_mask"]))
@@ -220,12 +252,16 @@ class PPO(base.Objective):
         """The SFT reference and the reward model from their workdirs, and the reward normalisation (gain, bias) that
         gives `normalize_samples` SFT samples on training prompts mean 0 and std 1 (a fixed key: the same at every start)."""
         o = self.fields
-        reference = weights.merge_pretrained(frozen["reference"], o.sft, self.config.model_name, self.config.model.to_dict())
+        reference = weights.merge_pretrained(
+            frozen["reference"], o.sft, self.config.model_name, self.config.model.to_dict()
+        )
         reward_params = weights.checkpoint_params(o.reward_model.removeprefix("ckpt:"))
         expected, loaded = jax.tree.map(np.shape, frozen["reward"]), jax.tree.map(np.shape, reward_params)
         if expected != loaded:
-            raise ValueError(f"the reward model in {o.reward_model} does not fit config.model (a reward_model run on the same "
-                             f"backbone config is needed): its parameter shapes {loaded} vs {expected}")  # fmt: skip
+            raise ValueError(
+                f"the reward model in {o.reward_model} does not fit config.model (a reward_model run on the same "
+                f"backbone config is needed): its parameter shapes {loaded} vs {expected}"
+            )
         gain, bias = self.fit_normalization(reference, reward_params)
         return {
             "reference": reference,
@@ -242,17 +278,31 @@ class PPO(base.Objective):
 
         @jax.jit
         def raw_scores(reference, reward_params, prompts):
-            samples = decoding.sample(trainer.decoder, reference, prompts["prompts"], prompts["prompt_mask"], jax.random.key(1),
-                                      max_new_tokens=o.response_len, temperature=o.temperature, eos_id=trainer.eos_id,
-                                      pad_id=trainer.pad_id)  # fmt: skip
+            samples = decoding.sample(
+                trainer.decoder,
+                reference,
+                prompts["prompts"],
+                prompts["prompt_mask"],
+                jax.random.key(1),
+                max_new_tokens=o.response_len,
+                temperature=o.temperature,
+                eos_id=trainer.eos_id,
+                pad_id=trainer.pad_id,
+            )
             inputs = rollout_inputs(prompts["prompts"], prompts["prompt_mask"], samples.tokens, samples.mask)
-            return trainer.reward_model.apply({"params": reward_params}, inputs["sequences"], segment_ids=inputs["segment_ids"],
-                                              positions=inputs["positions"])[:, 0]  # fmt: skip
+            return trainer.reward_model.apply(
+                {"params": reward_params},
+                inputs["sequences"],
+                segment_ids=inputs["segment_ids"],
+                positions=inputs["positions"],
+            )[:, 0]
 
         scores = raw_scores(reference, reward_params, prompts)
         gain, bias = reward.fit_normalization(scores)
-        print(f"reward normalisation from {len(scores)} SFT samples: raw mean {float(np.mean(scores)):.4f} "
-              f"std {float(np.std(scores)):.4f} -> gain {float(gain):.4f} bias {float(bias):.4f}")  # fmt: skip
+        print(
+            f"reward normalisation from {len(scores)} SFT samples: raw mean {float(np.mean(scores)):.4f} "
+            f"std {float(np.std(scores)):.4f} -> gain {float(gain):.4f} bias {float(bias):.4f}"
+        )
         return float(gain), float(bias)
 
     def init_params(self, params, frozen):

@@ -107,19 +107,29 @@ class RecurrentLM(base.Objective):
         schedule = epoch_decay_schedule(
             self.config.optim.learning_rate, fields.epoch_steps, fields.decay_start_epoch, fields.lr_decay
         )
-        clip = optax.clip_by_global_norm(self.config.optim.grad_clip) if self.config.optim.grad_clip > 0 else optax.identity()
+        clip = (
+            optax.clip_by_global_norm(self.config.optim.grad_clip)
+            if self.config.optim.grad_clip > 0
+            else optax.identity()
+        )
         tx = optax.chain(clip, optax.sgd(schedule))
         return supervised.SupervisedTrainer(
             self.task(model), tx, schedule, self.input_shapes(self.config.train.batch_size)
         )
 
     def train_loader(self, tokenizer, raw, shard):
-        loader = StreamLoader(readers.text_file_tokens(raw, tokenizer, self.config.model.vocab_size, "train split"), self.config.train.batch_size,
-                              self.config.data.seq_len, **dataclasses.asdict(shard))  # fmt: skip
+        loader = StreamLoader(
+            readers.text_file_tokens(raw, tokenizer, self.config.model.vocab_size, "train split"),
+            self.config.train.batch_size,
+            self.config.data.seq_len,
+            **dataclasses.asdict(shard),
+        )
         epoch_steps = self.fields.epoch_steps
         if epoch_steps and epoch_steps != loader.windows_per_epoch:
-            raise ValueError(f"config.objective.epoch_steps={epoch_steps}, but an epoch of this data is "
-                             f"{loader.windows_per_epoch} steps; set --config.objective.epoch_steps={loader.windows_per_epoch}")  # fmt: skip
+            raise ValueError(
+                f"config.objective.epoch_steps={epoch_steps}, but an epoch of this data is "
+                f"{loader.windows_per_epoch} steps; set --config.objective.epoch_steps={loader.windows_per_epoch}"
+            )
         return loader
 
     def eval_batches(self, tokenizer, raw, shard):

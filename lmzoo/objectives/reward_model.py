@@ -58,9 +58,13 @@ def reward_examples(raw: list[comparisons.Comparison], tokenizer, config, where:
     """ "tokens" [N, K, seq_len], "ranks", "valid" and "lengths" (non-pad tokens) [N, K]: each comparison's chosen
     reply ranked above the rejected one."""
     arrays = comparisons.reward_model_arrays(
-        [comparisons.as_ranked(c) for c in raw], tokenizer.encode, max_len=config.data.seq_len,
-        max_responses=config.objective.max_responses, pad_id=tokenizer.pad_id, eos_id=sft.end_id(tokenizer),
-    )  # fmt: skip
+        [comparisons.as_ranked(c) for c in raw],
+        tokenizer.encode,
+        max_len=config.data.seq_len,
+        max_responses=config.objective.max_responses,
+        pad_id=tokenizer.pad_id,
+        eos_id=sft.end_id(tokenizer),
+    )
     transforms.check_token_ids(arrays["tokens"], config.model.vocab_size, where=where)
     return {**arrays, "lengths": np.sum(arrays["tokens"] != tokenizer.pad_id, axis=-1).astype(np.int32)}
 
@@ -89,8 +93,13 @@ class RewardModel(base.Objective):
         }
 
     def _loader(self, tokenizer, raw, shard, batch_size, where):
-        return pipeline.ExampleLoader(reward_examples(raw, tokenizer, self.config, where), batch_size, seed=self.config.train.seed,
-                                      transform=lambda rows, ids, epochs: dict(rows), **dataclasses.asdict(shard))  # fmt: skip
+        return pipeline.ExampleLoader(
+            reward_examples(raw, tokenizer, self.config, where),
+            batch_size,
+            seed=self.config.train.seed,
+            transform=lambda rows, ids, epochs: dict(rows),
+            **dataclasses.asdict(shard),
+        )
 
     def train_loader(self, tokenizer, raw, shard):
         return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")

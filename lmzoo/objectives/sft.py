@@ -38,8 +38,10 @@ def fixed_tokenizer(config) -> tokenizers.Tokenizer:
     spec = config.data.tokenizer.to_dict()
     kind = spec.pop("kind")
     if kind != "byte" and not spec.get("path"):
-        raise ValueError(f"objective {config.objective.name!r} needs a tokenizer fixed before reading data: "
-                         "set config.data.tokenizer.kind='byte' or give config.data.tokenizer.path")  # fmt: skip
+        raise ValueError(
+            f"objective {config.objective.name!r} needs a tokenizer fixed before reading data: "
+            "set config.data.tokenizer.kind='byte' or give config.data.tokenizer.path"
+        )
     tokenizer = tokenizers.build_tokenizer(kind, **spec)
     if tokenizer.pad_id is None:
         raise ValueError(f"objective {config.objective.name!r} needs a tokenizer with a <pad> id (e.g. kind='byte')")
@@ -90,8 +92,13 @@ class SFT(base.Objective):
         }
 
     def _loader(self, tokenizer, raw, shard, batch_size, where):
-        return pipeline.ExampleLoader(sft_examples(raw, tokenizer, self.config, where), batch_size, seed=self.config.train.seed,
-                                      transform=_as_batch, **dataclasses.asdict(shard))  # fmt: skip
+        return pipeline.ExampleLoader(
+            sft_examples(raw, tokenizer, self.config, where),
+            batch_size,
+            seed=self.config.train.seed,
+            transform=_as_batch,
+            **dataclasses.asdict(shard),
+        )
 
     def train_loader(self, tokenizer, raw, shard):
         return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")

@@ -20,22 +20,30 @@ def text_pair_examples(
         raise ValueError("text_to_text needs a tokenizer with <pad> and <eos> ids (sentencepiece has both)")
     sources = tokenizer.encode_batch([s for s, _ in pairs])
     targets = tokenizer.encode_batch([t for _, t in pairs])
-    out = {"inputs": np.full((len(pairs), inputs_length), pad, np.int32), "targets": np.full((len(pairs), targets_length), pad, np.int32)}
+    out = {
+        "inputs": np.full((len(pairs), inputs_length), pad, np.int32),
+        "targets": np.full((len(pairs), targets_length), pad, np.int32),
+    }
     for i, (source, target) in enumerate(zip(sources, targets, strict=True)):
-        source = source[len(source) - (inputs_length - 1):] if len(source) >= inputs_length else source
+        source = source[len(source) - (inputs_length - 1) :] if len(source) >= inputs_length else source
         target = target[: targets_length - 1]
         out["inputs"][i, : len(source) + 1] = [*source, eos]
         out["targets"][i, : len(target) + 1] = [*target, eos]
     return out
 
 
-def text_pair_rows(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np.ndarray, *, pad_id: int, decoder_start_id: int) -> dict[str, np.ndarray]:
+def text_pair_rows(
+    rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np.ndarray, *, pad_id: int, decoder_start_id: int
+) -> dict[str, np.ndarray]:
     """ExampleLoader transform for (inputs, targets) rows: encoder segment ids, decoder inputs, weights."""
     targets = rows["targets"]
     return {
-        "inputs": rows["inputs"], "encoder_segment_ids": (rows["inputs"] != pad_id).astype(np.int32), "targets": targets,
-        "decoder_inputs": transforms.shift_right(targets, decoder_start_id), "weights": (targets != pad_id).astype(np.float32),
-    }  # fmt: skip
+        "inputs": rows["inputs"],
+        "encoder_segment_ids": (rows["inputs"] != pad_id).astype(np.int32),
+        "targets": targets,
+        "decoder_inputs": transforms.shift_right(targets, decoder_start_id),
+        "weights": (targets != pad_id).astype(np.float32),
+    }
 
 
 class TextToText(base.Objective):
@@ -56,15 +64,19 @@ class TextToText(base.Objective):
     def value_problems(self, *, data_parallel_size, batches):
         if self.config.data.target_seq_len >= 1:
             return []
-        return [f"config.data.target_seq_len={self.config.data.target_seq_len!r}: must be a positive integer; "
-                "set --config.data.target_seq_len=N"]  # fmt: skip
+        return [
+            f"config.data.target_seq_len={self.config.data.target_seq_len!r}: must be a positive integer; "
+            "set --config.data.target_seq_len=N"
+        ]
 
     def task(self, model):
         return denoising.seq2seq_task(model)
 
     def input_shapes(self, batch_size):
-        return {"inputs": base.int_inputs((batch_size, self.config.data.seq_len)),
-                "decoder_inputs": base.int_inputs((batch_size, self.config.data.target_seq_len))}  # fmt: skip
+        return {
+            "inputs": base.int_inputs((batch_size, self.config.data.seq_len)),
+            "decoder_inputs": base.int_inputs((batch_size, self.config.data.target_seq_len)),
+        }
 
     def real_tokens(self, batch):
         return denoising.seq2seq_real_tokens(batch)
@@ -73,8 +85,12 @@ class TextToText(base.Objective):
         examples = text_pair_examples(raw, tokenizer, self.config.data.seq_len, self.config.data.target_seq_len)
         for key in ("inputs", "targets"):
             transforms.check_token_ids(examples[key], self.config.model.vocab_size, where=f"{where} {key}")
-        transform = functools.partial(text_pair_rows, pad_id=tokenizer.pad_id, decoder_start_id=self.config.model.decoder_start_id)
-        return pipeline.ExampleLoader(examples, batch_size, seed=self.config.train.seed, transform=transform, **dataclasses.asdict(shard))
+        transform = functools.partial(
+            text_pair_rows, pad_id=tokenizer.pad_id, decoder_start_id=self.config.model.decoder_start_id
+        )
+        return pipeline.ExampleLoader(
+            examples, batch_size, seed=self.config.train.seed, transform=transform, **dataclasses.asdict(shard)
+        )
 
     def train_loader(self, tokenizer, raw, shard):
         return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train")

@@ -61,8 +61,13 @@ def importance_weighted_bound(
     z = mu + jnp.exp(0.5 * logvar) * eps  # [K, B, Z]
 
     def log_likelihood(z_k):
-        logits, _ = model.apply({"params": params}, z_k, batch["inputs"], model.apply({"params": params}, z_k, method=model.start_state),
-                                method=model.decode)  # fmt: skip
+        logits, _ = model.apply(
+            {"params": params},
+            z_k,
+            batch["inputs"],
+            model.apply({"params": params}, z_k, method=model.start_state),
+            method=model.decode,
+        )
         return -sentence_nll(logits, batch)
 
     log_px_z = jax.lax.map(log_likelihood, z)  # [K, B]
@@ -82,8 +87,15 @@ def vae_task(model: vae_lm.VAELM, fields: "ElboConfig") -> Task:
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
         z_rng, dropout_rng = jax.random.split(rng)
-        logits, mu, logvar = model.apply({"params": params}, batch["targets"], batch["inputs"], batch["weights"],
-                                         rng=z_rng, deterministic=not train, rngs={"dropout": dropout_rng})  # fmt: skip
+        logits, mu, logvar = model.apply(
+            {"params": params},
+            batch["targets"],
+            batch["inputs"],
+            batch["weights"],
+            rng=z_rng,
+            deterministic=not train,
+            rngs={"dropout": dropout_rng},
+        )
         reconstruction = jnp.sum(sentence_nll(logits, batch))
         kl = vae_lm.gaussian_kl(mu, logvar) * (jnp.sum(batch["weights"], axis=1) > 0)[:, None]  # padding rows: 0
         beta = kl_weight(step, fields.kl_anneal_steps) if train else jnp.ones((), jnp.float32)
@@ -164,24 +176,41 @@ class VAELanguageModel(base.Objective):
         }
 
     def _rows(self, tokenizer, raw, where):
-        return sentence_rows(readers.text_file_tokens(raw, tokenizer, self.config.model.vocab_size, where), tokenizer.eos_id, self.config.data.seq_len)
+        return sentence_rows(
+            readers.text_file_tokens(raw, tokenizer, self.config.model.vocab_size, where),
+            tokenizer.eos_id,
+            self.config.data.seq_len,
+        )
 
     def train_loader(self, tokenizer, raw, shard):
         ids, weights = self._rows(tokenizer, raw, "train split")
         fields = self.fields
-        sentences = SentenceLoader(ids, weights, self.config.train.batch_size, **dataclasses.asdict(shard),
-                                   length_multiple=fields.length_multiple)  # fmt: skip
+        sentences = SentenceLoader(
+            ids,
+            weights,
+            self.config.train.batch_size,
+            **dataclasses.asdict(shard),
+            length_multiple=fields.length_multiple,
+        )
         if fields.word_dropout > 0 and tokenizer.unk_id is None:
-            raise ValueError("config.objective.word_dropout replaces words by <unk>, which this tokenizer does not "
-                             "have; use a word tokenizer with <unk> or set --config.objective.word_dropout=0")  # fmt: skip
-        transform = functools.partial(with_dropped_words, bos_id=tokenizer.eos_id, word_dropout=fields.word_dropout,
-                                      unk_id=tokenizer.unk_id)  # fmt: skip
+            raise ValueError(
+                "config.objective.word_dropout replaces words by <unk>, which this tokenizer does not "
+                "have; use a word tokenizer with <unk> or set --config.objective.word_dropout=0"
+            )
+        transform = functools.partial(
+            with_dropped_words, bos_id=tokenizer.eos_id, word_dropout=fields.word_dropout, unk_id=tokenizer.unk_id
+        )
         return ShuffledSentences(sentences, self.config.train.seed, fields.length_pool, transform)
 
     def eval_batches(self, tokenizer, raw, shard):
         ids, weights = self._rows(tokenizer, raw, "evaluation split")
-        loader = SentenceLoader(ids, weights, self.config.eval.batch_size, **dataclasses.asdict(shard),
-                                length_multiple=self.fields.length_multiple)  # fmt: skip
+        loader = SentenceLoader(
+            ids,
+            weights,
+            self.config.eval.batch_size,
+            **dataclasses.asdict(shard),
+            length_multiple=self.fields.length_multiple,
+        )
         return (with_inputs(batch, tokenizer.eos_id) for batch in length_sorted_batches(loader))
 
     def real_tokens(self, batch):

@@ -106,9 +106,14 @@ def last_token_indicator(mask: jax.Array) -> jax.Array:
 
 
 def shaped_rewards(
-    scores: jax.Array, logprobs: jax.Array, ref_logprobs: jax.Array, mask: jax.Array, *, kl_coef: float | jax.Array,
+    scores: jax.Array,
+    logprobs: jax.Array,
+    ref_logprobs: jax.Array,
+    mask: jax.Array,
+    *,
+    kl_coef: float | jax.Array,
     estimator: str = "k1",
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+) -> tuple[jax.Array, jax.Array]:
     """Per-token rewards r_t = −β·kl_t + [t = last]·score.
 
     scores [B] (already normalised and penalised), logprobs/ref_logprobs/mask [B, T] ->
@@ -180,9 +185,16 @@ def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -
 
 
 def ppo_loss(
-    logprobs: jax.Array, entropy: jax.Array, values: jax.Array, rollout: dict[str, jax.Array], *, clip_eps: float = 0.2,
-    value_clip_eps: float = 0.2, value_coef: float = 0.1, entropy_coef: float = 0.0,
-) -> tuple[jax.Array, Metrics]:  # fmt: skip
+    logprobs: jax.Array,
+    entropy: jax.Array,
+    values: jax.Array,
+    rollout: dict[str, jax.Array],
+    *,
+    clip_eps: float = 0.2,
+    value_clip_eps: float = 0.2,
+    value_coef: float = 0.1,
+    entropy_coef: float = 0.0,
+) -> tuple[jax.Array, Metrics]:
     """L = L_policy + c_v·L_value − c_H·entropy for one minibatch.
 
     logprobs, entropy, values [B, T] from the current parameters; rollout holds the fixed
@@ -208,10 +220,21 @@ def ppo_loss(
 
 
 def ppo_rollout_targets(
-    scores: jax.Array, has_eos: jax.Array, logprobs: jax.Array, ref_logprobs: jax.Array, values: jax.Array, mask: jax.Array,
-    *, kl_coef: float | jax.Array, gamma: float = 1.0, lam: float = 0.95, kl_estimator: str = "k1",
-    missing_eos_penalty: float | None = None, missing_eos_mode: str = "subtract", whiten_rewards: bool = False,
-) -> tuple[dict[str, jax.Array], Metrics]:  # fmt: skip
+    scores: jax.Array,
+    has_eos: jax.Array,
+    logprobs: jax.Array,
+    ref_logprobs: jax.Array,
+    values: jax.Array,
+    mask: jax.Array,
+    *,
+    kl_coef: float | jax.Array,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    kl_estimator: str = "k1",
+    missing_eos_penalty: float | None = None,
+    missing_eos_mode: str = "subtract",
+    whiten_rewards: bool = False,
+) -> tuple[dict[str, jax.Array], Metrics]:
     """Everything PPO needs from one scored rollout, computed once before the epochs.
 
     scores [B] (normalised RM scores), has_eos [B], logprobs/ref_logprobs/values/mask [B, T] ->
@@ -225,9 +248,13 @@ def ppo_rollout_targets(
         rewards = whiten(rewards, mask, shift_mean=False)
     advantages, returns = gae(rewards, values * mask, mask, gamma=gamma, lam=lam)
     rollout = {
-        "old_logprobs": logprobs, "old_values": values * mask, "advantages": whiten(advantages, mask),
-        "returns": returns, "rewards": rewards, "mask": mask,
-    }  # fmt: skip
+        "old_logprobs": logprobs,
+        "old_values": values * mask,
+        "advantages": whiten(advantages, mask),
+        "returns": returns,
+        "rewards": rewards,
+        "mask": mask,
+    }
     batch = jnp.asarray(scores.shape[0], jnp.float32)
     sequence_kl = jnp.sum(kl, axis=1)
     metrics = {

@@ -23,9 +23,13 @@ def reward_model(backbone: nn.Module, emb_dim: int) -> heads.SequenceClassifier:
     no dropout, so rollouts, training and evaluation score the same way.
     """
     return heads.SequenceClassifier(
-        backbone, 1, head="linear", pooling="last", dropout_rate=0.0,
+        backbone,
+        1,
+        head="linear",
+        pooling="last",
+        dropout_rate=0.0,
         classifier_init=nn.initializers.normal((emb_dim + 1) ** -0.5),
-    )  # fmt: skip
+    )
 
 
 def value_model(backbone: nn.Module) -> heads.TokenClassifier:

@@ -29,7 +29,13 @@ from lmzoo.train.run import Run, build, has_checkpoints, restore_or_init
 log = logging.getLogger(__name__)
 
 
-HEADLINE_METRICS = ("loss", "perplexity", "accuracy", "score", "kl")  # printed after each in-loop evaluation, when present
+HEADLINE_METRICS = (
+    "loss",
+    "perplexity",
+    "accuracy",
+    "score",
+    "kl",
+)  # printed after each in-loop evaluation, when present
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -215,9 +221,12 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
     last_good = start
     total, window_start, window_step, window_tokens = None, time.time(), start, 0
     progress = tqdm(
-        total=config.train.steps, initial=start, disable=not is_main, desc="train",
+        total=config.train.steps,
+        initial=start,
+        disable=not is_main,
+        desc="train",
         mininterval=0.5 if sys.stderr.isatty() else 30.0,
-    )  # fmt: skip
+    )
     final = None
     try:
         for step in range(start, config.train.steps):
@@ -278,8 +287,17 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
             final = evaluate(run, state)
         params = run.compiled.host_params(state) if config.train.sample_tokens > 0 else None
         if is_main and params is not None:
-            text = sample_text(run, params, config.train.sample_prompt, max_new_tokens=config.train.sample_tokens,
-                                          temperature=0.8, top_k=0, top_p=0.95, seed=config.train.seed, fit_to_model=True)  # fmt: skip
+            text = sample_text(
+                run,
+                params,
+                config.train.sample_prompt,
+                max_new_tokens=config.train.sample_tokens,
+                temperature=0.8,
+                top_k=0,
+                top_p=0.95,
+                seed=config.train.seed,
+                fit_to_model=True,
+            )
             (run.workdir / "sample.txt").write_text(config.train.sample_prompt + text)
             print(f"--- sample (step {int(state.step)}) ---\n{config.train.sample_prompt}{text}\n---")
         if is_main:

@@ -42,20 +42,26 @@ def validated_objective(config: ml_collections.ConfigDict) -> base.Objective:
     known = objectives.defaults(objective.name)
     unknown = sorted(set(given) - set(known))
     if unknown:
-        raise ValueError(f"config.objective has field(s) {unknown} that objective {objective.name!r} does not have; "
-                         f"its fields: {sorted(known)}")  # fmt: skip
+        raise ValueError(
+            f"config.objective has field(s) {unknown} that objective {objective.name!r} does not have; "
+            f"its fields: {sorted(known)}"
+        )
     with config.unlocked():
         config.objective = objectives.objective_section(objective.name, **given)
     built = objective(config)
     built.check()
     evaluators = tuple(config.eval.evaluators)
     if not evaluators or evaluators[0] != "loss" or "reconstruction" in evaluators:
-        raise ValueError(f"config.eval.evaluators={evaluators} must start with 'loss' and may add {list(objective.evaluators[1:])} "
-                         "(reconstruction runs from eval.py --reconstruct)")  # fmt: skip
+        raise ValueError(
+            f"config.eval.evaluators={evaluators} must start with 'loss' and may add {list(objective.evaluators[1:])} "
+            "(reconstruction runs from eval.py --reconstruct)"
+        )
     for name in evaluators:
         if name not in objective.evaluators:
-            raise ValueError(f"config.eval.evaluators has {name!r}, which does not apply to objective {objective.name!r}; "
-                             f"its evaluators: {list(objective.evaluators)}")  # fmt: skip
+            raise ValueError(
+                f"config.eval.evaluators has {name!r}, which does not apply to objective {objective.name!r}; "
+                f"its evaluators: {list(objective.evaluators)}"
+            )
     config.lock()
     return built
 
@@ -71,9 +77,10 @@ def load_saved(workdir: str) -> ml_collections.ConfigDict:
     known = objectives.defaults(objective["name"])
     config = config_lib.base_config()
     config.update(saved)
-    config.objective = objectives.objective_section(objective["name"], **{k: v for k, v in objective.items() if k in known})
+    config.objective = objectives.objective_section(
+        objective["name"], **{k: v for k, v in objective.items() if k in known}
+    )
     return config
-
 
 
 @dataclasses.dataclass
@@ -129,8 +136,13 @@ def has_checkpoints(workdir: pathlib.Path) -> bool:
     return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
 
 
-def _tokenizer(config: ml_collections.ConfigDict, run_splits: dict, objective: base.Objective, workdir: pathlib.Path,
-               stage: workdir_lib.StagedRunState | None) -> tokenizers.Tokenizer:  # fmt: skip
+def _tokenizer(
+    config: ml_collections.ConfigDict,
+    run_splits: dict,
+    objective: base.Objective,
+    workdir: pathlib.Path,
+    stage: workdir_lib.StagedRunState | None,
+) -> tokenizers.Tokenizer:
     """The run's tokenizer: the workdir's when it has checkpoints (so a resumed run keeps its ids); else
     built (from the run's data for kinds learnt from a corpus) and, when `stage` is given, staged there.
     A tokenizer left by a run that never saved a checkpoint is rebuilt, never reused."""
@@ -156,8 +168,13 @@ def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def build(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.StagedRunState | None = None, *,
-          batches: bool = True) -> Run:  # fmt: skip
+def build(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    stage: workdir_lib.StagedRunState | None = None,
+    *,
+    batches: bool = True,
+) -> Run:
     """Validated config, objective, tokenizer, model, compiled trainer and checkpointer for a workdir.
 
     stage: where a training run stages a newly built tokenizer (None: a new tokenizer is not saved).
@@ -183,16 +200,22 @@ def build(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.St
             f"({tokenizer.vocab_size}); set --config.model.vocab_size={tokenizer.vocab_size} (or larger)"
         )
     model = objective.model()
-    compiled = trainers_base.compile_trainer(
-        objective.trainer(model), mesh=mesh, rules=rules, seed=config.train.seed
-    )
+    compiled = trainers_base.compile_trainer(objective.trainer(model), mesh=mesh, rules=rules, seed=config.train.seed)
     checkpointer = checkpoint.Checkpointer(
         str(workdir_path / "checkpoints"),
         max_to_keep=config.train.keep_checkpoints,
         async_save=config.train.async_checkpoints,
     )
-    return Run(config=config, workdir=workdir_path, objective=objective, tokenizer=tokenizer, model=model,
-               compiled=compiled, checkpointer=checkpointer, splits=splits)  # fmt: skip
+    return Run(
+        config=config,
+        workdir=workdir_path,
+        objective=objective,
+        tokenizer=tokenizer,
+        model=model,
+        compiled=compiled,
+        checkpointer=checkpointer,
+        splits=splits,
+    )
 
 
 def load_frozen(run: Run) -> Any:
@@ -275,10 +298,12 @@ def restore_step(run, step: int | None = None) -> tuple[int, Any]:
     if step is None:
         restored = run.checkpointer.restore_latest(run.abstract_state)
         if restored is None:
-            raise FileNotFoundError(f"no checkpoint found in {run.checkpointer.directory}; train first with train.py --workdir={run.workdir}")
+            raise FileNotFoundError(
+                f"no checkpoint found in {run.checkpointer.directory}; train first with train.py --workdir={run.workdir}"
+            )
         return restored[0], restored[1]
     if step not in run.checkpointer.steps():
-        raise FileNotFoundError(f"no checkpoint for step {step} in {run.checkpointer.directory}; kept steps: {run.checkpointer.steps()}")
+        raise FileNotFoundError(
+            f"no checkpoint for step {step} in {run.checkpointer.directory}; kept steps: {run.checkpointer.steps()}"
+        )
     return step, run.checkpointer.restore(step, run.abstract_state)[0]
-
-

@@ -121,9 +121,11 @@ def _jit_phases(trainer: Any, state_shardings: Any, batch_sharding: Any, replica
     for name in names:
         last = name == names[-1]
         jitted[name] = jax.jit(
-            functools.partial(trainer.run_phase, name), in_shardings=(state_shardings, batch_sharding, None),
-            out_shardings=(state_shardings, replicated) if last else None, donate_argnums=0 if last else (),
-        )  # fmt: skip
+            functools.partial(trainer.run_phase, name),
+            in_shardings=(state_shardings, batch_sharding, None),
+            out_shardings=(state_shardings, replicated) if last else None,
+            donate_argnums=0 if last else (),
+        )
     return jitted
 
 
@@ -144,17 +146,30 @@ def compile_trainer(trainer: Any, *, mesh: jax.sharding.Mesh, rules: tuple, seed
         batch_sharding = sharding.batch_sharding(mesh, rules)
         replicated = sharding.replicated(mesh)
         return CompiledTrainer(
-            trainer=trainer, mesh=mesh, rules=rules, abstract_state=abstract_state, state_shardings=state_shardings,
+            trainer=trainer,
+            mesh=mesh,
+            rules=rules,
+            abstract_state=abstract_state,
+            state_shardings=state_shardings,
             batch_sharding=batch_sharding,
-            init=jax.jit(lambda rng: nn.unbox(trainer.init(rng)), out_shardings=state_shardings,
-                         compiler_options=_init_compiler_options(mesh)),
+            init=jax.jit(
+                lambda rng: nn.unbox(trainer.init(rng)),
+                out_shardings=state_shardings,
+                compiler_options=_init_compiler_options(mesh),
+            ),
             step=jax.jit(
                 lambda state, batch: trainer.step(state, batch),
-                in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated), donate_argnums=0,
+                in_shardings=(state_shardings, batch_sharding),
+                out_shardings=(state_shardings, replicated),
+                donate_argnums=0,
             ),
-            eval_step=jax.jit(lambda state, batch, carry: trainer.eval_step(state, batch, carry),
-                              in_shardings=(state_shardings, batch_sharding, None), out_shardings=(replicated, None)),
-            with_params=jax.jit(lambda state, params: trainer.with_params(state, params), out_shardings=state_shardings),
+            eval_step=jax.jit(
+                lambda state, batch, carry: trainer.eval_step(state, batch, carry),
+                in_shardings=(state_shardings, batch_sharding, None),
+                out_shardings=(replicated, None),
+            ),
+            with_params=jax.jit(
+                lambda state, params: trainer.with_params(state, params), out_shardings=state_shardings
+            ),
             phases=_jit_phases(trainer, state_shardings, batch_sharding, replicated),
-        )  # fmt: skip
-
+        )

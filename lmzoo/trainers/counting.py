@@ -104,8 +104,14 @@ class CountingTrainer:
 
     def _log_probs(self, ngrams, counts, targets) -> np.ndarray:
         cfg = self.model
-        state = self.fitted.get(np.asarray(ngrams), np.asarray(counts), vocab_size=cfg.vocab_size, eos_id=self.eos_id,
-                                smoothing=cfg.smoothing, add_k=cfg.add_k)  # fmt: skip
+        state = self.fitted.get(
+            np.asarray(ngrams),
+            np.asarray(counts),
+            vocab_size=cfg.vocab_size,
+            eos_id=self.eos_id,
+            smoothing=cfg.smoothing,
+            add_k=cfg.add_k,
+        )
         rows = history_rows(np.asarray(targets), order=cfg.order, eos_id=self.eos_id).reshape(-1, cfg.order)
         return ngram.log_prob(state, rows[:, :-1], rows[:, -1]).reshape(targets.shape).astype(np.float32)
 

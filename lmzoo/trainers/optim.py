@@ -48,9 +48,13 @@ def weight_decay_mask(params, *, decay_embeddings: bool):
 def _adamw(optim: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = learning_rate_schedule(optim)
     tx = optax.adamw(
-        schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay,
+        schedule,
+        b1=optim.b1,
+        b2=optim.b2,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
         mask=lambda params: weight_decay_mask(params, decay_embeddings=optim.decay_embeddings),
-    )  # fmt: skip
+    )
     return tx, schedule
 
 
@@ -66,8 +70,10 @@ def group_labels(params, paths: list[str]):
     unmatched = [p for p in paths if p not in labels.values()]
     if unmatched:
         top = sorted({path[0] for path in labels})
-        raise ValueError(f"config.optim.groups names {unmatched}, which match no parameters (or only ones an earlier "
-                         f"group took); paths are '/'-joined param names, top level: {top}")  # fmt: skip
+        raise ValueError(
+            f"config.optim.groups names {unmatched}, which match no parameters (or only ones an earlier "
+            f"group took); paths are '/'-joined param names, top level: {top}"
+        )
     return traverse_util.unflatten_dict(labels)
 
 

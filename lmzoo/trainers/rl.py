@@ -112,8 +112,14 @@ class PPOTrainer:
             "reward_gain": jnp.ones((), jnp.float32),
             "reward_bias": jnp.zeros((), jnp.float32),
         }
-        return PPOState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                        rng=jax.random.key_data(state_rng), frozen=frozen, kl_coef=jnp.asarray(s.kl_coef, jnp.float32))  # fmt: skip
+        return PPOState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.tx.init(params),
+            rng=jax.random.key_data(state_rng),
+            frozen=frozen,
+            kl_coef=jnp.asarray(s.kl_coef, jnp.float32),
+        )
 
     def initial_carry(self, batch_size: int) -> dict:
         return {}
@@ -122,8 +128,11 @@ class PPOTrainer:
         return state.replace(params=params, opt_state=self.tx.init(params))
 
     def _logprobs(self, logits: jax.Array, responses: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return policy_gradient.response_logprobs(policy_gradient.align_to_responses(logits, self.settings.prompt_len), responses,
-                                     temperature=self.settings.temperature)  # fmt: skip
+        return policy_gradient.response_logprobs(
+            policy_gradient.align_to_responses(logits, self.settings.prompt_len),
+            responses,
+            temperature=self.settings.temperature,
+        )
 
     def generate(self, params, batch, rng, *, samples_per_prompt: int) -> dict[str, jax.Array]:
         """`samples_per_prompt` responses to each of batch "prompts"/"prompt_mask" [B, P] from the KV-cache sampler ->
@@ -131,10 +140,23 @@ class PPOTrainer:
         s = self.settings
         prompts = jnp.repeat(batch["prompts"], samples_per_prompt, axis=0)
         prompt_mask = jnp.repeat(batch["prompt_mask"], samples_per_prompt, axis=0)
-        samples = decoding.sample(self.decoder, params["decoder"], prompts, prompt_mask, rng, max_new_tokens=s.response_len,
-                                  temperature=s.temperature, eos_id=self.eos_id, pad_id=self.pad_id)  # fmt: skip
-        return {"prompts": prompts, "prompt_mask": prompt_mask, "responses": samples.tokens,
-                "mask": samples.mask.astype(jnp.float32)}  # fmt: skip
+        samples = decoding.sample(
+            self.decoder,
+            params["decoder"],
+            prompts,
+            prompt_mask,
+            rng,
+            max_new_tokens=s.response_len,
+            temperature=s.temperature,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+        )
+        return {
+            "prompts": prompts,
+            "prompt_mask": prompt_mask,
+            "responses": samples.tokens,
+            "mask": samples.mask.astype(jnp.float32),
+        }
 
     def score(self, params, frozen, kl_coef, samples: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], Metrics]:
         """Scores `generate`'s samples with the frozen reward model, reads the policy's and the reference's log-probs
@@ -154,17 +176,34 @@ class PPOTrainer:
         if s.missing_eos_penalty > 0:
             scores = policy_gradient.penalize_missing_eos(scores, has_eos, penalty=s.missing_eos_penalty)
         targets, metrics = policy_gradient.ppo_rollout_targets(
-            scores, has_eos, jax.lax.stop_gradient(logprobs), ref_logprobs,
-            jax.lax.stop_gradient(policy_gradient.align_to_responses(values, s.prompt_len)), mask, kl_coef=kl_coef, gamma=s.gamma,
-            lam=s.lam, kl_estimator=s.kl_estimator, whiten_rewards=s.whiten_rewards,
-        )  # fmt: skip
+            scores,
+            has_eos,
+            jax.lax.stop_gradient(logprobs),
+            ref_logprobs,
+            jax.lax.stop_gradient(policy_gradient.align_to_responses(values, s.prompt_len)),
+            mask,
+            kl_coef=kl_coef,
+            gamma=s.gamma,
+            lam=s.lam,
+            kl_estimator=s.kl_estimator,
+            whiten_rewards=s.whiten_rewards,
+        )
         sequence_returns = jnp.sum(targets["rewards"], axis=1)  # score − β·Σ_t kl_t (scaled if whitened)
         rows = jnp.asarray(scores.shape[0], jnp.float32)
-        metrics = {**metrics, "objective/raw_scores": (jnp.sum(raw_scores), rows),
-                   "objective/entropy": (jnp.sum(-logprobs * mask), rows),
-                   "policy/rollout_entropy": policy_gradient.masked_stats(entropy, mask)}  # fmt: skip
-        rollout = {**targets, **inputs, "responses": responses, "scores": scores,
-                   "sequence_kl": jnp.sum((logprobs - ref_logprobs) * mask, axis=1), "sequence_returns": sequence_returns}  # fmt: skip
+        metrics = {
+            **metrics,
+            "objective/raw_scores": (jnp.sum(raw_scores), rows),
+            "objective/entropy": (jnp.sum(-logprobs * mask), rows),
+            "policy/rollout_entropy": policy_gradient.masked_stats(entropy, mask),
+        }
+        rollout = {
+            **targets,
+            **inputs,
+            "responses": responses,
+            "scores": scores,
+            "sequence_kl": jnp.sum((logprobs - ref_logprobs) * mask, axis=1),
+            "sequence_returns": sequence_returns,
+        }
         return jax.tree.map(jax.lax.stop_gradient, rollout), metrics
 
     def rollout(
@@ -190,21 +229,37 @@ class PPOTrainer:
 
     def _policy_loss(self, params, minibatch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
         s = self.settings
-        logits, values = self.policy.apply({"params": params}, minibatch["sequences"],
-                                           segment_ids=minibatch["segment_ids"], positions=minibatch["positions"])  # fmt: skip
+        logits, values = self.policy.apply(
+            {"params": params},
+            minibatch["sequences"],
+            segment_ids=minibatch["segment_ids"],
+            positions=minibatch["positions"],
+        )
         logprobs, entropy = self._logprobs(logits, minibatch["responses"])
         if s.algorithm == "ppo":
-            return policy_gradient.ppo_loss(logprobs, entropy, policy_gradient.align_to_responses(values, s.prompt_len), minibatch, clip_eps=s.clip_eps,
-                                value_clip_eps=s.value_clip_eps, value_coef=s.value_coef, entropy_coef=s.entropy_coef)  # fmt: skip
+            return policy_gradient.ppo_loss(
+                logprobs,
+                entropy,
+                policy_gradient.align_to_responses(values, s.prompt_len),
+                minibatch,
+                clip_eps=s.clip_eps,
+                value_clip_eps=s.value_clip_eps,
+                value_coef=s.value_coef,
+                entropy_coef=s.entropy_coef,
+            )
         mask = minibatch["mask"]
         loss, metrics = policy_gradient.reinforce_loss(logprobs, minibatch["sequence_advantages"], mask)
         loss = loss - s.entropy_coef * policy_gradient.masked_mean(entropy, mask)
         return loss, {**metrics, "policy/entropy": jax.lax.stop_gradient(policy_gradient.masked_stats(entropy, mask))}
 
     def update(
-        self, params, opt_state, rollout: dict[str, jax.Array], rng: jax.Array,
+        self,
+        params,
+        opt_state,
+        rollout: dict[str, jax.Array],
+        rng: jax.Array,
         demonstrations: dict[str, jax.Array] | None = None,
-    ):  # fmt: skip
+    ):
         """`epochs` passes over the rollout, each a fresh permutation split into `minibatches` optimizer updates
         -> (params, opt_state, metrics summed over the updates). REINFORCE/RLOO first turn the sequence returns into
         per-prompt baselined advantages. `demonstrations` (PPO-ptx, [R, L] arrays) are split into `minibatches` strided
@@ -272,8 +327,13 @@ class PPOTrainer:
         ).kl_coef
         one = jnp.ones((), jnp.float32)
         metrics = {**metrics, **update_metrics, "learning_rate": (self.schedule(state.step), one)}
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=jax.random.key_data(rng),
-                                  kl_coef=jnp.asarray(kl_coef, jnp.float32))  # fmt: skip
+        new_state = state.replace(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            rng=jax.random.key_data(rng),
+            kl_coef=jnp.asarray(kl_coef, jnp.float32),
+        )
         return new_state, metrics
 
     def step(self, state: PPOState, batch) -> tuple[PPOState, Metrics]:

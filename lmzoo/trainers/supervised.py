@@ -46,9 +46,13 @@ class SupervisedTrainer:
         batch = {k: jnp.zeros(s.shape, s.dtype) for k, s in self.input_shapes.items()}
         params, frozen = self.task.init(params_rng, batch)
         return TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-            rng=jax.random.key_data(state_rng), frozen=frozen, carry=self.task.initial_carry(self.batch_size),
-        )  # fmt: skip
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.tx.init(params),
+            rng=jax.random.key_data(state_rng),
+            frozen=frozen,
+            carry=self.task.initial_carry(self.batch_size),
+        )
 
     def initial_carry(self, batch_size: int) -> Any:
         return self.task.initial_carry(batch_size)
@@ -66,13 +70,17 @@ class SupervisedTrainer:
         else:
             micro, micro_carry = split_microbatches(batch, count), split_microbatches(state.carry, count)
             first = jax.tree.map(lambda x: x[0], (micro, micro_carry))
-            (_, (metrics_shape, _)), grads_shape = jax.eval_shape(grad_fn, state.params, state.frozen, first[1], first[0], step_rng)
+            (_, (metrics_shape, _)), grads_shape = jax.eval_shape(
+                grad_fn, state.params, state.frozen, first[1], first[0], step_rng
+            )
             zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
 
             def accumulate(acc, xs):
                 grads_sum, metrics_sum = acc
                 micro_batch, carry, index = xs
-                (_, (m, carry)), g = grad_fn(state.params, state.frozen, carry, micro_batch, jax.random.fold_in(step_rng, index))
+                (_, (m, carry)), g = grad_fn(
+                    state.params, state.frozen, carry, micro_batch, jax.random.fold_in(step_rng, index)
+                )
                 return (_add(grads_sum, g), _add(metrics_sum, m)), carry
 
             init = (zeros(grads_shape), zeros(metrics_shape))
@@ -82,7 +90,9 @@ class SupervisedTrainer:
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         one = jnp.ones((), jnp.float32)
-        metrics = dict(metrics, grad_norm=(optax.global_norm(grads), one), learning_rate=(self.schedule(state.step), one))
+        metrics = dict(
+            metrics, grad_norm=(optax.global_norm(grads), one), learning_rate=(self.schedule(state.step), one)
+        )
         new_state = state.replace(
             step=state.step + 1, params=params, opt_state=opt_state, rng=jax.random.key_data(rng), carry=carry
         )

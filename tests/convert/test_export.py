@@ -22,21 +22,55 @@ torch = pytest.importorskip("torch", reason="export tests need torch (pip instal
 transformers = pytest.importorskip("transformers")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-ENCODER = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=37, hidden_dropout_prob=0.0,
-               attention_probs_dropout_prob=0.0, vocab_size=40, max_position_embeddings=24)  # fmt: skip
+ENCODER = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_hidden_layers=2,
+    intermediate_size=37,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    vocab_size=40,
+    max_position_embeddings=24,
+)
 HF_CONFIGS = {
     "bert": lambda: transformers.BertConfig(**ENCODER),
     "roberta": lambda: transformers.RobertaConfig(**ENCODER, type_vocab_size=1, pad_token_id=1, layer_norm_eps=1e-5),
     "albert": lambda: transformers.AlbertConfig(**ENCODER | dict(num_attention_heads=2), embedding_size=16),
-    "distilbert": lambda: transformers.DistilBertConfig(vocab_size=40, max_position_embeddings=24, dim=32, n_heads=4,
-                                                        n_layers=2, hidden_dim=37, dropout=0.0, attention_dropout=0.0),
-    "t5": lambda: transformers.T5Config(vocab_size=40, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                        relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                                        dropout_rate=0.0, decoder_start_token_id=0),
-    "bart": lambda: transformers.BartConfig(vocab_size=40, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                                            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                                            max_position_embeddings=40, dropout=0.0),
-}  # fmt: skip
+    "distilbert": lambda: transformers.DistilBertConfig(
+        vocab_size=40,
+        max_position_embeddings=24,
+        dim=32,
+        n_heads=4,
+        n_layers=2,
+        hidden_dim=37,
+        dropout=0.0,
+        attention_dropout=0.0,
+    ),
+    "t5": lambda: transformers.T5Config(
+        vocab_size=40,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=20,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+    ),
+    "bart": lambda: transformers.BartConfig(
+        vocab_size=40,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=40,
+        dropout=0.0,
+    ),
+}
 
 
 def lmzoo_fields(model_type: str) -> tuple[str, dict]:
@@ -136,8 +170,9 @@ def test_a_classify_workdir_exports_its_classifier(tmp_path):
     assert summary["architecture"] == "GPT2ForSequenceClassification" and summary["step"] == config.train.steps
 
     loaded = lmzoo.load(str(tmp_path / "run"))
-    batch = classify.classification_examples([(s,) for s in sentences], np.zeros(4, np.int32), loaded.tokenizer,
-                                                   config.data.seq_len, "gpt")  # fmt: skip
+    batch = classify.classification_examples(
+        [(s,) for s in sentences], np.zeros(4, np.int32), loaded.tokenizer, config.data.seq_len, "gpt"
+    )
     assert (batch["segment_ids"] == 0).any()  # right-padded rows, read at their [EXTRACT] token
     ours = loaded.model.apply({"params": loaded.params}, jnp.asarray(batch["tokens"]), segment_ids=batch["segment_ids"])
     hf_model = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf")).eval()

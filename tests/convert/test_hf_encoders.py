@@ -31,9 +31,13 @@ def hf_config(model_type: str, **overrides):
         kwargs = dict(dim=32, n_heads=4, n_layers=2, hidden_dim=37, dropout=0.0, attention_dropout=0.0)
     else:
         kwargs = dict(
-            hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=37, hidden_dropout_prob=0.0,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            intermediate_size=37,
+            hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,
-        )  # fmt: skip
+        )
     kwargs |= {
         "roberta": dict(type_vocab_size=1, pad_token_id=PAD, bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5),
         "albert": dict(embedding_size=16, num_attention_heads=2, hidden_act="gelu_new"),
@@ -90,9 +94,12 @@ def hf_outputs(model, model_type: str, data: dict[str, np.ndarray]):
 
 def lmzoo_apply(module, params, data: dict[str, np.ndarray], **kwargs):
     return module.apply(
-        {"params": params}, jnp.asarray(data["tokens"]), token_types=jnp.asarray(data["types"]),
-        segment_ids=jnp.asarray(data["mask"]), **kwargs,
-    )  # fmt: skip
+        {"params": params},
+        jnp.asarray(data["tokens"]),
+        token_types=jnp.asarray(data["types"]),
+        segment_ids=jnp.asarray(data["mask"]),
+        **kwargs,
+    )
 
 
 def max_diff(ours, ref, where=None) -> float:
@@ -148,9 +155,15 @@ def test_sequence_classifier_matches_hf(model_type):
 @pytest.mark.parity
 @pytest.mark.parametrize(
     ("model_type", "head"),
-    [("bert", "ForPreTraining"), ("bert", "Model"), ("roberta", "ForMaskedLM"), ("albert", "ForPreTraining"),
-     ("albert", "ForMaskedLM"), ("distilbert", "ForMaskedLM")],
-)  # fmt: skip
+    [
+        ("bert", "ForPreTraining"),
+        ("bert", "Model"),
+        ("roberta", "ForMaskedLM"),
+        ("albert", "ForPreTraining"),
+        ("albert", "ForMaskedLM"),
+        ("distilbert", "ForMaskedLM"),
+    ],
+)
 def test_to_hf_round_trip(model_type, head):
     model = random_hf_model(model_type, head)
     flags = {"sentence_head": False} if head == "Model" else {} if head == "ForPreTraining" else {"pooler": False}
@@ -204,8 +217,16 @@ def test_albert_with_embedding_size_equal_to_hidden_size_matches_hf(tmp_path):
 
 @pytest.mark.parity
 def test_config_round_trip():
-    common = dict(vocab_size=101, max_len=48, emb_dim=96, num_heads=6, num_layers=3, mlp_dim=200, dropout_rate=0.05,
-                  attention_dropout_rate=0.2)  # fmt: skip
+    common = dict(
+        vocab_size=101,
+        max_len=48,
+        emb_dim=96,
+        num_heads=6,
+        num_layers=3,
+        mlp_dim=200,
+        dropout_rate=0.05,
+        attention_dropout_rate=0.2,
+    )
     configs = {
         "bert": dict(type_vocab_size=3, activation="relu", layer_norm_epsilon=1e-6, sentence_head=False),
         "roberta": dict(type_vocab_size=1, position_offset=5, pooler=False, sentence_head=False),

@@ -25,9 +25,18 @@ def random_hf_model(tie: bool = True, seed: int = 0):
     """A small float32 GPT2LMHeadModel in eval mode with every weight random (LayerNorms and biases too)."""
     torch.manual_seed(seed)
     config = transformers.GPT2Config(
-        n_embd=64, n_head=4, n_layer=2, n_positions=32, vocab_size=VOCAB, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
+        n_embd=64,
+        n_head=4,
+        n_layer=2,
+        n_positions=32,
+        vocab_size=VOCAB,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     model = transformers.GPT2LMHeadModel(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -120,9 +129,20 @@ def test_to_hf_round_trip(tokens, tie):
 def test_config_round_trip():
     cfg = make_config(
         "gpt2",
-        dict(vocab_size=101, max_len=48, emb_dim=96, num_heads=6, num_layers=3, mlp_dim=200, dropout_rate=0.05,
-             attention_dropout_rate=0.2, tie_embeddings=False, activation="relu", layer_norm_epsilon=1e-6),
-    )  # fmt: skip
+        dict(
+            vocab_size=101,
+            max_len=48,
+            emb_dim=96,
+            num_heads=6,
+            num_layers=3,
+            mlp_dim=200,
+            dropout_rate=0.05,
+            attention_dropout_rate=0.2,
+            tie_embeddings=False,
+            activation="relu",
+            layer_norm_epsilon=1e-6,
+        ),
+    )
     assert make_config("gpt2", gpt2.config_from_hf(gpt2.config_to_hf(cfg))) == cfg
     hf_dict = random_hf_model().config.to_dict()
     fields = gpt2.config_from_hf(hf_dict)

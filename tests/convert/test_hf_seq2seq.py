@@ -44,15 +44,32 @@ def hf_config(variant: str):
     """A tiny HF config without dropout: 2+2 layers, 4 heads of 8, FFN 64."""
     if variant == "bart":
         return transformers.BartConfig(
-            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=40, dropout=0.0,
-        )  # fmt: skip
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=40,
+            dropout=0.0,
+        )
     v1_1 = dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False) if variant == "t5_v1_1" else {}
     return transformers.T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
-        decoder_start_token_id=PAD, **v1_1,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=20,
+        dropout_rate=0.0,
+        decoder_start_token_id=PAD,
+        **v1_1,
+    )
 
 
 def random_hf_model(variant: str):
@@ -117,23 +134,34 @@ def data() -> dict[str, np.ndarray]:
 def hf_logits(model, inputs, mask, decoder_inputs) -> np.ndarray:
     with torch.no_grad():
         out = model(
-            input_ids=torch.from_numpy(inputs), attention_mask=torch.from_numpy(mask),
+            input_ids=torch.from_numpy(inputs),
+            attention_mask=torch.from_numpy(mask),
             decoder_input_ids=torch.from_numpy(decoder_inputs),
-        )  # fmt: skip
+        )
     return out.logits.numpy()
 
 
 def hf_generate(model, data, eos_id, **kwargs):
     """HF generate comparing only the search itself: no forced tokens, n-gram blocking or minimum length."""
     model.generation_config = transformers.GenerationConfig(
-        decoder_start_token_id=model.config.decoder_start_token_id, eos_token_id=eos_id, pad_token_id=PAD,
-        bos_token_id=None, forced_bos_token_id=None, forced_eos_token_id=None, no_repeat_ngram_size=0, min_length=0,
-    )  # fmt: skip
+        decoder_start_token_id=model.config.decoder_start_token_id,
+        eos_token_id=eos_id,
+        pad_token_id=PAD,
+        bos_token_id=None,
+        forced_bos_token_id=None,
+        forced_eos_token_id=None,
+        no_repeat_ngram_size=0,
+        min_length=0,
+    )
     with torch.no_grad():
         return model.generate(
-            torch.from_numpy(data["inputs"]), attention_mask=torch.from_numpy(data["mask"]), do_sample=False,
-            max_new_tokens=NEW_TOKENS, return_dict_in_generate=True, **kwargs,
-        )  # fmt: skip
+            torch.from_numpy(data["inputs"]),
+            attention_mask=torch.from_numpy(data["mask"]),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
 
 
 def first_new_token(row: list[int], start: int) -> tuple[int, int]:
@@ -192,18 +220,49 @@ def test_to_hf_round_trip(tmp_path, variant, data):
 
 @pytest.mark.parity
 def test_config_round_trip():
-    common = dict(vocab_size=101, emb_dim=48, num_heads=6, head_dim=8, num_encoder_layers=3, num_decoder_layers=2,
-                  mlp_dim=100, dropout_rate=0.05, decoder_start_id=3)  # fmt: skip
-    t5_common = common | dict(relative_buckets=16, relative_max_distance=64, layer_norm_epsilon=1e-5,
-                              embedding_init_std=0.5, attention_dropout_rate=0.05)  # fmt: skip
+    common = dict(
+        vocab_size=101,
+        emb_dim=48,
+        num_heads=6,
+        head_dim=8,
+        num_encoder_layers=3,
+        num_decoder_layers=2,
+        mlp_dim=100,
+        dropout_rate=0.05,
+        decoder_start_id=3,
+    )
+    t5_common = common | dict(
+        relative_buckets=16,
+        relative_max_distance=64,
+        layer_norm_epsilon=1e-5,
+        embedding_init_std=0.5,
+        attention_dropout_rate=0.05,
+    )
     v1_1 = dict(activations=("gelu_tanh", "linear"), tie_embeddings=False, scale_tied_logits=False)
     configs = {
         "t5": [t5_common, t5_common | v1_1, t5_common | dict(activations=("silu", "linear"))],
-        "bart": [common | dict(positions="learned", position_offset=2, max_len=66, pre_norm=False, norm="layer",
-                               use_bias=True, embedding_norm=True, activations=("gelu",), attention_scale=0.0,
-                               scale_tied_logits=False, final_logits_bias=True, layer_norm_epsilon=1e-5,
-                               scale_embeddings=True, attention_dropout_rate=0.1, embedding_init_std=0.02, init_scheme="normal")],
-    }  # fmt: skip
+        "bart": [
+            common
+            | dict(
+                positions="learned",
+                position_offset=2,
+                max_len=66,
+                pre_norm=False,
+                norm="layer",
+                use_bias=True,
+                embedding_norm=True,
+                activations=("gelu",),
+                attention_scale=0.0,
+                scale_tied_logits=False,
+                final_logits_bias=True,
+                layer_norm_epsilon=1e-5,
+                scale_embeddings=True,
+                attention_dropout_rate=0.1,
+                embedding_init_std=0.02,
+                init_scheme="normal",
+            )
+        ],
+    }
     for family, field_sets in configs.items():
         from_hf, _, to_hf, _ = CONVERTERS[family]
         config_cls = transformers.BartConfig if family == "bart" else transformers.T5Config
@@ -218,8 +277,10 @@ def test_config_round_trip():
         from_hf, _, to_hf, _ = CONVERTERS[model_type(variant)]
         fields = from_hf(hf_dict)
         assert (fields["tie_embeddings"], fields["activations"]) == {
-            "t5_v1_0": (True, ("relu",)), "t5_v1_1": (False, ("gelu_tanh", "linear")), "bart": (True, ("gelu",)),
-        }[variant]  # fmt: skip
+            "t5_v1_0": (True, ("relu",)),
+            "t5_v1_1": (False, ("gelu_tanh", "linear")),
+            "bart": (True, ("gelu",)),
+        }[variant]
         rebuilt = type(hf_config(variant))(**to_hf(make_config("seq2seq", fields))).to_dict()
         assert {key for key in hf_dict if rebuilt.get(key) != hf_dict[key]} == {"architectures"}, variant
 
@@ -284,9 +345,16 @@ def test_greedy_generation_matches_hf(variant, data):
     assert margin > 100 * TOL, f"{variant}: top-1/top-2 logit margin {margin:.2e} is too small to compare argmaxes"
 
     ours = decoding.generate_seq2seq(
-        module, params, data["inputs"], rng=jax.random.key(0), max_new_tokens=NEW_TOKENS,
-        encoder_segment_ids=data["mask"], temperature=0.0, eos_id=eos_id, pad_id=PAD,
-    )  # fmt: skip
+        module,
+        params,
+        data["inputs"],
+        rng=jax.random.key(0),
+        max_new_tokens=NEW_TOKENS,
+        encoder_segment_ids=data["mask"],
+        temperature=0.0,
+        eos_id=eos_id,
+        pad_id=PAD,
+    )
     np.testing.assert_array_equal(np.asarray(ours), expected)
     assert expected[0, stop] == eos_id and np.all(expected[0, stop + 1 :] == PAD)
 
@@ -298,14 +366,27 @@ def check_beam_search(module, params, model, data, *, scan: bool = False):
     hit_eos = False
     for length_penalty, early_stopping in ((1.0, True), (0.6, True), (1.0, False), (1.5, "never")):
         out = hf_generate(
-            model, data, eos_id, num_beams=3, length_penalty=length_penalty, early_stopping=early_stopping,
+            model,
+            data,
+            eos_id,
+            num_beams=3,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
             output_scores=True,
-        )  # fmt: skip
+        )
         expected = new_tokens(out.sequences.numpy(), eos_id)
         tokens, scores = decoding.beam_search(
-            module, params, data["inputs"], beam_size=3, max_new_tokens=NEW_TOKENS, eos_id=eos_id,
-            length_penalty=length_penalty, early_stopping=early_stopping, pad_id=PAD, encoder_segment_ids=data["mask"],
-        )  # fmt: skip
+            module,
+            params,
+            data["inputs"],
+            beam_size=3,
+            max_new_tokens=NEW_TOKENS,
+            eos_id=eos_id,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            pad_id=PAD,
+            encoder_segment_ids=data["mask"],
+        )
         setting = f"length_penalty={length_penalty}, early_stopping={early_stopping}, scan={scan}"
         np.testing.assert_array_equal(np.asarray(tokens), expected, err_msg=setting)
         np.testing.assert_allclose(np.asarray(scores), out.sequences_scores.numpy(), atol=1e-5, err_msg=setting)
@@ -348,13 +429,19 @@ def test_load_pretrained_scanned(tmp_path, data):
 def test_fresh_t5_init_matches_hf_init_scales(variant):
     """lmzoo's own T5 initialisation draws every tensor with the std HF's `_init_weights` uses (fan-in scaled
     kernels, queries (D H) ** -0.5, embeddings / untied head 1.0): compared tensor by tensor through the converter."""
-    config = transformers.T5Config(**{**hf_config(variant).to_dict(), "d_model": 64, "d_ff": 256, "d_kv": 16, "vocab_size": 512})
+    config = transformers.T5Config(
+        **{**hf_config(variant).to_dict(), "d_model": 64, "d_ff": 256, "d_kv": 16, "vocab_size": 512}
+    )
     torch.manual_seed(0)
     reference = transformers.T5ForConditionalGeneration(config).float()
     if variant == "t5_v1_1":
-        reference.lm_head.weight = torch.nn.Parameter(torch.randn_like(reference.lm_head.weight) * config.initializer_factor)
+        reference.lm_head.weight = torch.nn.Parameter(
+            torch.randn_like(reference.lm_head.weight) * config.initializer_factor
+        )
     model, hf_params = convert(reference)
-    fresh = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32))["params"])
+    fresh = nn.unbox(
+        model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32))["params"]
+    )
     flat_fresh = {"/".join(k): v for k, v in traverse_util.flatten_dict(fresh).items()}
     flat_hf = {"/".join(k): v for k, v in traverse_util.flatten_dict(hf_params).items()}
     assert flat_fresh.keys() == flat_hf.keys()

@@ -55,7 +55,9 @@ def test_encoders_take_their_longest_input_and_raise_beyond_like_hf(model_type, 
     params = bert_convert.from_hf(encoders.numpy_state_dict(model), cfg, model_type=model_type)
     module = build_model("bert", cfg)
     tokens = np.random.default_rng(0).integers(3, encoders.VOCAB, (2, longest + 1))
-    longest_data, longer_data = ({"tokens": t, "mask": np.ones_like(t), "types": np.zeros_like(t)} for t in (tokens[:, :-1], tokens))
+    longest_data, longer_data = (
+        {"tokens": t, "mask": np.ones_like(t), "types": np.zeros_like(t)} for t in (tokens[:, :-1], tokens)
+    )
     ours = encoders.lmzoo_apply(module, params, longest_data)
     diff = encoders.max_diff(ours, encoders.hf_outputs(model, model_type, longest_data).logits.numpy())
     assert diff <= TOL, f"{model_type}: max |lmzoo - HF| MLM logits at {longest} tokens: {diff:.3e}"
@@ -94,11 +96,15 @@ def test_t5_buckets_match_hf_except_float32_rounding_at_exact_boundaries():
             ours = seq2seq.distance_buckets(num_buckets, max_distance)
             compared += 1
             for d in distance[ours != ref]:
-                k = int(ours[d]) - max_exact  # d starts bucket max_exact + k: (d / max_exact)^n == (max_distance / max_exact)^k
+                k = (
+                    int(ours[d]) - max_exact
+                )  # d starts bucket max_exact + k: (d / max_exact)^n == (max_distance / max_exact)^k
                 assert ours[d] == ref[d] + 1 and int(d) ** n * max_exact**k == max_distance**k * max_exact**n, (
                     f"{num_buckets=} {max_distance=} distance {d}: lmzoo bucket {ours[d]}, HF {ref[d]}"
                 )
-    assert compared == 9056  # (with torch 2.13, HF is one bucket low at 3 distances: (17, 27) 18, (48, 81) 54, (51, 49) 35)
+    assert (
+        compared == 9056
+    )  # (with torch 2.13, HF is one bucket low at 3 distances: (17, 27) 18, (48, 81) 54, (51, 49) 35)
 
 
 @pytest.mark.parity
@@ -160,7 +166,9 @@ def test_first_token_classification_of_left_padded_inputs_matches_hf(model_type)
     classifier = heads.SequenceClassifier(build_model("bert", cfg), 3, head=bert_convert.CLASSIFIER_HEADS[model_type])
     data = left_padded(model_type)
     assert data["mask"][1, 0] == 0  # the first token, which the head reads, is padding
-    diff = encoders.max_diff(encoders.lmzoo_apply(classifier, params, data), encoders.hf_outputs(model, model_type, data).logits.numpy())
+    diff = encoders.max_diff(
+        encoders.lmzoo_apply(classifier, params, data), encoders.hf_outputs(model, model_type, data).logits.numpy()
+    )
     assert diff <= TOL, f"{model_type}: max |lmzoo - HF| classification logits of a left-padded input = {diff:.3e}"
 
 
@@ -175,7 +183,9 @@ def test_seq2seq_encoder_outputs_at_padding_match_hf(variant):
     inputs[mask == 0] = seq2seq_tests.PAD
     ours = module.apply({"params": params}, jnp.asarray(inputs), segment_ids=jnp.asarray(mask), method=module.encode)
     with torch.no_grad():
-        ref = model.get_encoder()(input_ids=torch.from_numpy(inputs), attention_mask=torch.from_numpy(mask)).last_hidden_state
+        ref = model.get_encoder()(
+            input_ids=torch.from_numpy(inputs), attention_mask=torch.from_numpy(mask)
+        ).last_hidden_state
     diff = float(np.abs(np.asarray(ours) - ref.numpy()).max())
     assert diff <= TOL, f"{variant}: max |lmzoo - HF| encoder outputs at every position = {diff:.3e}"
 

@@ -127,8 +127,9 @@ def test_pair_example_layout_and_truncation():
     np.testing.assert_array_equal(ex["segment_ids"], [1, 1, 1, 1, 1, 1, 1, 1, 0, 0])
 
     def lengths(a: int, b: int, max_len: int) -> tuple[int, int]:
-        ex = transforms.pair_example(list(range(10, 10 + a)), list(range(100, 100 + b)), cls_id=CLS, sep_id=SEP,
-                                     max_len=max_len, pad_id=PAD)
+        ex = transforms.pair_example(
+            list(range(10, 10 + a)), list(range(100, 100 + b)), cls_id=CLS, sep_id=SEP, max_len=max_len, pad_id=PAD
+        )
         chex.assert_shape(ex["tokens"], (max_len,))
         types = ex["token_type_ids"][ex["segment_ids"] > 0]
         return int((types == 0).sum()) - 2, int((types == 1).sum()) - 1
@@ -174,11 +175,17 @@ def test_sop_pairs_balanced_and_correct():
 def test_split_sentences():
     text = 'He said "Go." Then Robert E. Lee left (e.g. at dawn)! Where art thou? and he said.\nno period here'
     assert transforms.split_sentences(text) == [
-        'He said "Go."', "Then Robert E. Lee left (e.g. at dawn)!", "Where art thou? and he said.", "no period here"
+        'He said "Go."',
+        "Then Robert E. Lee left (e.g. at dawn)!",
+        "Where art thou? and he said.",
+        "no period here",
     ]
     wrapped = "Genesis 1\n\n  1 In the beginning. And the\nevening was. 2 And God\nsaid, Let there be light.\n"
     assert transforms.split_sentences(wrapped, wrapped=True) == [
-        "Genesis 1", "1 In the beginning.", "And the evening was.", "2 And God said, Let there be light."
+        "Genesis 1",
+        "1 In the beginning.",
+        "And the evening was.",
+        "2 And God said, Let there be light.",
     ]
 
 
@@ -189,16 +196,24 @@ def test_real_wordpiece_glosses():
     with open(DATA / "wordnet" / "wordnet30_glosses.txt") as f:
         glosses = [next(f) for _ in range(40)]
     sentences = [tok.encode(s) for g in glosses for s in transforms.split_sentences(g)]
-    examples = [transforms.pair_example(a, b, cls_id=tok.cls_id, sep_id=tok.sep_id, max_len=48, pad_id=tok.pad_id)
-                for a, b in zip(sentences[:-1], sentences[1:])]
+    examples = [
+        transforms.pair_example(a, b, cls_id=tok.cls_id, sep_id=tok.sep_id, max_len=48, pad_id=tok.pad_id)
+        for a, b in zip(sentences[:-1], sentences[1:])
+    ]
     tokens = np.stack([ex["tokens"] for ex in examples])
     continuation = transforms.continuation_mask_from_vocab(vocab_txt.read_text(encoding="utf-8").splitlines())
     assert continuation[tok.encode("unaffable")[1:]].all()
     word_starts = transforms.wordpiece_word_starts(tokens, continuation)
     specials = [tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id, tok.unk_id]
     for starts in (None, word_starts):
-        out = transforms.mask_tokens(tokens, rng=np.random.default_rng(0), mask_id=tok.mask_id,
-                                     vocab_size=tok.vocab_size, special_ids=specials, word_starts=starts)
+        out = transforms.mask_tokens(
+            tokens,
+            rng=np.random.default_rng(0),
+            mask_id=tok.mask_id,
+            vocab_size=tok.vocab_size,
+            special_ids=specials,
+            word_starts=starts,
+        )
         keep = np.isin(tokens, [tok.cls_id, tok.sep_id, tok.pad_id])
         np.testing.assert_array_equal(out["inputs"][keep], tokens[keep])
         assert not out["weights"][keep].any()

@@ -163,8 +163,9 @@ def test_text_infilling_keeps_specials_anywhere() -> None:
     sep = 4
     tokens = np.array([BOS, *range(10, 20), sep, *range(20, 30), EOS], dtype=np.int32)
     for seed in range(50):
-        noised = noising.text_infilling(tokens, rng=np.random.default_rng(seed), mask_id=MASK, mask_ratio=0.6,
-                                        special_ids=(*SPECIALS, sep))
+        noised = noising.text_infilling(
+            tokens, rng=np.random.default_rng(seed), mask_id=MASK, mask_ratio=0.6, special_ids=(*SPECIALS, sep)
+        )
         np.testing.assert_array_equal(noised[np.isin(noised, (*SPECIALS, sep))], [BOS, sep, EOS])
         assert noised[0] == BOS and noised[-1] == EOS
         assert sum(_infill_spans(tokens, noised)) == 12
@@ -181,8 +182,9 @@ def test_text_infilling_short_and_deterministic() -> None:
     for n in range(0, 6):  # more spans than kept tokens can separate: they merge, still one mask per span
         for seed in range(20):
             tokens = _document(n)
-            noised = noising.text_infilling(tokens, rng=np.random.default_rng(seed), mask_id=MASK, mask_ratio=0.9,
-                                            special_ids=SPECIALS)
+            noised = noising.text_infilling(
+                tokens, rng=np.random.default_rng(seed), mask_id=MASK, mask_ratio=0.9, special_ids=SPECIALS
+            )
             assert sum(_infill_spans(tokens, noised)) == round(0.9 * n)
 
 
@@ -196,8 +198,9 @@ def test_sentence_permutation() -> None:
         assert out[0] == BOS and out[-1] == EOS
         orders.add(tuple(_sentence_order(out[1:-1], sentences)))
     assert len(orders) > 50  # of 5! = 120
-    free = noising.sentence_permutation(tokens[1:-1], rng=rng, sentence_end_ids=[DOT], keep_first=False,
-                                        keep_last=False)
+    free = noising.sentence_permutation(
+        tokens[1:-1], rng=rng, sentence_end_ids=[DOT], keep_first=False, keep_last=False
+    )
     _sentence_order(free, sentences)
 
 

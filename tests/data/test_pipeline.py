@@ -37,7 +37,10 @@ def test_loader_is_deterministic_random_access_and_sharded(sampler):
         for k, v in loader.batch(step).items():
             np.testing.assert_array_equal(v, again.batch(step)[k])
     assert not np.array_equal(loader.batch(0)["inputs"], loader.batch(1)["inputs"])
-    halves = [pipeline.LMLoader(stream, 8, 16, seed=3, sampler=sampler, process_index=i, process_count=2).batch(7) for i in range(2)]
+    halves = [
+        pipeline.LMLoader(stream, 8, 16, seed=3, sampler=sampler, process_index=i, process_count=2).batch(7)
+        for i in range(2)
+    ]
     np.testing.assert_array_equal(np.concatenate([h["inputs"] for h in halves]), loader.batch(7)["inputs"])
 
 
@@ -61,11 +64,14 @@ def test_seq2seq_eval_padding_rows_have_no_weight():
     noise = lambda tokens, rng: {"inputs": np.append(tokens[::2], 1), "targets": np.append(tokens, 1)}  # noqa: E731
 
     def transform(batch, ids, epochs):
-        return transforms.seq2seq_from_windows(batch, ids, epochs, noise=noise, seed=0, inputs_length=8, targets_length=9,
-                                               pad_id=0, decoder_start_id=1)  # fmt: skip
+        return transforms.seq2seq_from_windows(
+            batch, ids, epochs, noise=noise, seed=0, inputs_length=8, targets_length=9, pad_id=0, decoder_start_id=1
+        )
 
     (batch,) = pipeline.eval_batches(stream, batch_size=4, seq_len=8, transform=transform)
-    np.testing.assert_array_equal(batch["weights"].sum(axis=1), [9, 9, 5, 0])  # windows of 8, 8, 4 tokens + EOS; padding
+    np.testing.assert_array_equal(
+        batch["weights"].sum(axis=1), [9, 9, 5, 0]
+    )  # windows of 8, 8, 4 tokens + EOS; padding
     np.testing.assert_array_equal(batch["targets"][0], np.append(np.arange(2, 10), 1))
 
 
@@ -104,7 +110,9 @@ def test_loader_rejects_too_little_data():
 def test_tfds_source_built_locally(tmp_path):
     name = tfds_text.prepare_text_dataset(str(tmp_path), {"train": ["hello world", "abc"], "validation": ["xyz"]})
     assert pipeline.read_tfds(name, "train", str(tmp_path), "text") == ["hello world", "abc"]
-    stream = pipeline.TokenStream.from_documents(pipeline.read_tfds(name, "validation", str(tmp_path), "text"), tokenizers.ByteTokenizer())
+    stream = pipeline.TokenStream.from_documents(
+        pipeline.read_tfds(name, "validation", str(tmp_path), "text"), tokenizers.ByteTokenizer()
+    )
     assert stream.tokens.tolist() == list(b"xyz") + [256]
     with pytest.raises(FileNotFoundError, match="not prepared"):
         pipeline.read_tfds("lmzoo_text", "train", str(tmp_path / "nowhere"), "text")
@@ -114,7 +122,9 @@ def test_gpt_classifier_example_layout_and_truncation():
     ex = transforms.gpt_classifier_example([5, 6, 7], [8, 9], start_id=1, delim_id=2, extract_id=3, max_len=9, pad_id=0)
     np.testing.assert_array_equal(ex["tokens"], [1, 5, 6, 7, 2, 8, 9, 3, 0])
     np.testing.assert_array_equal(ex["segment_ids"], [1, 1, 1, 1, 1, 1, 1, 1, 0])
-    short = transforms.gpt_classifier_example([5, 6, 7, 8], [9], start_id=1, delim_id=2, extract_id=3, max_len=6, pad_id=0)
+    short = transforms.gpt_classifier_example(
+        [5, 6, 7, 8], [9], start_id=1, delim_id=2, extract_id=3, max_len=6, pad_id=0
+    )
     np.testing.assert_array_equal(short["tokens"], [1, 5, 6, 2, 9, 3])
 
 
@@ -122,8 +132,18 @@ def test_whole_word_masking_through_mask_rows():
     vocab = ["[PAD]", "[MASK]", "un", "##aff", "##able", "play", "##ing", "dog"]
     continuation = transforms.continuation_mask_from_vocab(vocab)
     tokens = np.tile(np.array([[2, 3, 4, 5, 6, 7, 2, 3, 4, 7]]), (64, 1))
-    out = transforms.mask_rows(tokens, np.arange(64), np.zeros(64, int), seed=0, static=True, continuation_mask=continuation,
-                               mask_id=1, vocab_size=8, special_ids=[0, 1], rate=0.3)  # fmt: skip
+    out = transforms.mask_rows(
+        tokens,
+        np.arange(64),
+        np.zeros(64, int),
+        seed=0,
+        static=True,
+        continuation_mask=continuation,
+        mask_id=1,
+        vocab_size=8,
+        special_ids=[0, 1],
+        rate=0.3,
+    )
     selected = out["weights"] > 0
     words = [(0, 3), (3, 5), (5, 6), (6, 9), (9, 10)]
     for start, end in words:
@@ -136,10 +156,16 @@ def test_text_pairs_from_a_split_marker_or_two_fields(tmp_path):
 
     dialogues = tmp_path / "d.jsonl.gz"
     with gzip.open(dialogues, "wt", encoding="utf-8") as f:
-        for text in ("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye\n\nAssistant: see you", "\n\nHuman: a\n\nAssistant: b"):
+        for text in (
+            "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye\n\nAssistant: see you",
+            "\n\nHuman: a\n\nAssistant: b",
+        ):
             f.write(json.dumps({"chosen": text}) + "\n")
     pairs = pipeline.read_text_pairs(str(dialogues), ("chosen",), "\n\nAssistant:")
-    assert pairs == [("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye\n\nAssistant:", " see you"), ("\n\nHuman: a\n\nAssistant:", " b")]
+    assert pairs == [
+        ("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye\n\nAssistant:", " see you"),
+        ("\n\nHuman: a\n\nAssistant:", " b"),
+    ]
     table = tmp_path / "t.tsv"
     table.write_text("en\tde\ncat\tKatze\ndog\tHund\n", encoding="utf-8")
     assert pipeline.read_text_pairs(str(table), ("en", "de")) == [("cat", "Katze"), ("dog", "Hund")]
@@ -154,7 +180,9 @@ def test_text_pairs_from_a_split_marker_or_two_fields(tmp_path):
 
 def test_text_pair_examples_keep_the_source_end_and_the_target_start():
     tokenizer = tokenizers.CharTokenizer.from_corpus(["abcdefghij"], specials=("<pad>", "<eos>"))
-    examples = text_to_text.text_pair_examples([("abcdefgh", "ijab"), ("ab", "c")], tokenizer, inputs_length=5, targets_length=3)
+    examples = text_to_text.text_pair_examples(
+        [("abcdefgh", "ijab"), ("ab", "c")], tokenizer, inputs_length=5, targets_length=3
+    )
     eos, pad = tokenizer.eos_id, tokenizer.pad_id
     assert pad is not None
     assert tokenizer.decode(examples["inputs"][0, :4].tolist()) == "efgh" and examples["inputs"][0, 4] == eos
@@ -165,7 +193,9 @@ def test_text_pair_examples_keep_the_source_end_and_the_target_start():
     np.testing.assert_array_equal(rows["encoder_segment_ids"][1], [1, 1, 1, 0, 0])
     np.testing.assert_array_equal(rows["weights"][1], [1, 1, 0])
     with pytest.raises(ValueError, match="needs a tokenizer with <pad>"):
-        text_to_text.text_pair_examples([("ab", "c")], tokenizers.CharTokenizer.from_corpus(["abc"]), inputs_length=5, targets_length=3)
+        text_to_text.text_pair_examples(
+            [("ab", "c")], tokenizers.CharTokenizer.from_corpus(["abc"]), inputs_length=5, targets_length=3
+        )
 
 
 def test_shift_right():

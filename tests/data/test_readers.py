@@ -23,7 +23,10 @@ def test_jsonl_and_jsonl_gz_share_one_reader(tmp_path):
     [
         ('{"text": "a"}\n\n{"text": "b",\n', r"broken.jsonl: line 3 is not valid JSON \(Expecting property name"),
         ('{"text": "a"}\n["b"]\n', r"broken.jsonl: line 2 is a JSON list, not an object with field\(s\) \['text'\]"),
-        ('{"text": "a"}\n{"body": "b"}\n', r"broken.jsonl: line 2 has no field 'text' \(it has \['body'\]\); set config.data.text_field"),
+        (
+            '{"text": "a"}\n{"body": "b"}\n',
+            r"broken.jsonl: line 2 has no field 'text' \(it has \['body'\]\); set config.data.text_field",
+        ),
         ('{"text": 7}\n', r"broken.jsonl: line 1 field 'text' is a int, not a string"),
     ],
 )

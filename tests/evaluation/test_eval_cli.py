@@ -57,11 +57,22 @@ def test_generate_does_not_score_the_split(workdir, capsys):
 
 def test_fewshot_and_dumped_prompts(workdir, tmp_path, capsys):
     task = tmp_path / "task.jsonl"
-    task.write_text("".join(json.dumps({"context": c, "choices": [" fox", " dog"], "gold": g}) + "\n" for c, g in
-                            (("the quick brown", 0), ("the lazy", 1), ("over the lazy", 1))))  # fmt: skip
+    task.write_text(
+        "".join(
+            json.dumps({"context": c, "choices": [" fox", " dog"], "gold": g}) + "\n"
+            for c, g in (("the quick brown", 0), ("the lazy", 1), ("over the lazy", 1))
+        )
+    )
     dump = tmp_path / "prompts.jsonl"
-    out = run_eval(capsys, f"--workdir={workdir}", f"--fewshot={task}", f"--fewshot_train={task}", "--fewshot_k=0,2", "--fewshot_separator=. ",
-                   f"--dump_prompts={dump}")  # fmt: skip
+    out = run_eval(
+        capsys,
+        f"--workdir={workdir}",
+        f"--fewshot={task}",
+        f"--fewshot_train={task}",
+        "--fewshot_k=0,2",
+        "--fewshot_separator=. ",
+        f"--dump_prompts={dump}",
+    )
     line = json.loads(out.splitlines()[0])
     assert [r["k"] for r in line["fewshot"]] == [0, 2] and all(r["examples"] == 3 for r in line["fewshot"])
     assert line["majority"]["accuracy"] == pytest.approx(2 / 3)

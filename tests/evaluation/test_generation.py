@@ -34,13 +34,26 @@ def test_generation_evaluator_decodes_greedily_to_eos_and_scores_references(tmp_
     metrics, examples = evaluation.EVALUATORS["generation"](run, state, "validation")
     assert metrics["generated_examples"] == len(examples) == 4 and metrics["evaluated_batches"] == 1
     assert examples[0]["source"].startswith("Human:") and all(e["reference"].strip() in targets for e in examples)
-    assert metrics == {**reconstruction.text_metrics([e["generation"] for e in examples], [e["reference"] for e in examples]),
-                       "generated_examples": 4, "evaluated_batches": 1}  # fmt: skip
+    assert metrics == {
+        **reconstruction.text_metrics([e["generation"] for e in examples], [e["reference"] for e in examples]),
+        "generated_examples": 4,
+        "evaluated_batches": 1,
+    }
     batch = next(iter(run.eval_batches("validation")))
     params, eos = run.compiled.host_params(state), run.tokenizer.eos_id
-    tokens = np.asarray(decoding.generate_seq2seq(run.model, params, batch["inputs"][:1], rng=jax.random.key(0), max_new_tokens=16,
-                                                  encoder_segment_ids=batch["encoder_segment_ids"][:1], temperature=0.0, eos_id=eos,
-                                                  pad_id=run.tokenizer.pad_id))[0].tolist()  # fmt: skip
+    tokens = np.asarray(
+        decoding.generate_seq2seq(
+            run.model,
+            params,
+            batch["inputs"][:1],
+            rng=jax.random.key(0),
+            max_new_tokens=16,
+            encoder_segment_ids=batch["encoder_segment_ids"][:1],
+            temperature=0.0,
+            eos_id=eos,
+            pad_id=run.tokenizer.pad_id,
+        )
+    )[0].tolist()
     expected = tokens[: tokens.index(eos)] if eos in tokens else tokens
     assert examples[0]["generation"] == run.tokenizer.decode([t for t in expected if t != run.tokenizer.pad_id])
     run.checkpointer.close()

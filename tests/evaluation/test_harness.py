@@ -57,14 +57,29 @@ def hf_folder(tmp_path_factory):
     )
     fast.save_pretrained(str(folder))
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=len(fast), n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=fast.eos_token_id, eos_token_id=fast.eos_token_id)  # fmt: skip
+    config = transformers.GPT2Config(
+        vocab_size=len(fast),
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=fast.eos_token_id,
+        eos_token_id=fast.eos_token_id,
+    )
     model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(1.0 if "ln" in name and name.endswith("weight") else 0.0, 0.2 if "ln" in name else 0.15)
     model.save_pretrained(str(folder))
-    (folder / "train.jsonl").write_text("".join(json.dumps({"context": t, "choices": ["terrible", "great"], "gold": int("great" in t)}) + "\n" for t in TEXTS))  # fmt: skip
+    (folder / "train.jsonl").write_text(
+        "".join(
+            json.dumps({"context": t, "choices": ["terrible", "great"], "gold": int("great" in t)}) + "\n"
+            for t in TEXTS
+        )
+    )
     test = [
         ("great fun", 1),
         ("slow and dull", 0),
@@ -72,7 +87,9 @@ def hf_folder(tmp_path_factory):
         ("a great movie", 1),
         ("the script", 1),
     ]
-    (folder / "test.jsonl").write_text("".join(json.dumps({"context": c, "choices": ["terrible", "great"], "gold": g}) + "\n" for c, g in test))  # fmt: skip
+    (folder / "test.jsonl").write_text(
+        "".join(json.dumps({"context": c, "choices": ["terrible", "great"], "gold": g}) + "\n" for c, g in test)
+    )
     return folder
 
 
@@ -110,8 +127,12 @@ def test_loglikelihoods_match_the_hf_backend(models):
     np.testing.assert_allclose([g[0] for g in got], [e[0] for e in expected], atol=1e-4, rtol=0)
     assert [g[1] for g in got] == [e[1] for e in expected]
     long_text = [(" ".join(TEXTS * 3),), ("great fun",)]  # the first needs several windows of 32 tokens
-    np.testing.assert_allclose(ours.loglikelihood_rolling(requests("loglikelihood_rolling", long_text)),
-                               reference.loglikelihood_rolling(requests("loglikelihood_rolling", long_text)), atol=1e-4, rtol=0)  # fmt: skip
+    np.testing.assert_allclose(
+        ours.loglikelihood_rolling(requests("loglikelihood_rolling", long_text)),
+        reference.loglikelihood_rolling(requests("loglikelihood_rolling", long_text)),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 @pytest.mark.parity
@@ -139,7 +160,7 @@ def test_same_accuracy_on_a_local_task(models, hf_folder, tmp_path):
             num_fewshot=2,
             random_seed=0,
             fewshot_random_seed=0,
-        )["results"]["tiny_sentiment"]["acc,none"]  # fmt: skip
+        )["results"]["tiny_sentiment"]["acc,none"]
         for lm in (ours, reference)
     ]
     assert results[0] == results[1]

@@ -102,10 +102,24 @@ def test_no_event_files_is_an_error_naming_the_folder(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "group"),
-    [("loss", "loss"), ("perplexity", "loss"), ("bits_per_char", "loss"), ("distill_loss", "loss"), ("kl", "loss"),
-     ("accuracy", "accuracy"), ("sentence_accuracy", "accuracy"), ("macro_f1", "accuracy"), ("rougeL", "generation"),
-     ("learning_rate", "schedule"), ("kl_weight", "schedule"), ("tokens_per_sec", "throughput"),
-     ("grad_norm", "gradients"), ("loss/policy", "loss"), ("objective/kl", "objective"), ("table_fill", "table_fill")],
-)  # fmt: skip
+    [
+        ("loss", "loss"),
+        ("perplexity", "loss"),
+        ("bits_per_char", "loss"),
+        ("distill_loss", "loss"),
+        ("kl", "loss"),
+        ("accuracy", "accuracy"),
+        ("sentence_accuracy", "accuracy"),
+        ("macro_f1", "accuracy"),
+        ("rougeL", "generation"),
+        ("learning_rate", "schedule"),
+        ("kl_weight", "schedule"),
+        ("tokens_per_sec", "throughput"),
+        ("grad_norm", "gradients"),
+        ("loss/policy", "loss"),
+        ("objective/kl", "objective"),
+        ("table_fill", "table_fill"),
+    ],
+)
 def test_metric_groups(name, group):
     assert plots.metric_group(name) == group

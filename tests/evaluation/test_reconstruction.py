@@ -23,8 +23,9 @@ TEXT = (
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return SentencePieceTokenizer.train(TEXT, vocab_size=120, model_type="unigram", byte_fallback=False,
-                                        extra_ids=20, hard_vocab_limit=False)
+    return SentencePieceTokenizer.train(
+        TEXT, vocab_size=120, model_type="unigram", byte_fallback=False, extra_ids=20, hard_vocab_limit=False
+    )
 
 
 def _windows(tokenizer):
@@ -44,8 +45,9 @@ def _texts(tokenizer, windows, sentinels, predict):
     """(reconstructions, true texts) for predictions predict(targets)."""
     hypotheses, references = [], []
     for tokens, inputs, targets in windows:
-        restored = reconstruction.reconstruct_tokens("span_corruption", inputs, predict(targets), sentinel_ids=sentinels,
-                                                     eos_id=tokenizer.eos_id)  # fmt: skip
+        restored = reconstruction.reconstruct_tokens(
+            "span_corruption", inputs, predict(targets), sentinel_ids=sentinels, eos_id=tokenizer.eos_id
+        )
         hypotheses.append(reconstruction.detokenize(tokenizer, restored))
         references.append(reconstruction.detokenize(tokenizer, tokens))
     return hypotheses, references
@@ -77,7 +79,9 @@ def test_perfect_span_prediction_scores_100_and_corrupted_ones_lower(tokenizer):
 
 def test_bart_reconstruction_is_the_decoder_output(tokenizer):
     tokens = np.array(tokenizer.encode(TEXT) + [tokenizer.eos_id], np.int32)
-    restored = reconstruction.reconstruct_tokens("denoising", tokens[:5], tokens, sentinel_ids=[], eos_id=tokenizer.eos_id)
+    restored = reconstruction.reconstruct_tokens(
+        "denoising", tokens[:5], tokens, sentinel_ids=[], eos_id=tokenizer.eos_id
+    )
     assert reconstruction.detokenize(tokenizer, restored) == TEXT
 
 
@@ -86,6 +90,10 @@ def test_reconstruct_refuses_other_objectives(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     (tmp_path / "config.json").write_text(module.get_config("tiny").to_json_best_effort())
-    result = subprocess.run([sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", "--reconstruct=3"],
-                            capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", "--reconstruct=3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode != 0 and "'reconstruction' does not apply to objective 'causal_lm'" in result.stderr

@@ -9,8 +9,18 @@ import pytest
 from lmzoo import models, testing
 from lmzoo.evaluation import scoring
 
-TINY_T5 = dict(vocab_size=32, emb_dim=16, num_heads=2, head_dim=8, num_encoder_layers=2, num_decoder_layers=2,
-               mlp_dim=32, dropout_rate=0.0, relative_buckets=8, relative_max_distance=16)  # fmt: skip
+TINY_T5 = dict(
+    vocab_size=32,
+    emb_dim=16,
+    num_heads=2,
+    head_dim=8,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    mlp_dim=32,
+    dropout_rate=0.0,
+    relative_buckets=8,
+    relative_max_distance=16,
+)
 
 
 def direct_decoder_score(model, params, context, continuation):
@@ -89,11 +99,17 @@ def test_rolling_loglikelihood_sums_its_windows():
     model, params = testing.tiny_gpt2()
     ids = testing.random_tokens((1, 40), seed=3)[0].tolist()
     short = ids[:10]
-    np.testing.assert_allclose(scoring.rolling_loglikelihood(model, params, short, prefix_id=0),
-                               direct_decoder_score(model, params, [0], short), rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        scoring.rolling_loglikelihood(model, params, short, prefix_id=0),
+        direct_decoder_score(model, params, [0], short),
+        rtol=1e-5,
+    )
     # lm-eval's windows: tokens 0-15 after the prefix, 16-31 after token 15, 32-39 after tokens 23-31.
-    expected = (direct_decoder_score(model, params, [0], ids[:16]) + direct_decoder_score(model, params, ids[15:16], ids[16:32])
-                + direct_decoder_score(model, params, ids[23:32], ids[32:]))  # fmt: skip
+    expected = (
+        direct_decoder_score(model, params, [0], ids[:16])
+        + direct_decoder_score(model, params, ids[15:16], ids[16:32])
+        + direct_decoder_score(model, params, ids[23:32], ids[32:])
+    )
     np.testing.assert_allclose(scoring.rolling_loglikelihood(model, params, ids, prefix_id=0), expected, rtol=1e-5)
 
 

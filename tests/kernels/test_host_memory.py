@@ -52,7 +52,9 @@ def temp_bytes_and_faults_per_step(mode: str) -> tuple[int, float]:
 def test_train_step_buffers_stay_mapped():
     """configs/shakespeare_char.py's step (43.7 MB of temporary buffers): ~11k page faults a step by default."""
     temp, default = temp_bytes_and_faults_per_step("default")
-    assert default > temp / 4096 / 2, f"the default allocator no longer faults the step's buffer in ({default:.0f} a step)"
+    assert default > temp / 4096 / 2, (
+        f"the default allocator no longer faults the step's buffer in ({default:.0f} a step)"
+    )
     _, kept = temp_bytes_and_faults_per_step("kept")
     assert kept < default / 3
 

@@ -10,7 +10,16 @@ from flax import linen as nn
 from lmzoo import models, testing
 from lmzoo.models import bert, heads
 
-TINY = dict(vocab_size=32, max_len=16, emb_dim=16, num_heads=2, num_layers=2, mlp_dim=32, dropout_rate=0.0, attention_dropout_rate=0.0)
+TINY = dict(
+    vocab_size=32,
+    max_len=16,
+    emb_dim=16,
+    num_heads=2,
+    num_layers=2,
+    mlp_dim=32,
+    dropout_rate=0.0,
+    attention_dropout_rate=0.0,
+)
 VARIANTS = {
     "bert": {},
     "roberta": dict(type_vocab_size=1, position_offset=2, pooler=False, sentence_head=False),
@@ -60,7 +69,9 @@ def test_albert_shares_one_block_and_factorizes_embeddings():
 
 def test_roberta_positions_skip_padding():
     model, params = _init(**VARIANTS["roberta"])
-    positions = model.apply({"params": params}, jnp.ones((1, 4), jnp.int32), jnp.array([[1, 1, 1, 0]]), method=model._positions)
+    positions = model.apply(
+        {"params": params}, jnp.ones((1, 4), jnp.int32), jnp.array([[1, 1, 1, 0]]), method=model._positions
+    )
     np.testing.assert_array_equal(positions, [[2, 3, 4, 1]])
 
 
@@ -68,11 +79,15 @@ def test_distilbert_student_takes_every_other_teacher_layer():
     _, teacher = _init(num_layers=4)
     student = bert.distilbert_student_params(teacher, 4)
     assert sorted(student["blocks"]) == ["layer_0", "layer_1"]
-    np.testing.assert_array_equal(student["blocks"]["layer_1"]["mlp"]["wi"]["kernel"], teacher["blocks"]["layer_2"]["mlp"]["wi"]["kernel"])
+    np.testing.assert_array_equal(
+        student["blocks"]["layer_1"]["mlp"]["wi"]["kernel"], teacher["blocks"]["layer_2"]["mlp"]["wi"]["kernel"]
+    )
     assert "pooler" not in student and "sentence_classifier" not in student
 
 
-@pytest.mark.parametrize("name, head, pooling", [("bert", "pooler", "first"), ("bert", "dense_tanh", "mean"), ("gpt2", "linear", "last")])
+@pytest.mark.parametrize(
+    "name, head, pooling", [("bert", "pooler", "first"), ("bert", "dense_tanh", "mean"), ("gpt2", "linear", "last")]
+)
 def test_heads(name, head, pooling):
     backbone = models.build_model(name, TINY if name == "bert" else testing.TINY_GPT2)
     tokens = testing.random_tokens((2, 8))
@@ -88,7 +103,9 @@ def test_gpt_classifier_reads_the_last_real_token():
     np.testing.assert_array_equal(pooled, np.stack([hidden[0, 3], hidden[1, 1]]))
 
 
-@pytest.mark.parametrize("variant, longest", [("bert", 16), ("roberta", 14)])  # max_len 16; RoBERTa starts at position 2
+@pytest.mark.parametrize(
+    "variant, longest", [("bert", 16), ("roberta", 14)]
+)  # max_len 16; RoBERTa starts at position 2
 @pytest.mark.parametrize("jit", [False, True])
 def test_inputs_longer_than_the_position_table_raise(variant, longest, jit):
     model, params = _init(**VARIANTS[variant])

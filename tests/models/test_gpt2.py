@@ -51,9 +51,12 @@ def test_kv_cache_decoding_equals_full_forward():
     pieces = [out]
     for t in range(4, 10):
         out, vars_ = model.apply(
-            {"params": params, "cache": vars_["cache"]}, tokens[:, t : t + 1],
-            positions=np.full((2, 1), t), decode=True, mutable=["cache"],
-        )  # fmt: skip
+            {"params": params, "cache": vars_["cache"]},
+            tokens[:, t : t + 1],
+            positions=np.full((2, 1), t),
+            decode=True,
+            mutable=["cache"],
+        )
         pieces.append(out)
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5)
 
@@ -79,7 +82,9 @@ def test_out_of_range_token_ids_poison_the_output():
 
 
 def test_gpt2_small_parameter_count():
-    model = models.build_model("gpt2", dict(vocab_size=50257, max_len=1024, emb_dim=768, num_heads=12, num_layers=12, mlp_dim=3072))
+    model = models.build_model(
+        "gpt2", dict(vocab_size=50257, max_len=1024, emb_dim=768, num_heads=12, num_layers=12, mlp_dim=3072)
+    )
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(shapes)))
     assert count == 124_439_808  # HF GPT2LMHeadModel('gpt2'), tied head
@@ -107,5 +112,7 @@ def test_inputs_longer_than_the_position_table_raise(jit):
     model, params = testing.tiny_gpt2()  # max_len 16
     apply = jax.jit(model.apply) if jit else model.apply
     chex.assert_shape(apply({"params": params}, testing.random_tokens((2, 16))), (2, 16, 32))
-    with pytest.raises(ValueError, match=r"GPT-2 input length 17 does not fit the learned position table \(max_len=16\)"):
+    with pytest.raises(
+        ValueError, match=r"GPT-2 input length 17 does not fit the learned position table \(max_len=16\)"
+    ):
         apply({"params": params}, testing.random_tokens((2, 17)))

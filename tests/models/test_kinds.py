@@ -6,8 +6,15 @@ from lmzoo import models, testing
 from lmzoo.evaluation import scoring
 from lmzoo.models import kinds
 
-EXPECTED = {"gpt2": kinds.DECODER, "bert": kinds.ENCODER, "seq2seq": kinds.ENCODER_DECODER, "lstm": kinds.RECURRENT,
-            "vae_lm": kinds.LATENT, "elmo": kinds.RECURRENT, "ngram": kinds.COUNTED}  # fmt: skip
+EXPECTED = {
+    "gpt2": kinds.DECODER,
+    "bert": kinds.ENCODER,
+    "seq2seq": kinds.ENCODER_DECODER,
+    "lstm": kinds.RECURRENT,
+    "vae_lm": kinds.LATENT,
+    "elmo": kinds.RECURRENT,
+    "ngram": kinds.COUNTED,
+}
 
 
 def test_every_registered_family_declares_its_kind():

@@ -25,8 +25,10 @@ CONFIG = lstm.LSTMConfig(vocab_size=13, emb_dim=8, num_layers=2, init_scale=0.3)
 
 def _windows(stream: np.ndarray, window: int) -> list[dict]:
     """Consecutive windows of every row's stream [B, N + 1]."""
-    return [loaders.window(stream, np.ones((stream.shape[0], stream.shape[1] - 1), np.float32), i, window)
-            for i in range((stream.shape[1] - 1) // window)]  # fmt: skip
+    return [
+        loaders.window(stream, np.ones((stream.shape[0], stream.shape[1] - 1), np.float32), i, window)
+        for i in range((stream.shape[1] - 1) // window)
+    ]
 
 
 def _compiled(batch_size: int, window: int):
@@ -141,8 +143,9 @@ def test_generate_draws_the_argmax_at_temperature_zero():
 
 
 def _tiny_ptb(tmp_path: pathlib.Path):
-    config, _ = testing.tiny_word_corpus_config(tmp_path, "ptb_lstm", num_words=30, lines=(120, 20),
-                                                words_per_line=(3, 9), ptb_spacing=True)  # fmt: skip
+    config, _ = testing.tiny_word_corpus_config(
+        tmp_path, "ptb_lstm", num_words=30, lines=(120, 20), words_per_line=(3, 9), ptb_spacing=True
+    )
     config.data.seq_len, config.train.batch_size, config.eval.batch_size = 5, 4, 4
     return config
 

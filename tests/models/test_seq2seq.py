@@ -12,22 +12,55 @@ from flax import linen as nn
 from lmzoo import models, testing
 from lmzoo.models import seq2seq
 
-TINY = dict(vocab_size=32, emb_dim=16, num_heads=2, head_dim=8, num_encoder_layers=2, num_decoder_layers=2, mlp_dim=32,
-            dropout_rate=0.0, relative_buckets=8, relative_max_distance=16, max_len=24)  # fmt: skip
+TINY = dict(
+    vocab_size=32,
+    emb_dim=16,
+    num_heads=2,
+    head_dim=8,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    mlp_dim=32,
+    dropout_rate=0.0,
+    relative_buckets=8,
+    relative_max_distance=16,
+    max_len=24,
+)
 VARIANTS = {
     "t5_v1_0": {},
     "t5_v1_1": dict(activations=("gelu_tanh", "linear"), tie_embeddings=False),
-    "bart": dict(positions="learned", position_offset=2, pre_norm=False, norm="layer", use_bias=True, embedding_norm=True,
-                 activations=("gelu",), attention_scale=0.0, scale_tied_logits=False, final_logits_bias=True, embedding_init_std=0.02,
-                 init_scheme="normal"),
-    "transformer": dict(positions="sinusoidal", pre_norm=False, norm="layer", use_bias=True, scale_embeddings=True,
-                        attention_scale=0.0, scale_tied_logits=False, embedding_init_std=0.02, init_scheme="normal"),
-}  # fmt: skip
+    "bart": dict(
+        positions="learned",
+        position_offset=2,
+        pre_norm=False,
+        norm="layer",
+        use_bias=True,
+        embedding_norm=True,
+        activations=("gelu",),
+        attention_scale=0.0,
+        scale_tied_logits=False,
+        final_logits_bias=True,
+        embedding_init_std=0.02,
+        init_scheme="normal",
+    ),
+    "transformer": dict(
+        positions="sinusoidal",
+        pre_norm=False,
+        norm="layer",
+        use_bias=True,
+        scale_embeddings=True,
+        attention_scale=0.0,
+        scale_tied_logits=False,
+        embedding_init_std=0.02,
+        init_scheme="normal",
+    ),
+}
 
 
 def _init(variant):
     model = models.build_model("seq2seq", {**TINY, **VARIANTS[variant]})
-    params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((2, 7), jnp.int32), jnp.zeros((2, 5), jnp.int32))["params"])
+    params = nn.unbox(
+        model.init(jax.random.key(0), jnp.zeros((2, 7), jnp.int32), jnp.zeros((2, 5), jnp.int32))["params"]
+    )
     return model, params
 
 
@@ -46,9 +79,15 @@ def test_shapes_causality_and_cached_decoding(variant):
     steps = []
     for t in range(6):  # the first step fills the cross-attention cache, later ones read it
         out, variables = model.apply(
-            {"params": params, "cache": cache}, targets[:, t : t + 1], encoded if t == 0 else None, positions=np.full((2, 1), t),
-            decode=True, max_decode_len=6, mutable=["cache"], method=model.decode,
-        )  # fmt: skip
+            {"params": params, "cache": cache},
+            targets[:, t : t + 1],
+            encoded if t == 0 else None,
+            positions=np.full((2, 1), t),
+            decode=True,
+            max_decode_len=6,
+            mutable=["cache"],
+            method=model.decode,
+        )
         cache = variables["cache"]
         steps.append(out)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), logits, atol=1e-5)
@@ -57,7 +96,9 @@ def test_shapes_causality_and_cached_decoding(variant):
 def _decode_init(model, length):
     def init(module, inputs, targets):
         encoded = module.encode(inputs)
-        return module.decode(jnp.zeros((inputs.shape[0], length), jnp.int32), encoded, decode=True, max_decode_len=length)
+        return module.decode(
+            jnp.zeros((inputs.shape[0], length), jnp.int32), encoded, decode=True, max_decode_len=length
+        )
 
     return init
 
@@ -105,7 +146,9 @@ def test_distance_buckets_match_the_formula_over_a_grid():
             max_exact = num_buckets // 2
             ratio = np.log(np.arange(max_exact, max_distance) / max_exact) / np.log(max_distance / max_exact)
             boundaries += int(np.sum(ratio * (num_buckets - max_exact) % 1 > 1 - 1e-9))
-    assert boundaries > 0  # the grid holds distances whose float64 value falls just below a boundary: a plain floor fails there
+    assert (
+        boundaries > 0
+    )  # the grid holds distances whose float64 value falls just below a boundary: a plain floor fails there
     # max_distance <= num_buckets // 2 (a decoder with (64, 25)): the log buckets are empty, longer distances share the last.
     np.testing.assert_array_equal(seq2seq.distance_buckets(64, 25), np.append(np.arange(32), 63))
     with pytest.raises(ValueError, match="at least 2 buckets per direction"):
@@ -123,16 +166,20 @@ class RelativePositionBucketTest(chex.TestCase):
                     continue  # no log buckets (a (64, 25) decoder): test_distance_buckets_match_the_formula_over_a_grid
                 buckets = self.variant(
                     functools.partial(
-                        seq2seq.relative_position_bucket, bidirectional=bidirectional, num_buckets=num_buckets,
+                        seq2seq.relative_position_bucket,
+                        bidirectional=bidirectional,
+                        num_buckets=num_buckets,
                         max_distance=max_distance,
                     )
-                )(jnp.asarray(offsets))  # fmt: skip
+                )(jnp.asarray(offsets))
                 if bidirectional:
                     half = num_buckets // 2
                     expected = reference_distance_buckets(half, max_distance)[distance] + half * (offsets > 0)
                 else:
                     expected = np.where(offsets > 0, 0, reference_distance_buckets(num_buckets, max_distance)[distance])
-                np.testing.assert_array_equal(buckets, expected, err_msg=f"{num_buckets=} {max_distance=} {bidirectional=}")
+                np.testing.assert_array_equal(
+                    buckets, expected, err_msg=f"{num_buckets=} {max_distance=} {bidirectional=}"
+                )
 
 
 def test_inputs_longer_than_a_learned_position_table_raise():
@@ -146,7 +193,9 @@ def test_inputs_longer_than_a_learned_position_table_raise():
     encoded = model.apply({"params": params}, np.zeros((1, 4), np.int32), method=model.encode)
     with pytest.raises(ValueError, match="decoder cache length 23"):
         step = jnp.zeros((1, 1), jnp.int32)  # one token at an explicit position: only the cache length can overrun
-        model.init(jax.random.key(0), step, encoded, positions=step, decode=True, max_decode_len=23, method=model.decode)
+        model.init(
+            jax.random.key(0), step, encoded, positions=step, decode=True, max_decode_len=23, method=model.decode
+        )
     for variant in ("t5_v1_0", "transformer"):  # relative and sinusoidal positions have no table to overrun
         model, params = _init(variant)
         long = np.zeros((1, 40), np.int32)
@@ -157,19 +206,44 @@ def test_inputs_longer_than_a_learned_position_table_raise():
     "fields, expected",
     [
         # HF t5-small num_parameters().
-        (dict(vocab_size=32128, emb_dim=512, num_heads=8, head_dim=64, num_encoder_layers=6, num_decoder_layers=6, mlp_dim=2048), 60_506_624),
+        (
+            dict(
+                vocab_size=32128,
+                emb_dim=512,
+                num_heads=8,
+                head_dim=64,
+                num_encoder_layers=6,
+                num_decoder_layers=6,
+                mlp_dim=2048,
+            ),
+            60_506_624,
+        ),
         # HF facebook/bart-base parameters (139,420,416) plus its final_logits_bias buffer (50,265).
-        (dict(VARIANTS["bart"], vocab_size=50265, emb_dim=768, num_heads=12, head_dim=64, num_encoder_layers=6,
-              num_decoder_layers=6, mlp_dim=3072, max_len=1026), 139_470_681),
+        (
+            dict(
+                VARIANTS["bart"],
+                vocab_size=50265,
+                emb_dim=768,
+                num_heads=12,
+                head_dim=64,
+                num_encoder_layers=6,
+                num_decoder_layers=6,
+                mlp_dim=3072,
+                max_len=1026,
+            ),
+            139_470_681,
+        ),
     ],
-)  # fmt: skip
+)
 def test_published_parameter_counts(fields, expected):
     assert _num_params(fields) == expected
 
 
 def _num_params(fields) -> int:
     model = models.build_model("seq2seq", fields)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32)))
+    shapes = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32))
+    )
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(shapes["params"])))
 
 
@@ -189,6 +263,12 @@ def test_decoding_without_context_needs_a_filled_cache():
     model, params = _init("t5_v1_0")
     with pytest.raises(ValueError, match="cross-attention decoding without a context"):
         model.apply(
-            {"params": params}, np.zeros((2, 1), np.int32), None, positions=np.zeros((2, 1), np.int32), decode=True,
-            max_decode_len=4, mutable=["cache"], method=model.decode,
-        )  # fmt: skip
+            {"params": params},
+            np.zeros((2, 1), np.int32),
+            None,
+            positions=np.zeros((2, 1), np.int32),
+            decode=True,
+            max_decode_len=4,
+            mutable=["cache"],
+            method=model.decode,
+        )

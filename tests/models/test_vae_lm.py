@@ -46,7 +46,9 @@ def test_importance_weighted_bound_is_above_the_elbo_and_tightens_with_k():
     tiled = jax.tree.map(lambda x: np.tile(x, (repeats, 1)), batch)
     means = {}
     for k in (1, 5, 50):
-        iw, bound, _, _ = vae_lm_objective.importance_weighted_bound(model, params, tiled, jax.random.key(k), num_samples=k)
+        iw, bound, _, _ = vae_lm_objective.importance_weighted_bound(
+            model, params, tiled, jax.random.key(k), num_samples=k
+        )
         means[k] = np.asarray(iw).reshape(repeats, -1).mean(axis=0)  # [B]: E[IW_k] per sentence
         if k == 50:
             elbo_estimate = np.asarray(bound).reshape(repeats, -1).mean(axis=0)
@@ -76,7 +78,9 @@ def test_without_a_latent_the_bound_is_the_decoders_exact_likelihood():
         "params"
     ]
     assert set(params) == {"embedding", "decoder", "out"}  # no encoder, no zero-size kernels
-    iw, bound, mu, kl = vae_lm_objective.importance_weighted_bound(model, params, batch, jax.random.key(3), num_samples=3)
+    iw, bound, mu, kl = vae_lm_objective.importance_weighted_bound(
+        model, params, batch, jax.random.key(3), num_samples=3
+    )
     zeros = jnp.zeros((4, CONFIG.emb_dim))
     logits, _ = model.apply({"params": params}, mu, batch["inputs"], (zeros, zeros), method=model.decode)
     np.testing.assert_allclose(np.asarray(iw), -np.asarray(vae_lm_objective.sentence_nll(logits, batch)), rtol=1e-6)
@@ -94,7 +98,9 @@ def test_kl_annealing_and_free_bits():
 
 def test_word_dropout_replaces_only_real_decoder_inputs_after_the_first():
     batch = {k: np.tile(v, (200, 1)) for k, v in _batch().items() if k != "inputs"}  # 800 sentences, 3,400 real words
-    dropped = vae_lm_objective.with_dropped_words(batch, np.random.default_rng(0), bos_id=10, word_dropout=0.3, unk_id=99)
+    dropped = vae_lm_objective.with_dropped_words(
+        batch, np.random.default_rng(0), bos_id=10, word_dropout=0.3, unk_id=99
+    )
     kept = vae_lm_objective.with_inputs(batch, 10)
     np.testing.assert_array_equal(dropped["targets"], batch["targets"])
     changed = dropped["inputs"] != kept["inputs"]
@@ -119,7 +125,9 @@ def test_word_dropout_in_the_training_loader_only(tmp_path):
     real = first["weights"][:, 1:] > 0
     assert 0.3 < np.mean(first["inputs"][:, 1:][real] == unk) < 0.7  # <unk> is ~1/15 of the corpus itself
     for batch in run.eval_batches("validation"):
-        np.testing.assert_array_equal(batch["inputs"], vae_lm_objective.with_inputs(batch, run.tokenizer.eos_id)["inputs"])
+        np.testing.assert_array_equal(
+            batch["inputs"], vae_lm_objective.with_inputs(batch, run.tokenizer.eos_id)["inputs"]
+        )
     run.checkpointer.close()
 
 

@@ -95,8 +95,9 @@ def test_sentence_rows_reject_a_sentence_longer_than_seq_len():
 
 
 def _corpus(tmp_path: pathlib.Path, smoothing: str):
-    config, texts = testing.tiny_word_corpus_config(tmp_path, "ptb_ngram", num_words=20, lines=(150, 30),
-                                                    words_per_line=(2, 9))  # fmt: skip
+    config, texts = testing.tiny_word_corpus_config(
+        tmp_path, "ptb_ngram", num_words=20, lines=(150, 30), words_per_line=(2, 9)
+    )
     config.model.smoothing, config.model.add_k = smoothing, 0.5
     config.train.steps = -(-150 // config.train.batch_size)
     config.train.checkpoint_every = config.train.log_every = 5
@@ -109,8 +110,14 @@ def test_train_py_fit_scores_like_the_direct_fit_and_resumes(tmp_path, smoothing
     config, texts = _corpus(tmp_path, smoothing)
     final = loop.train_and_evaluate(config, str(tmp_path / "straight"))
     tokenizer = WordTokenizer.from_corpus([texts["train"], texts["valid"]])
-    direct = ngram.fit(np.array(tokenizer.encode(texts["train"])), order=3, vocab_size=22, eos_id=tokenizer.eos_id,
-                       smoothing=smoothing, add_k=0.5)  # fmt: skip
+    direct = ngram.fit(
+        np.array(tokenizer.encode(texts["train"])),
+        order=3,
+        vocab_size=22,
+        eos_id=tokenizer.eos_id,
+        smoothing=smoothing,
+        add_k=0.5,
+    )
     assert final["perplexity"] == pytest.approx(
         ngram.perplexity(direct, np.array(tokenizer.encode(texts["valid"]))), rel=1e-5
     )

@@ -34,8 +34,17 @@ def _trainer(value_model: str = "head", **settings) -> rl.PPOTrainer:
     settings = dict(prompt_len=6, response_len=4, epochs=1, minibatches=1, missing_eos_penalty=0.0) | settings
     config = ppo_objective.PPOConfig(value_model=value_model, **settings)
     ptx_loss = causal_lm.causal_lm_task(decoder).loss if config.ptx_coef > 0 else None
-    return rl.PPOTrainer(policy=policy, reward_model=rm, settings=rl.RLSettings.of(config), tx=optax.adam(1e-3),
-                         schedule=optax.constant_schedule(1e-3), batch_size=2, eos_id=EOS, pad_id=PAD, ptx_loss=ptx_loss)  # fmt: skip
+    return rl.PPOTrainer(
+        policy=policy,
+        reward_model=rm,
+        settings=rl.RLSettings.of(config),
+        tx=optax.adam(1e-3),
+        schedule=optax.constant_schedule(1e-3),
+        batch_size=2,
+        eos_id=EOS,
+        pad_id=PAD,
+        ptx_loss=ptx_loss,
+    )
 
 
 def _rollout(trainer):
@@ -52,8 +61,13 @@ def _demonstrations():
     tokens = testing.random_tokens((2, 11), vocab_size=30, seed=3)
     weights = np.zeros((2, 10), np.float32)
     weights[:, 4:] = 1.0
-    rows = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights,
-            "segment_ids": np.ones((2, 10), np.int32), "positions": np.tile(np.arange(10, dtype=np.int32), (2, 1))}  # fmt: skip
+    rows = {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "weights": weights,
+        "segment_ids": np.ones((2, 10), np.int32),
+        "positions": np.tile(np.arange(10, dtype=np.int32), (2, 1)),
+    }
     return jax.tree.map(jnp.asarray, rows)
 
 

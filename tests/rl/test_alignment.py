@@ -22,7 +22,9 @@ from lmzoo.train import loop
 from lmzoo.train import run as run_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-REAL_FILE = str(pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "hh_rlhf" / "harmless-base_test.jsonl.gz")
+REAL_FILE = str(
+    pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "hh_rlhf" / "harmless-base_test.jsonl.gz"
+)
 
 
 def stage_config(name: str, data_path: str, variant: str = "tiny", **train):
@@ -121,8 +123,11 @@ def test_ppo_iteration_starts_at_the_reference_and_updates_only_the_policy(stage
     # The loop runs the step as its jitted phases, timing each: the same iteration as the one-program step.
     assert list(run.compiled.phases) == ["rollout", "scoring", "update"]
     assert all(phased_metrics[f"time/{name}_ms"][0] > 0 for name in run.compiled.phases)
-    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6),
-                 jax.device_get(phased.params), jax.device_get(after.params))  # fmt: skip
+    jax.tree.map(
+        functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6),
+        jax.device_get(phased.params),
+        jax.device_get(after.params),
+    )
     untimed = {k: v for k, v in phased_metrics.items() if not k.startswith("time/")}
     assert metrics_lib.summarize(untimed) == pytest.approx(summary, rel=1e-4, abs=1e-6)
     # The policy starts as the SFT reference: zero KL, and the single update starts from ratio 1.
@@ -146,7 +151,9 @@ def straight_ppo(stages, request):
     """3 PPO iterations in one go of each PPO_VARIANTS entry (the reference of the resume and device tests)."""
     variant, objective = PPO_VARIANTS[request.param]
     workdir = stages["sft"] + "_ppo_straight_" + request.param
-    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=3), workdir)
+    loop.train_and_evaluate(
+        ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=3), workdir
+    )
     run = run_lib.open_run(workdir)
     _, state = run_lib.restore_step(run)
     run.checkpointer.close()
@@ -156,8 +163,12 @@ def straight_ppo(stages, request):
 def test_resumed_ppo_continues_exactly(stages, straight_ppo):
     objective, variant = straight_ppo["objective"], straight_ppo["variant"]
     workdir = straight_ppo["workdir"].replace("_straight_", "_resumed_")
-    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=2), workdir)
-    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=3), workdir)
+    loop.train_and_evaluate(
+        ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=2), workdir
+    )
+    loop.train_and_evaluate(
+        ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=3), workdir
+    )
     run = run_lib.open_run(workdir)
     _, state = run_lib.restore_step(run)
     run.checkpointer.close()
@@ -178,11 +189,25 @@ def test_resumed_ppo_continues_exactly(stages, straight_ppo):
 
 
 def test_eight_devices_give_the_numbers_of_one(stages, straight_ppo, tmp_path):
-    job = {"workdir": str(tmp_path / "ppo8"), "data": stages["data"], "sft": stages["sft"], "rm": stages["rm"],
-           "objective": straight_ppo["objective"], "variant": straight_ppo["variant"], "mesh": [2, 2, 2], "steps": 3, "npz": str(tmp_path / "state.npz")}  # fmt: skip
+    job = {
+        "workdir": str(tmp_path / "ppo8"),
+        "data": stages["data"],
+        "sft": stages["sft"],
+        "rm": stages["rm"],
+        "objective": straight_ppo["objective"],
+        "variant": straight_ppo["variant"],
+        "mesh": [2, 2, 2],
+        "steps": 3,
+        "npz": str(tmp_path / "state.npz"),
+    }
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, str(ROOT / "tests" / "rl" / "ppo_devices.py"), "8", json.dumps(job)], check=True, env=env,
-                   cwd=ROOT, timeout=900)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "rl" / "ppo_devices.py"), "8", json.dumps(job)],
+        check=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
+    )
     eight = dict(np.load(job["npz"]))
     assert eight.keys() == straight_ppo["arrays"].keys()
     for key, value in straight_ppo["arrays"].items():

@@ -53,7 +53,9 @@ class MaskTest(chex.TestCase):
     def test_reward_whitening_keeps_the_mean(self):
         x, mask = _random((B, T), 1) + 3.0, jnp.asarray(_prefix_mask([8, 2]))
         whitened = self.variant(lambda a, m: policy_gradient.whiten(a, m, shift_mean=False))(x, mask)
-        np.testing.assert_allclose(policy_gradient.masked_mean(whitened, mask), policy_gradient.masked_mean(x, mask), rtol=1e-5)
+        np.testing.assert_allclose(
+            policy_gradient.masked_mean(whitened, mask), policy_gradient.masked_mean(x, mask), rtol=1e-5
+        )
         np.testing.assert_allclose(policy_gradient.masked_var(whitened, mask), 1.0, rtol=1e-5)
 
 
@@ -61,7 +63,9 @@ class LogprobTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_logprobs_and_entropy_of_tempered_logits(self):
         logits, responses = _random((B, T, V), 2), jnp.asarray(np.random.default_rng(3).integers(0, V, (B, T)))
-        logprobs, entropy = self.variant(lambda z, y: policy_gradient.response_logprobs(z, y, temperature=0.7))(logits, responses)
+        logprobs, entropy = self.variant(lambda z, y: policy_gradient.response_logprobs(z, y, temperature=0.7))(
+            logits, responses
+        )
         chex.assert_shape((logprobs, entropy), (B, T))
         probs = np.asarray(jax.nn.softmax(logits / 0.7, axis=-1))
         expected = np.log(np.take_along_axis(probs, np.asarray(responses)[..., None], axis=-1)[..., 0])
@@ -113,7 +117,9 @@ class KLTest(chex.TestCase):
     def test_missing_eos_penalty(self):
         scores, has_eos = jnp.array([0.5, 0.5]), jnp.array([True, False])
         np.testing.assert_allclose(policy_gradient.penalize_missing_eos(scores, has_eos, penalty=1.0), [0.5, -0.5])
-        np.testing.assert_allclose(policy_gradient.penalize_missing_eos(scores, has_eos, penalty=1.0, mode="replace"), [0.5, -1.0])
+        np.testing.assert_allclose(
+            policy_gradient.penalize_missing_eos(scores, has_eos, penalty=1.0, mode="replace"), [0.5, -1.0]
+        )
 
 
 class GAETest(chex.TestCase):
@@ -127,7 +133,9 @@ class GAETest(chex.TestCase):
         rewards = jnp.array([[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
         values = jnp.array([[0.5, 0.2, 0.4], [0.5, 0.2, 0.4]])
         mask = jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-        advantages, returns = self.variant(lambda *a: policy_gradient.gae(*a, gamma=0.9, lam=0.5))(rewards, values, mask)
+        advantages, returns = self.variant(lambda *a: policy_gradient.gae(*a, gamma=0.9, lam=0.5))(
+            rewards, values, mask
+        )
         np.testing.assert_allclose(advantages, [[-0.1265, 0.43, 0.6], [-0.41, -0.2, 0.0]], atol=1e-6)
         np.testing.assert_allclose(returns, [[0.3735, 0.63, 1.0], [0.09, 0.0, 0.0]], atol=1e-6)
 
@@ -146,9 +154,12 @@ class LossTest(chex.TestCase):
     def _rollout(self, seed=9):
         mask = jnp.asarray(_prefix_mask([5, 8]))
         return {
-            "old_logprobs": -jnp.abs(_random((B, T), seed)), "old_values": _random((B, T), seed + 1),
-            "advantages": _random((B, T), seed + 2), "returns": _random((B, T), seed + 3), "mask": mask,
-        }  # fmt: skip
+            "old_logprobs": -jnp.abs(_random((B, T), seed)),
+            "old_values": _random((B, T), seed + 1),
+            "advantages": _random((B, T), seed + 2),
+            "returns": _random((B, T), seed + 3),
+            "mask": mask,
+        }
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_zero_advantages_give_zero_policy_gradient(self):
@@ -184,9 +195,9 @@ class LossTest(chex.TestCase):
     def test_masked_loss_equals_the_loss_of_the_valid_tokens_alone(self):
         rollout = self._rollout()
         logprobs = rollout["old_logprobs"] + 0.3 * _random((B, T), 30)
-        loss, _ = self.variant(lambda lp, r: policy_gradient.policy_loss(lp, r["old_logprobs"], r["advantages"], r["mask"]))(
-            logprobs, rollout
-        )
+        loss, _ = self.variant(
+            lambda lp, r: policy_gradient.policy_loss(lp, r["old_logprobs"], r["advantages"], r["mask"])
+        )(logprobs, rollout)
         valid = np.asarray(rollout["mask"]) > 0
         ratio = np.exp(np.asarray(logprobs - rollout["old_logprobs"])[valid])
         advantages = np.asarray(rollout["advantages"])[valid]
@@ -212,7 +223,9 @@ class LossTest(chex.TestCase):
         loss, metrics = self.variant(policy_gradient.policy_loss)(
             rollout["old_logprobs"], rollout["old_logprobs"], rollout["advantages"], rollout["mask"]
         )
-        np.testing.assert_allclose(loss, -policy_gradient.masked_mean(rollout["advantages"], rollout["mask"]), rtol=1e-6)
+        np.testing.assert_allclose(
+            loss, -policy_gradient.masked_mean(rollout["advantages"], rollout["mask"]), rtol=1e-6
+        )
         np.testing.assert_allclose(np.divide(*metrics["policy/ratio"]), 1.0)
         for name in ("policy/clipfrac", "policy/approxkl", "policy/policykl"):
             np.testing.assert_array_equal(metrics[name][0], 0.0)
@@ -238,12 +251,16 @@ class LossTest(chex.TestCase):
         mask = jnp.asarray(_prefix_mask([4, 8]))
         logprobs, ref, values = -jnp.abs(_random((B, T), 50)), -jnp.abs(_random((B, T), 51)), _random((B, T), 52)
         scores, has_eos = jnp.array([1.0, 2.0]), jnp.array([True, False])
-        targets = self.variant(lambda *a: policy_gradient.ppo_rollout_targets(*a, kl_coef=0.05, missing_eos_penalty=1.0))
+        targets = self.variant(
+            lambda *a: policy_gradient.ppo_rollout_targets(*a, kl_coef=0.05, missing_eos_penalty=1.0)
+        )
         rollout, metrics = targets(scores, has_eos, logprobs, ref, values, mask)
         rewards, kl = policy_gradient.shaped_rewards(jnp.array([1.0, 1.0]), logprobs, ref, mask, kl_coef=0.05)
         advantages, returns = policy_gradient.gae(rewards, values, mask)
         np.testing.assert_allclose(rollout["returns"], returns, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(rollout["advantages"], policy_gradient.whiten(advantages, mask), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            rollout["advantages"], policy_gradient.whiten(advantages, mask), rtol=1e-4, atol=1e-5
+        )
         np.testing.assert_allclose(np.divide(*metrics["objective/scores"]), 1.0)
         np.testing.assert_allclose(np.divide(*metrics["objective/kl"]), jnp.sum(kl) / B, rtol=1e-5)
         np.testing.assert_allclose(np.divide(*metrics["tokens/response_len"]), 6.0)

@@ -29,8 +29,10 @@ class RankingLossTest(chex.TestCase):
         r = np.asarray(rewards[0])
         expected = np.mean([_pairwise(r[i], r[j]) for i, j in itertools.combinations(range(4), 2)])
         np.testing.assert_allclose(loss, expected, rtol=1e-6)
-        pairwise = [self.variant(reward.ranking_loss)(rewards[:, [i, j]], jnp.array([[0, 1]]), valid[:, :2])[0]
-                    for i, j in itertools.combinations(range(4), 2)]  # fmt: skip
+        pairwise = [
+            self.variant(reward.ranking_loss)(rewards[:, [i, j]], jnp.array([[0, 1]]), valid[:, :2])[0]
+            for i, j in itertools.combinations(range(4), 2)
+        ]
         np.testing.assert_allclose(loss, np.mean(pairwise), rtol=1e-6)
         np.testing.assert_allclose(np.divide(*metrics["accuracy"]), 1.0)
         np.testing.assert_allclose(metrics["accuracy"][1], 6.0)

@@ -39,8 +39,16 @@ def sample_from_checkpoint(run, params) -> dict[str, np.ndarray]:
 
     prompts = np.array([[0, 0, 5, 6], [7, 8, 9, 10], [0, 11, 12, 13], [14, 15, 16, 17]], np.int32)
     with run.context():
-        samples = decoding.sample(run.model, params, prompts, (prompts != 0).astype(np.int32), jax.random.key(3),
-                                  max_new_tokens=8, temperature=1.0, top_k=20)  # fmt: skip
+        samples = decoding.sample(
+            run.model,
+            params,
+            prompts,
+            (prompts != 0).astype(np.int32),
+            jax.random.key(3),
+            max_new_tokens=8,
+            temperature=1.0,
+            top_k=20,
+        )
     return {"tokens": np.asarray(samples.tokens), "log_probs": np.asarray(samples.log_probs)}
 
 
@@ -60,11 +68,17 @@ def main(devices: int, jobs: list[dict]) -> None:
         run.checkpointer.close()
         leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
         device0 = jax.devices()[0]
-        print(json.dumps({
-            "step": data_state["step"],
-            "param_bytes": sum(x.nbytes for _, x in leaves),
-            "param_bytes_device0": sum(s.data.nbytes for _, x in leaves for s in x.addressable_shards if s.device == device0),
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "step": data_state["step"],
+                    "param_bytes": sum(x.nbytes for _, x in leaves),
+                    "param_bytes_device0": sum(
+                        s.data.nbytes for _, x in leaves for s in x.addressable_shards if s.device == device0
+                    ),
+                }
+            )
+        )
         if "sample" in job:
             np.savez(job["sample"], **sample_from_checkpoint(run, state.params))
         if "npz" in job:

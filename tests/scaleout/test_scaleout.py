@@ -28,8 +28,15 @@ from lmzoo.train import run as run_lib
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT = 150  # seconds for any one subprocess: a hang fails instead of blocking CI
 # configs/default.py:tiny with every mesh axis dividing what it shards (heads, mlp, vocab, batch).
-OVERRIDES = {"model.num_heads": 4, "model.vocab_size": 264, "train.batch_size": 8, "train.log_every": 1,
-             "train.checkpoint_every": 2, "train.eval_every": 1000, "train.sample_tokens": 0}  # fmt: skip
+OVERRIDES = {
+    "model.num_heads": 4,
+    "model.vocab_size": 264,
+    "train.batch_size": 8,
+    "train.log_every": 1,
+    "train.checkpoint_every": 2,
+    "train.eval_every": 1000,
+    "train.sample_tokens": 0,
+}
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2), (1, 8, 1)]
 STEPS = 16
 
@@ -68,7 +75,12 @@ def train_cmd(workdir: pathlib.Path, **overrides) -> list[str]:
 
 
 def helper_cmd(devices: int, jobs: list[dict]) -> list[str]:
-    return [sys.executable, str(ROOT / "tests" / "scaleout" / "run_config.py"), str(devices), json.dumps(jobs, default=str)]
+    return [
+        sys.executable,
+        str(ROOT / "tests" / "scaleout" / "run_config.py"),
+        str(devices),
+        json.dumps(jobs, default=str),
+    ]
 
 
 def helper_stats(output: str) -> list[dict]:
@@ -102,7 +114,9 @@ def assert_same_final_state(workdir: pathlib.Path, reference: pathlib.Path) -> N
 def wait_for(path: pathlib.Path, run: Run) -> None:
     deadline = time.time() + TIMEOUT
     while not path.exists():
-        assert run.proc.poll() is None, f"exited {run.proc.returncode} before {path} appeared:\n{run.log.read_text()[-3000:]}"
+        assert run.proc.poll() is None, (
+            f"exited {run.proc.returncode} before {path} appeared:\n{run.log.read_text()[-3000:]}"
+        )
         assert time.time() < deadline, f"{path} did not appear within {TIMEOUT} s"
         time.sleep(0.005)
 
@@ -120,9 +134,12 @@ def workspace(tmp_path_factory):
 def env(workspace):
     inherited = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # device counts come from the configs
     return dict(
-        inherited, PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=str(workspace / "xla_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )  # fmt: skip
+        inherited,
+        PYTHONPATH=str(ROOT),
+        JAX_COMPILATION_CACHE_DIR=str(workspace / "xla_cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +158,10 @@ def mesh_runs(workspace, env):
     runs = {}
     for meshes in (MESHES[:2], MESHES[2:]):
         jobs = [
-            {"workdir": workspace / mesh_name(m), "train": {**OVERRIDES, "train.steps": 3, "train.checkpoint_every": 3, "sharding.mesh_shape": m}}
+            {
+                "workdir": workspace / mesh_name(m),
+                "train": {**OVERRIDES, "train.steps": 3, "train.checkpoint_every": 3, "sharding.mesh_shape": m},
+            }
             | ({"npz": workspace / "2x2x2.npz", "sample": workspace / "2x2x2_sample.npz"} if m == (2, 2, 2) else {})
             for m in meshes
         ]
@@ -174,10 +194,19 @@ def test_two_processes_match_one_and_resume_alone(reference, workspace, env):
         port = s.getsockname()[1]
     workdir = workspace / "two_processes"
     runs = [
-        Run(train_cmd(workdir, train__steps=3, sharding__mesh_shape=(2, 1, 2),
-                      distributed__coordinator_address=f"127.0.0.1:{port}", distributed__num_processes=2,
-                      distributed__process_id=i, distributed__cpu_devices_per_process=2),
-            env, workspace / f"two_processes_{i}.log")  # fmt: skip
+        Run(
+            train_cmd(
+                workdir,
+                train__steps=3,
+                sharding__mesh_shape=(2, 1, 2),
+                distributed__coordinator_address=f"127.0.0.1:{port}",
+                distributed__num_processes=2,
+                distributed__process_id=i,
+                distributed__cpu_devices_per_process=2,
+            ),
+            env,
+            workspace / f"two_processes_{i}.log",
+        )
         for i in range(2)
     ]
     try:
@@ -187,7 +216,9 @@ def test_two_processes_match_one_and_resume_alone(reference, workspace, env):
         for run in runs:
             run.stop()
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "3"]
-    assert {"ocdbt.process_0", "ocdbt.process_1"} <= {p.name for p in (workdir / "checkpoints" / "3" / "state").iterdir()}
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= {
+        p.name for p in (workdir / "checkpoints" / "3" / "state").iterdir()
+    }
     # One process, one device, continues the two-process run.
     resumed = Run(train_cmd(workdir, train__steps=4), env, workspace / "two_processes_resumed.log").result()
     assert f"resumed from {workdir}/checkpoints/3" in resumed

@@ -35,8 +35,11 @@ def test_train_writes_checkpoints_logs_sample_and_eval(tmp_path):
     assert (tmp_path / "sample.txt").read_text().startswith("def ")
     result = subprocess.run(
         [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", "--max_batches=2"],
-        capture_output=True, text=True, cwd=ROOT, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
     line = json.loads(result.stdout.splitlines()[0])
     assert line["step"] == 4 and abs(line["loss"] - final["loss"]) < 1e-4
     assert {"perplexity", "bits_per_token", "bits_per_char"} <= set(line)
@@ -92,7 +95,9 @@ def test_incompatible_checkpoint_names_parameters(tmp_path):
     loop.train_and_evaluate(_tiny_config(), str(tmp_path))
     config = _tiny_config(steps=6)
     config.model.mlp_dim = 48
-    with pytest.raises(checkpoint.IncompatibleCheckpointError, match=r"mlp/wi/kernel: checkpoint \(32, 64\) vs model \(32, 48\)"):
+    with pytest.raises(
+        checkpoint.IncompatibleCheckpointError, match=r"mlp/wi/kernel: checkpoint \(32, 64\) vs model \(32, 48\)"
+    ):
         loop.train_and_evaluate(config, str(tmp_path))
 
 
@@ -116,9 +121,17 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path):
 )
 def test_bad_config_errors(tmp_path, override, message):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "--config=configs/default.py:tiny", f"--workdir={tmp_path}", *override.split()],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "--config=configs/default.py:tiny",
+            f"--workdir={tmp_path}",
+            *override.split(),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode != 0
     assert message in result.stderr
 
@@ -128,7 +141,12 @@ def test_weight_decay_mask_spares_biases_norms_and_embeddings():
 
     params = {"wte": {"embedding": 1}, "mlp": {"wi": {"kernel": 1, "bias": 1}}, "ln": {"scale": 1}, "mlm_bias": 1}
     mask = optim.weight_decay_mask(params, decay_embeddings=False)
-    assert mask == {"wte": {"embedding": False}, "mlp": {"wi": {"kernel": True, "bias": False}}, "ln": {"scale": False}, "mlm_bias": False}
+    assert mask == {
+        "wte": {"embedding": False},
+        "mlp": {"wi": {"kernel": True, "bias": False}},
+        "ln": {"scale": False},
+        "mlm_bias": False,
+    }
     assert optim.weight_decay_mask(params, decay_embeddings=True)["wte"]["embedding"] is True
 
 

@@ -31,20 +31,30 @@ def test_eval_and_load_from_the_workdir_alone(tmp_path):
     new_file = tmp_path / "new.txt"
     new_file.write_text(NEW_TEXT)
 
-    result = subprocess.run([sys.executable, str(ROOT / "eval.py"), f"--workdir={workdir}", f"--data={new_file}"],
-                            capture_output=True, text=True, cwd="/", check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), f"--workdir={workdir}", f"--data={new_file}"],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     line = json.loads(result.stdout.splitlines()[0])
     assert line["split"] == "data" and line["data"] == str(new_file) and line["step"] == 4
     assert (workdir / "eval_data_new.txt.json").exists()
 
     loaded = lmzoo.load(str(workdir))
-    assert loaded.step == 4 and loaded.config.data.path == str(corpus) and loaded.tokenizer.decode(loaded.tokenizer.encode("fox")) == "fox"
+    assert (
+        loaded.step == 4
+        and loaded.config.data.path == str(corpus)
+        and loaded.tokenizer.decode(loaded.tokenizer.encode("fox")) == "fox"
+    )
     stream = pipeline.TokenStream.from_documents([NEW_TEXT], loaded.tokenizer)
     total, count = 0.0, 0.0
     for batch in pipeline.eval_batches(stream, batch_size=64, seq_len=config.data.seq_len):
-        logits = loaded.model.apply({"params": loaded.params}, batch["inputs"], positions=batch["positions"],
-                                    segment_ids=batch["segment_ids"])  # fmt: skip
+        logits = loaded.model.apply(
+            {"params": loaded.params}, batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"]
+        )
         s, c = jax.device_get(losses.cross_entropy(logits, batch["targets"], batch["weights"]))
         total, count = total + float(s), count + float(c)
     np.testing.assert_allclose(line["loss"], total / count, rtol=1e-5)

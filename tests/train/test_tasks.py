@@ -85,14 +85,31 @@ def test_denoising_pretraining_runs(tmp_path, name, beam_size):
     assert np.isfinite(final["loss"]) and final["tokens"] > 0
     run = run_lib.open_run(str(tmp_path))
     _, state = run_lib.restore_step(run)
-    text = sample_text(run, run.compiled.host_params(state), "The Time Traveller", max_new_tokens=4, temperature=0.0,
-                       top_k=0, top_p=1.0, seed=0)  # fmt: skip
+    text = sample_text(
+        run,
+        run.compiled.host_params(state),
+        "The Time Traveller",
+        max_new_tokens=4,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=0,
+    )
     assert isinstance(text, str) and len(run.tokenizer.encode(text)) <= 4
     run.checkpointer.close()
     result = subprocess.run(
-        [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", "--reconstruct=3", f"--beam_size={beam_size}", "--max_batches=1"],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "eval.py"),
+            f"--workdir={tmp_path}",
+            "--reconstruct=3",
+            f"--beam_size={beam_size}",
+            "--max_batches=1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     line = json.loads(result.stdout.splitlines()[0])
     assert line["reconstruct_examples"] == 3 and line["beam_size"] == beam_size and 0.0 <= line["bleu"] <= 100.0

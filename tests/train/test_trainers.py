@@ -53,7 +53,10 @@ class CountingTrainer:
     def step(self, state, batch):
         counts = state.params + jnp.zeros_like(state.params).at[batch["targets"]].add(batch["weights"])
         tokens = jnp.sum(batch["weights"])
-        return state.replace(step=state.step + 1, params=counts), {"loss": (jnp.zeros(()), tokens), "tokens_seen": (tokens, 1.0)}
+        return state.replace(step=state.step + 1, params=counts), {
+            "loss": (jnp.zeros(()), tokens),
+            "tokens_seen": (tokens, 1.0),
+        }
 
     def initial_carry(self, batch_size):
         return {}
@@ -128,8 +131,9 @@ class InnerUpdates(causal_lm.CausalLM):
 
     def trainer(self, model):
         tx, schedule = optim.make_optimizer(self.config.optim)
-        return InnerUpdatesTrainer(_two_head_task(model), tx, schedule, self.input_shapes(self.config.train.batch_size),
-                                   model=model)  # fmt: skip
+        return InnerUpdatesTrainer(
+            _two_head_task(model), tx, schedule, self.input_shapes(self.config.train.batch_size), model=model
+        )
 
 
 def _annealed_task(model) -> Task:
@@ -159,12 +163,26 @@ def _config(objective: str = "causal_lm", **train):
 
 
 def _train_rows(workdir) -> list[dict]:
-    return [r for r in map(json.loads, (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
+    return [
+        r
+        for r in map(json.loads, (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines())
+        if r["split"] == "train"
+    ]
 
 
 def test_registry_lists_every_objective_with_its_fields():
     listing = objectives.describe()
-    for name in ("causal_lm", "mlm", "mlm_nsp", "mlm_sop", "distill", "classify", "span_corruption", "denoising", "text_to_text"):
+    for name in (
+        "causal_lm",
+        "mlm",
+        "mlm_nsp",
+        "mlm_sop",
+        "distill",
+        "classify",
+        "span_corruption",
+        "denoising",
+        "text_to_text",
+    ):
         assert name in objectives.REGISTRY and name in listing
     assert "mask_rate=0.15" in listing and "noise_density=0.15" in listing and "teacher=''" in listing
     with pytest.raises(ValueError, match="unknown config.objective.name 'nope'"):
@@ -173,8 +191,15 @@ def test_registry_lists_every_objective_with_its_fields():
 
 def test_objective_section_holds_only_its_own_fields():
     section = objectives.objective_section("mlm_nsp", static_masking=True)
-    assert set(section) == {"name", "mask_rate", "whole_word_masking", "static_masking", "num_pair_examples",
-                            "num_eval_pairs", "sentence_loss_weight"}  # fmt: skip
+    assert set(section) == {
+        "name",
+        "mask_rate",
+        "whole_word_masking",
+        "static_masking",
+        "num_pair_examples",
+        "num_eval_pairs",
+        "sentence_loss_weight",
+    }
     with pytest.raises(ValueError, match="unknown field.*'temperature'.*of objective 'mlm'"):
         objectives.objective_section("mlm", temperature=2.0)
     config = _config()
@@ -189,12 +214,17 @@ def test_counting_trainer_fits_without_gradients_and_resumes(tmp_path):
     loop.train_and_evaluate(_config("test_counting"), str(tmp_path / "resumed"))
     run = run_lib.open_run(str(tmp_path / "straight"))
     loader = run.train_loader()
-    expected = sum(np.bincount(b["targets"].ravel(), weights=b["weights"].ravel(), minlength=VOCAB) for b in map(loader.batch, range(4)))
+    expected = sum(
+        np.bincount(b["targets"].ravel(), weights=b["weights"].ravel(), minlength=VOCAB)
+        for b in map(loader.batch, range(4))
+    )
     _, state = run_lib.restore_step(run)
     np.testing.assert_allclose(state.params, expected)
     log_probs = np.log((expected + 1.0) / (expected.sum() + VOCAB))
     batches = list(run.eval_batches("validation"))[:2]
-    direct = -sum(np.sum(log_probs[b["targets"]] * b["weights"]) for b in batches) / sum(b["weights"].sum() for b in batches)
+    direct = -sum(np.sum(log_probs[b["targets"]] * b["weights"]) for b in batches) / sum(
+        b["weights"].sum() for b in batches
+    )
     assert final["loss"] == pytest.approx(direct, rel=1e-5)
     run.checkpointer.close()
     _, resumed = run_lib.restore_step(run_lib.open_run(str(tmp_path / "resumed")))
@@ -275,8 +305,14 @@ def _rnn_compiled(batch_size: int, window: int, grad_accum_steps: int = 1):
 
 def _windows(stream: np.ndarray, window: int) -> list[dict]:
     """Consecutive windows of every row's stream [B, N + 1]: inputs and next-token targets."""
-    return [{"inputs": stream[:, i : i + window], "targets": stream[:, i + 1 : i + window + 1],
-             "weights": np.ones((stream.shape[0], window), np.float32)} for i in range(0, stream.shape[1] - 1, window)]  # fmt: skip
+    return [
+        {
+            "inputs": stream[:, i : i + window],
+            "targets": stream[:, i + 1 : i + window + 1],
+            "weights": np.ones((stream.shape[0], window), np.float32),
+        }
+        for i in range(0, stream.shape[1] - 1, window)
+    ]
 
 
 def test_carry_over_consecutive_windows_equals_one_pass():
@@ -288,7 +324,9 @@ def test_carry_over_consecutive_windows_equals_one_pass():
         for batch in _windows(stream, 5):
             metrics, carry = compiled.eval_step(state, sharding.put_batch(batch, compiled.batch_sharding), carry)
             total += np.asarray(jax.device_get(metrics["loss"]))
-    whole = compiled.trainer.task.loss(state.params, {}, jnp.zeros((4, 8)), _windows(stream, 20)[0], None, step=0, train=False)
+    whole = compiled.trainer.task.loss(
+        state.params, {}, jnp.zeros((4, 8)), _windows(stream, 20)[0], None, step=0, train=False
+    )
     np.testing.assert_allclose(total[0], float(whole[1][0]["loss"][0]), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(carry), np.asarray(whole[1][1]), atol=1e-6)
 

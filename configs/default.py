@@ -2,7 +2,7 @@
 
     python train.py                      # = --config=configs/default.py --workdir=runs/default
 
-Needs no download and no files outside the Python installation; about 2-3 minutes on 2 CPU
+Needs no download and no files outside the Python installation; 6 to 12 minutes on 2 CPU
 cores. Writes checkpoints, TensorBoard logs (runs/default/tb) and a sample (runs/default/sample.txt).
 """
 

@@ -28,8 +28,9 @@ VALUE_MODELS = ("head", "reward", "sft")
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig(sft.ComparisonSplitConfig):
-    """Attributes (besides the held-out split of config.data.path, whose training prompts are the rollout prompts):
+class PPOConfig(sft.ComparisonSplitConfig, RLSettings):
+    """The trainer's settings (`RLSettings`), validated here, plus the recipe's. Attributes (besides the held-out
+    split of config.data.path, whose training prompts are the rollout prompts):
     sft: "ckpt:WORKDIR" of the SFT run: the frozen reference and the policy's start.
     reward_model: "ckpt:WORKDIR" of a reward_model run on the same backbone config as config.model.
     algorithm: "ppo"; "reinforce" (baseline: mean of the prompt's samples) or "rloo" (leave-one-out), one update per rollout.
@@ -55,28 +56,8 @@ class PPOConfig(sft.ComparisonSplitConfig):
 
     sft: str = ""
     reward_model: str = ""
-    algorithm: str = "ppo"
-    prompt_len: int = 64
-    response_len: int = 32
-    temperature: float = 1.0
-    samples_per_prompt: int = 1
-    epochs: int = 4
-    minibatches: int = 1
-    clip_eps: float = 0.2
-    value_clip_eps: float = 0.2
-    value_coef: float = 0.1
-    entropy_coef: float = 0.0
-    gamma: float = 1.0
-    lam: float = 0.95
-    kl_coef: float = 0.05
-    kl_target: float = 0.0
-    kl_horizon: float = 10000.0
-    kl_estimator: str = "k1"
-    missing_eos_penalty: float = 1.0
-    whiten_rewards: bool = False
     normalize_samples: int = 64
     value_model: str = "head"
-    ptx_coef: float = 0.0
     ptx_batch_size: int = 8
 
     def __post_init__(self):
@@ -180,7 +161,7 @@ class PPO(base.Objective):
         return PPOTrainer(
             policy=model,
             reward_model=reward_model,
-            settings=RLSettings.of(o),
+            settings=o,
             tx=tx,
             schedule=schedule,
             batch_size=self.config.train.batch_size,

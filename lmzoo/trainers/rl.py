@@ -28,7 +28,7 @@ PTX_PREFIX = "ptx_"  # batch keys of the PPO-ptx demonstrations
 
 @dataclasses.dataclass(frozen=True)
 class RLSettings:
-    """What a rollout and its updates do (validated by the objective's config; see `lmzoo.objectives.ppo`)."""
+    """What a rollout and its updates do (an objective's config extends and validates it: `objectives.ppo.PPOConfig`)."""
 
     algorithm: str = "ppo"
     prompt_len: int = 64
@@ -50,11 +50,6 @@ class RLSettings:
     missing_eos_penalty: float = 1.0
     whiten_rewards: bool = False
     ptx_coef: float = 0.0
-
-    @classmethod
-    def of(cls, fields: Any) -> "RLSettings":
-        """The settings among `fields` (an objective's config with these fields and more)."""
-        return cls(**{f.name: getattr(fields, f.name) for f in dataclasses.fields(cls)})
 
 
 @struct.dataclass

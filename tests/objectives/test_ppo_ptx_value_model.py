@@ -37,7 +37,7 @@ def _trainer(value_model: str = "head", **settings) -> rl.PPOTrainer:
     return rl.PPOTrainer(
         policy=policy,
         reward_model=rm,
-        settings=rl.RLSettings.of(config),
+        settings=config,
         tx=optax.adam(1e-3),
         schedule=optax.constant_schedule(1e-3),
         batch_size=2,

@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -34,7 +35,7 @@ from lmzoo import (  # noqa: E402
     models,
     tokenizers,
 )
-from lmzoo.data import pipeline, transforms  # noqa: E402
+from lmzoo.data import readers, sources, transforms  # noqa: E402
 from lmzoo.data.loaders import Shard  # noqa: E402
 from lmzoo.objectives import losses, mlm  # noqa: E402
 from lmzoo.train import run as run_lib  # noqa: E402
@@ -165,9 +166,9 @@ def masked_batch(spec: Spec, tokenizer: tokenizers.Tokenizer) -> dict[str, np.nd
 def data_loaders(spec: Spec) -> tuple[tokenizers.Tokenizer, dict, dict]:
     """(tokenizer, {objective: train loader}, description) from configs/bert.py (mlm_nsp) and :roberta (mlm)."""
     config = bert_configs.get_config("bert")
-    documents = pipeline.load_documents(config.data)
-    if spec.max_documents:
-        documents = {split: docs[: spec.max_documents] for split, docs in documents.items()}
+    documents = [text for split, text in sources.source_from_config(config.data).documents() if split == "train"]
+    corpus = pathlib.Path(tempfile.mkdtemp(prefix="bert-bench-")) / "train.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents[: spec.max_documents or None]))
     tokenizer = tokenizers.HFTokenizer.wordpiece(config.data.tokenizer.path)
     loaders, info = {}, {"text": config.data.path, "vocab": config.data.tokenizer.path}
     for variant in ("bert", "roberta"):
@@ -176,9 +177,10 @@ def data_loaders(spec: Spec) -> tuple[tokenizers.Tokenizer, dict, dict]:
         if config.objective.name == "mlm_nsp":
             config.objective.num_pair_examples, config.objective.num_eval_pairs = spec.num_pair_examples, 16
         name, start = config.objective.name, time.perf_counter()
-        loaders[name] = run_lib.validated_objective(config).train_loader(tokenizer, documents["train"], Shard())
+        train = readers.CorpusSplit(config, "train", sources.FileCorpus((corpus,), description="bench corpus"))
+        loaders[name] = run_lib.validated_objective(config).train_loader(tokenizer, train, Shard())
         seconds = time.perf_counter() - start
-        size = loaders[name].num_examples if name == "mlm_nsp" else len(loaders[name].stream)
+        size = loaders[name].num_examples if name == "mlm_nsp" else loaders[name].splits[0].num_tokens
         info[name] = {
             "loader": type(loaders[name]).__name__,
             "build_s": seconds,

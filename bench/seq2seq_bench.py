@@ -43,7 +43,7 @@ from lmzoo import (  # noqa: E402
     tokenizers,
 )
 from lmzoo.convert import hf  # noqa: E402
-from lmzoo.data import noising, pipeline  # noqa: E402
+from lmzoo.data import noising  # noqa: E402
 from lmzoo.data.loaders import Shard  # noqa: E402
 from lmzoo.objectives import denoising  # noqa: E402
 
@@ -201,19 +201,19 @@ def data_loaders(spec: Spec) -> tuple[dict, dict]:
     for name, module in (("t5", t5_configs), ("bart", bart_configs)):
         config = module.get_config(spec.data_variant)
         config.train.batch_size, config.data.seq_len = spec.batch_size, spec.inputs_len
-        documents = pipeline.load_documents(config.data)
+        objective = objectives.build(config)
+        raw = objective.read()
         start = time.perf_counter()
         kwargs = config.data.tokenizer.to_dict()
-        tokenizer = tokenizers.build_tokenizer(
-            kwargs.pop("kind"), corpus=documents["train"] + documents["validation"], **kwargs
-        )
-        loaders[name] = objectives.build(config).train_loader(tokenizer, documents["train"], Shard())
+        corpus = objective.corpus(raw["train"]) + objective.corpus(raw["validation"])
+        tokenizer = tokenizers.build_tokenizer(kwargs.pop("kind"), corpus=corpus, **kwargs)
+        loaders[name] = objective.train_loader(tokenizer, raw["train"], Shard())
         batch = loaders[name].batch(0)
         info[name] = {
             "objective": config.objective.name,
             "text": config.data.path,
             "build_s": time.perf_counter() - start,
-            "tokens": len(loaders[name].stream),
+            "tokens": loaders[name].splits[0].num_tokens,
             "window": loaders[name].seq_len,
             "vocab": tokenizer.vocab_size,
             "inputs_shape": list(batch["inputs"].shape),

@@ -21,10 +21,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.init_from_partial = False  # with hf:, load the parameters that fit and initialise the rest (report printed)
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = (
-        "python_stdlib"  # "local" (path), "python_stdlib", "tfds" (name, data_dir), "tsv" (labelled), "pairs" (path)
-    )
+    # "local" (path), "python_stdlib", "tfds" (name, data_dir), "tsv" (labelled), "pairs" (path), or "store": a token
+    # store made by `python -m lmzoo.data.prepare` (path), or several mixed by weight (mixture). Raw text is
+    # tokenized once into a store cached under cache_dir (default $LMZOO_CACHE, else ~/.cache/lmzoo).
+    c.data.source = "python_stdlib"
     c.data.path = ""
+    c.data.mixture = ()  # store: ((folder, weight), ...) instead of path; rows drawn by weight from (seed, step)
+    c.data.cache_dir = ""
     c.data.document_unit = "file"  # local .txt files: one document per "file", "paragraph" or "line"
     c.data.text_field = "text"  # field of .jsonl lines / TFDS features holding the text
     c.data.max_files = 400  # python_stdlib: how many source files to read
@@ -206,7 +209,7 @@ def check_values(
     batch, and each gradient-accumulation microbatch of it, must be a multiple of it (checked with
     `batches`; a run opened only to restore its params never splits a batch).
     """
-    from lmzoo.data import pipeline
+    from lmzoo.data import sources
 
     train, evals, data, optim = config.train, config.eval, config.data, config.optim
     problems = []
@@ -258,10 +261,25 @@ def check_values(
         0 < data.validation_fraction < 1, "data.validation_fraction", "must be between 0 and 1 (exclusive), e.g. 0.1"
     )
     require(
-        data.document_unit in pipeline.DOCUMENT_UNITS, "data.document_unit", f"choose one of {pipeline.DOCUMENT_UNITS}"
+        data.document_unit in sources.DOCUMENT_UNITS, "data.document_unit", f"choose one of {sources.DOCUMENT_UNITS}"
     )
     require(data.sampler in ("random", "sequential"), "data.sampler", "choose 'random' or 'sequential'")
-    if data.source not in ("local", "pairs"):
+    if data.source == "store":
+        require(
+            bool(data.path) != bool(data.mixture),
+            "data.path",
+            "source 'store' reads one store (data.path) or a mixture (data.mixture), exactly one of them",
+        )
+        for entry in data.mixture:
+            require(
+                len(entry) == 2 and isinstance(entry[1], int | float) and entry[1] > 0,
+                "data.mixture",
+                f"entry {tuple(entry)!r} must be (store folder, weight > 0)",
+            )
+        require(data.sampler == "random" or not data.mixture, "data.sampler", "a mixture draws 'random' windows")
+    else:
+        require(not data.mixture, "data.mixture", "mixes token stores: set config.data.source='store'")
+    if data.source not in ("local", "pairs", "store"):
         require(
             not data.path,
             "data.path",

@@ -10,11 +10,13 @@ import abc
 import collections
 import io
 import itertools
+import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import sentencepiece as spm
+import tiktoken
 import tokenizers as hf
 
 # Token names that identify each special role, in order of preference. The single source of truth for
@@ -385,6 +387,51 @@ class SentencePieceTokenizer(Tokenizer):
         return {"kind": "sentencepiece", "path": "spm.model", "extra_ids": self.extra_ids}
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of the 256 bytes to printable characters (the alphabet of byte-level BPE vocabularies)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
+
+
+# GPT-2's pre-tokenization regex, the one HF's ByteLevel pre-tokenizer applies (use_regex=True).
+GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def tiktoken_encoding(tokenizer: hf.Tokenizer) -> tiktoken.Encoding | None:
+    """A tiktoken encoder giving exactly `tokenizer`'s ids, or None when it cannot.
+
+    It can for a GPT-2-layout byte-level BPE: no normalizer, the ByteLevel pre-tokenizer with GPT-2's regex and no
+    prefix space, the 256 byte symbols at ids 0..255 and merge k producing id 256 + k. Then the id of every token
+    is its merge rank, which is what tiktoken's BPE ranks by, and added tokens are its special tokens."""
+    spec = json.loads(tokenizer.to_str())
+    model, pre = spec["model"], spec.get("pre_tokenizer") or {}
+    if (
+        model.get("type") != "BPE"
+        or spec.get("normalizer") is not None
+        or pre.get("type") != "ByteLevel"
+        or pre.get("add_prefix_space")
+        or not pre.get("use_regex", True)
+    ):
+        return None
+    alphabet = _bytes_to_unicode()
+    vocab = model["vocab"]
+    if sorted(vocab.get(alphabet[b], -1) for b in range(256)) != list(range(256)):
+        return None
+    for k, merge in enumerate(model["merges"]):
+        left, right = merge.split(" ") if isinstance(merge, str) else merge
+        if vocab.get(left + right) != 256 + k:
+            return None
+    to_byte = {c: b for b, c in alphabet.items()}
+    ranks = {bytes(to_byte[c] for c in token): i for token, i in vocab.items() if i < 256 + len(model["merges"])}
+    specials = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    if len(ranks) != 256 + len(model["merges"]) or set(specials.values()) & set(ranks.values()):
+        return None
+    return tiktoken.Encoding(
+        "byte_level_bpe", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+    )
+
+
 class HFTokenizer(Tokenizer):
     """A HuggingFace `tokenizers.Tokenizer`; padding and truncation are switched off on the wrapped object.
 
@@ -397,6 +444,7 @@ class HFTokenizer(Tokenizer):
         tokenizer.no_truncation()
         self.tokenizer = tokenizer
         self._char_lengths: np.ndarray | None = None
+        self._tiktoken = tiktoken_encoding(tokenizer)
         self._set_specials(_discover_specials(tokenizer.token_to_id) if special_ids is None else special_ids)
 
     @classmethod
@@ -434,6 +482,9 @@ class HFTokenizer(Tokenizer):
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """tiktoken's encoder when it gives the same ids (GPT-2's byte-level BPE, ~8x faster), else HF's."""
+        if self._tiktoken is not None:
+            return self._tiktoken.encode_batch(texts, allowed_special="all", num_threads=1)
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -23,58 +23,6 @@ from lmzoo.train import run as run_lib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
 
-FAILING_OPEN = r"""
-/* open(2) of every path containing $FAILFS_MATCH fails with errno $FAILFS_ERRNO. */
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <errno.h>
-#include <fcntl.h>
-#include <stdarg.h>
-#include <stdlib.h>
-#include <string.h>
-
-static int failing(const char *path) {
-    const char *match = getenv("FAILFS_MATCH");
-    if (!match || !path || !strstr(path, match)) return 0;
-    errno = atoi(getenv("FAILFS_ERRNO"));
-    return 1;
-}
-
-#define MODE(flags) mode_t mode = 0; if (flags & (O_CREAT | O_TMPFILE)) { va_list ap; va_start(ap, flags); mode = va_arg(ap, int); va_end(ap); }
-
-int open(const char *path, int flags, ...) {
-    MODE(flags) if (failing(path)) return -1;
-    return ((int (*)(const char *, int, ...))dlsym(RTLD_NEXT, "open"))(path, flags, mode);
-}
-int open64(const char *path, int flags, ...) {
-    MODE(flags) if (failing(path)) return -1;
-    return ((int (*)(const char *, int, ...))dlsym(RTLD_NEXT, "open64"))(path, flags, mode);
-}
-int openat(int dir, const char *path, int flags, ...) {
-    MODE(flags) if (failing(path)) return -1;
-    return ((int (*)(int, const char *, int, ...))dlsym(RTLD_NEXT, "openat"))(dir, path, flags, mode);
-}
-int openat64(int dir, const char *path, int flags, ...) {
-    MODE(flags) if (failing(path)) return -1;
-    return ((int (*)(int, const char *, int, ...))dlsym(RTLD_NEXT, "openat64"))(dir, path, flags, mode);
-}
-"""
-
-
-@pytest.fixture(scope="module")
-def failing_open(tmp_path_factory):
-    """Path of the compiled shim (skips without a C compiler)."""
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        pytest.skip("needs a C compiler for the failing-filesystem shim")
-    folder = tmp_path_factory.mktemp("shim")
-    (folder / "failing_open.c").write_text(FAILING_OPEN)
-    subprocess.run(
-        [compiler, "-shared", "-fPIC", "-o", str(folder / "failing_open.so"), str(folder / "failing_open.c"), "-ldl"],
-        check=True,
-    )
-    return folder / "failing_open.so"
-
 
 def _train_cmd(run_dir, *overrides: str) -> list[str]:
     return [

@@ -5,6 +5,7 @@ a file given on the command line (`eval.py --data`) with `file`, and trains a to
 """
 
 import dataclasses
+import os
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,7 @@ import ml_collections
 import numpy as np
 
 from lmzoo import tokenizers
-from lmzoo.data import comparisons, pipeline, transforms
+from lmzoo.data import comparisons, prepare, sources, store, transforms
 
 Config = ml_collections.ConfigDict
 
@@ -30,10 +31,70 @@ class Reader:
     check: Callable[[Config], None] = lambda config: None
 
 
-DOCUMENTS = Reader(
-    splits=lambda config: pipeline.load_documents(config.data),
-    file=lambda config, path: pipeline.read_local_text(path, config.data.text_field, config.data.document_unit),
-)
+# Stores read directly (source "store"): one folder, or a mixture of (folder, weight) pairs.
+def store_paths(config: Config) -> list[tuple[str, float]]:
+    data = config.data
+    return [(str(path), float(weight)) for path, weight in data.mixture] if data.mixture else [(data.path, 1.0)]
+
+
+@dataclasses.dataclass
+class CorpusSplit:
+    """One split of the run's documents, tokenized on first use: a raw-text `source` prepared once into a cached
+    store (`lmzoo.data.prepare.cached_store`), or, with source None, the prepared store(s) config.data names."""
+
+    config: Config
+    split: str
+    source: sources.DocumentSource | None = None
+    _stores: list[store.Store] | None = None
+
+    def texts(self) -> list[str]:
+        """The split's documents as text (what a tokenizer learnt from the corpus reads)."""
+        if self.source is None:
+            raise ValueError(
+                "config.data.source='store' holds tokens, not text: the run uses the store's own tokenizer"
+            )
+        return [text for split, text in self.source.documents() if split == self.split]
+
+    def stores(self, tokenizer: tokenizers.Tokenizer) -> list[store.Store]:
+        if self._stores is None:
+            if self.source is None:
+                opened = [store.open_store(path) for path, _ in store_paths(self.config)]
+                for each in opened:
+                    each.check_tokenizer(tokenizer)
+            else:
+                root = prepare.cache_root(self.config.data.cache_dir)
+                big = (self.source.size_bytes() or 0) > prepare.PARALLEL_BYTES
+                opened = [prepare.cached_store(self.source, tokenizer, root, workers=os.cpu_count() if big else 1)]
+            self._stores = opened
+        return self._stores
+
+    def tokens(self, tokenizer: tokenizers.Tokenizer) -> store.TokenSplit:
+        """The split's tokens (of the first store of a mixture: evaluation reads that one)."""
+        return self.stores(tokenizer)[0].split(self.split)
+
+    def mixture(self, tokenizer: tokenizers.Tokenizer) -> tuple[list[store.TokenSplit], list[float], list[str]]:
+        """(token splits, weights, names) of every store the split reads: one, or a mixture's."""
+        opened = self.stores(tokenizer)
+        weights = [weight for _, weight in store_paths(self.config)] if self.source is None else [1.0]
+        return [s.split(self.split) for s in opened], weights, [s.folder.name for s in opened]
+
+
+def _document_splits(config: Config) -> dict[str, CorpusSplit]:
+    source = None if config.data.source == "store" else sources.source_from_config(config.data)
+    return {split: CorpusSplit(config, split, source) for split in ("train", "validation")}
+
+
+def _document_file(config: Config, path: str) -> CorpusSplit:
+    data = config.data
+    return CorpusSplit(
+        config,
+        "train",
+        sources.FileCorpus(tuple(sources.text_files(path)), data.text_field, data.document_unit, 0.0, path),
+    )
+
+
+# The run's documents (config.data: raw text sources or prepared stores), read as token splits.
+DOCUMENTS = Reader(splits=_document_splits, file=_document_file, texts=lambda raw: raw.texts())
 
 
 def _split_paths(config: Config, read_file: Callable[[Config, str], Any]) -> dict[str, Any]:
@@ -66,7 +127,7 @@ def text_file_tokens(raw: list[str], tokenizer: tokenizers.Tokenizer, vocab_size
 
 
 def _labelled_tsv(config: Config, path: str) -> tuple[list[tuple[str, ...]], np.ndarray]:
-    return pipeline.read_labelled_tsv(path, tuple(config.data.text_fields), config.data.label_field)
+    return sources.read_labelled_tsv(path, tuple(config.data.text_fields), config.data.label_field)
 
 
 # (text[, text pair], label) rows of GLUE-style TSV files: config.data.{train,validation}_path.
@@ -97,11 +158,11 @@ COMPARISONS = Reader(
 
 
 def _text_pairs(config: Config, path: str) -> list[tuple[str, str]]:
-    return pipeline.read_text_pairs(path, tuple(config.data.text_fields), config.data.split_marker)
+    return sources.read_text_pairs(path, tuple(config.data.text_fields), config.data.split_marker)
 
 
 def _text_pair_splits(config: Config) -> dict[str, list[tuple[str, str]]]:
-    train, validation = pipeline.split_documents(_text_pairs(config, config.data.path), config.data.validation_fraction)
+    train, validation = sources.split_documents(_text_pairs(config, config.data.path), config.data.validation_fraction)
     return {"train": train, "validation": validation}
 
 

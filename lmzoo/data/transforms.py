@@ -30,16 +30,6 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, *, where: str) -> None:
         )
 
 
-def concat_documents(docs: list[list[int]], eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Token lists -> (tokens [N], doc_ids [N]) with EOS appended to each document when given."""
-    if eos_id is not None:
-        docs = [d + [eos_id] for d in docs]
-    lengths = np.array([len(d) for d in docs], dtype=np.int64)
-    tokens = np.fromiter((t for d in docs for t in d), dtype=np.int32, count=int(lengths.sum()))
-    doc_ids = np.repeat(np.arange(len(docs), dtype=np.int32), lengths)
-    return tokens, doc_ids
-
-
 def segment_positions(doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """doc_ids [B, T] -> (segment_ids [B, T] counting from 1 per row, positions [B, T])."""
     b, t = doc_ids.shape
@@ -51,17 +41,13 @@ def segment_positions(doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return segment_ids, (index - segment_start).astype(np.int32)
 
 
-def lm_windows(tokens: np.ndarray, doc_ids: np.ndarray, starts: np.ndarray, length: int) -> dict[str, np.ndarray]:
-    """Packed next-token examples from windows [start, start + length] of a stream; see module doc.
-
-    Windows running past the end of the stream are padded with weight 0 and segment id 0.
-    """
-    index = starts[:, None] + np.arange(length + 1)[None, :]
-    valid = index < len(tokens)
-    index = np.minimum(index, len(tokens) - 1)
-    window, docs = tokens[index], np.where(valid, doc_ids[index], -1)
-    segment_ids, positions = segment_positions(docs[:, :-1])
-    in_doc = (docs[:, :-1] == docs[:, 1:]) & valid[:, 1:]
+def lm_windows(window: np.ndarray, documents: np.ndarray) -> dict[str, np.ndarray]:
+    """Packed next-token examples from windows [B, T+1] of a stream and the document of each token [B, T+1] (-1 past
+    the stream's end, as `TokenSplit.windows` gives them); see module doc. Positions past the end get weight 0 and
+    segment id 0."""
+    valid = documents >= 0
+    segment_ids, positions = segment_positions(documents[:, :-1])
+    in_doc = (documents[:, :-1] == documents[:, 1:]) & valid[:, 1:]
     return {
         "inputs": window[:, :-1],
         "targets": window[:, 1:],

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 
 from lmzoo import models, tokenizers
-from lmzoo.data import readers
+from lmzoo.data import pipeline, readers
 from lmzoo.data.loaders import Shard
 from lmzoo.trainers import optim, supervised
 from lmzoo.trainers.state import Task
@@ -40,7 +40,7 @@ def float_inputs(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
 
 
 class Objective:
-    """Base class: a language-modelling recipe on documents (`config.data` through `pipeline.load_documents`).
+    """Base class: a language-modelling recipe on documents (`config.data`, read as token stores: `readers.DOCUMENTS`).
 
     Built once per run from the run's config (`lmzoo.objectives.build`): `self.config` is that config and
     `self.fields` its objective section as the typed, validated `Config`. Subclasses set `name` and `Config`
@@ -114,6 +114,27 @@ class Objective:
     def eval_batches(self, tokenizer: tokenizers.Tokenizer, raw: Any, shard: Shard) -> Iterator[Batch]:
         """Every example of a split once (padding rows weighted 0)."""
         raise NotImplementedError
+
+    def window_loader(self, tokenizer, raw: readers.CorpusSplit, shard: Shard, length: int, transform=None):
+        """Training batches of packed `length`-token windows of the run's documents (or its stores' mixture)."""
+        splits, weights, names = raw.mixture(tokenizer)
+        return pipeline.LMLoader(
+            splits,
+            self.config.train.batch_size,
+            length,
+            seed=self.config.train.seed,
+            sampler=self.config.data.sampler,
+            transform=transform,
+            weights=weights,
+            names=names,
+            **dataclasses.asdict(shard),
+        )
+
+    def window_eval_batches(self, tokenizer, raw: readers.CorpusSplit, shard: Shard, length: int, transform=None):
+        """Every target of a split once, in consecutive `length`-token windows."""
+        return pipeline.eval_batches(
+            raw.tokens(tokenizer), self.config.eval.batch_size, length, transform=transform, **dataclasses.asdict(shard)
+        )
 
     def load_frozen(self, frozen: Any) -> Any:
         """Frozen subtrees (host arrays, shaped like `frozen`) read from the paths the config names.

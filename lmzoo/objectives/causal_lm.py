@@ -3,9 +3,6 @@
 of the run's documents.
 """
 
-import dataclasses
-
-from lmzoo.data import pipeline
 from lmzoo.objectives import base, losses
 from lmzoo.trainers.state import Task
 
@@ -46,18 +43,7 @@ class CausalLM(base.Objective):
         return causal_lm_task(model)
 
     def train_loader(self, tokenizer, raw, shard):
-        stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "train split")
-        return pipeline.LMLoader(
-            stream,
-            self.config.train.batch_size,
-            self.config.data.seq_len,
-            seed=self.config.train.seed,
-            sampler=self.config.data.sampler,
-            **dataclasses.asdict(shard),
-        )
+        return self.window_loader(tokenizer, raw, shard, self.config.data.seq_len)
 
     def eval_batches(self, tokenizer, raw, shard):
-        stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "evaluation split")
-        return pipeline.eval_batches(
-            stream, self.config.eval.batch_size, self.config.data.seq_len, **dataclasses.asdict(shard)
-        )
+        return self.window_eval_batches(tokenizer, raw, shard, self.config.data.seq_len)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from lmzoo import tokenizers
-from lmzoo.data import noising, pipeline, transforms
+from lmzoo.data import noising, transforms
 from lmzoo.objectives import base, losses
 from lmzoo.trainers.state import Task
 
@@ -104,26 +104,10 @@ class WindowDenoising(base.Objective):
         )
 
     def train_loader(self, tokenizer, raw, shard):
-        stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "train split")
-        return pipeline.LMLoader(
-            stream,
-            self.config.train.batch_size,
-            self.lengths()[0],
-            seed=self.config.train.seed,
-            sampler=self.config.data.sampler,
-            transform=self._transform(tokenizer),
-            **dataclasses.asdict(shard),
-        )
+        return self.window_loader(tokenizer, raw, shard, self.lengths()[0], self._transform(tokenizer))
 
     def eval_batches(self, tokenizer, raw, shard):
-        stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "evaluation split")
-        return pipeline.eval_batches(
-            stream,
-            self.config.eval.batch_size,
-            self.lengths()[0],
-            transform=self._transform(tokenizer),
-            **dataclasses.asdict(shard),
-        )
+        return self.window_eval_batches(tokenizer, raw, shard, self.lengths()[0], self._transform(tokenizer))
 
 
 class SpanCorruption(WindowDenoising):

@@ -135,26 +135,12 @@ class MaskedLM(base.Objective):
         return masked_lm_task(model, mask_rate=self.fields.mask_rate)
 
     def train_loader(self, tokenizer, raw, shard):
-        stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "train split")
-        return pipeline.LMLoader(
-            stream,
-            self.config.train.batch_size,
-            self.config.data.seq_len - 2,
-            seed=self.config.train.seed,
-            sampler=self.config.data.sampler,
-            transform=window_transform(self.config, tokenizer, self.fields),
-            **dataclasses.asdict(shard),
-        )
+        transform = window_transform(self.config, tokenizer, self.fields)
+        return self.window_loader(tokenizer, raw, shard, self.config.data.seq_len - 2, transform)
 
     def eval_batches(self, tokenizer, raw, shard):
-        stream = pipeline.token_stream(raw, tokenizer, self.config.model.vocab_size, "evaluation split")
-        return pipeline.eval_batches(
-            stream,
-            self.config.eval.batch_size,
-            self.config.data.seq_len - 2,
-            transform=window_transform(self.config, tokenizer, self.fields),
-            **dataclasses.asdict(shard),
-        )
+        transform = window_transform(self.config, tokenizer, self.fields)
+        return self.window_eval_batches(tokenizer, raw, shard, self.config.data.seq_len - 2, transform)
 
 
 def make_pair_examples(
@@ -204,7 +190,7 @@ class SentencePairMLM(base.Objective):
         fields = self.fields
         settings = mask_settings(tokenizer, fields, self.config.train.seed)
         pairs = make_pair_examples(
-            raw,
+            raw.texts(),
             tokenizer,
             kind=self.kind,
             max_len=self.config.data.seq_len,

@@ -21,7 +21,7 @@ import numpy as np
 from lmzoo import checkpoint, models, objectives, sharding, tokenizers, weights
 from lmzoo import config as config_lib
 from lmzoo import workdir as workdir_lib
-from lmzoo.data import loaders
+from lmzoo.data import loaders, readers, store
 from lmzoo.objectives import base
 from lmzoo.trainers import base as trainers_base
 
@@ -144,7 +144,8 @@ def _tokenizer(
     stage: workdir_lib.StagedRunState | None,
 ) -> tokenizers.Tokenizer:
     """The run's tokenizer: the workdir's when it has checkpoints (so a resumed run keeps its ids); else
-    built (from the run's data for kinds learnt from a corpus) and, when `stage` is given, staged there.
+    built (from the run's data for kinds learnt from a corpus; a token store's own for source "store") and, when
+    `stage` is given, staged there.
     A tokenizer left by a run that never saved a checkpoint is rebuilt, never reused."""
     saved = workdir / "tokenizer" / "spec.json"
     if saved.exists() and has_checkpoints(workdir):
@@ -152,10 +153,13 @@ def _tokenizer(
     spec = config.data.tokenizer.to_dict()
     kind = spec.pop("kind")
     corpus = None
-    if kind in ("char", "word", "sentencepiece") and not spec.get("path"):
-        run_splits.update(objective.read())
-        corpus = objective.corpus(run_splits["train"]) + objective.corpus(run_splits["validation"])
-    tokenizer = tokenizers.build_tokenizer(kind, corpus=corpus, **spec)
+    if config.data.source == "store":
+        tokenizer = store.open_store(readers.store_paths(config)[0][0]).tokenizer()
+    else:
+        if kind in ("char", "word", "sentencepiece") and not spec.get("path"):
+            run_splits.update(objective.read())
+            corpus = objective.corpus(run_splits["train"]) + objective.corpus(run_splits["validation"])
+        tokenizer = tokenizers.build_tokenizer(kind, corpus=corpus, **spec)
     if stage is not None:
         folder = stage.path("tokenizer")
         folder.mkdir()

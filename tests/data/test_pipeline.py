@@ -2,18 +2,22 @@ import numpy as np
 import pytest
 
 from lmzoo import tokenizers
-from lmzoo.data import pipeline, tfds_text, transforms
+from lmzoo.data import pipeline, sources, tfds_text, transforms
+from lmzoo.data.store import TokenSplit
 from lmzoo.objectives import text_to_text
 
 
 def _stream():
-    tokens, doc_ids = transforms.concat_documents([[5, 6, 7], [8, 9], [10, 11, 12, 13]], eos_id=1)
-    return pipeline.TokenStream(tokens, doc_ids)
+    return TokenSplit.from_documents([[5, 6, 7], [8, 9], [10, 11, 12, 13]], eos_id=1)
+
+
+def one_document(tokens: np.ndarray) -> TokenSplit:
+    return TokenSplit([tokens], [np.zeros(1, np.int64)])
 
 
 def test_lm_windows_segments_positions_and_weights():
     stream = _stream()  # 5 6 7 1 | 8 9 1 | 10 11 12 13 1
-    batch = transforms.lm_windows(stream.tokens, stream.doc_ids, np.array([2]), 6)
+    batch = transforms.lm_windows(*stream.windows(np.array([2]), 7))
     np.testing.assert_array_equal(batch["inputs"], [[7, 1, 8, 9, 1, 10]])
     np.testing.assert_array_equal(batch["targets"], [[1, 8, 9, 1, 10, 11]])
     np.testing.assert_array_equal(batch["weights"], [[1, 0, 1, 1, 0, 1]])
@@ -23,36 +27,36 @@ def test_lm_windows_segments_positions_and_weights():
 
 def test_window_past_the_end_is_padding():
     stream = _stream()
-    batch = transforms.lm_windows(stream.tokens, stream.doc_ids, np.array([8]), 6)  # 11 12 13 1 | end
+    batch = transforms.lm_windows(*stream.windows(np.array([8]), 7))  # 11 12 13 1 | end
     np.testing.assert_array_equal(batch["weights"], [[1, 1, 1, 0, 0, 0]])
     np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 1, 1, 0, 0]])
 
 
 @pytest.mark.parametrize("sampler", ["random", "sequential"])
 def test_loader_is_deterministic_random_access_and_sharded(sampler):
-    stream = pipeline.TokenStream(np.arange(1000, dtype=np.int32) % 50, np.zeros(1000, np.int32))
-    loader = pipeline.LMLoader(stream, batch_size=8, seq_len=16, seed=3, sampler=sampler)
-    again = pipeline.LMLoader(stream, batch_size=8, seq_len=16, seed=3, sampler=sampler)
+    stream = one_document(np.arange(1000, dtype=np.int32) % 50)
+    loader = pipeline.LMLoader([stream], batch_size=8, seq_len=16, seed=3, sampler=sampler)
+    again = pipeline.LMLoader([stream], batch_size=8, seq_len=16, seed=3, sampler=sampler)
     for step in (0, 5, 100):
         for k, v in loader.batch(step).items():
             np.testing.assert_array_equal(v, again.batch(step)[k])
     assert not np.array_equal(loader.batch(0)["inputs"], loader.batch(1)["inputs"])
     halves = [
-        pipeline.LMLoader(stream, 8, 16, seed=3, sampler=sampler, process_index=i, process_count=2).batch(7)
+        pipeline.LMLoader([stream], 8, 16, seed=3, sampler=sampler, process_index=i, process_count=2).batch(7)
         for i in range(2)
     ]
     np.testing.assert_array_equal(np.concatenate([h["inputs"] for h in halves]), loader.batch(7)["inputs"])
 
 
 def test_sequential_sampler_visits_every_window_once_per_epoch():
-    stream = pipeline.TokenStream(np.arange(161, dtype=np.int32), np.zeros(161, np.int32))
-    loader = pipeline.LMLoader(stream, batch_size=2, seq_len=16, seed=0, sampler="sequential")
+    stream = one_document(np.arange(161, dtype=np.int32))
+    loader = pipeline.LMLoader([stream], batch_size=2, seq_len=16, seed=0, sampler="sequential")
     starts = sorted(int(loader.batch(s)["inputs"][r, 0]) for s in range(5) for r in range(2))
     assert starts == list(range(0, 160, 16))
 
 
 def test_eval_batches_cover_every_target_once():
-    stream = pipeline.TokenStream(np.arange(100, dtype=np.int32), np.zeros(100, np.int32))
+    stream = one_document(np.arange(100, dtype=np.int32))
     batches = list(pipeline.eval_batches(stream, batch_size=4, seq_len=16))
     targets = np.concatenate([b["targets"][b["weights"] > 0] for b in batches])
     np.testing.assert_array_equal(np.sort(targets), np.arange(1, 100))
@@ -60,7 +64,7 @@ def test_eval_batches_cover_every_target_once():
 
 def test_seq2seq_eval_padding_rows_have_no_weight():
     """The rows padding the last evaluation batch carry no targets (their denoised form is just EOS)."""
-    stream = pipeline.TokenStream(np.arange(2, 22, dtype=np.int32), np.zeros(20, np.int32))
+    stream = one_document(np.arange(2, 22, dtype=np.int32))
     noise = lambda tokens, rng: {"inputs": np.append(tokens[::2], 1), "targets": np.append(tokens, 1)}  # noqa: E731
 
     def transform(batch, ids, epochs):
@@ -84,38 +88,39 @@ def test_check_token_ids():
 def test_local_text_sources(tmp_path):
     (tmp_path / "a.txt").write_text("first document")
     (tmp_path / "b.jsonl").write_text('{"text": "second"}\n{"text": "third"}\n')
-    assert pipeline.read_local_text(str(tmp_path)) == ["first document", "second", "third"]
+    assert sources.read_local_text(str(tmp_path)) == ["first document", "second", "third"]
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        pipeline.read_local_text(str(tmp_path / "missing"))
+        sources.read_local_text(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no text found"):
-        pipeline.read_local_text(str(tmp_path / "empty"))
+        sources.read_local_text(str(tmp_path / "empty"))
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(ValueError, match="has no field 'text'"):
-        pipeline.read_local_text(str(tmp_path / "bad.jsonl"))
+        sources.read_local_text(str(tmp_path / "bad.jsonl"))
 
 
 def test_split_by_characters_for_one_document_else_by_documents():
-    train, val = pipeline.split_documents(["abcdefghij"], 0.1)
+    train, val = sources.split_documents(["abcdefghij"], 0.1)
     assert (train, val) == (["abcdefghi"], ["j"])
-    train, val = pipeline.split_documents([str(i) for i in range(10)], 0.2)
+    train, val = sources.split_documents([str(i) for i in range(10)], 0.2)
     assert len(train) == 8 and val == ["8", "9"]
 
 
 def test_loader_rejects_too_little_data():
     with pytest.raises(ValueError, match="fewer than seq_len"):
-        pipeline.LMLoader(pipeline.TokenStream(np.zeros(10, np.int32), np.zeros(10, np.int32)), 2, 16, seed=0)
+        pipeline.LMLoader([one_document(np.zeros(10, np.int32))], 2, 16, seed=0)
 
 
 def test_tfds_source_built_locally(tmp_path):
     name = tfds_text.prepare_text_dataset(str(tmp_path), {"train": ["hello world", "abc"], "validation": ["xyz"]})
-    assert pipeline.read_tfds(name, "train", str(tmp_path), "text") == ["hello world", "abc"]
-    stream = pipeline.TokenStream.from_documents(
-        pipeline.read_tfds(name, "validation", str(tmp_path), "text"), tokenizers.ByteTokenizer()
+    assert list(sources.iter_tfds(name, "train", str(tmp_path), "text")) == ["hello world", "abc"]
+    tokenizer = tokenizers.ByteTokenizer()
+    split = TokenSplit.from_documents(
+        tokenizer.encode_batch(list(sources.iter_tfds(name, "validation", str(tmp_path), "text"))), tokenizer.eos_id
     )
-    assert stream.tokens.tolist() == list(b"xyz") + [256]
+    assert split.document(0).tolist() == list(b"xyz") + [256]
     with pytest.raises(FileNotFoundError, match="not prepared"):
-        pipeline.read_tfds("lmzoo_text", "train", str(tmp_path / "nowhere"), "text")
+        list(sources.iter_tfds("lmzoo_text", "train", str(tmp_path / "nowhere"), "text"))
 
 
 def test_gpt_classifier_example_layout_and_truncation():
@@ -161,21 +166,21 @@ def test_text_pairs_from_a_split_marker_or_two_fields(tmp_path):
             "\n\nHuman: a\n\nAssistant: b",
         ):
             f.write(json.dumps({"chosen": text}) + "\n")
-    pairs = pipeline.read_text_pairs(str(dialogues), ("chosen",), "\n\nAssistant:")
+    pairs = sources.read_text_pairs(str(dialogues), ("chosen",), "\n\nAssistant:")
     assert pairs == [
         ("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye\n\nAssistant:", " see you"),
         ("\n\nHuman: a\n\nAssistant:", " b"),
     ]
     table = tmp_path / "t.tsv"
     table.write_text("en\tde\ncat\tKatze\ndog\tHund\n", encoding="utf-8")
-    assert pipeline.read_text_pairs(str(table), ("en", "de")) == [("cat", "Katze"), ("dog", "Hund")]
+    assert sources.read_text_pairs(str(table), ("en", "de")) == [("cat", "Katze"), ("dog", "Hund")]
     with pytest.raises(ValueError, match="no '\\\\n\\\\nRobot:'"):
-        pipeline.read_text_pairs(str(dialogues), ("chosen",), "\n\nRobot:")
+        sources.read_text_pairs(str(dialogues), ("chosen",), "\n\nRobot:")
     with pytest.raises(ValueError, match=r"columns \['fr'\] not in the header"):
-        pipeline.read_text_pairs(str(table), ("en", "fr"))
+        sources.read_text_pairs(str(table), ("en", "fr"))
     with pytest.raises(ValueError, match="at least 2"):
         (tmp_path / "one.tsv").write_text("en\tde\ncat\tKatze\n", encoding="utf-8")
-        pipeline.read_text_pairs(str(tmp_path / "one.tsv"), ("en", "de"))
+        sources.read_text_pairs(str(tmp_path / "one.tsv"), ("en", "de"))
 
 
 def test_text_pair_examples_keep_the_source_end_and_the_target_start():

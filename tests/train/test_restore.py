@@ -11,6 +11,7 @@ import numpy as np
 import lmzoo
 from lmzoo import testing
 from lmzoo.data import pipeline
+from lmzoo.data.store import TokenSplit
 from lmzoo.objectives import losses
 from lmzoo.train import loop
 
@@ -49,7 +50,7 @@ def test_eval_and_load_from_the_workdir_alone(tmp_path):
         and loaded.config.data.path == str(corpus)
         and loaded.tokenizer.decode(loaded.tokenizer.encode("fox")) == "fox"
     )
-    stream = pipeline.TokenStream.from_documents([NEW_TEXT], loaded.tokenizer)
+    stream = TokenSplit.from_documents(loaded.tokenizer.encode_batch([NEW_TEXT]), loaded.tokenizer.eos_id)
     total, count = 0.0, 0.0
     for batch in pipeline.eval_batches(stream, batch_size=64, seq_len=config.data.seq_len):
         logits = loaded.model.apply(

@@ -1,0 +1,260 @@
+"""Tokenize a corpus once into a token store (`lmzoo.data.store`), in parallel, resumably.
+
+    python -m lmzoo.data.prepare --source=corpus/ --out=/data/stores/corpus_gpt2 \\
+        --tokenizer=gpt2 --tokenizer_path=../shared/data/tokenizers/gpt2 --validation_fraction=0.0005 --workers=8
+
+Sources: text files and folders (.txt/.md/.py: one document per file, paragraph or line), .jsonl(.gz) and parquet
+files (the text in `--text_field`), or a prepared TFDS dataset (`--tfds=NAME`). Documents are cut into chunks in
+one fixed order and tokenized by `--workers` processes, at most two chunks each in flight, so memory is bounded by
+workers x chunk and the store's bytes do not depend on the worker count. A killed prepare, run again, resumes after
+its last finished shard. A training config that names raw text gets the same store built once into a cache keyed
+by the source's and tokenizer's fingerprints (`cached_store`).
+"""
+
+import argparse
+import collections
+import fcntl
+import hashlib
+import itertools
+import multiprocessing
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from lmzoo import tokenizers
+from lmzoo.data import sources, store
+
+CHUNK_DOCUMENTS = 1024  # documents per chunk of work, at most
+CHUNK_BYTES = 4 << 20  # text per chunk of work, at most (a longer document is a chunk of its own)
+SHARD_TOKENS = 100_000_000  # a shard is closed at the first chunk end past this many tokens (llm.c's size)
+PARALLEL_BYTES = 64 << 20  # a config's corpus larger than this is cached by one worker per CPU (spawning costs ~2 s)
+
+
+def chunks(source: sources.DocumentSource, documents: int = CHUNK_DOCUMENTS) -> Iterator[tuple[int, str, list[str]]]:
+    """(index, split, texts): the source's documents in order, cut into chunks of one split, at most `documents`
+    documents and about CHUNK_BYTES of text each."""
+    index, split, texts, size = 0, None, [], 0
+    for document_split, text in source.documents():
+        if texts and (document_split != split or len(texts) >= documents or size >= CHUNK_BYTES):
+            yield index, split, texts
+            index, texts, size = index + 1, [], 0
+        split = document_split
+        texts.append(text)
+        size += len(text)
+    if texts:
+        yield index, split, texts
+
+
+_worker_tokenizer: tokenizers.Tokenizer | None = None
+
+
+def _init_worker(tokenizer: tokenizers.Tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def encode_chunk(texts: list[str], tokenizer: tokenizers.Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """texts -> (tokens [N] int64 of every document followed by EOS when the tokenizer has one, lengths [d])."""
+    tokenizer = tokenizer or _worker_tokenizer
+    ids = tokenizer.encode_batch(texts)
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    lengths = np.array([len(d) + len(eos) for d in ids], np.int64)
+    tokens = np.fromiter(itertools.chain.from_iterable(d + eos for d in ids), np.int64, count=int(lengths.sum()))
+    return tokens, lengths
+
+
+def _encoded(work, tokenizer: tokenizers.Tokenizer, workers: int):
+    """(index, split, texts, tokens, lengths) of every chunk of `work`, in order, tokenized by `workers` processes."""
+    if workers <= 1:
+        for index, split, texts in work:
+            yield index, split, texts, *encode_chunk(texts, tokenizer)
+        return
+    # spawn: the caller may hold JAX's threads, which a forked child must not inherit.
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        pending = collections.deque()
+        for index, split, texts in work:
+            pending.append((index, split, texts, pool.apply_async(encode_chunk, (texts,))))
+            if len(pending) >= 2 * workers:
+                index, split, texts, result = pending.popleft()
+                yield index, split, texts, *result.get()
+        while pending:
+            index, split, texts, result = pending.popleft()
+            yield index, split, texts, *result.get()
+
+
+def header(source: sources.DocumentSource, tokenizer: tokenizers.Tokenizer, dtype: str | None = None) -> dict:
+    """What defines a store's content: format, dtype, tokenizer (spec and hash), EOS policy and source fingerprint."""
+    chosen = token_dtype_for(tokenizer, dtype)
+    spec, digest = store.tokenizer_fingerprint(tokenizer)
+    return {
+        "format_version": store.FORMAT_VERSION,
+        "dtype": chosen.str,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer": {"spec": spec, "sha256": digest},
+        "eos": "none" if tokenizer.eos_id is None else "appended",
+        "eos_id": tokenizer.eos_id,
+        "source": {"description": source.description, "fingerprint": source.fingerprint()},
+    }
+
+
+def token_dtype_for(tokenizer: tokenizers.Tokenizer, dtype: str | None) -> np.dtype:
+    """The store's dtype: `dtype` if given and wide enough for the vocabulary, else the narrowest that is."""
+    if not dtype:
+        return store.token_dtype(tokenizer.vocab_size)
+    chosen = np.dtype(dtype).newbyteorder("<")
+    if chosen.kind != "u" or tokenizer.vocab_size > 2 ** (8 * chosen.itemsize):
+        raise store.StoreError(
+            f"--dtype={dtype} cannot hold the tokenizer's {tokenizer.vocab_size:,} ids; use uint32 (or leave "
+            "--dtype out to choose the narrowest that fits)"
+        )
+    return chosen
+
+
+def prepare(
+    source: sources.DocumentSource,
+    tokenizer: tokenizers.Tokenizer,
+    folder: str | os.PathLike,
+    *,
+    workers: int = 1,
+    shard_tokens: int = SHARD_TOKENS,
+    chunk_documents: int = CHUNK_DOCUMENTS,
+    dtype: str | None = None,
+    progress: bool = True,
+) -> store.Store:
+    """Tokenizes `source` into the store at `folder` (resuming a killed build there) and opens it. The chunking
+    (`chunk_documents`) and `shard_tokens` decide the bytes written, so a resumed build must keep them."""
+    root = pathlib.Path(folder).expanduser()
+    if (root / store.MANIFEST).is_file():
+        raise store.StoreError(f"{root} already holds a complete store; choose another output folder or remove it")
+    settings = {"shard_tokens": shard_tokens, "chunk_documents": chunk_documents, "chunk_bytes": CHUNK_BYTES}
+    writer = store.StoreWriter(root, {**header(source, tokenizer, dtype), "settings": settings}, shard_tokens)
+    tokenizer_folder = root / "tokenizer"
+    if not tokenizer_folder.is_dir():
+        tokenizer.save(str(tokenizer_folder))
+    start, last = writer.resume_chunk, -1
+    work = ((i, split, texts) for i, split, texts in chunks(source, chunk_documents) if i >= start)
+    # disable=None: the bar shows on a terminal only, so logs and pipes get the final summary line alone.
+    bar = tqdm(total=source.size_bytes(), unit="B", unit_scale=True, disable=None if progress else True)
+    bar.set_description(f"prepare {root.name}")
+    tokens, began = 0, time.monotonic()
+    try:
+        for index, split, texts, chunk_tokens, lengths in _encoded(work, tokenizer, workers):
+            writer.add(split, chunk_tokens, lengths, index)
+            last, tokens = index, tokens + len(chunk_tokens)
+            bar.update(sum(len(t.encode("utf-8", "replace")) for t in texts))
+            bar.set_postfix_str(f"{tokens / max(time.monotonic() - began, 1e-9) / 1e6:.2f}M tokens/s")
+    finally:
+        bar.close()
+    if not any(writer.split_offsets.values()) and writer.current is None:
+        raise store.StoreError(f"{source.description} has no documents; check the source")
+    return writer.finish(max(last + 1, start))
+
+
+def cache_root(configured: str = "") -> pathlib.Path:
+    """Where stores of configs that name raw text are cached: `configured`, else $LMZOO_CACHE, else ~/.cache/lmzoo."""
+    return pathlib.Path(configured or os.environ.get("LMZOO_CACHE") or "~/.cache/lmzoo").expanduser() / "stores"
+
+
+def cached_store(
+    source: sources.DocumentSource, tokenizer: tokenizers.Tokenizer, root: pathlib.Path, workers: int = 1
+) -> store.Store:
+    """The store of `source` tokenized by `tokenizer` under `root`, built on first use. Its folder is named by the
+    fingerprints of both, so a changed source or tokenizer gets a new store and a stale one is never read; a lock
+    makes concurrent processes build it once."""
+    key = hashlib.sha256(
+        (source.fingerprint() + store.tokenizer_fingerprint(tokenizer)[1] + str(store.FORMAT_VERSION)).encode()
+    ).hexdigest()[:20]
+    folder = root / key
+    if (folder / store.MANIFEST).is_file():
+        return store.open_store(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / store.MANIFEST).is_file():
+            return store.open_store(folder)
+        return prepare(source, tokenizer, folder, workers=workers, progress=False)
+
+
+def _source_from_args(args: argparse.Namespace) -> sources.DocumentSource:
+    if args.tfds:
+        if args.source:
+            raise ValueError("give --source or --tfds, not both")
+        splits = (("train", args.tfds_train_split), ("validation", args.tfds_validation_split))
+        return sources.SplitCorpus(
+            tuple(
+                (split, lambda s=name: sources.iter_tfds(args.tfds, s, args.tfds_data_dir or None, args.text_field))
+                for split, name in splits
+                if name
+            ),
+            ("tfds", args.tfds, args.tfds_data_dir, splits, args.text_field),
+            f"tfds {args.tfds}",
+        )
+    if not args.source:
+        raise ValueError("--source (files or folders) or --tfds is required")
+    files = [f for path in args.source for f in sources.text_files(path)]
+    return sources.FileCorpus(
+        tuple(files), args.text_field, args.document_unit, args.validation_fraction, ", ".join(args.source)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lmzoo.data.prepare", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--source", nargs="*", default=[], help="text files or folders (.txt .md .py .jsonl(.gz) .parquet)"
+    )
+    parser.add_argument("--tfds", default="", help="a prepared TFDS dataset's name (instead of --source)")
+    parser.add_argument("--tfds_data_dir", default="")
+    parser.add_argument("--tfds_train_split", default="train")
+    parser.add_argument("--tfds_validation_split", default="validation")
+    parser.add_argument("--out", required=True, help="the store folder (empty, or a killed prepare's to resume)")
+    parser.add_argument("--tokenizer", default="byte", help=f"tokenizer kind: {', '.join(tokenizers.KINDS)}")
+    parser.add_argument("--tokenizer_path", default=None, help="its file or folder (gpt2: vocab.json + merges.txt)")
+    parser.add_argument("--text_field", default="text", help="the text's field in .jsonl rows, parquet and TFDS")
+    parser.add_argument("--document_unit", default="file", choices=sources.DOCUMENT_UNITS)
+    parser.add_argument("--validation_fraction", type=float, default=0.0005, help="last share of documents held out")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--shard_tokens", type=int, default=SHARD_TOKENS, help="tokens per shard (closed at a chunk end)"
+    )
+    parser.add_argument("--chunk_documents", type=int, default=CHUNK_DOCUMENTS, help="documents per unit of work")
+    parser.add_argument("--dtype", default="", help="uint16 or uint32 (default: the narrowest that fits)")
+    args = parser.parse_args(argv)
+    try:
+        if not 0 <= args.validation_fraction < 1:
+            raise ValueError(f"--validation_fraction={args.validation_fraction} must be in [0, 1)")
+        if min(args.workers, args.shard_tokens, args.chunk_documents) < 1:
+            raise ValueError("--workers, --shard_tokens and --chunk_documents must be >= 1")
+        if args.tokenizer in ("char", "word") or (args.tokenizer == "sentencepiece" and not args.tokenizer_path):
+            raise ValueError(
+                f"--tokenizer={args.tokenizer} is learnt from a corpus; give a saved one (--tokenizer=word or "
+                "sentencepiece with --tokenizer_path) or a fixed kind (byte, gpt2, wordpiece, hf_json)"
+            )
+        tokenizer = tokenizers.build_tokenizer(args.tokenizer, path=args.tokenizer_path)
+        source = _source_from_args(args)
+        began = time.monotonic()
+        result = prepare(
+            source,
+            tokenizer,
+            args.out,
+            workers=args.workers,
+            shard_tokens=args.shard_tokens,
+            chunk_documents=args.chunk_documents,
+            dtype=args.dtype,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tokens = sum(info["tokens"] for info in result.manifest["splits"].values())
+    rate = tokens / max(time.monotonic() - began, 1e-9) / 1e6
+    print(f"prepared {result.folder}: {result.summary()} ({rate:.2f}M tokens/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

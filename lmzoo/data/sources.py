@@ -1,0 +1,394 @@
+"""Where documents come from: text files and folders, .jsonl(.gz) and parquet fields, prepared TFDS datasets, the
+Python standard library, labelled TSV and text pairs; and `DocumentSource`, a corpus streamed document by document
+with each document's split, which `lmzoo.data.prepare` tokenizes into a store.
+
+Every reader names the file (and line or row) of a bad input and the config field that fixes it.
+"""
+
+import dataclasses
+import gzip
+import hashlib
+import json
+import os
+import pathlib
+import re
+import sysconfig
+from collections.abc import Callable, Iterator
+
+import ml_collections
+import numpy as np
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet", ".py", ".md")
+
+
+DOCUMENT_UNITS = ("file", "paragraph", "line")
+
+
+def _split_units(text: str, unit: str) -> list[str]:
+    if unit == "file":
+        return [text]
+    if unit == "line":
+        return [line for line in text.splitlines() if line.strip()]
+    if unit == "paragraph":
+        return [p.strip("\n") for p in re.split(r"\n\s*\n", text) if p.strip()]
+    raise ValueError(f"unknown config.data.document_unit {unit!r}; choose one of {DOCUMENT_UNITS}")
+
+
+MAX_UNDECODABLE_FRACTION = 0.01  # above this share of invalid UTF-8, a file is not text
+
+
+def read_text(path: pathlib.Path) -> str:
+    """A UTF-8 text file (gunzipped if it ends in .gz). NUL bytes, or more than MAX_UNDECODABLE_FRACTION
+    of characters that are not UTF-8, mean the file is not text: an error naming it, not training data."""
+    raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise ValueError(
+            f"{path}: NUL byte at offset {nul}; this is a binary file, not text. Remove it from config.data.path"
+        )
+    text = raw.decode("utf-8", errors="replace")
+    undecodable = text.count("\ufffd") - raw.count("\ufffd".encode())
+    if undecodable > MAX_UNDECODABLE_FRACTION * max(len(text), 1):
+        raise ValueError(
+            f"{path}: {undecodable} of {len(text)} characters are not valid UTF-8; it is not UTF-8 text "
+            "(convert it, e.g. iconv -f latin1 -t utf-8, or remove it from config.data.path)"
+        )
+    return text
+
+
+def iter_jsonl(path: pathlib.Path, fields: tuple[str, ...], fix: str) -> Iterator[dict]:
+    """The JSON objects of a .jsonl(.gz) file, streamed line by line (blank lines skipped), each with string
+    `fields`. Errors name the file and line; `fix` says which config setting to change for a missing field."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}: line {number} is not UTF-8 text; JSON lines must be UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {number} is not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{path}: line {number} is a JSON {type(row).__name__}, not an object with field(s) {list(fields)}"
+                )
+            for field in fields:
+                if field not in row:
+                    raise ValueError(f"{path}: line {number} has no field {field!r} (it has {sorted(row)}); {fix}")
+                if not isinstance(row[field], str):
+                    raise ValueError(
+                        f"{path}: line {number} field {field!r} is a {type(row[field]).__name__}, not a string"
+                    )
+            yield row
+
+
+def read_jsonl(path: pathlib.Path, fields: tuple[str, ...], fix: str) -> list[dict]:
+    """Every row of `iter_jsonl`."""
+    return list(iter_jsonl(path, fields, fix))
+
+
+def iter_parquet(path: pathlib.Path, field: str, fix: str) -> Iterator[str]:
+    """The strings of column `field` of a parquet file (the on-disk form of HF datasets), streamed by record batch."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+    names = table.schema_arrow.names
+    if field not in names:
+        raise ValueError(f"{path}: no column {field!r} (it has {names}); {fix}")
+    row = 0
+    for batch in table.iter_batches(columns=[field], batch_size=1024):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            if not isinstance(value, str):
+                raise ValueError(f"{path}: row {row} column {field!r} is {type(value).__name__}, not a string")
+            yield value
+
+
+def read_tsv(path: pathlib.Path, columns: tuple[str, ...], fix: str) -> list[dict[str, str]]:
+    """Rows of a tab-separated file with a header row naming at least `columns`; a row with a different
+    number of cells than the header is an error naming its line."""
+    header, *lines = [line.removesuffix("\r") for line in read_text(path).split("\n")]
+    names = header.split("\t")
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise ValueError(f"{path}: columns {missing} not in the header {names}; {fix}")
+    rows = []
+    for number, line in enumerate(lines, start=2):
+        if not line.strip():
+            continue
+        cells = line.split("\t")
+        if len(cells) != len(names):
+            raise ValueError(f"{path}: line {number} has {len(cells)} tab-separated cells, the header has {len(names)}")
+        rows.append(dict(zip(names, cells, strict=True)))
+    return rows
+
+
+def file_documents(path: pathlib.Path, text_field: str, unit: str) -> Iterator[str]:
+    """The documents of one file, streamed: a field of each .jsonl(.gz) line or parquet row; a .txt/.py/.md file
+    as one document per file, paragraph (blank-line separated) or line, by `unit`. Empty documents are skipped."""
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        texts = (row[text_field] for row in iter_jsonl(path, (text_field,), "set config.data.text_field"))
+    elif path.name.endswith(".parquet"):
+        texts = iter_parquet(path, text_field, "set config.data.text_field")
+    else:
+        texts = iter(_split_units(read_text(path), unit))
+    return (text for text in texts if text)
+
+
+def text_files(path: str) -> list[pathlib.Path]:
+    """`path` itself, or the text files under the folder `path` (recursively, sorted)."""
+    if not path:
+        raise ValueError("config.data.path is empty; set it to a text file or folder (data.source='local')")
+    root = pathlib.Path(path).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(
+            f"data path {str(root)!r} does not exist; set config.data.path to a text file or folder"
+        )
+    if root.is_file():
+        return [root]
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES))
+    if not files:
+        raise ValueError(
+            f"no text found in {str(root)!r} (looked for {', '.join(TEXT_SUFFIXES)}); check config.data.path"
+        )
+    return files
+
+
+def read_local_text(path: str, text_field: str = "text", unit: str = "file") -> list[str]:
+    """Documents from a file or a folder (`text_files`, `file_documents`)."""
+    docs = [d for f in text_files(path) for d in file_documents(f, text_field, unit)]
+    if not docs:
+        raise ValueError(f"no text found in {path!r}; check config.data.path")
+    return docs
+
+
+def python_stdlib_files(max_files: int) -> list[pathlib.Path]:
+    """Source files of the running Python's standard library: real text present on every machine."""
+    return sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:max_files]
+
+
+def iter_tfds(name: str, split: str, data_dir: str | None, text_field: str) -> Iterator[str]:
+    """Documents of a prepared TFDS dataset, read through `tfds.data_source` (no TensorFlow, no download)."""
+    import tensorflow_datasets as tfds
+
+    try:
+        source = tfds.data_source(name, data_dir=data_dir, split=split, download=False)
+    except Exception as e:
+        raise FileNotFoundError(
+            f"TFDS dataset {name!r} split {split!r} is not prepared under data_dir={data_dir!r} ({e}); "
+            "prepare it first (tfds build, or lmzoo.data.tfds_text.prepare_text_dataset)"
+        ) from e
+    for i in range(len(source)):
+        value = source[i][text_field]
+        yield value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def split_documents(docs: list[str], validation_fraction: float) -> tuple[list[str], list[str]]:
+    """Train/validation split: by characters for a single document, otherwise by documents (last ones)."""
+    if len(docs) == 1:
+        cut = int(len(docs[0]) * (1.0 - validation_fraction))
+        return [docs[0][:cut]], [docs[0][cut:]]
+    cut = max(1, int(round(len(docs) * (1.0 - validation_fraction))))
+    return docs[:cut], docs[cut:]
+
+
+def read_text_pairs(path: str, text_fields: tuple[str, ...], split_marker: str = "") -> list[tuple[str, str]]:
+    """(source, target) texts from a .jsonl(.gz) or .tsv file (with a header row).
+
+    Two text_fields name the source and target columns. One field with `split_marker` splits that text
+    at the marker's last occurrence, the marker ending the source: HH-RLHF's "...\n\nAssistant:" prompt
+    and the final response.
+    """
+    file = pathlib.Path(path).expanduser()
+    if not file.exists():
+        raise FileNotFoundError(f"pairs file {path!r} does not exist; set config.data.path")
+    if file.name.endswith((".jsonl", ".jsonl.gz")):
+        rows = read_jsonl(file, text_fields, "set config.data.text_fields")
+    elif file.name.endswith(".tsv"):
+        rows = read_tsv(file, text_fields, "set config.data.text_fields")
+    else:
+        raise ValueError(f"{path}: pairs are read from .jsonl, .jsonl.gz or .tsv files")
+    if len(rows) < 2:
+        raise ValueError(
+            f"{path} has {len(rows)} rows; pairs need at least 2 (the last config.data.validation_fraction are held out)"
+        )
+    if len(text_fields) == 2 and not split_marker:
+        return [(row[text_fields[0]], row[text_fields[1]]) for row in rows]
+    if len(text_fields) == 1 and split_marker:
+        pairs = []
+        for i, row in enumerate(rows):
+            cut = row[text_fields[0]].rfind(split_marker)
+            if cut < 0:
+                raise ValueError(
+                    f"{path}: row {i + 1} has no {split_marker!r} (config.data.split_marker) in {text_fields[0]!r}"
+                )
+            cut += len(split_marker)
+            pairs.append((row[text_fields[0]][:cut], row[text_fields[0]][cut:]))
+        return pairs
+    raise ValueError("pairs need config.data.text_fields = (source, target), or one field and config.data.split_marker")
+
+
+def read_labelled_tsv(
+    path: str, text_fields: tuple[str, ...], label_field: str
+) -> tuple[list[tuple[str, ...]], np.ndarray]:
+    """(texts, labels) from a TSV with a header row (GLUE format)."""
+    file = pathlib.Path(path)
+    if not file.exists():
+        raise FileNotFoundError(
+            f"labelled data file {path!r} does not exist; check config.data.{{train,validation}}_path"
+        )
+    rows = read_tsv(file, (*text_fields, label_field), "set config.data.text_fields / label_field")
+    if not rows:
+        raise ValueError(f"{path} has no examples (needs a header row and at least one row)")
+    labels = []
+    for number, row in enumerate(rows, start=1):
+        if not row[label_field].strip().lstrip("-").isdigit():
+            raise ValueError(
+                f"{path}: example {number} has label {row[label_field]!r} in column {label_field!r}, not an integer"
+            )
+        labels.append(int(row[label_field]))
+    return [tuple(row[f].strip() for f in text_fields) for row in rows], np.array(labels, np.int32)
+
+
+class DocumentSource:
+    """A corpus: `documents()` streams (split, text) in a fixed order, train documents first, never holding the
+    corpus in memory; `fingerprint()` changes whenever the documents may have."""
+
+    description: str = ""
+
+    def documents(self) -> Iterator[tuple[str, str]]:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        raise NotImplementedError
+
+    def size_bytes(self) -> int | None:
+        """Bytes of the files read (for progress and ETA), None when unknown."""
+        return None
+
+
+def _file_stats(files: list[pathlib.Path]) -> list:
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class FileCorpus(DocumentSource):
+    """Documents of text files (`file_documents`) held out as the last `validation_fraction` of them; a corpus of
+    one document is cut by characters instead. Counting the documents costs one reading pass, no tokenizing."""
+
+    files: tuple[pathlib.Path, ...]
+    text_field: str = "text"
+    unit: str = "file"
+    validation_fraction: float = 0.0
+    description: str = ""
+
+    def _texts(self) -> Iterator[str]:
+        for path in self.files:
+            yield from file_documents(path, self.text_field, self.unit)
+
+    def documents(self) -> Iterator[tuple[str, str]]:
+        if not self.validation_fraction:
+            yield from (("train", text) for text in self._texts())
+            return
+        count = sum(1 for _ in self._texts())
+        if count == 0:
+            raise ValueError(f"no text found in {self.description}; check config.data.path")
+        if count == 1:
+            text = next(self._texts())
+            cut = int(len(text) * (1.0 - self.validation_fraction))
+            yield from (("train", text[:cut]), ("validation", text[cut:]))
+            return
+        cut = max(1, int(round(count * (1.0 - self.validation_fraction))))
+        for index, text in enumerate(self._texts()):
+            yield ("train" if index < cut else "validation"), text
+
+    def fingerprint(self) -> str:
+        return _digest(["files", _file_stats(list(self.files)), self.text_field, self.unit, self.validation_fraction])
+
+    def size_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitCorpus(DocumentSource):
+    """Documents whose splits come from separate readers (TFDS splits, a TSV file per split, text pairs)."""
+
+    readers: tuple[tuple[str, Callable[[], Iterator[str]]], ...]
+    identity: tuple
+    description: str = ""
+
+    def documents(self) -> Iterator[tuple[str, str]]:
+        for split, read in self.readers:
+            yield from ((split, text) for text in read())
+
+    def fingerprint(self) -> str:
+        return _digest(["splits", *map(str, self.identity)])
+
+
+def _tfds_files(name: str, data_dir: str) -> list[pathlib.Path]:
+    root = pathlib.Path(data_dir or os.path.expanduser("~/tensorflow_datasets")) / name
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+
+
+def source_from_config(data: ml_collections.ConfigDict) -> DocumentSource:
+    """The corpus `config.data` names (its `source`: local, python_stdlib, tfds, tsv or pairs)."""
+    fraction = data.validation_fraction
+    if data.source == "local":
+        return FileCorpus(tuple(text_files(data.path)), data.text_field, data.document_unit, fraction, data.path)
+    if data.source == "python_stdlib":
+        return FileCorpus(tuple(python_stdlib_files(data.max_files)), "text", "file", fraction, "python_stdlib")
+    if data.source == "tfds":
+        splits = {"train": data.train_split, "validation": data.validation_split}
+        return SplitCorpus(
+            tuple(
+                (split, lambda s=name: iter_tfds(data.name, s, data.get("data_dir"), data.text_field))
+                for split, name in splits.items()
+            ),
+            (
+                "tfds",
+                data.name,
+                data.get("data_dir"),
+                splits,
+                data.text_field,
+                _file_stats(_tfds_files(data.name, data.get("data_dir"))),
+            ),
+            f"tfds {data.name}",
+        )
+    if data.source == "tsv":
+        fields, label = tuple(data.text_fields), data.label_field
+        paths = {split: data[f"{split}_path"] for split in ("train", "validation")}
+        return SplitCorpus(
+            tuple(
+                (split, lambda p=path: iter(" ".join(t) for t in read_labelled_tsv(p, fields, label)[0]))
+                for split, path in paths.items()
+            ),
+            ("tsv", fields, label, _file_stats([pathlib.Path(p) for p in paths.values()])),
+            f"tsv {paths['train']}",
+        )
+    if data.source == "pairs":
+        fields, marker = tuple(data.text_fields), data.split_marker
+
+        def split_pairs(index: int) -> Iterator[str]:
+            pairs = split_documents(read_text_pairs(data.path, fields, marker), fraction)[index]
+            return iter(f"{a}\n{b}" for a, b in pairs)
+
+        return SplitCorpus(
+            (("train", lambda: split_pairs(0)), ("validation", lambda: split_pairs(1))),
+            ("pairs", fields, marker, fraction, _file_stats([pathlib.Path(data.path)])),
+            data.path,
+        )
+    raise ValueError(
+        f"unknown config.data.source {data.source!r}; choose 'local', 'python_stdlib', 'tfds', 'tsv', 'pairs' or "
+        "'store'"
+    )

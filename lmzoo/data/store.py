@@ -1,0 +1,383 @@
+"""Token stores: a corpus tokenized once into flat, memory-mapped shards (`python -m lmzoo.data.prepare`).
+
+A store folder holds
+    manifest.json         written last: its presence means the store is complete (format, dtype, tokenizer and its
+                          hash, EOS policy, source fingerprint, counts of every split and shard)
+    tokenizer/            the tokenizer's files and spec.json: what decodes the ids
+    SPLIT/NNNNN.tokens    token ids, little-endian uint16 (vocabulary <= 65,536) or uint32; the split's documents
+                          concatenated, each followed by EOS when the manifest's `eos` is "appended"
+    SPLIT/NNNNN.starts    int64 offset of each document of the shard, counted from the split's first token
+    progress.json         while it is built: the finished shards, after which a killed build resumes
+
+Shards end at document boundaries, so a document is whole in one shard. Opening a store reads the manifest and
+maps the shards: start-up time and memory do not grow with the corpus.
+"""
+
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+from collections.abc import Sequence
+
+import numpy as np
+
+from lmzoo import tokenizers
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
+SPLITS = ("train", "validation")
+
+
+class StoreError(ValueError):
+    """A store that cannot be read or written as asked; the message names the file and the fix."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def tokenizer_fingerprint(tokenizer: tokenizers.Tokenizer) -> tuple[dict, str]:
+    """(spec, sha256 of the spec and the files `save` writes): equal hashes mean equal ids for every text."""
+    with tempfile.TemporaryDirectory() as folder:
+        spec = tokenizer.save(folder)
+        digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode())
+        for path in sorted(pathlib.Path(folder).rglob("*")):
+            if path.is_file():
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return spec, digest.hexdigest()
+
+
+def write_json_atomic(path: pathlib.Path, value: dict) -> None:
+    """Writes `value` to a temporary file beside `path`, syncs and renames it: readers see the old or new file whole."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+class TokenSplit:
+    """One split's tokens [N] across shards (memory maps or arrays) and the start of each document.
+
+    shards[k]: [n_k] ids of shard k; starts[k]: [d_k] int64 offsets (in the split) of the documents beginning in
+    shard k, the first being the shard's own offset.
+    """
+
+    def __init__(self, shards: Sequence[np.ndarray], starts: Sequence[np.ndarray], name: str = ""):
+        self.shards, self.starts, self.name = list(shards), list(starts), name
+        self.offsets = np.concatenate([[0], np.cumsum([len(s) for s in self.shards])]).astype(np.int64)
+        self.first_document = np.concatenate([[0], np.cumsum([len(s) for s in self.starts])]).astype(np.int64)
+
+    @classmethod
+    def from_documents(cls, documents: Sequence[Sequence[int]], eos_id: int | None, name: str = "") -> "TokenSplit":
+        """An in-memory split of token lists, EOS appended to each when given (as a store writes them)."""
+        arrays = [np.asarray(d, np.int64) for d in documents]
+        if eos_id is not None:
+            arrays = [np.append(a, eos_id) for a in arrays]
+        lengths = np.array([len(a) for a in arrays], np.int64)
+        tokens = np.concatenate(arrays).astype(np.int32) if arrays else np.zeros(0, np.int32)
+        return cls([tokens], [np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)], name)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def num_documents(self) -> int:
+        return int(self.first_document[-1])
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def document(self, index: int) -> np.ndarray:
+        """Tokens [n] int32 of document `index` (with its EOS when the store appends one)."""
+        k = int(np.searchsorted(self.first_document, index, side="right")) - 1
+        local = index - self.first_document[k]
+        starts = self.starts[k]
+        start = int(starts[local])
+        end = int(starts[local + 1]) if local + 1 < len(starts) else int(self.offsets[k + 1])
+        return np.asarray(self.shards[k][start - self.offsets[k] : end - self.offsets[k]], np.int32)
+
+    def windows(self, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [B, length] int32 from each start and the document index of each token [B, length] int64;
+        positions past the end of the split are token 0 with document -1."""
+        starts = np.asarray(starts, np.int64)
+        tokens = np.zeros((len(starts), length), np.int32)
+        documents = np.full((len(starts), length), -1, np.int64)
+        ends = np.minimum(starts + length, self.num_tokens)
+        rows = np.flatnonzero(starts < ends)
+        position, column = starts[rows], np.zeros(len(rows), np.int64)
+        while len(rows):
+            shard_of = np.searchsorted(self.offsets, position, side="right") - 1
+            for k in np.unique(shard_of):
+                mine = shard_of == k
+                stop = np.minimum(ends[rows[mine]], self.offsets[k + 1])
+                self._fill(int(k), rows[mine], position[mine], stop, column[mine], tokens, documents)
+            moved = np.minimum(ends[rows], self.offsets[shard_of + 1])
+            column += moved - position
+            position = moved
+            more = position < ends[rows]
+            rows, position, column = rows[more], position[more], column[more]
+        return tokens, documents
+
+    def _fill(self, k, rows, begin, end, column, tokens, documents) -> None:
+        """Copies split positions [begin, end) of shard k into `column`.. of `rows`, with their document indices."""
+        width = end - begin
+        steps = np.arange(int(width.max()))
+        inside = steps[None, :] < width[:, None]
+        local = np.where(inside, begin[:, None] - self.offsets[k] + steps[None, :], 0)
+        target_rows = np.broadcast_to(rows[:, None], inside.shape)[inside]
+        target_columns = (column[:, None] + steps[None, :])[inside]
+        tokens[target_rows, target_columns] = np.asarray(self.shards[k])[local[inside]]
+        doc_starts = self.starts[k]
+        first = np.searchsorted(doc_starts, begin, side="right") - 1
+        last = np.searchsorted(doc_starts, end, side="left")
+        count = last - first - 1  # documents starting inside (begin, end)
+        marks = np.zeros(inside.shape, np.int64)
+        if count.sum():
+            row = np.repeat(np.arange(len(rows)), count)
+            nth = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+            marks[row, np.asarray(doc_starts[first[row] + 1 + nth]) - begin[row]] = 1
+        index = self.first_document[k] + first[:, None] + np.cumsum(marks, axis=1)
+        documents[target_rows, target_columns] = index[inside]
+
+
+@dataclasses.dataclass(frozen=True)
+class Store:
+    """A complete store folder, opened: its manifest and memory-mapped splits."""
+
+    folder: pathlib.Path
+    manifest: dict
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return self.manifest["tokenizer"]["sha256"]
+
+    def tokenizer(self) -> tokenizers.Tokenizer:
+        return tokenizers.from_spec(self.manifest["tokenizer"]["spec"], str(self.folder / "tokenizer"))
+
+    def split(self, name: str) -> TokenSplit:
+        info = self.manifest["splits"].get(name)
+        if not info or not info["tokens"]:
+            raise StoreError(
+                f"store {self.folder} has no {name!r} tokens (its splits: {self.summary()}); prepare it with a "
+                "validation fraction above 0 or choose another store"
+            )
+        dtype = np.dtype(self.manifest["dtype"])
+        shards, starts = [], []
+        for shard in info["shards"]:
+            base = self.folder / name / shard["name"]
+            shards.append(np.memmap(f"{base}.tokens", dtype=dtype, mode="r", shape=(shard["tokens"],)))
+            starts.append(np.memmap(f"{base}.starts", dtype="<i8", mode="r", shape=(shard["documents"],)))
+        return TokenSplit(shards, starts, f"{self.folder.name}/{name}")
+
+    def summary(self) -> str:
+        return ", ".join(
+            f"{name} {info['tokens']:,} tokens in {info['documents']:,} documents"
+            for name, info in self.manifest["splits"].items()
+        )
+
+    def check_tokenizer(self, tokenizer: tokenizers.Tokenizer) -> None:
+        """Refuses a run whose tokenizer differs from the one that wrote the store."""
+        _, digest = tokenizer_fingerprint(tokenizer)
+        if digest != self.tokenizer_hash:
+            kind = self.manifest["tokenizer"]["spec"].get("kind")
+            raise StoreError(
+                f"store {self.folder} was written by another tokenizer ({kind}, sha256 {self.tokenizer_hash[:12]}) "
+                f"than the run's ({type(tokenizer).__name__}, sha256 {digest[:12]}); set config.data.tokenizer to the "
+                f"store's (its files are in {self.folder / 'tokenizer'}) or prepare the corpus again with the run's"
+            )
+
+
+def open_store(folder: str | os.PathLike) -> Store:
+    """The complete store at `folder`, every shard checked for presence and size; StoreError otherwise."""
+    root = pathlib.Path(folder).expanduser()
+    manifest_path = root / MANIFEST
+    if not manifest_path.is_file():
+        if (root / PROGRESS).is_file():
+            raise StoreError(
+                f"store {root} is incomplete (its prepare was interrupted); run the same prepare command again to "
+                "finish it (finished shards are kept)"
+            )
+        if not root.exists():
+            raise StoreError(f"store {root} does not exist; prepare it first: python -m lmzoo.data.prepare --help")
+        raise StoreError(f"{root} is not a token store (no {MANIFEST}); prepare one: python -m lmzoo.data.prepare")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        version = int(manifest["format_version"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise StoreError(f"{manifest_path} is not a valid store manifest ({e}); prepare the store again") from None
+    if version > FORMAT_VERSION:
+        raise StoreError(
+            f"{manifest_path} has store format {version}, newer than this lmzoo reads ({FORMAT_VERSION}); "
+            "upgrade lmzoo or prepare the store again with this version"
+        )
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    for name, info in manifest["splits"].items():
+        for shard in info["shards"]:
+            for suffix, size in ((".tokens", shard["tokens"] * itemsize), (".starts", shard["documents"] * 8)):
+                path = root / name / f"{shard['name']}{suffix}"
+                if not path.is_file():
+                    raise StoreError(f"{path} is missing from store {root}; prepare the store again")
+                if path.stat().st_size != size:
+                    raise StoreError(
+                        f"{path} has {path.stat().st_size} bytes, the manifest says {size}: the shard is truncated "
+                        "or damaged; prepare the store again"
+                    )
+    return Store(root, manifest)
+
+
+@dataclasses.dataclass
+class _OpenShard:
+    split: str
+    name: str
+    tokens: int = 0
+    documents: int = 0
+    starts: list = dataclasses.field(default_factory=list)
+
+
+class StoreWriter:
+    """Writes a store shard by shard, in order of chunks; a build killed at any point resumes after its last
+    finished shard (`resume_chunk`), and a half-written shard is never read.
+
+    header: everything that defines the store's content (tokenizer, source fingerprint, settings); a folder
+    holding a partial build of another header is refused, never mixed.
+    """
+
+    def __init__(self, folder: pathlib.Path, header: dict, shard_tokens: int):
+        self.folder, self.header, self.shard_tokens = folder, header, shard_tokens
+        self.dtype = np.dtype(header["dtype"])
+        folder.mkdir(parents=True, exist_ok=True)
+        progress = folder / PROGRESS
+        self.finished: list[dict] = []
+        if progress.is_file():
+            saved = json.loads(progress.read_text())
+            if saved["header"] != header:
+                raise StoreError(
+                    f"{folder} holds a partial store of another source, tokenizer or settings; remove it or choose "
+                    "another output folder"
+                )
+            self.finished = saved["shards"]
+        elif any(folder.iterdir()):
+            raise StoreError(f"{folder} is not empty and holds no store being built; choose an empty output folder")
+        else:
+            write_json_atomic(progress, {"header": header, "shards": []})
+        self._discard_unfinished()
+        self.split_offsets = {name: 0 for name in SPLITS}
+        self.split_documents = {name: 0 for name in SPLITS}
+        for shard in self.finished:
+            self.split_offsets[shard["split"]] += shard["tokens"]
+            self.split_documents[shard["split"]] += shard["documents"]
+        self.current: _OpenShard | None = None
+        self._file = None
+
+    @property
+    def resume_chunk(self) -> int:
+        """The first chunk not in a finished shard."""
+        return self.finished[-1]["chunk_end"] if self.finished else 0
+
+    def _discard_unfinished(self) -> None:
+        """Removes shard files the ledger does not list (a shard being written when the build was killed)."""
+        listed = {f"{s['split']}/{s['name']}{suffix}" for s in self.finished for suffix in (".tokens", ".starts")}
+        for split in SPLITS:
+            for path in (self.folder / split).glob("*"):
+                if f"{split}/{path.name}" not in listed:
+                    path.unlink()
+
+    def _shard_path(self, shard: _OpenShard, suffix: str) -> pathlib.Path:
+        return self.folder / shard.split / f"{shard.name}{suffix}"
+
+    def add(self, split: str, tokens: np.ndarray, lengths: np.ndarray, chunk: int) -> None:
+        """Appends chunk `chunk`: documents of `split` with `lengths` [d] whose tokens [sum(lengths)] are concatenated."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}")
+        try:
+            if self.current is not None and self.current.split != split:
+                self._finish_shard(chunk)
+            if self.current is None:
+                number = sum(s["split"] == split for s in self.finished)
+                self.current = _OpenShard(split, f"{number:05d}")
+                (self.folder / split).mkdir(exist_ok=True)
+                self._file = open(self._shard_path(self.current, ".partial"), "wb")
+            shard = self.current
+            offset = self.split_offsets[split] + shard.tokens
+            shard.starts.append(offset + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64))
+            self._file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+            shard.tokens += int(len(tokens))
+            shard.documents += int(len(lengths))
+            if shard.tokens >= self.shard_tokens:
+                self._finish_shard(chunk + 1)
+        except OSError as e:
+            self._abandon_shard()
+            if e.errno == errno.ENOSPC:
+                raise StoreError(
+                    f"the disk filled while writing store {self.folder}; the shard being written was discarded and "
+                    f"{len(self.finished)} finished shard(s) kept: free space and run the same command to resume"
+                ) from None
+            raise
+
+    def _abandon_shard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.current is not None:
+            self._shard_path(self.current, ".partial").unlink(missing_ok=True)
+            self.current = None
+
+    def _finish_shard(self, chunk_end: int) -> None:
+        shard = self.current
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        starts = np.concatenate(shard.starts) if shard.starts else np.zeros(0, np.int64)
+        with open(self._shard_path(shard, ".starts"), "wb") as f:
+            f.write(starts.astype("<i8").tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self._shard_path(shard, ".partial"), self._shard_path(shard, ".tokens"))
+        self.finished.append(
+            {
+                "split": shard.split,
+                "name": shard.name,
+                "tokens": shard.tokens,
+                "documents": shard.documents,
+                "chunk_end": chunk_end,
+            }
+        )
+        self.split_offsets[shard.split] += shard.tokens
+        self.split_documents[shard.split] += shard.documents
+        self.current = None
+        write_json_atomic(self.folder / PROGRESS, {"header": self.header, "shards": self.finished})
+
+    def finish(self, chunks: int) -> Store:
+        """Closes the last shard, writes the manifest (the store is complete) and removes the ledger."""
+        try:
+            if self.current is not None:
+                self._finish_shard(chunks)
+            splits = {
+                name: {
+                    "tokens": self.split_offsets[name],
+                    "documents": self.split_documents[name],
+                    "shards": [
+                        {k: s[k] for k in ("name", "tokens", "documents")} for s in self.finished if s["split"] == name
+                    ],
+                }
+                for name in SPLITS
+            }
+            write_json_atomic(self.folder / MANIFEST, {**self.header, "splits": splits})
+        except OSError as e:
+            self._abandon_shard()
+            if e.errno == errno.ENOSPC:
+                raise StoreError(
+                    f"the disk filled while finishing store {self.folder}: free space and run the same command again"
+                ) from None
+            raise
+        (self.folder / PROGRESS).unlink()
+        return open_store(self.folder)

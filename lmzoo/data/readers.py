@@ -19,16 +19,26 @@ from lmzoo.data import comparisons, prepare, sources, store, transforms
 Config = ml_collections.ConfigDict
 
 
+def named_files_fingerprint(config: Config) -> str:
+    """sha256 of the paths, sizes and modification times of the files config.data names (path, train_path,
+    validation_path; a folder's text files)."""
+    named = [config.data[field] for field in ("path", "train_path", "validation_path") if config.data[field]]
+    files = [f for path in named if pathlib.Path(path).exists() for f in sources.text_files(path)]
+    return sources.fingerprint_files(files)
+
+
 @dataclasses.dataclass(frozen=True)
 class Reader:
     """splits(config) -> {"train": raw, "validation": raw}; file(config, path) -> the raw examples of one file;
     texts(raw) -> the strings a tokenizer learns from; check(config) raises ValueError, naming the field, when the
-    inputs the reader needs are missing (run before any data is read)."""
+    inputs the reader needs are missing (run before any data is read); fingerprint(config) changes when the data
+    may have (a resumed run warns when it did)."""
 
     splits: Callable[[Config], dict[str, Any]]
     file: Callable[[Config, str], Any]
     texts: Callable[[Any], list[str]] = list
     check: Callable[[Config], None] = lambda config: None
+    fingerprint: Callable[[Config], str] = named_files_fingerprint
 
 
 # Stores read directly (source "store"): one folder, or a mixture of (folder, weight) pairs.
@@ -94,7 +104,19 @@ def _document_file(config: Config, path: str) -> CorpusSplit:
 
 
 # The run's documents (config.data: raw text sources or prepared stores), read as token splits.
-DOCUMENTS = Reader(splits=_document_splits, file=_document_file, texts=lambda raw: raw.texts())
+def _documents_fingerprint(config: Config) -> str:
+    if config.data.source != "store":
+        return sources.source_from_config(config.data).fingerprint()
+    manifests = [store.open_store(path).manifest for path, _ in store_paths(config)]
+    return sources.digest([[m["source"]["fingerprint"], m["tokenizer"]["sha256"], m["splits"]] for m in manifests])
+
+
+DOCUMENTS = Reader(
+    splits=_document_splits,
+    file=_document_file,
+    texts=lambda raw: raw.texts(),
+    fingerprint=_documents_fingerprint,
+)
 
 
 def _split_paths(config: Config, read_file: Callable[[Config, str], Any]) -> dict[str, Any]:

@@ -278,8 +278,14 @@ def _file_stats(files: list[pathlib.Path]) -> list:
     return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
-def _digest(value) -> str:
+def digest(value) -> str:
+    """sha256 of a JSON-able value."""
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def fingerprint_files(files: list[pathlib.Path]) -> str:
+    """Changes when any file's path, size or modification time does (content is not read: corpora are large)."""
+    return digest(["files", _file_stats(files)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +320,7 @@ class FileCorpus(DocumentSource):
             yield ("train" if index < cut else "validation"), text
 
     def fingerprint(self) -> str:
-        return _digest(["files", _file_stats(list(self.files)), self.text_field, self.unit, self.validation_fraction])
+        return digest(["files", _file_stats(list(self.files)), self.text_field, self.unit, self.validation_fraction])
 
     def size_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
@@ -333,7 +339,7 @@ class SplitCorpus(DocumentSource):
             yield from ((split, text) for text in read())
 
     def fingerprint(self) -> str:
-        return _digest(["splits", *map(str, self.identity)])
+        return digest(["splits", *map(str, self.identity)])
 
 
 def _tfds_files(name: str, data_dir: str) -> list[pathlib.Path]:

@@ -8,6 +8,7 @@ then samples and summarises. A run restarted with the same workdir continues exa
 import json
 import logging
 import os
+import pathlib
 import signal
 import sys
 import threading
@@ -156,16 +157,31 @@ def _start(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.S
     resumable = has_checkpoints(run.workdir) and saved_config.exists()
     try:
         state, data_state = restore_or_init(run)
+        fingerprint = run.objective.reader.fingerprint(run.config)
         if resumable and data_state["step"] > 0:
             saved = json.loads(saved_config.read_text())
             config_lib.check_resume(saved, run.config, int(data_state["step"]), run.workdir)
+            _warn_if_data_changed(run.workdir / "data.json", fingerprint, int(data_state["step"]))
         loader = run.train_loader()
     except BaseException:
         run.checkpointer.close()
         raise
     if stage is not None:
         stage.write_text("config.json", run.config.to_json_best_effort(indent=2))
+        stage.write_text("data.json", json.dumps({"fingerprint": fingerprint}))
     return run, state, data_state, loader
+
+
+def _warn_if_data_changed(saved: pathlib.Path, fingerprint: str, step: int) -> None:
+    """Warns when the files config.data names changed since the checkpoints were written (a resume then draws its
+    batches from other data)."""
+    if saved.exists() and json.loads(saved.read_text()).get("fingerprint") != fingerprint:
+        log.warning(
+            "the training data changed since step %d was saved (a file config.data names has another size or "
+            "modification time): the resumed run continues on the new data, so it will not repeat the batches an "
+            "uninterrupted run would have read",
+            step,
+        )
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:

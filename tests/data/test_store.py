@@ -323,3 +323,18 @@ def test_store_source_and_mixture_configs_are_checked_before_any_work(tmp_path):
     objective = objectives.build(config)
     loader = objective.train_loader(tokenizers.ByteTokenizer(), objective.read()["train"], Shard())
     assert loader.dataset_size.startswith("mixture: web 0.70 of rows")
+
+
+def test_resume_after_the_training_text_changed_warns(tmp_path, caplog):
+    from lmzoo.train import loop
+
+    corpus = _corpus(tmp_path / "corpus")
+    config = testing_config(corpus)
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+    assert json.loads((tmp_path / "run" / "data.json").read_text())["fingerprint"]
+    (corpus / "a.txt").write_text("Other text now.")
+    config = testing_config(corpus)
+    config.train.steps = 6
+    with caplog.at_level("WARNING"):
+        loop.train_and_evaluate(config, str(tmp_path / "run"))
+    assert "the training data changed since step 4 was saved" in caplog.text

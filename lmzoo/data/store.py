@@ -111,7 +111,13 @@ class TokenSplit:
         tokens = np.zeros((len(starts), length), np.int32)
         documents = np.full((len(starts), length), -1, np.int64)
         ends = np.minimum(starts + length, self.num_tokens)
-        rows = np.flatnonzero(starts < ends)
+        first_shard = np.searchsorted(self.offsets, starts, side="right") - 1
+        last_shard = np.searchsorted(self.offsets, ends - 1, side="right") - 1
+        whole = (ends - starts == length) & (first_shard == last_shard)
+        for k in np.unique(first_shard[whole]):
+            rows = np.flatnonzero(whole & (first_shard == k))
+            self._fill_whole(int(k), rows, starts[rows], length, tokens, documents)
+        rows = np.flatnonzero(~whole & (starts < ends))
         position, column = starts[rows], np.zeros(len(rows), np.int64)
         while len(rows):
             shard_of = np.searchsorted(self.offsets, position, side="right") - 1
@@ -125,6 +131,22 @@ class TokenSplit:
             more = position < ends[rows]
             rows, position, column = rows[more], position[more], column[more]
         return tokens, documents
+
+    def _fill_whole(self, k, rows, begin, length, tokens, documents) -> None:
+        """`rows` read split positions [begin, begin + length), all inside shard k: one gather each for the tokens
+        and the document starts (the common case, kept free of per-position masks)."""
+        local = begin - self.offsets[k]
+        tokens[rows] = np.asarray(self.shards[k])[local[:, None] + np.arange(length)]
+        doc_starts = self.starts[k]
+        first = np.searchsorted(doc_starts, begin, side="right") - 1
+        count = np.searchsorted(doc_starts, begin + length, side="left") - first - 1
+        marks = np.zeros((len(rows), length), np.int32)
+        if count.sum():
+            row = np.repeat(np.arange(len(rows)), count)
+            nth = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+            marks[row, np.asarray(doc_starts[first[row] + 1 + nth]) - begin[row]] = 1
+        np.cumsum(marks, axis=1, out=marks)
+        documents[rows] = marks + (self.first_document[k] + first)[:, None]
 
     def _fill(self, k, rows, begin, end, column, tokens, documents) -> None:
         """Copies split positions [begin, end) of shard k into `column`.. of `rows`, with their document indices."""

@@ -31,14 +31,19 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, *, where: str) -> None:
 
 
 def segment_positions(doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """doc_ids [B, T] -> (segment_ids [B, T] counting from 1 per row, positions [B, T])."""
+    """doc_ids [B, T] -> (segment_ids [B, T] counting from 1 per row, positions [B, T]).
+
+    Works on the flat array's segment starts (few), so its cost is a handful of passes over [B, T]."""
     b, t = doc_ids.shape
     boundary = np.ones((b, t), dtype=bool)
-    boundary[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    segment_ids = np.cumsum(boundary, axis=1, dtype=np.int32)
-    index = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-    segment_start = np.maximum.accumulate(np.where(boundary, index, 0), axis=1)
-    return segment_ids, (index - segment_start).astype(np.int32)
+    np.not_equal(doc_ids[:, 1:], doc_ids[:, :-1], out=boundary[:, 1:])
+    starts = np.flatnonzero(boundary)
+    lengths = np.diff(np.append(starts, b * t))
+    row_first = np.searchsorted(starts, np.arange(b) * t)
+    number_in_row = np.arange(len(starts)) - row_first[starts // t] + 1
+    segment_ids = np.repeat(number_in_row.astype(np.int32), lengths).reshape(b, t)
+    positions = (np.arange(b * t) - np.repeat(starts, lengths)).astype(np.int32).reshape(b, t)
+    return segment_ids, positions
 
 
 def lm_windows(window: np.ndarray, documents: np.ndarray) -> dict[str, np.ndarray]:

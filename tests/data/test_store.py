@@ -281,24 +281,24 @@ def test_a_config_naming_raw_text_is_tokenized_once_and_again_when_the_text_chan
 
     monkeypatch.setenv("LMZOO_CACHE", str(tmp_path / "cache"))
     corpus = _corpus(tmp_path / "corpus")
-    config = testing_config(corpus)
+    config = local_text_config(corpus)
     raw = objectives.build(config).read()
     tokenizer = tokenizers.ByteTokenizer()
     first = raw["train"].tokens(tokenizer)
     stores = list((tmp_path / "cache" / "stores").glob("*/manifest.json"))
     assert len(stores) == 1
-    again = objectives.build(testing_config(corpus)).read()["train"].tokens(tokenizer)
+    again = objectives.build(local_text_config(corpus)).read()["train"].tokens(tokenizer)
     assert list((tmp_path / "cache" / "stores").glob("*/manifest.json")) == stores
     np.testing.assert_array_equal(again.windows(np.arange(5), 9)[0], first.windows(np.arange(5), 9)[0])
     time.sleep(0.01)
     (corpus / "a.txt").write_text("Changed text.")
-    changed = objectives.build(testing_config(corpus)).read()["train"].tokens(tokenizer)
+    changed = objectives.build(local_text_config(corpus)).read()["train"].tokens(tokenizer)
     assert len(list((tmp_path / "cache" / "stores").glob("*/manifest.json"))) == 2
     assert changed.document(0).tolist() == list(b"Changed text.") + [256]
     assert isinstance(raw["train"], readers.CorpusSplit)
 
 
-def testing_config(corpus: pathlib.Path):
+def local_text_config(corpus: pathlib.Path):
     from lmzoo import testing
 
     config = testing.tiny_config()
@@ -311,7 +311,7 @@ def test_store_source_and_mixture_configs_are_checked_before_any_work(tmp_path):
     from lmzoo.train import run as run_lib
 
     web, code = _small_store(tmp_path, "web"), _small_store(tmp_path, "code")
-    config = testing_config(tmp_path)
+    config = local_text_config(tmp_path)
     config.data.source, config.data.path = "store", ""
     config.data.mixture = ((str(web.folder), 0.7), (str(code.folder), 0.0))
     with pytest.raises(ValueError, match=r"config.data.mixture=.*must be \(store folder, weight > 0\)"):
@@ -329,11 +329,11 @@ def test_resume_after_the_training_text_changed_warns(tmp_path, caplog):
     from lmzoo.train import loop
 
     corpus = _corpus(tmp_path / "corpus")
-    config = testing_config(corpus)
+    config = local_text_config(corpus)
     loop.train_and_evaluate(config, str(tmp_path / "run"))
     assert json.loads((tmp_path / "run" / "data.json").read_text())["fingerprint"]
     (corpus / "a.txt").write_text("Other text now.")
-    config = testing_config(corpus)
+    config = local_text_config(corpus)
     config.train.steps = 6
     with caplog.at_level("WARNING"):
         loop.train_and_evaluate(config, str(tmp_path / "run"))

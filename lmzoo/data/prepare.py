@@ -50,33 +50,34 @@ def chunks(source: sources.DocumentSource, documents: int = CHUNK_DOCUMENTS) -> 
         yield index, split, texts
 
 
-_worker_tokenizer: tokenizers.Tokenizer | None = None
+_worker_encoding: tuple[tokenizers.Tokenizer, np.dtype] | None = None
 
 
-def _init_worker(tokenizer: tokenizers.Tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
+def _init_worker(tokenizer: tokenizers.Tokenizer, dtype: np.dtype) -> None:
+    global _worker_encoding
+    _worker_encoding = (tokenizer, dtype)
 
 
-def encode_chunk(texts: list[str], tokenizer: tokenizers.Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """texts -> (tokens [N] int64 of every document followed by EOS when the tokenizer has one, lengths [d])."""
-    tokenizer = tokenizer or _worker_tokenizer
+def encode_chunk(texts: list[str], tokenizer: tokenizers.Tokenizer | None = None, dtype=None):
+    """texts -> (tokens [N] of `dtype`: every document followed by EOS when the tokenizer has one, lengths [d])."""
+    if tokenizer is None:
+        tokenizer, dtype = _worker_encoding
     ids = tokenizer.encode_batch(texts)
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     lengths = np.array([len(d) + len(eos) for d in ids], np.int64)
-    tokens = np.fromiter(itertools.chain.from_iterable(d + eos for d in ids), np.int64, count=int(lengths.sum()))
+    tokens = np.fromiter(itertools.chain.from_iterable(d + eos for d in ids), dtype, count=int(lengths.sum()))
     return tokens, lengths
 
 
-def _encoded(work, tokenizer: tokenizers.Tokenizer, workers: int):
+def _encoded(work, tokenizer: tokenizers.Tokenizer, dtype: np.dtype, workers: int):
     """(index, split, texts, tokens, lengths) of every chunk of `work`, in order, tokenized by `workers` processes."""
     if workers <= 1:
         for index, split, texts in work:
-            yield index, split, texts, *encode_chunk(texts, tokenizer)
+            yield index, split, texts, *encode_chunk(texts, tokenizer, dtype)
         return
     # spawn: the caller may hold JAX's threads, which a forked child must not inherit.
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, dtype)) as pool:
         pending = collections.deque()
         for index, split, texts in work:
             pending.append((index, split, texts, pool.apply_async(encode_chunk, (texts,))))
@@ -144,7 +145,7 @@ def prepare(
     bar.set_description(f"prepare {root.name}")
     tokens, began = 0, time.monotonic()
     try:
-        for index, split, texts, chunk_tokens, lengths in _encoded(work, tokenizer, workers):
+        for index, split, texts, chunk_tokens, lengths in _encoded(work, tokenizer, writer.dtype, workers):
             writer.add(split, chunk_tokens, lengths, index)
             last, tokens = index, tokens + len(chunk_tokens)
             bar.update(sum(len(t.encode("utf-8", "replace")) for t in texts))

@@ -87,6 +87,15 @@ class Tokenizer(abc.ABC):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(text) for text in texts]
 
+    def encode_documents(self, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """Documents as a token store holds them: (tokens [N] of `dtype`, every document followed by EOS when the
+        tokenizer has one; lengths [len(texts)] int64 with the EOS)."""
+        ids = self.encode_batch(texts)
+        eos = [] if self.eos_id is None else [self.eos_id]
+        lengths = np.array([len(d) + len(eos) for d in ids], np.int64)
+        tokens = np.fromiter(itertools.chain.from_iterable(d + eos for d in ids), dtype, count=int(lengths.sum()))
+        return tokens, lengths
+
     @abc.abstractmethod
     def token_char_lengths(self) -> np.ndarray:
         """[vocab_size] int32: unicode characters each id decodes to (0 for specials), for bits per character."""
@@ -237,6 +246,13 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_documents(self, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """The UTF-8 bytes themselves, with <eos> inserted after each document (no Python ints)."""
+        encoded = [text.encode("utf-8") for text in texts]
+        ends = np.cumsum([len(e) for e in encoded], dtype=np.int64)
+        tokens = np.insert(np.frombuffer(b"".join(encoded), np.uint8).astype(dtype), ends, self.eos_id)
+        return tokens, np.diff(ends, prepend=0) + 1
 
     def decode(self, ids: Sequence[int]) -> str:
         parts = []

@@ -15,7 +15,6 @@ import argparse
 import collections
 import fcntl
 import hashlib
-import itertools
 import multiprocessing
 import os
 import pathlib
@@ -58,29 +57,23 @@ def _init_worker(tokenizer: tokenizers.Tokenizer, dtype: np.dtype) -> None:
     _worker_encoding = (tokenizer, dtype)
 
 
-def encode_chunk(texts: list[str], tokenizer: tokenizers.Tokenizer | None = None, dtype=None):
-    """texts -> (tokens [N] of `dtype`: every document followed by EOS when the tokenizer has one, lengths [d])."""
-    if tokenizer is None:
-        tokenizer, dtype = _worker_encoding
-    ids = tokenizer.encode_batch(texts)
-    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-    lengths = np.array([len(d) + len(eos) for d in ids], np.int64)
-    tokens = np.fromiter(itertools.chain.from_iterable(d + eos for d in ids), dtype, count=int(lengths.sum()))
-    return tokens, lengths
+def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    tokenizer, dtype = _worker_encoding
+    return tokenizer.encode_documents(texts, dtype)
 
 
 def _encoded(work, tokenizer: tokenizers.Tokenizer, dtype: np.dtype, workers: int):
     """(index, split, texts, tokens, lengths) of every chunk of `work`, in order, tokenized by `workers` processes."""
     if workers <= 1:
         for index, split, texts in work:
-            yield index, split, texts, *encode_chunk(texts, tokenizer, dtype)
+            yield index, split, texts, *tokenizer.encode_documents(texts, dtype)
         return
     # spawn: the caller may hold JAX's threads, which a forked child must not inherit.
     context = multiprocessing.get_context("spawn")
     with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, dtype)) as pool:
         pending = collections.deque()
         for index, split, texts in work:
-            pending.append((index, split, texts, pool.apply_async(encode_chunk, (texts,))))
+            pending.append((index, split, texts, pool.apply_async(_encode_in_worker, (texts,))))
             if len(pending) >= 2 * workers:
                 index, split, texts, result = pending.popleft()
                 yield index, split, texts, *result.get()

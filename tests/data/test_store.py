@@ -338,3 +338,16 @@ def test_resume_after_the_training_text_changed_warns(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         loop.train_and_evaluate(config, str(tmp_path / "run"))
     assert "the training data changed since step 4 was saved" in caplog.text
+
+
+def test_prepare_reads_a_prepared_tfds_dataset(tmp_path, capsys):
+    from lmzoo.data import tfds_text
+
+    name = tfds_text.prepare_text_dataset(
+        str(tmp_path / "tfds"), {"train": ["hello world", "abc"], "validation": ["xyz"]}
+    )
+    args = [f"--tfds={name}", f"--tfds_data_dir={tmp_path / 'tfds'}", f"--out={tmp_path / 'store'}", "--workers=1"]
+    assert prepare.main(args) == 0
+    assert "train 16 tokens in 2 documents, validation 4 tokens in 1 documents" in capsys.readouterr().out
+    built = store.open_store(tmp_path / "store")
+    assert built.split("validation").document(0).tolist() == list(b"xyz") + [256]

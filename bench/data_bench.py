@@ -214,7 +214,9 @@ def first_step(store: pathlib.Path, vocab_size: int, workdir: pathlib.Path) -> d
     metrics = workdir / "metrics.jsonl"
 
     def logged() -> bool:
-        return metrics.is_file() and any(json.loads(line).get("split") == "train" for line in metrics.open())
+        return metrics.is_file() and any(
+            json.loads(line).get("split") == "train" for line in metrics.read_text().splitlines()
+        )
 
     command = [sys.executable, "train.py", "--config=configs/gpt2_124m.py:tiny", f"--workdir={workdir}"]
     command += [f"--config.data.path={store}", f"--config.model.vocab_size={vocab_size}"]

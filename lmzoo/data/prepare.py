@@ -64,13 +64,19 @@ def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 def _encoded(work, tokenizer: tokenizers.Tokenizer, dtype: np.dtype, workers: int):
     """(index, split, texts, tokens, lengths) of every chunk of `work`, in order, tokenized by `workers` processes."""
+    global _worker_encoding
     if workers <= 1:
         for index, split, texts in work:
             yield index, split, texts, *tokenizer.encode_documents(texts, dtype)
         return
-    # spawn: the caller may hold JAX's threads, which a forked child must not inherit.
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, dtype)) as pool:
+    # fork shares the tokenizer with the workers at no cost (spawning them and sending it takes seconds); a process
+    # that has started JAX's threads must not fork, so there the workers are spawned and get it pickled.
+    if "jax" in sys.modules:
+        context, initializer, initargs = multiprocessing.get_context("spawn"), _init_worker, (tokenizer, dtype)
+    else:
+        context, initializer, initargs = multiprocessing.get_context("fork"), None, ()
+        _worker_encoding = (tokenizer, dtype)
+    with context.Pool(workers, initializer=initializer, initargs=initargs) as pool:
         pending = collections.deque()
         for index, split, texts in work:
             pending.append((index, split, texts, pool.apply_async(_encode_in_worker, (texts,))))

@@ -190,12 +190,18 @@ def iter_tfds(name: str, split: str, data_dir: str | None, text_field: str) -> I
         yield value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+def training_documents(count: int, validation_fraction: float) -> int:
+    """How many of `count` (>= 2) documents train: all but the last `validation_fraction`, at least one on each side
+    (a fraction too small for the corpus still holds one out)."""
+    return min(count - 1, max(1, int(round(count * (1.0 - validation_fraction)))))
+
+
 def split_documents(docs: list[str], validation_fraction: float) -> tuple[list[str], list[str]]:
     """Train/validation split: by characters for a single document, otherwise by documents (last ones)."""
     if len(docs) == 1:
         cut = int(len(docs[0]) * (1.0 - validation_fraction))
         return [docs[0][:cut]], [docs[0][cut:]]
-    cut = max(1, int(round(len(docs) * (1.0 - validation_fraction))))
+    cut = training_documents(len(docs), validation_fraction)
     return docs[:cut], docs[cut:]
 
 
@@ -290,8 +296,8 @@ def fingerprint_files(files: list[pathlib.Path]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class FileCorpus(DocumentSource):
-    """Documents of text files (`file_documents`) held out as the last `validation_fraction` of them; a corpus of
-    one document is cut by characters instead. Counting the documents costs one reading pass, no tokenizing."""
+    """Documents of text files (`file_documents`) held out as the last `validation_fraction` of them (at least one);
+    a corpus of one document is cut by characters instead. Counting the documents costs one reading pass, no tokenizing."""
 
     files: tuple[pathlib.Path, ...]
     text_field: str = "text"
@@ -315,7 +321,7 @@ class FileCorpus(DocumentSource):
             cut = int(len(text) * (1.0 - self.validation_fraction))
             yield from (("train", text[:cut]), ("validation", text[cut:]))
             return
-        cut = max(1, int(round(count * (1.0 - self.validation_fraction))))
+        cut = training_documents(count, self.validation_fraction)
         for index, text in enumerate(self._texts()):
             yield ("train" if index < cut else "validation"), text
 

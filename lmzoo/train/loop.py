@@ -163,6 +163,8 @@ def _start(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.S
             config_lib.check_resume(saved, run.config, int(data_state["step"]), run.workdir)
             _warn_if_data_changed(run.workdir / "data.json", fingerprint, int(data_state["step"]))
         loader = run.train_loader()
+        if next(iter(run.eval_batches("validation")), None) is None:
+            raise ValueError("the validation split has no examples; use more data or a larger validation split")
     except BaseException:
         run.checkpointer.close()
         raise

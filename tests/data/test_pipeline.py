@@ -104,6 +104,8 @@ def test_split_by_characters_for_one_document_else_by_documents():
     assert (train, val) == (["abcdefghi"], ["j"])
     train, val = sources.split_documents([str(i) for i in range(10)], 0.2)
     assert len(train) == 8 and val == ["8", "9"]
+    train, val = sources.split_documents([str(i) for i in range(10)], 0.0005)  # too small a fraction: one held out
+    assert len(train) == 9 and val == ["9"]
 
 
 def test_loader_rejects_too_little_data():

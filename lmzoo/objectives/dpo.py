@@ -74,9 +74,8 @@ def reply_logprobs(model, params, tokens: jax.Array, prompt_lengths: jax.Array, 
     starts = jnp.repeat(prompt_lengths, tokens.shape[1])[:, None]
     mask = (jnp.arange(1, flat.shape[1])[None] >= starts) & (segment_ids[:, 1:] > 0)  # target t + 1 is a reply token
     mask = mask.astype(jnp.float32)
-    return jnp.sum(token_logprobs * mask, axis=1).reshape(tokens.shape[:2]), jnp.sum(mask, axis=1).reshape(
-        tokens.shape[:2]
-    )
+    summed, counts = jnp.sum(token_logprobs * mask, axis=1), jnp.sum(mask, axis=1)
+    return summed.reshape(tokens.shape[:2]), counts.reshape(tokens.shape[:2])
 
 
 def dpo_loss(
@@ -102,7 +101,6 @@ def dpo_loss(
     weights = weights.astype(jnp.float32)
     count = jnp.sum(weights)
     total = jnp.sum(losses * weights)
-    rewards = jax.lax.stop_gradient(rewards)
     margin = rewards[:, 0] - rewards[:, 1]
     metrics = {
         "loss": (total, count),

@@ -91,7 +91,7 @@ def test_reply_logprobs_sum_reply_tokens_only_and_ignore_padding():
     summed, counts = dpo.reply_logprobs(model, params, jnp.asarray(tokens), jnp.asarray(prompt_lengths), pad_id=PAD)
     for b, k in itertools.product(range(2), range(2)):
         row = tokens[b, k][tokens[b, k] != PAD]
-        log_probs = jax.nn.log_softmax(model.apply({"params": params}, row[None])[0])
+        log_probs = jax.nn.log_softmax(jax.jit(model.apply)({"params": params}, row[None])[0])
         p = prompt_lengths[b]
         expected = sum(float(log_probs[t - 1, row[t]]) for t in range(p, len(row)))  # the row alone, no padding
         np.testing.assert_allclose(summed[b, k], expected, rtol=1e-5)

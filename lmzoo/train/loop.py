@@ -118,7 +118,7 @@ def start_summary(run: Run, loader: Any, start: int) -> str:
         f"workdir {run.workdir.absolute()}: {'resuming at step ' + str(start) if start else 'new run'} of {cfg.train.steps} steps",
         f"model {cfg.model_name}: {_count(compiled.abstract_state.params):,} trained parameters"
         + (f" (+ {frozen:,} frozen)" if frozen else ""),
-        f"data {cfg.data.source}: training split of {getattr(loader, 'dataset_size', 'unreported size')}; "
+        f"data {run.objective.reader.describe(cfg)}: training split of {loader.dataset_size}; "
         f"tokenizer {cfg.data.tokenizer.kind} ({run.tokenizer.vocab_size} ids)",
         f"per step: {run.objective.step_summary()}",
         f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} process(es); mesh {mesh}",
@@ -127,6 +127,12 @@ def start_summary(run: Run, loader: Any, start: int) -> str:
         lines.append(
             f"note: optim.decay_steps={cfg.optim.decay_steps} > train.steps={cfg.train.steps}: the run ends before the "
             f"learning rate decays to optim.min_learning_rate; pass --config.optim.decay_steps={cfg.train.steps} to decay fully"
+        )
+    if cfg.optim.decay_steps < cfg.train.steps:
+        lines.append(
+            f"note: train.steps={cfg.train.steps} > optim.decay_steps={cfg.optim.decay_steps}: steps after "
+            f"{cfg.optim.decay_steps} train at optim.min_learning_rate={cfg.optim.min_learning_rate}; pass "
+            f"--config.optim.decay_steps={cfg.train.steps} to decay over the whole run"
         )
     return "\n".join(lines)
 
@@ -160,6 +166,7 @@ def _start(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.S
         fingerprint = run.objective.reader.fingerprint(run.config)
         if resumable and data_state["step"] > 0:
             saved = json.loads(saved_config.read_text())
+            _continue_as_last_configured(run.config, saved, int(data_state["step"]))
             config_lib.check_resume(saved, run.config, int(data_state["step"]), run.workdir)
             _warn_if_data_changed(run.workdir / "data.json", fingerprint, int(data_state["step"]))
         loader = run.train_loader()
@@ -170,6 +177,18 @@ def _start(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.S
         stage.write_text("config.json", run.config.to_json_best_effort(indent=2))
         stage.write_text("data.json", json.dumps({"fingerprint": fingerprint}))
     return run, state, data_state, loader
+
+
+def _continue_as_last_configured(config: ml_collections.ConfigDict, saved: dict, step: int) -> None:
+    """A run extended with --config.train.steps=N and then rerun without it (the config file's steps now below the
+    checkpoint's) continues to the N it was last given, as the command that extended it would."""
+    last = saved.get("train", {}).get("steps", 0)
+    if config.train.steps < step <= last:
+        print(
+            f"train.steps={config.train.steps} is below the checkpoint's step {step}: continuing the run as last "
+            f"configured, to train.steps={last} (pass --config.train.steps=N, N > {last}, to extend it further)"
+        )
+        config.train.steps = last
 
 
 def _warn_if_data_changed(saved: pathlib.Path, fingerprint: str, step: int) -> None:

@@ -68,6 +68,15 @@ def test_resume_is_exact(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
 
 
+def test_rerun_without_the_extension_continues_as_last_configured(tmp_path, capsys):
+    """Extended to 6 steps by a flag, the run rerun without it (the config's 4 steps) finishes as last configured
+    instead of refusing the config file's own train.steps."""
+    loop.train_and_evaluate(_tiny_config(steps=6), str(tmp_path))
+    loop.train_and_evaluate(_tiny_config(), str(tmp_path))
+    assert "continuing the run as last configured, to train.steps=6" in capsys.readouterr().out
+    assert _params(str(tmp_path))[0] == 6
+
+
 def test_grad_accumulation_matches_full_batch(tmp_path):
     a = loop.train_and_evaluate(_tiny_config(grad_accum_steps=1), str(tmp_path / "a"))
     b = loop.train_and_evaluate(_tiny_config(grad_accum_steps=2), str(tmp_path / "b"))

@@ -6,7 +6,8 @@
 Rollouts of 32 prompts (the last 64 bytes of each training prompt) with 32-byte responses; the
 reward is normalised so SFT samples score mean 0, std 1; adaptive KL towards `kl_target` nats per
 response. Variants: `nokl` (β = 0: the reward-hacking run), `rloo` (4 samples per prompt, leave-one-out
-baseline), `value_model` (a separate value network initialised from the reward model, at its own learning
+baseline), `grpo` (groups of 4 samples per prompt, group-normalised scores, β = 0.04 times the k3 KL as a loss
+term, no value loss), `value_model` (a separate value network initialised from the reward model, at its own learning
 rate, instead of the value head on the policy), `tiny` (a few steps of the 1-layer model of
 configs/hh_sft.py:tiny). PPO-ptx: `--config.objective.ptx_coef=0.5` mixes in the SFT loss on
 `ptx_batch_size` packed training demonstrations per iteration.
@@ -19,7 +20,7 @@ from lmzoo.objectives import objective_section
 
 
 def get_config(arg: str | None = None):
-    variants = check_variants(arg, ("tiny", "nokl", "rloo", "value_model"))
+    variants = check_variants(arg, ("tiny", "nokl", "rloo", "grpo", "value_model"))
     tiny = "tiny" in variants
     c = load_config_file(pathlib.Path(__file__).with_name("hh_sft.py"), "tiny" if tiny else None)
     objective = dict(
@@ -38,6 +39,8 @@ def get_config(arg: str | None = None):
         objective.update(kl_coef=0.0, kl_target=0.0)
     if "rloo" in variants:
         objective.update(algorithm="rloo", samples_per_prompt=4, epochs=1)
+    if "grpo" in variants:
+        objective.update(algorithm="grpo", samples_per_prompt=4, epochs=1, minibatches=1, kl_coef=0.04, kl_target=0.0)
     if "value_model" in variants:
         objective.update(value_model="reward")
     if tiny:
@@ -52,7 +55,7 @@ def get_config(arg: str | None = None):
     )  # the zero-init head learns fast
     if "value_model" in variants:  # a whole network that starts as the reward model: a smaller step
         c.optim.groups = (("value_model", {"learning_rate": 1e-4, "min_learning_rate": 1e-4}),)
-    c.train.batch_size = 8 if "rloo" in variants else 32
+    c.train.batch_size = 8 if {"rloo", "grpo"} & set(variants) else 32
     c.train.steps = c.optim.decay_steps = 60
     c.train.log_every = 1
     c.train.eval_every = c.train.checkpoint_every = 20

@@ -70,6 +70,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.steps = 2000
     c.train.batch_size = 12  # global batch (sequences per optimizer step)
     c.train.grad_accum_steps = 1
+    c.train.steps_per_call = 1  # optimizer steps per compiled call (a lax.scan over that many batches)
     c.train.log_every = 50
     c.train.eval_every = 500
     c.train.checkpoint_every = 500
@@ -106,6 +107,7 @@ def model_section(name: str, **fields) -> ml_collections.ConfigDict:
 # where it runs. Every other field changes what the checkpoints were trained with.
 RESUMABLE_FIELDS = (
     "train.steps",
+    "train.steps_per_call",
     "train.log_every",
     "train.eval_every",
     "train.checkpoint_every",
@@ -226,6 +228,7 @@ def check_values(
         "train.steps",
         "train.batch_size",
         "train.grad_accum_steps",
+        "train.steps_per_call",
         "train.log_every",
         "train.eval_every",
         "train.checkpoint_every",

@@ -316,7 +316,7 @@ def test_train_py_from_another_folder_prints_start_and_end_summaries(tmp_path):
     out = result.stdout
     for expected in (
         "model gpt2: 17,888 trained parameters",
-        "data python_stdlib: training split of ",
+        "data python_stdlib the Python standard library: training split of ",
         "per step: 4 sequences x 32 tokens = 128 tokens",
         "mesh data=1, fsdp=1, tensor=1",
         f"checkpoints: {tmp_path}/run/checkpoints (steps [2, 4])",

@@ -71,6 +71,10 @@ class StreamLoader:
         object.__setattr__(self, "_weights", weights[mine])
 
     @property
+    def dataset_size(self) -> str:
+        return f"{len(self.tokens):,} tokens"
+
+    @property
     def windows_per_epoch(self) -> int:
         """Whole windows of every row (Zaremba's epoch_size = (row_len - 1) // num_steps)."""
         return (self._ids.shape[1] - 1) // self.seq_len
@@ -135,6 +139,10 @@ class SentenceLoader:
     def num_batches(self) -> int:
         return math.ceil(len(self.ids) / self.batch_size)
 
+    @property
+    def dataset_size(self) -> str:
+        return f"{len(self.ids):,} sentences ({int(self.weights.sum()):,} tokens)"
+
     def batch(self, step: int) -> dict[str, np.ndarray]:
         first = step * self.batch_size
         return self.rows(np.arange(first, min(first + self.batch_size, len(self.ids))))
@@ -164,6 +172,10 @@ class ShuffledSentences:
     seed: int
     pool_batches: int = 1
     transform: Callable[[dict[str, np.ndarray], np.random.Generator], dict[str, np.ndarray]] | None = None
+
+    @property
+    def dataset_size(self) -> str:
+        return self.sentences.dataset_size
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         size, count = self.sentences.batch_size, len(self.sentences.ids)

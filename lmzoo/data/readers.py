@@ -39,6 +39,7 @@ class Reader:
     texts: Callable[[Any], list[str]] = list
     check: Callable[[Config], None] = lambda config: None
     fingerprint: Callable[[Config], str] = named_files_fingerprint
+    describe: Callable[[Config], str] = lambda config: config.data.path or config.data.train_path
 
 
 # Stores read directly (source "store"): one folder, or a mixture of (folder, weight) pairs.
@@ -111,11 +112,20 @@ def _documents_fingerprint(config: Config) -> str:
     return sources.digest([[m["source"]["fingerprint"], m["tokenizer"]["sha256"], m["splits"]] for m in manifests])
 
 
+def _describe_documents(config: Config) -> str:
+    data = config.data
+    if data.source == "store" and data.mixture:
+        return "stores " + ", ".join(str(path) for path, _ in data.mixture)
+    named = {"python_stdlib": "the Python standard library", "tfds": f"tfds {data.name}"}.get(data.source)
+    return f"{data.source} {named or data.path or data.train_path}"
+
+
 DOCUMENTS = Reader(
     splits=_document_splits,
     file=_document_file,
     texts=lambda raw: raw.texts(),
     fingerprint=_documents_fingerprint,
+    describe=_describe_documents,
 )
 
 

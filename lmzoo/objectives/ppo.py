@@ -1,4 +1,4 @@
-"""RLHF policy optimisation against a frozen reward model (InstructGPT's third stage): PPO, REINFORCE and RLOO.
+"""RLHF policy optimisation against a frozen reward model (InstructGPT's third stage): PPO, REINFORCE, RLOO and GRPO.
 
 The recipe around the policy trainer (`lmzoo.trainers.rl`: rollout, scoring and updates per step): the policy
 is the SFT decoder with a zero-initialised value head on its trunk (`heads.LMWithValueHead`), or beside a
@@ -23,7 +23,7 @@ from lmzoo.rl import policy_gradient, reward
 from lmzoo.trainers import optim
 from lmzoo.trainers.rl import PTX_PREFIX, PPOTrainer, RLSettings, rollout_inputs
 
-ALGORITHMS = ("ppo", "reinforce", "rloo")
+ALGORITHMS = ("ppo", "reinforce", "rloo", "grpo")
 VALUE_MODELS = ("head", "reward", "sft")
 
 
@@ -33,10 +33,13 @@ class PPOConfig(sft.ComparisonSplitConfig, RLSettings):
     split of config.data.path, whose training prompts are the rollout prompts):
     sft: "ckpt:WORKDIR" of the SFT run: the frozen reference and the policy's start.
     reward_model: "ckpt:WORKDIR" of a reward_model run on the same backbone config as config.model.
-    algorithm: "ppo"; "reinforce" (baseline: mean of the prompt's samples) or "rloo" (leave-one-out), one update per rollout.
+    algorithm: "ppo"; "reinforce" (baseline: mean of the prompt's samples) or "rloo" (leave-one-out), one update per
+        rollout; "grpo": the PPO clipped loss with each response's score normalised within its prompt's
+        `samples_per_prompt` samples as advantage, kl_coef x the k3 KL to the reference as a loss term (fixed β,
+        kl_target 0), no value loss.
     prompt_len, response_len: prompt tokens (left-padded, the end kept) and sampled tokens per response.
     temperature: sampling temperature, applied to every log-prob (policy, old policy, reference).
-    samples_per_prompt: responses sampled per prompt (reinforce/rloo need >= 2).
+    samples_per_prompt: responses sampled per prompt (reinforce/rloo/grpo need >= 2: GRPO's group size G).
     epochs, minibatches: PPO passes over each rollout and updates per pass.
     clip_eps, value_clip_eps, value_coef, entropy_coef: PPO losses (ε, ε_v, c_v, c_H).
     gamma, lam: GAE.
@@ -69,8 +72,10 @@ class PPOConfig(sft.ComparisonSplitConfig, RLSettings):
             problems.append(
                 f"samples_per_prompt={self.samples_per_prompt}: {self.algorithm} needs >= 2 samples per prompt"
             )
-        if self.algorithm != "ppo" and self.epochs != 1:
+        if self.algorithm in ("reinforce", "rloo") and self.epochs != 1:
             problems.append(f"epochs={self.epochs}: {self.algorithm} is on-policy, set epochs=1")
+        if self.algorithm == "grpo" and self.kl_target != 0:
+            problems.append(f"kl_target={self.kl_target}: grpo keeps β = kl_coef fixed, set kl_target=0")
         if self.value_model not in VALUE_MODELS:
             problems.append(f"value_model={self.value_model!r}: choose one of {VALUE_MODELS}")
         if self.ptx_coef < 0:

@@ -1,4 +1,5 @@
-"""Pure, jittable pieces of RLHF policy optimisation: PPO (Ziegler et al. 2019; Ouyang et al. 2022) and REINFORCE.
+"""Pure, jittable pieces of RLHF policy optimisation: PPO (Ziegler et al. 2019; Ouyang et al. 2022), REINFORCE and
+GRPO (Shao et al. 2024).
 
 Conventions. A rollout is B prompts, left-padded to a common length L_q, each followed by a
 response of T (static) sampled tokens. Every per-token array is [B, T] over response tokens;
@@ -308,6 +309,35 @@ def reinforce_advantages(returns: jax.Array, *, baseline: str = "leave_one_out")
             raise ValueError("the leave-one-out baseline needs at least 2 responses per prompt")
         return returns - (jnp.sum(returns, axis=1, keepdims=True) - returns) / (k - 1)
     raise ValueError(f"unknown baseline {baseline!r}; choose one of {BASELINES}")
+
+
+def group_advantages(returns: jax.Array, *, eps: float = 1e-4) -> jax.Array:
+    """returns [P, G] of G responses per prompt -> GRPO advantages (R_i − mean_g R) / (std_g R + eps) [P, G]
+    (Shao et al. 2024), with trl's unbiased std and eps; a group of equal returns gets 0."""
+    centred = returns - jnp.mean(returns, axis=1, keepdims=True)
+    return centred / (jnp.std(returns, axis=1, keepdims=True, ddof=1) + eps)
+
+
+def grpo_loss(
+    logprobs: jax.Array,
+    ref_logprobs: jax.Array,
+    rollout: dict[str, jax.Array],
+    *,
+    clip_eps: float = 0.2,
+    kl_coef: float = 0.04,
+) -> tuple[jax.Array, Metrics]:
+    """L = L_policy + β·KL for one minibatch, no value function: the clipped surrogate with each response's group
+    advantage on all its tokens, and the k3 estimate of KL(π ‖ π_ref) as a loss term (not in the reward).
+
+    logprobs, ref_logprobs [B, T]; rollout holds "old_logprobs", "mask" [B, T] and "sequence_advantages" [B]."""
+    mask = rollout["mask"]
+    advantages = jax.lax.stop_gradient(rollout["sequence_advantages"])[:, None] * mask
+    pg_loss, metrics = policy_loss(logprobs, rollout["old_logprobs"], advantages, mask, clip_eps=clip_eps)
+    kl_loss = masked_mean(kl_estimate(logprobs, ref_logprobs, "k3"), mask)
+    loss = pg_loss + kl_coef * kl_loss
+    one = jnp.ones((), jnp.float32)
+    losses = {"loss/policy": (pg_loss, one), "loss/kl": (kl_loss, one), "loss/total": (loss, one)}
+    return loss, {**metrics, **jax.tree.map(jax.lax.stop_gradient, losses)}
 
 
 def reinforce_loss(logprobs: jax.Array, advantages: jax.Array, mask: jax.Array) -> tuple[jax.Array, Metrics]:

@@ -118,7 +118,7 @@ def start_summary(run: Run, loader: Any, start: int) -> str:
         f"workdir {run.workdir.absolute()}: {'resuming at step ' + str(start) if start else 'new run'} of {cfg.train.steps} steps",
         f"model {cfg.model_name}: {_count(compiled.abstract_state.params):,} trained parameters"
         + (f" (+ {frozen:,} frozen)" if frozen else ""),
-        f"data {cfg.data.source}: training split of {getattr(loader, 'dataset_size', 'unreported size')}; "
+        f"data {run.objective.reader.describe(cfg)}: training split of {loader.dataset_size}; "
         f"tokenizer {cfg.data.tokenizer.kind} ({run.tokenizer.vocab_size} ids)",
         f"per step: {run.objective.step_summary()}",
         f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} process(es); mesh {mesh}",
@@ -127,6 +127,12 @@ def start_summary(run: Run, loader: Any, start: int) -> str:
         lines.append(
             f"note: optim.decay_steps={cfg.optim.decay_steps} > train.steps={cfg.train.steps}: the run ends before the "
             f"learning rate decays to optim.min_learning_rate; pass --config.optim.decay_steps={cfg.train.steps} to decay fully"
+        )
+    if cfg.optim.decay_steps < cfg.train.steps:
+        lines.append(
+            f"note: train.steps={cfg.train.steps} > optim.decay_steps={cfg.optim.decay_steps}: steps after "
+            f"{cfg.optim.decay_steps} train at optim.min_learning_rate={cfg.optim.min_learning_rate}; pass "
+            f"--config.optim.decay_steps={cfg.train.steps} to decay over the whole run"
         )
     return "\n".join(lines)
 
@@ -160,6 +166,7 @@ def _start(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.S
         fingerprint = run.objective.reader.fingerprint(run.config)
         if resumable and data_state["step"] > 0:
             saved = json.loads(saved_config.read_text())
+            _continue_as_last_configured(run.config, saved, int(data_state["step"]))
             config_lib.check_resume(saved, run.config, int(data_state["step"]), run.workdir)
             _warn_if_data_changed(run.workdir / "data.json", fingerprint, int(data_state["step"]))
         loader = run.train_loader()
@@ -172,6 +179,18 @@ def _start(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.S
         stage.write_text("config.json", run.config.to_json_best_effort(indent=2))
         stage.write_text("data.json", json.dumps({"fingerprint": fingerprint}))
     return run, state, data_state, loader
+
+
+def _continue_as_last_configured(config: ml_collections.ConfigDict, saved: dict, step: int) -> None:
+    """A run extended with --config.train.steps=N and then rerun without it (the config file's steps now below the
+    checkpoint's) continues to the N it was last given, as the command that extended it would."""
+    last = saved.get("train", {}).get("steps", 0)
+    if config.train.steps < step <= last:
+        print(
+            f"train.steps={config.train.steps} is below the checkpoint's step {step}: continuing the run as last "
+            f"configured, to train.steps={last} (pass --config.train.steps=N, N > {last}, to extend it further)"
+        )
+        config.train.steps = last
 
 
 def _warn_if_data_changed(saved: pathlib.Path, fingerprint: str, step: int) -> None:
@@ -225,6 +244,25 @@ def run_timed_phases(phases: dict, state: Any, batch: Any) -> tuple[Any, dict]:
     return state, {**metrics, **times}
 
 
+def call_size(step: int, train: ml_collections.ConfigDict, steps_per_call: int) -> int:
+    """Steps the compiled call from `step` runs: at most `steps_per_call`, ending at the next step that logs,
+    saves or evaluates, or at the last, so those land on call boundaries exactly as with one step per call."""
+    size = min(steps_per_call, train.steps - step)
+    for every in (train.log_every, train.checkpoint_every, train.eval_every):
+        size = min(size, every - step % every)
+    return size
+
+
+def _device_calls(compiled, host_batches: list[dict]) -> list[tuple[Any, dict]]:
+    """(jitted function, device batch) calls that run `host_batches` in order: one `steps` call on them stacked
+    when there are several of one shape, else one `step` call each (a loader that trims padding per batch)."""
+    shapes = {tuple((k, v.shape) for k, v in sorted(b.items())) for b in host_batches}
+    if len(host_batches) > 1 and len(shapes) == 1:
+        stacked = {k: np.stack([b[k] for b in host_batches]) for k in host_batches[0]}
+        return [(compiled.steps, sharding.put_batch(stacked, compiled.stacked_batch_sharding))]
+    return [(compiled.step, sharding.put_batch(b, compiled.batch_sharding)) for b in host_batches]
+
+
 def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) -> dict[str, float]:
     """The steps from the restored `state` to config.train.steps, then evaluation, a sample and the end summary."""
     from lmzoo.evaluation.generation import sample_text
@@ -246,21 +284,25 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
         mininterval=0.5 if sys.stderr.isatty() else 30.0,
     )
     final = None
+    kept_mapped = set()
     try:
-        for step in range(start, config.train.steps):
-            host_batch = loader.batch(step)
-            window_tokens += run.objective.real_tokens(host_batch)
+        step = start
+        while step < config.train.steps:
+            size = call_size(step, config.train, 1 if compiled.phases else config.train.steps_per_call)
+            host_batches = [loader.batch(s) for s in range(step, step + size)]
+            window_tokens += sum(run.objective.real_tokens(b) for b in host_batches)
             with run.context():
-                device_batch = sharding.put_batch(host_batch, compiled.batch_sharding)
-                if compiled.phases:
-                    state, step_metrics = run_timed_phases(compiled.phases, state, device_batch)
-                else:
-                    state, step_metrics = compiled.step(state, device_batch)
-                    if step == start:
-                        host_memory.keep_step_buffers_mapped(compiled.step, state, device_batch)
+                for fn, device_batch in _device_calls(compiled, host_batches):
+                    if compiled.phases:
+                        state, step_metrics = run_timed_phases(compiled.phases, state, device_batch)
+                    else:
+                        state, step_metrics = fn(state, device_batch)
+                        if fn not in kept_mapped:
+                            host_memory.keep_step_buffers_mapped(fn, state, device_batch)
+                            kept_mapped.add(fn)
+                    total = metrics_lib.accumulate(total, step_metrics)
             run.checkpointer.check_for_errors()
-            total = metrics_lib.accumulate(total, step_metrics)
-            done = step + 1
+            done = step + size
             at_log = done % config.train.log_every == 0 or done == config.train.steps
             at_ckpt = done % config.train.checkpoint_every == 0 or done == config.train.steps
             at_eval = done % config.train.eval_every == 0 or done == config.train.steps
@@ -297,7 +339,8 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
                 writer.write(done, final, "validation")
                 headline = ", ".join(f"{k} {final[k]:.4g}" for k in HEADLINE_METRICS if k in final)
                 progress.write(f"step {done}: validation {headline}")
-            progress.update(1)
+            progress.update(size)
+            step = done
         progress.close()
         run.checkpointer.wait()
         host_memory.release_freed_memory()

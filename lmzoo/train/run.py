@@ -205,6 +205,11 @@ def build(
         )
     model = objective.model()
     compiled = trainers_base.compile_trainer(objective.trainer(model), mesh=mesh, rules=rules, seed=config.train.seed)
+    if compiled.phases and config.train.steps_per_call > 1:
+        raise ValueError(
+            f"config.train.steps_per_call={config.train.steps_per_call}: objective {objective.name!r} runs its step "
+            "in phases (rollout, scoring, update), one step per call; set --config.train.steps_per_call=1"
+        )
     checkpointer = checkpoint.Checkpointer(
         str(workdir_path / "checkpoints"),
         max_to_keep=config.train.keep_checkpoints,

@@ -73,8 +73,9 @@ def merge_microbatches(tree: Any) -> Any:
 class CompiledTrainer:
     """A trainer's functions jitted over a mesh with shardings from the logical-axis rules.
 
-    init(rng) -> state; step(state, batch) -> (state, metrics) donates the old state;
-    initial_carry(batch_size) -> carry; eval_step(state, batch, carry) -> (metrics, carry);
+    init(rng) -> state; step(state, batch) -> (state, metrics) donates the old state; steps(state, batches) does
+    the same for batches stacked on a leading axis [k, batch, ...] in one call (`lax.scan`), metrics summed over
+    the k steps; initial_carry(batch_size) -> carry; eval_step(state, batch, carry) -> (metrics, carry);
     phases: {name: phase(state, batch, carry) -> carry} of a trainer with phases (the last donates the state),
     else empty. Call them inside `context()`.
     """
@@ -85,8 +86,10 @@ class CompiledTrainer:
     abstract_state: Any  # ShapeDtypeStructs carrying the shardings (orbax restore targets)
     state_shardings: Any
     batch_sharding: jax.sharding.NamedSharding
+    stacked_batch_sharding: jax.sharding.NamedSharding  # of steps' [k, batch, ...] arrays
     init: Callable
     step: Callable
+    steps: Callable
     eval_step: Callable
     with_params: Callable
     phases: dict[str, Callable] = dataclasses.field(default_factory=dict)
@@ -129,6 +132,17 @@ def _jit_phases(trainer: Any, state_shardings: Any, batch_sharding: Any, replica
     return jitted
 
 
+def scan_steps(trainer: Any, state: Any, batches: Batch) -> tuple[Any, Metrics]:
+    """`trainer.step` over batches stacked on a leading axis [k, batch, ...], in order: (state, metrics summed
+    over the k steps as (sum, count) pairs, as the loop accumulates single steps)."""
+
+    def body(state, batch):
+        return trainer.step(state, batch)
+
+    state, metrics = jax.lax.scan(body, state, batches)
+    return state, jax.tree.map(lambda m: m.sum(axis=0), metrics)
+
+
 def _init_compiler_options(mesh: jax.sharding.Mesh) -> dict | None:
     """XLA options of the one-time init program. On CPU, LLVM at O1 compiles it (one threefry expansion per
     parameter) ~40% faster than the default and gives bit-identical parameters."""
@@ -144,6 +158,9 @@ def compile_trainer(trainer: Any, *, mesh: jax.sharding.Mesh, rules: tuple, seed
     abstract_state = _with_shardings(boxed, state_shardings)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         batch_sharding = sharding.batch_sharding(mesh, rules)
+        stacked_batch_sharding = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(None, *batch_sharding.spec)
+        )
         replicated = sharding.replicated(mesh)
         return CompiledTrainer(
             trainer=trainer,
@@ -152,6 +169,7 @@ def compile_trainer(trainer: Any, *, mesh: jax.sharding.Mesh, rules: tuple, seed
             abstract_state=abstract_state,
             state_shardings=state_shardings,
             batch_sharding=batch_sharding,
+            stacked_batch_sharding=stacked_batch_sharding,
             init=jax.jit(
                 lambda rng: nn.unbox(trainer.init(rng)),
                 out_shardings=state_shardings,
@@ -160,6 +178,12 @@ def compile_trainer(trainer: Any, *, mesh: jax.sharding.Mesh, rules: tuple, seed
             step=jax.jit(
                 lambda state, batch: trainer.step(state, batch),
                 in_shardings=(state_shardings, batch_sharding),
+                out_shardings=(state_shardings, replicated),
+                donate_argnums=0,
+            ),
+            steps=jax.jit(
+                functools.partial(scan_steps, trainer),
+                in_shardings=(state_shardings, stacked_batch_sharding),
                 out_shardings=(state_shardings, replicated),
                 donate_argnums=0,
             ),

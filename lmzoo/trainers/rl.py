@@ -1,4 +1,4 @@
-"""The RLHF policy trainer (PPO, REINFORCE, RLOO): one step is one iteration of rollout, scoring and updates.
+"""The RLHF policy trainer (PPO, REINFORCE, RLOO, GRPO): one step is one iteration of rollout, scoring and updates.
 
 `step` is three phases that the training loop jits and times apart (`phases`, `run_phase`): `generate` samples
 responses to left-padded prompts with the KV-cache sampler (stop at EOS, mask after it); `score` scores
@@ -6,6 +6,8 @@ prompt ⊕ response with the frozen reward model, reads the log-probs of the fro
 rewards −β·KL with the score on the last token and runs GAE; `update` makes `epochs` passes of `minibatches`
 clipped PPO updates (or one REINFORCE/RLOO update on the same rollout), each optionally adding γ_ptx times the
 LM loss on packed demonstrations (PPO-ptx). β follows the adaptive controller, whose value lives in the state.
+GRPO scores without the KL in the reward, normalises the scores within each prompt's group of samples, and
+adds β times the k3 KL to the reference to its clipped loss; the value head gets no loss.
 The maths is `lmzoo.rl`; the recipe around it (data, frozen models, settings) is `lmzoo.objectives.ppo`.
 """
 
@@ -177,13 +179,13 @@ class PPOTrainer:
             ref_logprobs,
             jax.lax.stop_gradient(policy_gradient.align_to_responses(values, s.prompt_len)),
             mask,
-            kl_coef=kl_coef,
+            kl_coef=0.0 if s.algorithm == "grpo" else kl_coef,  # GRPO's KL is a loss term, not in the reward
             gamma=s.gamma,
             lam=s.lam,
             kl_estimator=s.kl_estimator,
             whiten_rewards=s.whiten_rewards,
         )
-        sequence_returns = jnp.sum(targets["rewards"], axis=1)  # score − β·Σ_t kl_t (scaled if whitened)
+        sequence_returns = jnp.sum(targets["rewards"], axis=1)  # score − β·Σ_t kl_t (scaled if whitened; GRPO: score)
         rows = jnp.asarray(scores.shape[0], jnp.float32)
         metrics = {
             **metrics,
@@ -199,6 +201,8 @@ class PPOTrainer:
             "sequence_kl": jnp.sum((logprobs - ref_logprobs) * mask, axis=1),
             "sequence_returns": sequence_returns,
         }
+        if s.algorithm == "grpo":
+            rollout["ref_logprobs"] = ref_logprobs
         return jax.tree.map(jax.lax.stop_gradient, rollout), metrics
 
     def rollout(
@@ -242,6 +246,9 @@ class PPOTrainer:
                 value_coef=s.value_coef,
                 entropy_coef=s.entropy_coef,
             )
+        if s.algorithm == "grpo":
+            ref_logprobs = minibatch["ref_logprobs"]
+            return policy_gradient.grpo_loss(logprobs, ref_logprobs, minibatch, clip_eps=s.clip_eps, kl_coef=s.kl_coef)
         mask = minibatch["mask"]
         loss, metrics = policy_gradient.reinforce_loss(logprobs, minibatch["sequence_advantages"], mask)
         loss = loss - s.entropy_coef * policy_gradient.masked_mean(entropy, mask)
@@ -257,17 +264,20 @@ class PPOTrainer:
     ):
         """`epochs` passes over the rollout, each a fresh permutation split into `minibatches` optimizer updates
         -> (params, opt_state, metrics summed over the updates). REINFORCE/RLOO first turn the sequence returns into
-        per-prompt baselined advantages. `demonstrations` (PPO-ptx, [R, L] arrays) are split into `minibatches` strided
+        per-prompt baselined advantages, GRPO into group-normalised ones. `demonstrations` (PPO-ptx, [R, L] arrays) are split into `minibatches` strided
         parts, part m joining minibatch m of every epoch."""
         s = self.settings
         rows = rollout["mask"].shape[0]
         if rows % s.minibatches:
             raise ValueError(f"{rows} rollout rows do not split into config.objective.minibatches={s.minibatches}")
         if s.algorithm != "ppo":
-            baseline = "mean" if s.algorithm == "reinforce" else "leave_one_out"
             grouped = rollout["sequence_returns"].reshape(-1, s.samples_per_prompt)
-            advantages = policy_gradient.reinforce_advantages(grouped, baseline=baseline).reshape(-1)
-            rollout = {**rollout, "sequence_advantages": advantages}
+            if s.algorithm == "grpo":
+                advantages = policy_gradient.group_advantages(grouped)
+            else:
+                baseline = "mean" if s.algorithm == "reinforce" else "leave_one_out"
+                advantages = policy_gradient.reinforce_advantages(grouped, baseline=baseline)
+            rollout = {**rollout, "sequence_advantages": advantages.reshape(-1)}
         order = jnp.stack([jax.random.permutation(jax.random.fold_in(rng, e), rows) for e in range(s.epochs)])
         indices = order.reshape(s.epochs * s.minibatches, rows // s.minibatches)
         parts = None if demonstrations is None else base.split_microbatches(demonstrations, s.minibatches)

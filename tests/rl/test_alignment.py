@@ -188,6 +188,45 @@ def test_resumed_ppo_continues_exactly(stages, straight_ppo):
         assert resumed_rows[0][key] == straight_rows[0][key], key
 
 
+def test_grpo_keeps_the_kl_out_of_the_reward_and_resumes_exactly(stages):
+    objective = dict(algorithm="grpo", samples_per_prompt=2, epochs=2, minibatches=2, kl_coef=0.04, kl_target=0.0)
+    straight, resumed = (stages["sft"] + f"_grpo_{name}" for name in ("straight", "resumed"))
+    loop.train_and_evaluate(ppo_config(stages["data"], stages["sft"], stages["rm"], objective, steps=3), straight)
+    for steps in (2, 3):
+        loop.train_and_evaluate(
+            ppo_config(stages["data"], stages["sft"], stages["rm"], objective, steps=steps), resumed
+        )
+    arrays = {}
+    for workdir in (straight, resumed):
+        run = run_lib.open_run(workdir)
+        arrays[workdir] = state_arrays(run_lib.restore_step(run)[1])
+        run.checkpointer.close()
+    for key, value in arrays[straight].items():
+        np.testing.assert_array_equal(arrays[resumed][key], value, err_msg=key)
+    # The value head gets no loss: it stays at its zero initialisation.
+    head = [v for k, v in arrays[straight].items() if k.startswith("[0]['value_head']")]
+    assert head and all(np.all(v == 0.0) for v in head)
+    rows = [[r for r in _rows(w) if r["split"] == "train"] for w in (straight, resumed)]
+    for key in ("objective/scores", "objective/kl", "loss/total", "loss/kl", "policy/ratio"):
+        assert rows[0][-1][key] == rows[1][-1][key], key
+    for row in rows[0]:
+        assert row["objective/non_score_reward"] == 0.0 and row["objective/rlhf_reward"] == pytest.approx(
+            row["objective/scores"]
+        )
+        assert row["loss/kl"] >= 0.0
+    assert rows[0][-1]["loss/kl"] > 0.0  # the policy has left the reference
+
+
+def test_grpo_refuses_a_group_of_one_and_an_adaptive_kl():
+    from lmzoo.objectives import ppo
+
+    with pytest.raises(ValueError, match="samples_per_prompt=1: grpo needs >= 2 samples per prompt"):
+        ppo.PPOConfig(algorithm="grpo", samples_per_prompt=1)
+    with pytest.raises(ValueError, match="kl_target=6.0: grpo keeps β = kl_coef fixed"):
+        ppo.PPOConfig(algorithm="grpo", samples_per_prompt=4, kl_target=6.0)
+    assert ppo.PPOConfig(algorithm="grpo", samples_per_prompt=4, epochs=2).epochs == 2  # clipped: may reuse a rollout
+
+
 def test_eight_devices_give_the_numbers_of_one(stages, straight_ppo, tmp_path):
     job = {
         "workdir": str(tmp_path / "ppo8"),

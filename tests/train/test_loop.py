@@ -68,6 +68,15 @@ def test_resume_is_exact(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
 
 
+def test_rerun_without_the_extension_continues_as_last_configured(tmp_path, capsys):
+    """Extended to 6 steps by a flag, the run rerun without it (the config's 4 steps) finishes as last configured
+    instead of refusing the config file's own train.steps."""
+    loop.train_and_evaluate(_tiny_config(steps=6), str(tmp_path))
+    loop.train_and_evaluate(_tiny_config(), str(tmp_path))
+    assert "continuing the run as last configured, to train.steps=6" in capsys.readouterr().out
+    assert _params(str(tmp_path))[0] == 6
+
+
 def test_grad_accumulation_matches_full_batch(tmp_path):
     a = loop.train_and_evaluate(_tiny_config(grad_accum_steps=1), str(tmp_path / "a"))
     b = loop.train_and_evaluate(_tiny_config(grad_accum_steps=2), str(tmp_path / "b"))
@@ -160,3 +169,28 @@ def test_perplexity_and_bits_only_for_token_nll_losses():
     not_nll = {"classify", "reward_model", "ppo", "distill", "mlm_nsp", "mlm_sop", "elmo_classify"}
     for name in ("causal_lm", "sft", "mlm", "recurrent_lm", "bilm", "text_to_text", *not_nll):
         assert objectives.get(name).loss_is_token_nll == (name not in not_nll), name
+
+
+def test_several_steps_per_call_equal_single_steps_and_resume_mid_run(tmp_path):
+    """steps_per_call=3 runs calls of 3, 2 and 2 steps (a save at step 5 ends a call) and reaches the state of 7
+    single steps; stopped at 5 and resumed, it reaches the same again."""
+    every = dict(steps=7, log_every=7, eval_every=7, checkpoint_every=5)
+    loop.train_and_evaluate(_tiny_config(**every), str(tmp_path / "single"))
+    loop.train_and_evaluate(_tiny_config(**every, steps_per_call=3), str(tmp_path / "scan"))
+    loop.train_and_evaluate(_tiny_config(**{**every, "steps": 5}, steps_per_call=3), str(tmp_path / "resumed"))
+    loop.train_and_evaluate(_tiny_config(**every, steps_per_call=3), str(tmp_path / "resumed"))
+    step, single, _ = _params(str(tmp_path / "single"))
+    for name in ("scan", "resumed"):
+        other_step, other, data = _params(str(tmp_path / name))
+        assert other_step == step == 7 and data == {"step": 7}
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), single, other)
+    rows = {
+        n: [json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+        for n in ("single", "scan")
+    }
+    train = {n: [r for r in rows[n] if r["split"] == "train"] for n in rows}
+    assert [r["step"] for r in train["scan"]] == [r["step"] for r in train["single"]] == [5, 7]
+    for a, b in zip(train["single"], train["scan"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    assert loop.call_size(0, _tiny_config(**every).train, 3) == 3
+    assert [loop.call_size(s, _tiny_config(**every).train, 3) for s in (3, 5, 6)] == [2, 2, 1]

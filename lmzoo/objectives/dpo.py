@@ -1,0 +1,260 @@
+"""Direct preference optimisation (Rafailov et al. 2023) from the comparisons the reward model reads: no reward
+model, no sampling.
+
+For a prompt x with chosen reply y_w and rejected reply y_l, with log-probs summed over the reply and its EOS
+(prompt and padding masked),
+
+    h = [log π(y_w|x) − log π_ref(y_w|x)] − [log π(y_l|x) − log π_ref(y_l|x)]
+    sigmoid: −(1 − ε)·log σ(β·h) − ε·log σ(−β·h)    (ε = label_smoothing: conservative DPO, Mitchell 2023)
+    ipo:     (h − 1/(2β))²                            (Azar et al. 2023; log-probs averaged over the reply, as trl)
+
+averaged over comparisons. The reference π_ref is the frozen SFT decoder (`objective.sft`, read at every start,
+never checkpointed, its log-probs under stop_gradient), and the policy starts as a copy of it; dropout is off in
+both (trl's default), so the two agree at the start. The implicit rewards β·(log π − log π_ref) of the two
+replies give the accuracy and margin metrics. Any decoder family (`model(tokens, positions=, segment_ids=) ->
+logits`) trains through the supervised trainer.
+"""
+
+import dataclasses
+import json
+import logging
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from lmzoo import weights
+from lmzoo.data import comparisons, pipeline, readers, transforms
+from lmzoo.models import kinds
+from lmzoo.objectives import base, sft
+from lmzoo.rl import policy_gradient, reward
+from lmzoo.trainers.state import Metrics, Task
+
+LOSS_TYPES = ("sigmoid", "ipo")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig(sft.ComparisonSplitConfig):
+    """Attributes (besides the held-out split of config.data.path, whose training comparisons are trained on):
+    sft: "ckpt:WORKDIR" of the SFT run: the frozen reference and the policy's start.
+    beta: β, the strength of the implicit KL to the reference (> 0).
+    label_smoothing: ε in [0, 0.5), the assumed share of flipped labels (conservative DPO; sigmoid loss only).
+    loss_type: "sigmoid" (DPO) or "ipo".
+    """
+
+    sft: str = ""
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    loss_type: str = "sigmoid"
+
+    def __post_init__(self):
+        super().__post_init__()
+        problems = []
+        if self.beta <= 0:
+            problems.append(f"beta={self.beta}: must be > 0, e.g. 0.1")
+        if not 0 <= self.label_smoothing < 0.5:
+            problems.append(f"label_smoothing={self.label_smoothing}: must lie in [0, 0.5)")
+        if self.loss_type not in LOSS_TYPES:
+            problems.append(f"loss_type={self.loss_type!r}: choose one of {LOSS_TYPES}")
+        elif self.loss_type == "ipo" and self.label_smoothing:
+            problems.append(f"label_smoothing={self.label_smoothing}: the ipo loss has none, set it to 0")
+        if problems:
+            raise ValueError("invalid config.objective: " + "; ".join(problems))
+
+
+def reply_logprobs(model, params, tokens: jax.Array, prompt_lengths: jax.Array, *, pad_id: int):
+    """tokens [B, K, L] (prompt ⊕ reply ⊕ EOS, right-padded with pad_id), prompt_lengths [B] ->
+    (log π(reply ⊕ EOS | prompt) summed over its tokens [B, K], the number of those tokens [B, K])."""
+    flat = tokens.reshape(-1, tokens.shape[-1])
+    segment_ids, positions = reward.padding_inputs(flat, pad_id)
+    logits = model.apply({"params": params}, flat, segment_ids=segment_ids, positions=positions)
+    token_logprobs, _ = policy_gradient.response_logprobs(logits[:, :-1], flat[:, 1:])  # [B·K, L − 1]
+    starts = jnp.repeat(prompt_lengths, tokens.shape[1])[:, None]
+    mask = (jnp.arange(1, flat.shape[1])[None] >= starts) & (segment_ids[:, 1:] > 0)  # target t + 1 is a reply token
+    mask = mask.astype(jnp.float32)
+    summed, counts = jnp.sum(token_logprobs * mask, axis=1), jnp.sum(mask, axis=1)
+    return summed.reshape(tokens.shape[:2]), counts.reshape(tokens.shape[:2])
+
+
+def dpo_loss(
+    policy: jax.Array,
+    reference: jax.Array,
+    weights: jax.Array,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    loss_type: str = "sigmoid",
+) -> tuple[jax.Array, Metrics]:
+    """policy, reference [B, 2]: log-probs of the (chosen, rejected) replies; weights [B] (0 = padding row) ->
+    (mean loss over the weighted comparisons, metrics as (sum, count) pairs: "loss", the implicit rewards'
+    "rewards/accuracy" (ties count as wrong), "rewards/margin", "rewards/chosen", "rewards/rejected")."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown DPO loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
+    rewards = beta * (policy - reference)  # [B, 2]
+    h = (policy[:, 0] - policy[:, 1]) - (reference[:, 0] - reference[:, 1])
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h) - label_smoothing * jax.nn.log_sigmoid(-beta * h)
+    else:
+        losses = jnp.square(h - 1 / (2 * beta))
+    weights = weights.astype(jnp.float32)
+    count = jnp.sum(weights)
+    total = jnp.sum(losses * weights)
+    margin = rewards[:, 0] - rewards[:, 1]
+    metrics = {
+        "loss": (total, count),
+        "rewards/accuracy": (jnp.sum((margin > 0) * weights), count),
+        "rewards/margin": (jnp.sum(margin * weights), count),
+        "rewards/chosen": (jnp.sum(rewards[:, 0] * weights), count),
+        "rewards/rejected": (jnp.sum(rewards[:, 1] * weights), count),
+    }
+    return total / jnp.maximum(count, 1.0), jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def dpo_task(model, fields: DPOConfig, *, pad_id: int) -> Task:
+    """The DPO loss of decoder `model` on batch "tokens" [B, 2, L] (chosen, rejected), "prompt_lengths" [B] (and
+    "example_weights" [B] in evaluation), against frozen {"reference": params of the same decoder}."""
+
+    def init(rng, batch):
+        tokens = batch["tokens"][:, 0]
+        params = model.init(rng, tokens)["params"]
+        return params, {"reference": params}
+
+    def loss(params, frozen, carry, batch, rng, *, step, train):
+        tokens, prompt_lengths = batch["tokens"], batch["prompt_lengths"]
+        policy, replies = reply_logprobs(model, params, tokens, prompt_lengths, pad_id=pad_id)
+        reference, _ = reply_logprobs(model, frozen["reference"], tokens, prompt_lengths, pad_id=pad_id)
+        reference = jax.lax.stop_gradient(reference)
+        example_weights = batch.get("example_weights", jnp.ones(prompt_lengths.shape, jnp.float32))
+        scale = jnp.maximum(replies, 1.0) if fields.loss_type == "ipo" else 1.0  # IPO compares per-token means
+        value, metrics = dpo_loss(
+            policy / scale,
+            reference / scale,
+            example_weights,
+            beta=fields.beta,
+            label_smoothing=fields.label_smoothing,
+            loss_type=fields.loss_type,
+        )
+        count = metrics["loss"][1]
+        logged = jax.lax.stop_gradient(policy * example_weights[:, None])
+        metrics = {
+            **metrics,
+            "logps/chosen": (jnp.sum(logged[:, 0]), count),
+            "logps/rejected": (jnp.sum(logged[:, 1]), count),
+        }
+        return value, (metrics, carry)
+
+    return Task(init=init, loss=loss)
+
+
+def dpo_examples(raw: list[comparisons.Comparison], tokenizer, config, where: str) -> dict[str, np.ndarray]:
+    """ "tokens" [N, 2, seq_len] (chosen, rejected: prompt ⊕ reply ⊕ EOS, right-padded, cut as for the reward model),
+    "prompt_lengths" [N] and "lengths" [N, 2] (non-pad tokens). Comparisons whose two rows are identical (equal
+    replies, or replies equal up to the cut) teach nothing and are skipped, with a count."""
+    end = sft.end_id(tokenizer)
+    # A third, empty reply changes no cut (`comparisons.reward_model_arrays` cuts the prompt for the longest reply):
+    # its row, prompt ⊕ EOS, measures the prompt as kept.
+    groups = [comparisons.RankedResponses(c.prompt, (c.chosen, c.rejected, ""), (0, 1, 2)) for c in raw]
+    arrays = comparisons.reward_model_arrays(
+        groups, tokenizer.encode, max_len=config.data.seq_len, max_responses=3, pad_id=tokenizer.pad_id, eos_id=end
+    )
+    lengths = np.sum(arrays["tokens"] != tokenizer.pad_id, axis=-1).astype(np.int32)
+    tokens = arrays["tokens"][:, :2]
+    distinct = np.any(tokens[:, 0] != tokens[:, 1], axis=-1)
+    if not distinct.all():
+        logging.warning(
+            "dpo, %s: skipped %d of %d comparisons whose chosen and rejected replies are identical (within data.seq_len=%d)",
+            where,
+            int(np.sum(~distinct)),
+            len(distinct),
+            config.data.seq_len,
+        )
+    if not distinct.any():
+        raise ValueError(f"dpo, {where}: no comparison has distinct chosen and rejected replies")
+    transforms.check_token_ids(tokens, config.model.vocab_size, where=where)
+    return {"tokens": tokens[distinct], "prompt_lengths": lengths[distinct, 2] - 1, "lengths": lengths[distinct, :2]}
+
+
+def _as_batch(rows, ids, epochs):
+    return dict(rows)
+
+
+class DPO(base.Objective):
+    """A decoder trained from the SFT policy on the comparisons of `data.path` by DPO or IPO (see the module docstring)."""
+
+    name = "dpo"
+    Config = DPOConfig
+    reader = readers.COMPARISONS
+    loss_is_token_nll = False  # −log σ of implicit reward margins (or IPO's squares)
+
+    def check(self):
+        super().check()
+        sft_spec = self.fields.sft
+        if not sft_spec.startswith("ckpt:"):
+            raise ValueError(f"config.objective.sft={sft_spec!r}: set it to 'ckpt:WORKDIR' of the SFT run")
+        if kinds.kind_of(self.model()) != kinds.DECODER:
+            raise ValueError(f"dpo trains a decoder; config.model_name={self.config.model_name!r} is not one")
+
+    def task(self, model):
+        return dpo_task(model, self.fields, pad_id=sft.fixed_tokenizer(self.config).pad_id)
+
+    def step_summary(self):
+        b, t = self.config.train.batch_size, self.config.data.seq_len
+        return f"{b} comparisons x 2 replies x {t} tokens, policy and reference forwards"
+
+    def input_shapes(self, batch_size):
+        return {
+            "tokens": base.int_inputs((batch_size, 2, self.config.data.seq_len)),
+            "prompt_lengths": base.int_inputs((batch_size,)),
+        }
+
+    def _loader(self, tokenizer, raw, shard, batch_size, where):
+        return pipeline.ExampleLoader(
+            dpo_examples(raw, tokenizer, self.config, where),
+            batch_size,
+            seed=self.config.train.seed,
+            transform=_as_batch,
+            **dataclasses.asdict(shard),
+        )
+
+    def train_loader(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")
+
+    def eval_batches(self, tokenizer, raw, shard):
+        return self._loader(tokenizer, raw, shard, self.config.eval.batch_size, "evaluation split").eval_batches()
+
+    def real_tokens(self, batch):
+        return int(np.sum(batch["lengths"]))
+
+    def load_frozen(self, frozen):
+        """The reference: the SFT run's decoder, which must be of this run's family and tokenizer."""
+        workdir = self.fields.sft.removeprefix("ckpt:")
+        saved_config = pathlib.Path(workdir).expanduser() / "config.json"
+        if saved_config.exists():
+            saved = json.loads(saved_config.read_text())
+            ours = {"model_name": self.config.model_name, "tokenizer": self.config.data.tokenizer.to_dict()}
+            theirs = {"model_name": saved.get("model_name"), "tokenizer": saved.get("data", {}).get("tokenizer")}
+            differing = [k for k in ours if ours[k] != theirs[k]]
+            if differing:
+                raise ValueError(
+                    f"the SFT run {workdir} differs from this run in {differing}: "
+                    + ", ".join(f"{k} {theirs[k]!r} there vs {ours[k]!r} here" for k in differing)
+                )
+        loaded = weights.read_params(
+            self.fields.sft, self.config.model_name, self.config.model.to_dict(), frozen["reference"]
+        )
+        expected = traverse_util.flatten_dict(jax.tree.map(np.shape, frozen["reference"]), sep="/")
+        found = traverse_util.flatten_dict(jax.tree.map(np.shape, loaded), sep="/")
+        if expected != found:
+            differing = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+            raise ValueError(
+                f"the checkpoint in {workdir} is not a config.model decoder: parameters "
+                + ", ".join(f"{k} {found.get(k)} there vs {expected.get(k)} here" for k in differing[:5])
+                + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
+            )
+        return {"reference": jax.tree.map(np.asarray, loaded)}
+
+    def init_params(self, params, frozen):
+        """The policy starts as the reference."""
+        return jax.tree.map(np.array, frozen["reference"])

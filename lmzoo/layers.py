@@ -42,6 +42,35 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     return ACTIVATIONS[name]
 
 
+def check_fields(
+    config: Any,
+    *,
+    sizes: Sequence[str] = (),
+    counts: Sequence[str] = (),
+    positive: Sequence[str] = (),
+    rates: Sequence[str] = (),
+) -> None:
+    """Raises one ValueError naming every out-of-range field of a family config dataclass as `config.model.FIELD`
+    with its fix (called from each family's `__post_init__`, so `models.make_config` checks them all before any
+    model is built): sizes >= 1, counts >= 0, positive (epsilons, scales) > 0, rates (dropout) in [0, 1)."""
+    rules = [
+        *((f, lambda v: v >= 1, "must be a positive integer; set --config.model.{f}=N with N >= 1") for f in sizes),
+        *((f, lambda v: v >= 0, "must be >= 0; set --config.model.{f}=0 or more") for f in counts),
+        *((f, lambda v: v > 0, "must be > 0; set --config.model.{f} to a positive value") for f in positive),
+        *(
+            (f, lambda v: 0 <= v < 1, "must be in [0, 1); set e.g. --config.model.{f}=0.1 (0 turns it off)")
+            for f in rates
+        ),
+    ]
+    problems = [
+        f"config.model.{f}={getattr(config, f)!r}: {why.format(f=f)}"
+        for f, ok, why in rules
+        if not ok(getattr(config, f))
+    ]
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def project(eqn: str, x: jax.Array, kernel: jax.Array, **dot_kwargs: Any) -> jax.Array:
     """`jnp.einsum(eqn, x, kernel)` for a projection (`kernels.cpu.project`, one 2-D matmul, on the CPU).
     dot_kwargs: e.g. preferred_element_type."""

@@ -128,6 +128,19 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
+def read_saved(path: pathlib.Path) -> dict:
+    """The config a run saved as JSON at `path`; a damaged file is a ValueError naming it."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{path} is damaged ({e}); put back the run's saved config, or train in a new --workdir"
+        ) from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} holds no config (a JSON object expected); put back the run's saved config")
+    return saved
+
+
 def check_resume(saved: dict, config: ml_collections.ConfigDict, step: int, workdir) -> None:
     """Refuses to resume checkpoints of step `step` written with config `saved` (the workdir's config.json)
     under a config that changes training (any field outside RESUMABLE_FIELDS, or train.steps below

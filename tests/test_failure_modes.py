@@ -217,7 +217,7 @@ def test_bad_values_are_refused_before_any_work(tmp_path, section, field, value,
 def test_batch_not_divisible_by_the_devices_is_refused_naming_the_field(tmp_path):
     cmd = _train_cmd(tmp_path / "run", "--config.distributed.cpu_devices_per_process=8", "--config.eval.batch_size=12")
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.splitlines()[-3:] == [
         "error: invalid config values:",
         "  config.train.batch_size=4: must be a multiple of 8 (grad_accum_steps=1 x 8 data-parallel devices); "
@@ -267,7 +267,7 @@ def test_io_error_on_restore_stops_without_falling_back(trained, tmp_path, faili
     result = subprocess.run(
         _train_cmd(run_dir, "--config.train.steps=6"), capture_output=True, text=True, cwd=ROOT, env=env
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert (
         result.stderr.strip()
         .splitlines()[-1]
@@ -288,7 +288,7 @@ def test_disk_full_stops_training_at_once_with_the_cause(tmp_path, failing_open)
     }
     cmd = _train_cmd(run_dir, "--config.train.steps=12", "--config.train.eval_every=12")
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-    assert result.returncode == 1
+    assert result.returncode == 2
     lines = [
         line
         for line in result.stderr.replace("\r", "\n").splitlines()
@@ -408,6 +408,6 @@ def test_command_line_mistakes_are_one_line_errors(tmp_path, args, message):
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=tmp_path, env=ENV
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "runs").exists()

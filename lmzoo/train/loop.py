@@ -5,7 +5,6 @@ trainer to config.train.steps with logging, checkpoints, in-loop evaluation, pre
 then samples and summarises. A run restarted with the same workdir continues exactly where it stopped.
 """
 
-import json
 import logging
 import os
 import signal
@@ -157,7 +156,7 @@ def _start(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.S
     try:
         state, data_state = restore_or_init(run)
         if resumable and data_state["step"] > 0:
-            saved = json.loads(saved_config.read_text())
+            saved = config_lib.read_saved(saved_config)
             config_lib.check_resume(saved, run.config, int(data_state["step"]), run.workdir)
         loader = run.train_loader()
     except BaseException:

@@ -119,8 +119,16 @@ class Einsum(nn.Module):
 
 
 def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows of `table` [V, D] for `ids` [...] -> [..., D]; NaN rows for ids outside [0, V), which JAX's gather
-    would otherwise clamp (ids >= V) or wrap (negative ids) into another token's row without a word."""
+    """Rows of `table` [V, D] for `ids` [...] -> [..., D]. Ids outside [0, V) are a ValueError when they are
+    concrete (an eager `model.apply`); traced (under jit) they give NaN rows, which JAX's gather would otherwise
+    clamp (ids >= V) or wrap (negative ids) into another token's row without a word."""
+    if not isinstance(ids, jax.core.Tracer) and np.size(ids):
+        low, high = int(np.min(ids)), int(np.max(ids))
+        if low < 0 or high >= table.shape[0]:
+            raise ValueError(
+                f"token ids span [{low}, {high}] but the embedding table has {table.shape[0]} rows: encode with "
+                "the model's tokenizer (config.model.vocab_size must cover its ids)"
+            )
     x = jnp.take(table, ids, axis=0, mode="clip")
     in_range = (ids >= 0) & (ids < table.shape[0])
     return jnp.where(in_range[..., None], x, jnp.nan)

@@ -206,7 +206,9 @@ def build(
         raise ValueError(f"config.sharding.mesh_shape={tuple(config.sharding.mesh_shape)}: {e}") from None
     dp = data_parallel_size(mesh)
     more = objective.value_problems(data_parallel_size=dp, batches=batches)
-    config_lib.check_values(config, data_parallel_size=dp, batches=batches, more_problems=tuple(more))
+    config_lib.check_values(
+        config, data_parallel_size=dp, devices=mesh.size, batches=batches, more_problems=tuple(more)
+    )
     workdir_path = pathlib.Path(workdir)
     workdir_path.mkdir(parents=True, exist_ok=True)
     rules = sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))

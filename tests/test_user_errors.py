@@ -319,3 +319,25 @@ def test_truncated_or_foreign_safetensors_name_the_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
         mapping.read_safetensors_dir(tmp_path)
+
+
+def test_hf_architectures_disagreeing_with_model_type_are_refused(tmp_path):
+    from safetensors.numpy import save_file
+
+    from lmzoo.convert import hf
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["BertForMaskedLM"]}))
+    save_file({"wte.weight": np.zeros((2, 2), np.float32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"architectures \['BertForMaskedLM'\] disagree with model_type 'gpt2'"):
+        hf.convert_pretrained(f"hf:{tmp_path}", "gpt2", testing.TINY_GPT2, None)
+
+
+def test_hf_embedding_of_the_wrong_size_is_named_before_the_tie():
+    from lmzoo.convert import gpt2
+
+    cfg = models.make_config("gpt2", testing.TINY_GPT2)
+    state = gpt2.to_hf(testing.tiny_gpt2()[1], cfg)
+    state["wte.weight"] = np.zeros((40, 16), np.float32)  # vocab 40 where the tied lm_head.weight has 32 rows
+    assert "lm_head.weight" in state
+    with pytest.raises(ValueError, match=r"wte.weight of shape \(40, 16\) and its tied copy lm_head.weight"):
+        gpt2.read_checkpoint(gpt2.config_to_hf(cfg), state)

@@ -181,6 +181,12 @@ def read_hf(
         value = tensors.pop(copy)
         if source not in tensors:
             tensors[source] = value
+        elif value.shape != tensors[source].shape:  # a wrong size, not a tie problem: name the shapes
+            want = next((tuple(e.hf_shape) for e in entries if e.hf == source), None)
+            raise ValueError(
+                f"checkpoint has {source} of shape {tensors[source].shape} and its tied copy {copy} of shape "
+                f"{value.shape}; the configured {layout.family} model expects {want}"
+            )
         elif not np.array_equal(value, tensors[source]):
             hint = layout.tie_hint if copy == "lm_head.weight" else ""
             raise ValueError(f"checkpoint has {copy} different from {source}; lmzoo's {layout.family} ties them{hint}")

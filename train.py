@@ -5,8 +5,9 @@ every objective (config.objective.name) with its fields and defaults. A config p
 where train.py runs is looked up in the repository (so `configs/NAME.py` works from any folder).
 
 Exit status: 0 trained to config.train.steps; 2 a user error (a bad flag, config value, file or checkpoint, a
-full disk: one line `error: ...`, refused before work that would be lost); 1 an unexpected failure; 75 preempted (SIGTERM) after saving a checkpoint; 130 stopped by Ctrl-C after saving a checkpoint.
-Rerun the same command to resume after 75 or 130.
+full disk: one line `error: ...`, refused before work that would be lost); 1 an unexpected failure; 75
+preempted (SIGTERM) after saving a checkpoint; 130 stopped by Ctrl-C after saving a checkpoint; 143 SIGTERM
+while starting, the workdir left as it was. Rerun the same command to resume after 75 or 130.
 """
 
 import pathlib

@@ -8,9 +8,11 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -341,3 +343,18 @@ def test_hf_embedding_of_the_wrong_size_is_named_before_the_tie():
     assert "lm_head.weight" in state
     with pytest.raises(ValueError, match=r"wte.weight of shape \(40, 16\) and its tied copy lm_head.weight"):
         gpt2.read_checkpoint(gpt2.config_to_hf(cfg), state)
+
+
+def test_sigterm_while_starting_leaves_the_workdir_as_it_was(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", TINY, f"--workdir={run}"], stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV
+    )
+    while not list(run.glob(".staging*")):  # the run is starting: its config and tokenizer are being staged
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    assert "stopped by SIGTERM while starting, before the first step: the workdir is as it was" in stderr
+    assert not run.exists() and "Traceback" not in stderr

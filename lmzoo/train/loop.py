@@ -5,6 +5,7 @@ trainer to config.train.steps with logging, checkpoints, in-loop evaluation, pre
 then samples and summarises. A run restarted with the same workdir continues exactly where it stopped.
 """
 
+import contextlib
 import logging
 import os
 import signal
@@ -56,7 +57,8 @@ EXIT_INTERRUPTED = 130  # Ctrl-C: checkpoint saved; rerun to resume (the shell's
 
 
 class TrainingStopped(Exception):
-    """Training stopped early after saving a checkpoint; `exit_code` tells a scheduler why."""
+    """Training stopped early, after saving a checkpoint (or while starting, before any step); `exit_code` tells a
+    scheduler why."""
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
@@ -101,6 +103,28 @@ class StopSignals:
     def close(self):
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def _sigterm_stops_start():
+    """SIGTERM while the run starts (before any step, nothing saved) raises TrainingStopped (exit status 143), so
+    the staged run state is discarded and the lock released on the way out, instead of the process dying with them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise TrainingStopped(
+            "stopped by SIGTERM while starting, before the first step: the workdir is as it was (exit status 143); "
+            "rerun the same command to start",
+            128 + signal.SIGTERM,
+        )
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _count(tree: Any) -> int:
@@ -173,21 +197,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     Process 0 holds the workdir's lock for the whole run (a second run on it stops, naming this one).
     Nothing in the workdir changes until the config, data, tokenizer and checkpoint all passed their
     checks: config.json and tokenizer/ are staged and committed together before the first step.
-    Raises TrainingStopped (after saving a checkpoint) on SIGTERM, preemption or Ctrl-C.
+    Raises TrainingStopped (after saving a checkpoint) on SIGTERM, preemption or Ctrl-C; SIGTERM while starting
+    raises it at once, with the workdir as it was.
     """
     began = time.time()
     is_main = jax.process_index() == 0
-    lock = workdir_lib.lock(workdir) if is_main else None
-    started = False
+    lock, started = None, False
     try:
-        if is_main:
-            for name in workdir_lib.remove_leftovers(workdir):
-                log.warning("removed %s, left in %s by a run that crashed while starting", name, workdir)
-            with workdir_lib.StagedRunState(workdir) as stage:
-                run, state, data_state, loader = _start(config, workdir, stage)
-                stage.commit()
-        else:
-            run, state, data_state, loader = _start(config, workdir, None)
+        with _sigterm_stops_start():
+            lock = workdir_lib.lock(workdir) if is_main else None
+            if is_main:
+                for name in workdir_lib.remove_leftovers(workdir):
+                    log.warning("removed %s, left in %s by a run that crashed while starting", name, workdir)
+                with workdir_lib.StagedRunState(workdir) as stage:
+                    run, state, data_state, loader = _start(config, workdir, stage)
+                    stage.commit()
+            else:
+                run, state, data_state, loader = _start(config, workdir, None)
         started = True
         return _train(run, state, data_state, loader, began)
     finally:

@@ -358,3 +358,29 @@ def test_sigterm_while_starting_leaves_the_workdir_as_it_was(tmp_path):
     assert proc.returncode == 143, stderr
     assert "stopped by SIGTERM while starting, before the first step: the workdir is as it was" in stderr
     assert not run.exists() and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(
+    "field, source, message",
+    [
+        ("sft", "reward_model", "config.objective.sft='ckpt:{tmp}/run' is a 'reward_model' run; point it at the sft"),
+        (
+            "reward_model",
+            "sft",
+            "config.objective.reward_model='ckpt:{tmp}/run' is a 'sft' run; point it at the reward",
+        ),
+    ],
+)
+def test_ppo_refuses_a_source_run_of_the_wrong_objective(tmp_path, field, source, message):
+    from lmzoo.train import run as run_lib
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"objective": {"name": source}}))
+    config = testing.tiny_config("ppo")
+    config.model.max_len = 128
+    with config.unlocked():
+        config.objective.sft = config.objective.reward_model = f"ckpt:{tmp_path}/run"
+        config.objective[{"sft": "reward_model", "reward_model": "sft"}[field]] = f"ckpt:{tmp_path}/other"
+    with pytest.raises(ValueError) as raised:
+        run_lib.validate(config)
+    assert message.format(tmp=tmp_path) in str(raised.value)

@@ -6,7 +6,8 @@ every evaluator of its objective and prints one JSON line (also written to DIR/e
 [_max<B>batches].json) and the same metrics as a table: loss, perplexity, bits per token, per character and
 per UTF-8 byte; accuracy and F1 for classifiers; each with the number of batches and tokens or examples it
 was computed over. --data scores a file the run never saw, in the objective's format (text for language models, a TSV
-for classifiers, pairs for text_to_text). --max_batches evaluates part of the split (its result goes to
+for classifiers, pairs for text_to_text); with a tokenizer that has <unk>, unk_fraction is the share of its tokens
+outside the run's vocabulary (above 5% a note says its perplexity is not comparable). --max_batches evaluates part of the split (its result goes to
 its own file).
 
 Denoising encoder-decoders (T5 span corruption, BART denoising): --reconstruct=N adds BLEU, ROUGE-1/2/L,
@@ -258,9 +259,17 @@ def evaluate() -> None:
             run, state, split, num_examples=FLAGS.reconstruct, beam_size=FLAGS.beam_size
         )
         result.update(scores)
+    if FLAGS.data and run.tokenizer.unk_id is not None:
+        ids = run.tokenizer.encode(pathlib.Path(FLAGS.data).read_text(encoding="utf-8"))
+        result["unk_fraction"] = ids.count(run.tokenizer.unk_id) / max(len(ids), 1)
     line = json.dumps(result)
     print(line)
     print(format_table(result))
+    if result.get("unk_fraction", 0) > 0.05:
+        print(
+            f"note: {result['unk_fraction']:.1%} of the tokens of --data are <unk> (outside the run's vocabulary); "
+            "its loss and perplexity are not comparable with those of text the vocabulary covers"
+        )
     name = f"data_{pathlib.Path(FLAGS.data).name}" if FLAGS.data else split
     suffix = ("" if FLAGS.step is None else f"_step{step}") + (
         "" if FLAGS.max_batches is None else f"_max{FLAGS.max_batches}batches"

@@ -384,3 +384,18 @@ def test_ppo_refuses_a_source_run_of_the_wrong_objective(tmp_path, field, source
     with pytest.raises(ValueError) as raised:
         run_lib.validate(config)
     assert message.format(tmp=tmp_path) in str(raised.value)
+
+
+def test_eval_data_outside_a_word_vocabulary_reports_its_unk_fraction(tmp_path):
+    config, _ = testing.tiny_word_corpus_config(
+        tmp_path, "ptb_lstm", num_words=30, lines=(120, 20), words_per_line=(3, 9), ptb_spacing=True
+    )
+    config.data.seq_len, config.train.batch_size, config.eval.batch_size = 5, 4, 4
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+    (tmp_path / "other.txt").write_text("w1 w2 w3 zebra\nquokka w4\n")
+    cmd = [sys.executable, "eval.py", f"--workdir={tmp_path / 'run'}", f"--data={tmp_path / 'other.txt'}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("{"))  # after the LSTM's samples
+    assert json.loads(line)["unk_fraction"] == pytest.approx(2 / 8)  # 6 words and 2 <eos>, of which 2 unknown
+    assert "note: 25.0% of the tokens of --data are <unk>" in result.stdout

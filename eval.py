@@ -38,6 +38,12 @@ flags.DEFINE_string("workdir", None, "Workdir of a train.py run.", required=True
 flags.DEFINE_string("split", "validation", "Split to evaluate: train or validation.")
 flags.DEFINE_string("data", None, "Evaluate this file (in the objective's input format) instead of a split.")
 flags.DEFINE_integer("max_batches", None, "Evaluate at most this many batches (default: the whole split).")
+flags.DEFINE_integer(
+    "seq_len",
+    None,
+    "Score with this config.data.seq_len instead of the run's (e.g. an n-gram run's longest sentence of --data; "
+    "at most config.model.max_len for neural models).",
+)
 flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest that restores).")
 flags.DEFINE_string("generate", None, "Prompt to continue.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to sample.")
@@ -163,6 +169,8 @@ def check_flags() -> None:
     """Flag values eval.py refuses before restoring anything."""
     from lmzoo import decoding
 
+    if FLAGS.seq_len is not None and FLAGS.seq_len < 1:
+        raise ValueError(f"--seq_len={FLAGS.seq_len}: must be >= 1 (omit it to use the run's config.data.seq_len)")
     if FLAGS.max_batches is not None and FLAGS.max_batches < 1:
         raise ValueError(f"--max_batches={FLAGS.max_batches}: must be >= 1 (omit it to evaluate the whole split)")
     if FLAGS.generate is not None:
@@ -220,7 +228,7 @@ def evaluate() -> None:
         evaluation.check_evaluator(objective, "reconstruction")
     if FLAGS.fewshot:
         return run_fewshot(run_lib.load(FLAGS.workdir, FLAGS.step, mesh_shape=mesh_shape))
-    run = run_lib.open_run(FLAGS.workdir, mesh_shape=mesh_shape)
+    run = run_lib.open_run(FLAGS.workdir, mesh_shape=mesh_shape, seq_len=FLAGS.seq_len)
     split = FLAGS.split
     if FLAGS.data:
         split = "data"
@@ -252,7 +260,12 @@ def evaluate() -> None:
         result["max_batches"] = FLAGS.max_batches
     examples = []
     for name in [n for n in objective.evaluators if n != "reconstruction"]:
-        metrics, _ = evaluation.EVALUATORS[name](run, state, split, max_batches=FLAGS.max_batches)
+        try:
+            metrics, _ = evaluation.EVALUATORS[name](run, state, split, max_batches=FLAGS.max_batches)
+        except ValueError as e:
+            if "config.data.seq_len" not in str(e):
+                raise
+            raise ValueError(f"{e} (eval.py sets it with --seq_len=N)") from None  # eval.py has no --config flags
         result.update(metrics)
     if FLAGS.reconstruct:
         scores, examples = evaluation.EVALUATORS["reconstruction"](

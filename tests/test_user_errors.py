@@ -399,3 +399,18 @@ def test_eval_data_outside_a_word_vocabulary_reports_its_unk_fraction(tmp_path):
     line = next(line for line in result.stdout.splitlines() if line.startswith("{"))  # after the LSTM's samples
     assert json.loads(line)["unk_fraction"] == pytest.approx(2 / 8)  # 6 words and 2 <eos>, of which 2 unknown
     assert "note: 25.0% of the tokens of --data are <unk>" in result.stdout
+
+
+def test_eval_of_a_sentence_longer_than_seq_len_offers_the_flag_that_scores_it(tmp_path):
+    config, _ = testing.tiny_word_corpus_config(tmp_path, "ptb_ngram", num_words=20, lines=(150, 30))
+    config.train.steps = -(-150 // config.train.batch_size)
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+    (tmp_path / "long.txt").write_text(" ".join(["w1"] * (config.data.seq_len + 5)) + "\n")
+    cmd = [sys.executable, "eval.py", f"--workdir={tmp_path / 'run'}", f"--data={tmp_path / 'long.txt'}"]
+    refused = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "(eval.py sets it with --seq_len=N)" in refused.stderr.splitlines()[-1]
+    scored = subprocess.run(
+        [*cmd, f"--seq_len={config.data.seq_len + 6}"], capture_output=True, text=True, cwd=ROOT, env=ENV
+    )
+    assert scored.returncode == 0 and json.loads(scored.stdout.splitlines()[0])["tokens"] == config.data.seq_len + 6

@@ -320,10 +320,14 @@ def evaluation_layout(config: ml_collections.ConfigDict, *, batches: bool = True
     return (d, 1, 1), jax.devices()[:d]
 
 
-def open_run(workdir: str, *, mesh_shape: tuple[int, ...] | None = None, batches: bool = True):
+def open_run(
+    workdir: str, *, mesh_shape: tuple[int, ...] | None = None, batches: bool = True, seq_len: int | None = None
+):
     """A `Run` of an existing workdir, for evaluation (fails if the workdir has no run), on `mesh_shape` or on
-    `evaluation_layout`'s; `batches=False` when only its params are wanted."""
+    `evaluation_layout`'s; `batches=False` when only its params are wanted; `seq_len` replaces config.data.seq_len."""
     config = load_saved(workdir)
+    if seq_len is not None:
+        config.data.seq_len = seq_len
     devices = None
     if mesh_shape is not None:
         config.sharding.mesh_shape = tuple(mesh_shape)

@@ -413,3 +413,19 @@ def test_command_line_mistakes_are_one_line_errors(tmp_path, args, message):
     assert result.returncode == 2
     assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_disk_still_full_on_rerun_names_the_workdir_and_the_unfinished_checkpoint(trained, tmp_path, failing_open):
+    run_dir = _copy(trained, tmp_path)
+    partial = run_dir / "checkpoints" / "6.orbax-checkpoint-tmp-1700000000"
+    partial.mkdir()
+    (partial / "part").write_bytes(b"x" * 100)
+    env = {**ENV, "LD_PRELOAD": str(failing_open), "FAILFS_MATCH": f"{run_dir}/.", "FAILFS_ERRNO": str(errno.ENOSPC)}
+    result = subprocess.run(
+        _train_cmd(run_dir, "--config.train.steps=6"), capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: the disk holding {run_dir} is full (No space left on device: "), line
+    assert f"can be deleted: ['{partial}']; free space, then rerun the same command" in line
+    assert _steps(run_dir) == [2, 4] and partial.exists()

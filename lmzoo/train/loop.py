@@ -6,8 +6,10 @@ then samples and summarises. A run restarted with the same workdir continues exa
 """
 
 import contextlib
+import errno
 import logging
 import os
+import pathlib
 import signal
 import sys
 import threading
@@ -127,6 +129,27 @@ def _sigterm_stops_start():
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _full_disk_named(workdir: str):
+    """A full disk while starting is named with the workdir and the unfinished checkpoints of a failed save, which
+    hold space there and which no run reads."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        partial = sorted(str(p) for p in (pathlib.Path(workdir) / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+        held = (
+            f"; unfinished checkpoints of a failed save hold space there and can be deleted: {partial}"
+            if partial
+            else ""
+        )
+        raise OSError(
+            f"the disk holding {workdir} is full ({e.strerror}: {e.filename or 'while starting'}){held}; free space, "
+            "then rerun the same command"
+        ) from None
+
+
 def _count(tree: Any) -> int:
     return sum(x.size for x in jax.tree.leaves(tree))
 
@@ -204,7 +227,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     is_main = jax.process_index() == 0
     lock, started = None, False
     try:
-        with _sigterm_stops_start():
+        with _sigterm_stops_start(), _full_disk_named(workdir):
             lock = workdir_lib.lock(workdir) if is_main else None
             if is_main:
                 for name in workdir_lib.remove_leftovers(workdir):

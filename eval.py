@@ -6,7 +6,8 @@ every evaluator of its objective and prints one JSON line (also written to DIR/e
 [_max<B>batches].json) and the same metrics as a table: loss, perplexity, bits per token, per character and
 per UTF-8 byte; accuracy and F1 for classifiers; each with the number of batches and tokens or examples it
 was computed over. --data scores a file the run never saw, in the objective's format (text for language models, a TSV
-for classifiers, pairs for text_to_text). --max_batches evaluates part of the split (its result goes to
+for classifiers, pairs for text_to_text); with a tokenizer that has <unk>, unk_fraction is the share of its tokens
+outside the run's vocabulary (above 5% a note says its perplexity is not comparable). --max_batches evaluates part of the split (its result goes to
 its own file).
 
 Denoising encoder-decoders (T5 span corruption, BART denoising): --reconstruct=N adds BLEU, ROUGE-1/2/L,
@@ -21,9 +22,14 @@ Other modes (each instead of scoring the split):
   --plot                PNG training curves from the run's TensorBoard event files (DIR/tb) into DIR/plots/:
                         one figure per metric group (loss, accuracy, schedule, throughput, ...), one panel
                         per metric with its train and validation series (lmzoo/evaluation/plots.py).
+
+Exit status: 0 done; 2 a user error (a bad flag, file or checkpoint: one line `error: ...`, refused before
+anything is evaluated or written); 1 an unexpected failure.
 """
 
+import codecs
 import json
+import os
 import pathlib
 
 from absl import app, flags, logging
@@ -32,6 +38,12 @@ flags.DEFINE_string("workdir", None, "Workdir of a train.py run.", required=True
 flags.DEFINE_string("split", "validation", "Split to evaluate: train or validation.")
 flags.DEFINE_string("data", None, "Evaluate this file (in the objective's input format) instead of a split.")
 flags.DEFINE_integer("max_batches", None, "Evaluate at most this many batches (default: the whole split).")
+flags.DEFINE_integer(
+    "seq_len",
+    None,
+    "Score with this config.data.seq_len instead of the run's (e.g. an n-gram run's longest sentence of --data; "
+    "at most config.model.max_len for neural models).",
+)
 flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest that restores).")
 flags.DEFINE_string("generate", None, "Prompt to continue.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to sample.")
@@ -88,19 +100,11 @@ def fewshot_table(baseline: dict, results: list[dict]) -> str:
 def run_fewshot(loaded) -> None:
     from lmzoo.evaluation import fewshot
 
-    ks = [int(k) for k in FLAGS.fewshot_k]
-    if any(k > 0 for k in ks) and not FLAGS.fewshot_train:
-        raise SystemExit(
-            "error: --fewshot_k asks for demonstrations; pass --fewshot_train=TRAIN.jsonl to draw them from"
-        )
-    try:
-        examples = fewshot.read_task(FLAGS.fewshot)[: FLAGS.fewshot_examples]
-        train = fewshot.read_task(FLAGS.fewshot_train) if FLAGS.fewshot_train else []
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+    examples = fewshot.read_task(FLAGS.fewshot)[: FLAGS.fewshot_examples]
+    train = fewshot.read_task(FLAGS.fewshot_train) if FLAGS.fewshot_train else []
     baseline = {"examples": len(examples), **fewshot.majority_baseline(train or examples, examples)}
     results, dumped = [], []
-    for k in ks:
+    for k in (int(k) for k in FLAGS.fewshot_k):
         try:
             result, prompts = fewshot.evaluate_fewshot(
                 loaded.model,
@@ -115,7 +119,7 @@ def run_fewshot(loaded) -> None:
                 batch_size=FLAGS.batch_size,
             )
         except ValueError as e:
-            raise SystemExit(f"error: --fewshot k={k}: {e}") from None
+            raise ValueError(f"--fewshot k={k}: {e}") from None
         results.append(result)
         dumped += [{"k": k, "index": i, "prompt": p} for i, p in enumerate(prompts)]
     line = json.dumps(
@@ -135,67 +139,119 @@ def run_fewshot(loaded) -> None:
         pathlib.Path(FLAGS.dump_prompts).write_text("".join(json.dumps(d) + "\n" for d in dumped))
 
 
+def check_text_file(path: str, flag: str) -> None:
+    """Raises unless `path` is a non-empty UTF-8 text file (no NUL bytes), naming the flag that gave it."""
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"{flag}={path}: {'is a directory' if file.is_dir() else 'no such file'}")
+    if file.stat().st_size == 0:
+        raise ValueError(f"{flag}={path}: the file is empty")
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with file.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            bad = chunk.find(b"\0")  # NUL is valid UTF-8 but marks a binary file
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                bad = e.start if bad < 0 else min(bad, e.start)
+            if bad >= 0:
+                raise ValueError(
+                    f"{flag}={path}: not UTF-8 text (byte {offset + bad}); pass a text file, not a binary one"
+                )
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag}={path}: not UTF-8 text (it ends inside a character)") from None
+
+
+def check_flags() -> None:
+    """Flag values eval.py refuses before restoring anything."""
+    from lmzoo import decoding
+
+    if FLAGS.seq_len is not None and FLAGS.seq_len < 1:
+        raise ValueError(f"--seq_len={FLAGS.seq_len}: must be >= 1 (omit it to use the run's config.data.seq_len)")
+    if FLAGS.max_batches is not None and FLAGS.max_batches < 1:
+        raise ValueError(f"--max_batches={FLAGS.max_batches}: must be >= 1 (omit it to evaluate the whole split)")
+    if FLAGS.generate is not None:
+        if FLAGS.max_new_tokens < 1:
+            raise ValueError(f"--max_new_tokens={FLAGS.max_new_tokens}: ask for at least one new token")
+        try:
+            decoding.check_sampling(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
+        except ValueError as e:
+            raise ValueError(f"--{e}") from None
+    if FLAGS.data:
+        check_text_file(FLAGS.data, "--data")
+    elif FLAGS.split not in ("train", "validation"):
+        raise ValueError(f"--split={FLAGS.split}: choose train or validation, or pass --data=FILE")
+    if FLAGS.fewshot:
+        if any(int(k) > 0 for k in FLAGS.fewshot_k) and not FLAGS.fewshot_train:
+            raise ValueError("--fewshot_k asks for demonstrations; pass --fewshot_train=TRAIN.jsonl to draw them from")
+        check_text_file(FLAGS.fewshot, "--fewshot")
+        if FLAGS.fewshot_train:
+            check_text_file(FLAGS.fewshot_train, "--fewshot_train")
+    if FLAGS.reconstruct < 0 or FLAGS.beam_size < 1:
+        raise ValueError(f"--reconstruct={FLAGS.reconstruct} must be >= 0 and --beam_size={FLAGS.beam_size} >= 1")
+    workdir = pathlib.Path(FLAGS.workdir)
+    if workdir.is_dir() and not os.access(workdir, os.W_OK):
+        raise PermissionError(
+            f"--workdir={workdir} is read-only and eval.py writes its result there (eval_*.json); "
+            "make it writable or evaluate a copy"
+        )
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from lmzoo.train import run as run_lib
+
+    logging.set_verbosity(logging.WARNING)
+    with run_lib.user_errors():
+        evaluate()
+
+
+def evaluate() -> None:
     from lmzoo import evaluation, objectives
     from lmzoo.evaluation.generation import sample_text
     from lmzoo.train import run as run_lib
 
-    logging.set_verbosity(logging.WARNING)
     if FLAGS.plot:
         from lmzoo.evaluation import plots
 
-        try:
-            written = plots.plot_metrics(FLAGS.workdir)
-        except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"error: {e}") from None
-        print("\n".join(str(p) for p in written))
+        print("\n".join(str(p) for p in plots.plot_metrics(FLAGS.workdir)))
         return
+    check_flags()
     mesh_shape = tuple(int(x) for x in FLAGS.mesh_shape.strip("()").split(",")) if FLAGS.mesh_shape else None
-    try:
-        objective = objectives.get(run_lib.load_saved(FLAGS.workdir).objective.name)
-        evaluation.check_scorable(objective)
-        if FLAGS.reconstruct:
-            evaluation.check_evaluator(objective, "reconstruction")
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+    objective = objectives.get(run_lib.load_saved(FLAGS.workdir).objective.name)
+    evaluation.check_scorable(objective)
+    if FLAGS.reconstruct:
+        evaluation.check_evaluator(objective, "reconstruction")
     if FLAGS.fewshot:
-        try:
-            loaded = run_lib.load(FLAGS.workdir, FLAGS.step, mesh_shape=mesh_shape)
-        except FileNotFoundError as e:
-            raise SystemExit(f"error: {e}") from None
-        return run_fewshot(loaded)
-    try:
-        run = run_lib.open_run(FLAGS.workdir, mesh_shape=mesh_shape)
-    except FileNotFoundError as e:
-        raise SystemExit(f"error: {e}") from None
+        return run_fewshot(run_lib.load(FLAGS.workdir, FLAGS.step, mesh_shape=mesh_shape))
+    run = run_lib.open_run(FLAGS.workdir, mesh_shape=mesh_shape, seq_len=FLAGS.seq_len)
     split = FLAGS.split
     if FLAGS.data:
-        if not pathlib.Path(FLAGS.data).exists():
-            raise SystemExit(f"error: --data file {FLAGS.data!r} does not exist")
         split = "data"
         run.add_split(split, FLAGS.data)
-    elif split not in ("train", "validation"):
-        raise SystemExit(f"unknown split {split!r}; choose train or validation, or pass --data=FILE")
-    try:
-        step, state = run_lib.restore_step(run, FLAGS.step)
-    except FileNotFoundError as e:
-        raise SystemExit(str(e)) from None
-    if FLAGS.generate is not None:
+    elif FLAGS.generate is None:
         try:
-            text = sample_text(
-                run,
-                run.compiled.host_params(state),
-                FLAGS.generate,
-                max_new_tokens=FLAGS.max_new_tokens,
-                temperature=FLAGS.temperature,
-                top_k=FLAGS.top_k,
-                top_p=FLAGS.top_p,
-                seed=FLAGS.seed,
-            )
-        except ValueError as e:
-            raise SystemExit(f"--generate: {e}") from None
+            run.raw(split)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"the run's {split} data cannot be read ({e}); score a file with --data=FILE instead"
+            ) from None
+    step, state = run_lib.restore_step(run, FLAGS.step)
+    if FLAGS.generate is not None:
+        text = sample_text(
+            run,
+            run.compiled.host_params(state),
+            FLAGS.generate,
+            max_new_tokens=FLAGS.max_new_tokens,
+            temperature=FLAGS.temperature,
+            top_k=FLAGS.top_k,
+            top_p=FLAGS.top_p,
+            seed=FLAGS.seed,
+        )
         print(FLAGS.generate + text)
         run.checkpointer.close()
         return
@@ -204,16 +260,29 @@ def main(argv):
         result["max_batches"] = FLAGS.max_batches
     examples = []
     for name in [n for n in objective.evaluators if n != "reconstruction"]:
-        metrics, _ = evaluation.EVALUATORS[name](run, state, split, max_batches=FLAGS.max_batches)
+        try:
+            metrics, _ = evaluation.EVALUATORS[name](run, state, split, max_batches=FLAGS.max_batches)
+        except ValueError as e:
+            if "config.data.seq_len" not in str(e):
+                raise
+            raise ValueError(f"{e} (eval.py sets it with --seq_len=N)") from None  # eval.py has no --config flags
         result.update(metrics)
     if FLAGS.reconstruct:
         scores, examples = evaluation.EVALUATORS["reconstruction"](
             run, state, split, num_examples=FLAGS.reconstruct, beam_size=FLAGS.beam_size
         )
         result.update(scores)
+    if FLAGS.data and run.tokenizer.unk_id is not None:
+        ids = run.tokenizer.encode(pathlib.Path(FLAGS.data).read_text(encoding="utf-8"))
+        result["unk_fraction"] = ids.count(run.tokenizer.unk_id) / max(len(ids), 1)
     line = json.dumps(result)
     print(line)
     print(format_table(result))
+    if result.get("unk_fraction", 0) > 0.05:
+        print(
+            f"note: {result['unk_fraction']:.1%} of the tokens of --data are <unk> (outside the run's vocabulary); "
+            "its loss and perplexity are not comparable with those of text the vocabulary covers"
+        )
     name = f"data_{pathlib.Path(FLAGS.data).name}" if FLAGS.data else split
     suffix = ("" if FLAGS.step is None else f"_step{step}") + (
         "" if FLAGS.max_batches is None else f"_max{FLAGS.max_batches}batches"

@@ -4,9 +4,10 @@ Restarting with the same --workdir resumes from its latest checkpoint. `python t
 every objective (config.objective.name) with its fields and defaults. A config path that does not exist
 where train.py runs is looked up in the repository (so `configs/NAME.py` works from any folder).
 
-Exit status: 0 trained to config.train.steps; 1 an error (its cause printed on one line where possible);
-75 preempted (SIGTERM) after saving a checkpoint; 130 stopped by Ctrl-C after saving a checkpoint.
-Rerun the same command to resume after 75 or 130.
+Exit status: 0 trained to config.train.steps; 2 a user error (a bad flag, config value, file or checkpoint, a
+full disk: one line `error: ...`, refused before work that would be lost); 1 an unexpected failure; 75
+preempted (SIGTERM) after saving a checkpoint; 130 stopped by Ctrl-C after saving a checkpoint; 143 SIGTERM
+while starting, the workdir left as it was. Rerun the same command to resume after 75 or 130.
 """
 
 import pathlib
@@ -42,7 +43,7 @@ def resolve_config_path(argv: list[str]) -> list[str]:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from lmzoo import checkpoint, sharding, workdir
+    from lmzoo import sharding
     from lmzoo.kernels import host_memory
     from lmzoo.train import loop
     from lmzoo.train import run as run_lib
@@ -50,26 +51,19 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     host_memory.run_on_calling_thread()  # before JAX's CPU client exists: one-device steps keep their buffers
     try:
-        config = run_lib.validate(flags.FLAGS.config)
-        if config.distributed.cpu_devices_per_process:
-            import jax
+        with run_lib.user_errors():
+            config = run_lib.validate(flags.FLAGS.config)
+            if config.distributed.cpu_devices_per_process:
+                import jax
 
-            jax.config.update("jax_num_cpu_devices", config.distributed.cpu_devices_per_process)
-        sharding.initialize_distributed(
-            **{k: config.distributed[k] for k in ("coordinator_address", "num_processes", "process_id")}
-        )
-        final = loop.train_and_evaluate(config, flags.FLAGS.workdir)
+                jax.config.update("jax_num_cpu_devices", config.distributed.cpu_devices_per_process)
+            sharding.initialize_distributed(
+                **{k: config.distributed[k] for k in ("coordinator_address", "num_processes", "process_id")}
+            )
+            final = loop.train_and_evaluate(config, flags.FLAGS.workdir)
     except loop.TrainingStopped as stopped:
         print(stopped, file=sys.stderr)
         sys.exit(stopped.exit_code)
-    except (
-        ValueError,
-        OSError,
-        workdir.WorkdirLockedError,
-        loop.NonFiniteLossError,
-        checkpoint.CheckpointSaveError,
-    ) as e:
-        sys.exit(f"error: {e}")
     batches = int(final.pop("evaluated_batches", 0))
     scored = {k: v for k, v in final.items() if k not in ("tokens", "examples")}
     amount = f"{int(final['tokens']):,} tokens" if "tokens" in final else f"{int(final.get('examples', 0)):,} examples"
@@ -86,11 +80,10 @@ if __name__ == "__main__":
         sys.exit(0)
 
     from lmzoo.config import check_overrides
+    from lmzoo.train.run import user_errors
 
     sys.argv = [sys.argv[0], *resolve_config_path(sys.argv[1:])]
-    try:
+    with user_errors():
         check_overrides(sys.argv[1:], default=str(REPO / "configs" / "default.py"))
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
     define_flags()
     app.run(main)

@@ -95,6 +95,11 @@ def _save_cause(error: BaseException) -> str:
     return f"{type(root).__name__}: {str(root).splitlines()[0][:300] if str(root) else ''}"
 
 
+def _summary(error: BaseException) -> str:
+    """An exception's type and the first line of its message (at most 300 characters)."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+
+
 def _path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
@@ -240,6 +245,20 @@ class Checkpointer:
         )
         return restored["state"], dict(restored["data"])
 
+    def restore_step(self, step: int, target: Any) -> tuple[Any, dict]:
+        """`restore` of one chosen step, falling back to no other: a damaged or unreadable step raises
+        CheckpointReadError naming it, its cause and the other kept steps."""
+        try:
+            return self.restore(step, target)
+        except IncompatibleCheckpointError:
+            raise
+        except Exception as e:  # orbax raises ValueError/OSError/KeyError variants for damaged files
+            others = [s for s in self.steps() if s != step]
+            raise CheckpointReadError(
+                f"checkpoint {self.directory / str(step)} cannot be read ({_summary(e)}); nothing was changed. "
+                f"Choose another of the kept steps {others} with --step, or leave --step out for the latest that restores"
+            ) from None
+
     def restore_params(self, step: int) -> Any:
         """The state's `params` subtree of `step` as host numpy arrays, read from the checkpoint's own metadata
         (no model or restore target needed; the rest of the state is not read)."""
@@ -280,7 +299,7 @@ class Checkpointer:
             except IncompatibleCheckpointError:
                 raise
             except Exception as e:  # orbax raises ValueError/OSError/KeyError variants for damaged files
-                summary = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                summary = _summary(e)
                 if not _is_damage(e):
                     raise CheckpointReadError(
                         f"reading checkpoint {path} failed with an I/O error ({summary}); nothing was skipped or "
@@ -292,8 +311,7 @@ class Checkpointer:
             return step, state, data_state
         if damaged:
             raise CheckpointReadError(
-                f"no checkpoint in {self.directory} could be restored; nothing was deleted:\n  "
-                + "\n  ".join(damaged)
-                + f"\nMove {self.directory} aside to start over, or use a new --workdir."
+                f"no checkpoint in {self.directory} could be restored; nothing was deleted. Move {self.directory} "
+                "aside to start over, or use a new --workdir. Damaged:\n  " + "\n  ".join(damaged)
             )
         return None

@@ -133,6 +133,19 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
+def read_saved(path: pathlib.Path) -> dict:
+    """The config a run saved as JSON at `path`; a damaged file is a ValueError naming it."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{path} is damaged ({e}); put back the run's saved config, or train in a new --workdir"
+        ) from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} holds no config (a JSON object expected); put back the run's saved config")
+    return saved
+
+
 def check_resume(saved: dict, config: ml_collections.ConfigDict, step: int, workdir) -> None:
     """Refuses to resume checkpoints of step `step` written with config `saved` (the workdir's config.json)
     under a config that changes training (any field outside RESUMABLE_FIELDS, or train.steps below
@@ -201,6 +214,7 @@ def check_values(
     config: ml_collections.ConfigDict,
     *,
     data_parallel_size: int,
+    devices: int | None = None,
     batches: bool = True,
     more_problems: tuple[str, ...] = (),
 ) -> None:
@@ -209,7 +223,8 @@ def check_values(
 
     data_parallel_size: devices the batch is split over (the mesh's data x fsdp axes), so a global
     batch, and each gradient-accumulation microbatch of it, must be a multiple of it (checked with
-    `batches`; a run opened only to restore its params never splits a batch).
+    `batches`; a run opened only to restore its params never splits a batch). devices: the mesh's size, to
+    suggest a mesh that keeps the batch sizes (the devices the batch cannot use shard the model instead).
     """
     from lmzoo.data import sources
 
@@ -240,17 +255,28 @@ def check_values(
     if batches and not problems:
         accum = train.grad_accum_steps
         multiple = accum * data_parallel_size
+        fitting = [
+            d
+            for d in range(1, (devices or 0) + 1)
+            if devices % d == 0 and train.batch_size % (accum * d) == 0 and evals.batch_size % d == 0
+        ]
+        mesh = (
+            f", or keep the batch sizes and shard the model over the other devices: "
+            f"--config.sharding.mesh_shape=({max(fitting)}, 1, {devices // max(fitting)})"
+            if fitting and max(fitting) < data_parallel_size
+            else ""
+        )
         require(
             train.batch_size % multiple == 0,
             "train.batch_size",
             f"must be a multiple of {multiple} (grad_accum_steps={accum} x {data_parallel_size} data-parallel devices); "
-            f"set --config.train.batch_size={max(multiple, train.batch_size // multiple * multiple)}",
+            f"set --config.train.batch_size={max(multiple, train.batch_size // multiple * multiple)}{mesh}",
         )
         require(
             evals.batch_size % data_parallel_size == 0,
             "eval.batch_size",
             f"must be a multiple of the {data_parallel_size} data-parallel devices; "
-            f"set --config.eval.batch_size={max(data_parallel_size, evals.batch_size // data_parallel_size * data_parallel_size)}",
+            f"set --config.eval.batch_size={max(data_parallel_size, evals.batch_size // data_parallel_size * data_parallel_size)}{mesh}",
         )
     require(train.sample_tokens >= 0, "train.sample_tokens", "must be >= 0 (0 skips sampling)")
     require(

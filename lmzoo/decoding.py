@@ -30,8 +30,32 @@ def _check_ids(model: nn.Module, tokens: jax.Array, what: str) -> None:
         )
 
 
-def sample_logits(rng: jax.Array, logits: jax.Array, *, temperature: float, top_k: int, top_p: float) -> jax.Array:
-    """logits [B, V] -> token ids [B]. temperature 0 is greedy; top_k 0 and top_p 1 disable the filters."""
+def check_sampling(*, temperature: float, top_k: int, top_p: float) -> None:
+    """Raises on settings that do not sample the model's distribution or a truncation of it (a negative
+    temperature would sample the inverted one)."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature}: must be >= 0 (0 is greedy, 1 the model's distribution)")
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k}: must be >= 0 (0 keeps every token)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p}: must be in (0, 1] (1 keeps every token)")
+
+
+def mask_padded_vocab(logits: jax.Array, vocab_size: int | None) -> jax.Array:
+    """logits [..., V] with ids >= vocab_size at -inf: a model's vocabulary padded beyond its tokenizer's
+    (`config.model.vocab_size` rounded up, or larger than a small corpus needs) has ids no tokenizer decodes."""
+    if vocab_size is None or vocab_size >= logits.shape[-1]:
+        return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
+
+
+def sample_logits(
+    rng: jax.Array, logits: jax.Array, *, temperature: float, top_k: int, top_p: float, vocab_size: int | None = None
+) -> jax.Array:
+    """logits [B, V] -> token ids [B], each below `vocab_size` (the tokenizer's; None: any of V). temperature 0
+    is greedy; top_k 0 and top_p 1 disable the filters."""
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    logits = mask_padded_vocab(logits, vocab_size)
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1)
     logits = logits.astype(jnp.float32) / temperature
@@ -74,7 +98,7 @@ def _ends_with(tokens: jax.Array, last: jax.Array, sequence: tuple[int, ...]) ->
 
 
 def _sample_loop(
-    step, logits, state, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, stop_sequences, pad_id
+    step, logits, state, rng, *, max_new_tokens, temperature, top_k, top_p, eos_id, stop_sequences, pad_id, vocab_size
 ):
     """The one sampling loop: `logits` [B, V] predict the first new token; `step(state, token [B], i)` returns the
     logits [B, V] after new token i and the next state. Stops early once every row has stopped.
@@ -82,7 +106,7 @@ def _sample_loop(
     The loop carries the logits in float32 whatever the model's dtype (a bfloat16 model's step returns bfloat16
     logits): the sampling filters, the softmax and the log-probs all read them in float32."""
     batch = logits.shape[0]
-    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=vocab_size)
     stop_sequences = tuple(s for s in stop_sequences if len(s) <= max_new_tokens)  # longer ones can never match
 
     def cond(carry):
@@ -119,7 +143,16 @@ def _sample_loop(
     return Samples(tokens=tokens, log_probs=log_probs, mask=mask)
 
 
-_SAMPLING_ARGS = ("max_new_tokens", "temperature", "top_k", "top_p", "eos_id", "stop_sequences", "pad_id")
+_SAMPLING_ARGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "eos_id",
+    "stop_sequences",
+    "pad_id",
+    "vocab_size",
+)
 
 
 @functools.partial(jax.jit, static_argnames=("model", *_SAMPLING_ARGS, "use_cache"))
@@ -137,12 +170,13 @@ def sample(
     eos_id: int | None = None,
     stop_sequences: tuple[tuple[int, ...], ...] = (),
     pad_id: int = 0,
+    vocab_size: int | None = None,
     use_cache: bool = True,
 ) -> Samples:
     """Decoder sampling, a pure function usable inside `jax.jit` (and under a mesh with sharded params).
 
     prompts [B, P] int, left-padded (prompt_mask [B, P]: 1 for real tokens) -> Samples of [B, max_new_tokens].
-    temperature 0 is greedy (see `sample_logits`). A row stops after `eos_id` or after the last token of any
+    temperature 0 is greedy (see `sample_logits`); no id >= vocab_size (the tokenizer's) is drawn. A row stops after `eos_id` or after the last token of any
     of `stop_sequences` (token-id tuples matched within the new tokens); the loop ends when every row stopped.
     """
     batch, prompt_len = prompts.shape
@@ -201,6 +235,7 @@ def sample(
         eos_id=eos_id,
         stop_sequences=stop_sequences,
         pad_id=pad_id,
+        vocab_size=vocab_size,
     )
 
 
@@ -217,6 +252,7 @@ def generate(
     top_p: float = 1.0,
     eos_id: int | None = None,
     pad_id: int = 0,
+    vocab_size: int | None = None,
     use_cache: bool = True,
 ) -> jax.Array:
     """Host-side `sample`: prompts [B, P] (left-padded; prompt_mask [B, P] 1 for real tokens), checked for shape
@@ -238,6 +274,7 @@ def generate(
         top_p=float(top_p),
         eos_id=eos_id,
         pad_id=int(pad_id),
+        vocab_size=vocab_size,
         use_cache=use_cache,
     ).tokens
 
@@ -308,6 +345,7 @@ def sample_seq2seq(
     eos_id: int | None = None,
     stop_sequences: tuple[tuple[int, ...], ...] = (),
     pad_id: int = 0,
+    vocab_size: int | None = None,
 ) -> Samples:
     """Encoder-decoder sampling, a pure function usable inside `jax.jit`: inputs [B, S] (encoder_segment_ids
     [B, S]: 1 real token, 0 padding) -> Samples of [B, max_new_tokens], the decoder start token excluded.
@@ -340,6 +378,7 @@ def sample_seq2seq(
         eos_id=eos_id,
         stop_sequences=stop_sequences,
         pad_id=pad_id,
+        vocab_size=vocab_size,
     )
 
 
@@ -356,6 +395,7 @@ def generate_seq2seq(
     top_p: float = 1.0,
     eos_id: int | None = None,
     pad_id: int = 0,
+    vocab_size: int | None = None,
 ) -> jax.Array:
     """Host-side `sample_seq2seq`: inputs [B, S] (encoder_segment_ids [B, S]: 1 real token, 0 padding), checked
     for shape, ids and learned-position limits -> new tokens [B, max_new_tokens], `pad_id` after a row's EOS."""
@@ -373,6 +413,7 @@ def generate_seq2seq(
         top_p=float(top_p),
         eos_id=eos_id,
         pad_id=int(pad_id),
+        vocab_size=vocab_size,
     ).tokens
 
 
@@ -394,7 +435,7 @@ def _reorder_cache(cache, rows: jax.Array, batch_axis: int):
 _NEG = -1.0e9  # HF's score of excluded candidates and empty pool slots
 
 
-@functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_new_tokens", "pad_id", "vocab_size"))
 def _beam_search(
     model,
     params,
@@ -408,6 +449,7 @@ def _beam_search(
     beam_size,
     max_new_tokens,
     pad_id,
+    vocab_size,
 ):
     """penalties [T]: length ** length_penalty for lengths 1..T; best_penalties [T]: that of the length at which
     a live beam's best possible score is estimated after step t; stop_when_full: early_stopping is True."""
@@ -430,7 +472,9 @@ def _beam_search(
     def body(carry):
         i, logits, cache, run_tokens, run_scores, pool_tokens, pool_scores, pool_finished, open_rows = carry
         vocab = logits.shape[-1]
-        scores = jax.nn.log_softmax(logits).reshape(batch, k, vocab) + run_scores[:, :, None]
+        scores = (
+            jax.nn.log_softmax(mask_padded_vocab(logits, vocab_size)).reshape(batch, k, vocab) + run_scores[:, :, None]
+        )
         # 2K best continuations over all beams: at least K of them do not end in EOS.
         cand_scores, flat_index = jax.lax.top_k(scores.reshape(batch, k * vocab), 2 * k)  # [B, 2K]
         parents, cand_ids = flat_index // vocab, flat_index % vocab
@@ -492,6 +536,7 @@ def beam_search(
     early_stopping: bool | str = True,
     pad_id: int = 0,
     encoder_segment_ids: jax.Array | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Encoder-decoder beam search: inputs [B, S] (encoder_segment_ids [B, S]: 1 real token, 0 padding) ->
     (best tokens [B, max_new_tokens], EOS included and `pad_id` after; its score [B]).
@@ -501,7 +546,8 @@ def beam_search(
     max_new_tokens) enter a per-example pool of K finished hypotheses scored sum(log p) / length **
     length_penalty (length counts the generated tokens, EOS included). early_stopping=True closes an
     example when its pool is full; False (or "never") when also no live beam can beat the pool's worst,
-    estimated at the current length (at max_new_tokens for "never" with length_penalty > 0).
+    estimated at the current length (at max_new_tokens for "never" with length_penalty > 0). Ids >=
+    vocab_size (the tokenizer's, when the model's vocabulary is padded beyond it) are never chosen.
     """
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
@@ -524,4 +570,5 @@ def beam_search(
         beam_size=int(beam_size),
         max_new_tokens=int(max_new_tokens),
         pad_id=int(pad_id),
+        vocab_size=vocab_size,
     )

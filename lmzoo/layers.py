@@ -42,6 +42,35 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     return ACTIVATIONS[name]
 
 
+def check_fields(
+    config: Any,
+    *,
+    sizes: Sequence[str] = (),
+    counts: Sequence[str] = (),
+    positive: Sequence[str] = (),
+    rates: Sequence[str] = (),
+) -> None:
+    """Raises one ValueError naming every out-of-range field of a family config dataclass as `config.model.FIELD`
+    with its fix (called from each family's `__post_init__`, so `models.make_config` checks them all before any
+    model is built): sizes >= 1, counts >= 0, positive (epsilons, scales) > 0, rates (dropout) in [0, 1)."""
+    rules = [
+        *((f, lambda v: v >= 1, "must be a positive integer; set --config.model.{f}=N with N >= 1") for f in sizes),
+        *((f, lambda v: v >= 0, "must be >= 0; set --config.model.{f}=0 or more") for f in counts),
+        *((f, lambda v: v > 0, "must be > 0; set --config.model.{f} to a positive value") for f in positive),
+        *(
+            (f, lambda v: 0 <= v < 1, "must be in [0, 1); set e.g. --config.model.{f}=0.1 (0 turns it off)")
+            for f in rates
+        ),
+    ]
+    problems = [
+        f"config.model.{f}={getattr(config, f)!r}: {why.format(f=f)}"
+        for f, ok, why in rules
+        if not ok(getattr(config, f))
+    ]
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def project(eqn: str, x: jax.Array, kernel: jax.Array, **dot_kwargs: Any) -> jax.Array:
     """`jnp.einsum(eqn, x, kernel)` for a projection (`kernels.cpu.project`, one 2-D matmul, on the CPU).
     dot_kwargs: e.g. preferred_element_type."""
@@ -90,8 +119,16 @@ class Einsum(nn.Module):
 
 
 def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows of `table` [V, D] for `ids` [...] -> [..., D]; NaN rows for ids outside [0, V), which JAX's gather
-    would otherwise clamp (ids >= V) or wrap (negative ids) into another token's row without a word."""
+    """Rows of `table` [V, D] for `ids` [...] -> [..., D]. Ids outside [0, V) are a ValueError when they are
+    concrete (an eager `model.apply`); traced (under jit) they give NaN rows, which JAX's gather would otherwise
+    clamp (ids >= V) or wrap (negative ids) into another token's row without a word."""
+    if not isinstance(ids, jax.core.Tracer) and np.size(ids):
+        low, high = int(np.min(ids)), int(np.max(ids))
+        if low < 0 or high >= table.shape[0]:
+            raise ValueError(
+                f"token ids span [{low}, {high}] but the embedding table has {table.shape[0]} rows: encode with "
+                "the model's tokenizer (config.model.vocab_size must cover its ids)"
+            )
     x = jnp.take(table, ids, axis=0, mode="clip")
     in_range = (ids >= 0) & (ids < table.shape[0])
     return jnp.where(in_range[..., None], x, jnp.nan)

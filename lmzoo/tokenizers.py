@@ -80,9 +80,17 @@ class Tokenizer(abc.ABC):
     def encode(self, text: str) -> list[int]:
         """Ids for `text`, without any special tokens added."""
 
-    @abc.abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
-        """Text for `ids`, skipping pad ids."""
+        """Text for `ids`, skipping pad ids. An id outside [0, vocab_size), which no sampler draws but a model
+        with a larger vocabulary could, decodes as U+FFFD (as a bad UTF-8 byte does) instead of failing."""
+        parts = []
+        for known, run in itertools.groupby((int(i) for i in ids), key=lambda i: 0 <= i < self.vocab_size):
+            parts.append(self._decode(list(run)) if known else "\ufffd" * len(list(run)))
+        return "".join(parts)
+
+    @abc.abstractmethod
+    def _decode(self, ids: Sequence[int]) -> str:
+        """Text for `ids`, all in [0, vocab_size), skipping pad ids."""
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(text) for text in texts]
@@ -141,7 +149,7 @@ class CharTokenizer(Tokenizer):
                 f"character {e.args[0]!r} is not in the character vocabulary, which was built from the training corpus"
             ) from None
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: Sequence[int]) -> str:
         n = len(self.chars)
         return "".join(self.chars[i] if i < n else self.specials[i - n] for i in ids if i != self.pad_id)
 
@@ -203,7 +211,7 @@ class WordTokenizer(Tokenizer):
             raise ValueError(f"word {word!r} is not in the vocabulary, which has no <unk>")
         return i
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: Sequence[int]) -> str:
         lines, line = [], []
         for i in ids:
             if i == self.eos_id:
@@ -254,7 +262,7 @@ class ByteTokenizer(Tokenizer):
         tokens = np.insert(np.frombuffer(b"".join(encoded), np.uint8).astype(dtype), ends, self.eos_id)
         return tokens, np.diff(ends, prepend=0) + 1
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: Sequence[int]) -> str:
         parts = []
         for is_byte, run in itertools.groupby((i for i in ids if i != self.pad_id), key=lambda i: i < 256):
             parts.append(
@@ -359,7 +367,7 @@ class SentencePieceTokenizer(Tokenizer):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.sp.encode(texts)
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: Sequence[int]) -> str:
         n = self.sp.get_piece_size()
         parts = []
         for is_piece, run in itertools.groupby((i for i in ids if i != self.pad_id), key=lambda i: i < n):
@@ -503,7 +511,7 @@ class HFTokenizer(Tokenizer):
             return self._tiktoken.encode_batch(texts, allowed_special="all", num_threads=1)
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i != self.pad_id], skip_special_tokens=False)
 
     def token_char_lengths(self) -> np.ndarray:

@@ -106,6 +106,8 @@ class WorkdirLock:
         self.workdir = pathlib.Path(workdir)
         self.path = self.workdir / LOCK_NAME
         self.created_workdir = not self.workdir.exists()
+        if self.workdir.exists() and not self.workdir.is_dir():
+            raise NotADirectoryError(f"workdir {self.workdir} is a file, not a directory; pass --workdir=a folder")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.entries_before = {p.name for p in self.workdir.iterdir()}
         while True:

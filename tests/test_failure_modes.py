@@ -165,12 +165,14 @@ def test_bad_values_are_refused_before_any_work(tmp_path, section, field, value,
 def test_batch_not_divisible_by_the_devices_is_refused_naming_the_field(tmp_path):
     cmd = _train_cmd(tmp_path / "run", "--config.distributed.cpu_devices_per_process=8", "--config.eval.batch_size=12")
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.splitlines()[-3:] == [
         "error: invalid config values:",
         "  config.train.batch_size=4: must be a multiple of 8 (grad_accum_steps=1 x 8 data-parallel devices); "
-        "set --config.train.batch_size=8",
-        "  config.eval.batch_size=12: must be a multiple of the 8 data-parallel devices; set --config.eval.batch_size=8",
+        "set --config.train.batch_size=8, or keep the batch sizes and shard the model over the other devices: "
+        "--config.sharding.mesh_shape=(4, 1, 2)",
+        "  config.eval.batch_size=12: must be a multiple of the 8 data-parallel devices; set --config.eval.batch_size=8, "
+        "or keep the batch sizes and shard the model over the other devices: --config.sharding.mesh_shape=(4, 1, 2)",
     ]
     assert not (tmp_path / "run").exists()
 
@@ -215,7 +217,7 @@ def test_io_error_on_restore_stops_without_falling_back(trained, tmp_path, faili
     result = subprocess.run(
         _train_cmd(run_dir, "--config.train.steps=6"), capture_output=True, text=True, cwd=ROOT, env=env
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert (
         result.stderr.strip()
         .splitlines()[-1]
@@ -236,7 +238,7 @@ def test_disk_full_stops_training_at_once_with_the_cause(tmp_path, failing_open)
     }
     cmd = _train_cmd(run_dir, "--config.train.steps=12", "--config.train.eval_every=12")
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-    assert result.returncode == 1
+    assert result.returncode == 2
     lines = [
         line
         for line in result.stderr.replace("\r", "\n").splitlines()
@@ -356,6 +358,22 @@ def test_command_line_mistakes_are_one_line_errors(tmp_path, args, message):
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=tmp_path, env=ENV
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_disk_still_full_on_rerun_names_the_workdir_and_the_unfinished_checkpoint(trained, tmp_path, failing_open):
+    run_dir = _copy(trained, tmp_path)
+    partial = run_dir / "checkpoints" / "6.orbax-checkpoint-tmp-1700000000"
+    partial.mkdir()
+    (partial / "part").write_bytes(b"x" * 100)
+    env = {**ENV, "LD_PRELOAD": str(failing_open), "FAILFS_MATCH": f"{run_dir}/.", "FAILFS_ERRNO": str(errno.ENOSPC)}
+    result = subprocess.run(
+        _train_cmd(run_dir, "--config.train.steps=6"), capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: the disk holding {run_dir} is full (No space left on device: "), line
+    assert f"can be deleted: ['{partial}']; free space, then rerun the same command" in line
+    assert _steps(run_dir) == [2, 4] and partial.exists()

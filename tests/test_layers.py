@@ -148,7 +148,9 @@ def test_normalize_matches_automatic_differentiation(use_mean, dtype):
 def test_embed_lookup_gives_nan_rows_for_ids_outside_the_vocabulary():
     table = jnp.arange(12.0).reshape(4, 3)
     ids = jnp.array([[0, 3, -1], [4, 2, -4]])
-    out = layers.embed_lookup(table, ids)
+    with pytest.raises(ValueError, match=r"token ids span \[-4, 4\] but the embedding table has 4 rows"):
+        layers.embed_lookup(table, ids)  # concrete ids are checked; traced ones give NaN rows
+    out = jax.jit(layers.embed_lookup)(table, ids)
     np.testing.assert_array_equal(out[0, :2], table[jnp.array([0, 3])])
     np.testing.assert_array_equal(out[1, 1], table[2])
     assert np.isnan(out[0, 2]).all() and np.isnan(out[1, 0]).all() and np.isnan(out[1, 2]).all()

@@ -16,11 +16,17 @@ refuse a config HF cannot express. A run's HF tokenizer (GPT-2 BPE, WordPiece, t
 as tokenizer.json + tokenizer_config.json that `AutoTokenizer` reads; others (char, byte, word,
 sentencepiece) have no HF form and are left out, which `export_hf` reports. Tensors are written in float32
 (config.json `torch_dtype` "float32") whatever the run's param_dtype: bfloat16 params are upcast exactly.
+
+--out must be a new or empty folder; `--overwrite` replaces a folder's whole contents (no file of an earlier
+export is left beside the new one). The folder is written beside --out and moved into place once complete, so
+a failed export leaves --out as it was. A user error exits with status 2 and one `error:` line.
 """
 
 import argparse
 import json
+import os
 import pathlib
+import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,6 +92,53 @@ def to_hf(
     return bert.config_to_hf(cfg, model_type=model_type), bert.to_hf(params, cfg, model_type=model_type)
 
 
+def check_out_dir(out_dir: str, *, overwrite: bool = False, keep: str | None = None) -> pathlib.Path:
+    """The absolute --out folder; raises unless it is new or empty (any folder with `overwrite`), its parent
+    writable, and it does not hold `keep` (the run being exported), which replacing it would delete."""
+    out = pathlib.Path(out_dir).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out={out_dir} is a file, not a folder; pass a new folder")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries and not overwrite:
+        raise FileExistsError(
+            f"--out={out_dir} is not empty ({len(entries)} entries: {', '.join(entries[:3])}"
+            f"{', ...' if len(entries) > 3 else ''}); pass --overwrite to replace its contents, or a new folder"
+        )
+    if keep is not None and pathlib.Path(keep).expanduser().absolute().is_relative_to(out):
+        raise ValueError(f"--out={out_dir} holds the run's workdir {keep}; export to a folder outside it")
+    parent = next(p for p in out.parents if p.exists())
+    if not os.access(parent, os.W_OK) or (out.is_dir() and not os.access(out, os.W_OK)):
+        raise PermissionError(f"--out={out_dir}: {parent if not os.access(parent, os.W_OK) else out} is read-only")
+    return out
+
+
+def _replace_folder(out: pathlib.Path, write) -> None:
+    """Calls `write(folder)` on a new folder beside `out`, then puts it in place of `out` (whose old contents go)."""
+    staging, replaced = out.with_name(f".{out.name}.partial"), out.with_name(f".{out.name}.replaced")
+    for leftover in (staging, replaced):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    staging.mkdir(parents=True)
+    try:
+        write(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rename(replaced)
+        staging.rename(out)
+        shutil.rmtree(replaced)
+    else:
+        staging.rename(out)
+
+
+def _file_mode() -> int:
+    """The mode a new file gets under this process's umask (0644 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def save_tokenizer(tokenizer: tokenizers.Tokenizer, out: pathlib.Path) -> bool:
     """Writes tokenizer.json + tokenizer_config.json for an HF tokenizer; False (nothing written) for others."""
     if not isinstance(tokenizer, tokenizers.HFTokenizer):
@@ -108,8 +161,10 @@ def export_hf(
     *,
     classifier: heads.SequenceClassifier | None = None,
     labels: Sequence[str] | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Writes an HF folder for `params` of family `model_name` (config.model fields or dataclass) to `out_dir`.
+    """Writes an HF folder for `params` of family `model_name` (config.model fields or dataclass) to `out_dir`,
+    a new or empty folder (with `overwrite`, any folder: its contents are replaced; see `check_out_dir`).
 
     classifier: the SequenceClassifier `params` belong to (a *ForSequenceClassification export); labels: its
     class names (default LABEL_0, LABEL_1, ...). Returns {"path", "model_type", "architecture", "tensors",
@@ -122,9 +177,8 @@ def export_hf(
             f"--labels gives {len(labels)} names; the run's classifier has "
             f"{'no' if classifier is None else classifier.num_classes} classes"
         )
+    out = check_out_dir(out_dir, overwrite=overwrite)
     hf_config, state_dict = to_hf(model_name, cfg, params, classifier)
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     hf_config = {**hf_config, "torch_dtype": "float32"}
     if classifier is not None:
         labels = list(labels or (f"LABEL_{i}" for i in range(classifier.num_classes)))
@@ -133,13 +187,23 @@ def export_hf(
         hf_config.update(
             {f"{role}_token_id": i for role, i in tokenizer.special_ids.items() if role in ("eos", "pad", "bos")}
         )
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    save_file(
-        {k: np.ascontiguousarray(v, np.float32) for k, v in state_dict.items()},
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    wrote_tokenizer = tokenizer is not None and save_tokenizer(tokenizer, out)
+        if tokenizer.bos_id is None and tokenizer.eos_id is not None:
+            hf_config["bos_token_id"] = tokenizer.eos_id  # as save_tokenizer's bos_token (GPT-2: <|endoftext|>)
+    wrote_tokenizer = False
+
+    def write(folder: pathlib.Path) -> None:
+        nonlocal wrote_tokenizer
+        (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        weights = folder / "model.safetensors"
+        save_file(
+            {k: np.ascontiguousarray(v, np.float32) for k, v in state_dict.items()},
+            str(weights),
+            metadata={"format": "pt"},
+        )
+        weights.chmod(_file_mode())  # safetensors creates it 0600
+        wrote_tokenizer = tokenizer is not None and save_tokenizer(tokenizer, folder)
+
+    _replace_folder(out, write)
     summary = {
         "path": str(out),
         "model_type": hf_config["model_type"],
@@ -151,12 +215,19 @@ def export_hf(
 
 
 def export_workdir(
-    workdir: str, out_dir: str, step: int | None = None, labels: Sequence[str] | None = None
+    workdir: str,
+    out_dir: str,
+    step: int | None = None,
+    labels: Sequence[str] | None = None,
+    *,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Exports a train.py run's latest (or `step`'s) checkpoint with its tokenizer; adds "step" to the summary.
-    A run whose model is a SequenceClassifier exports as one (labels: its class names)."""
+    A run whose model is a SequenceClassifier exports as one (labels: its class names). `out_dir` is checked
+    (`check_out_dir`) before the checkpoint is read."""
     from lmzoo.train import run as run_lib
 
+    check_out_dir(out_dir, overwrite=overwrite, keep=workdir)
     loaded = run_lib.load(workdir, step)
     params, classifier = exported_part(loaded.model, loaded.params)
     summary = export_hf(
@@ -167,6 +238,7 @@ def export_workdir(
         loaded.tokenizer,
         classifier=classifier,
         labels=labels,
+        overwrite=overwrite,
     )
     if isinstance(loaded.model, heads.LMWithValueHead | heads.LMWithValueModel):
         summary["left_out"] = "the value head or value network (PPO's value estimate)"
@@ -189,11 +261,18 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="Folder to write the HF checkpoint to.")
     parser.add_argument("--step", type=int, default=None, help="Checkpoint step (default: the latest).")
     parser.add_argument("--labels", default=None, help="A classifier's class names, comma-separated (id2label).")
+    parser.add_argument("--overwrite", action="store_true", help="Replace the contents of a non-empty --out folder.")
     args = parser.parse_args()
-    try:
-        summary = export_workdir(args.workdir, args.out, args.step, args.labels.split(",") if args.labels else None)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+    from lmzoo.train import run as run_lib
+
+    with run_lib.user_errors():
+        summary = export_workdir(
+            args.workdir,
+            args.out,
+            args.step,
+            args.labels.split(",") if args.labels else None,
+            overwrite=args.overwrite,
+        )
     print(json.dumps(summary))
     if not summary["tokenizer"]:
         print(

@@ -80,6 +80,13 @@ def _read(spec: str, model_name: str) -> tuple[dict[str, Any], Params]:
     if model_name not in FAMILIES:
         raise ValueError(f"no HF converter for model_name {model_name!r}; available: {sorted(FAMILIES)}")
     hf_config, state_dict = mapping.read_safetensors_dir(spec.removeprefix("hf:"))
+    model_type = str(hf_config.get("model_type", ""))
+    disagreeing = [a for a in hf_config.get("architectures") or () if not a.lower().startswith(model_type.lower())]
+    if model_type and disagreeing:
+        raise ValueError(
+            f"{spec.removeprefix('hf:')}/config.json: architectures {disagreeing} disagree with model_type "
+            f"{model_type!r}; correct whichever is wrong (the architecture of a {model_type!r} model starts with {model_type!r})"
+        )
     return FAMILIES[model_name].read_checkpoint(hf_config, state_dict)
 
 

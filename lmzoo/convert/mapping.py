@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import safetensors
 from safetensors.numpy import load_file
 
 Params = dict[str, Any]
@@ -180,6 +181,12 @@ def read_hf(
         value = tensors.pop(copy)
         if source not in tensors:
             tensors[source] = value
+        elif value.shape != tensors[source].shape:  # a wrong size, not a tie problem: name the shapes
+            want = next((tuple(e.hf_shape) for e in entries if e.hf == source), None)
+            raise ValueError(
+                f"checkpoint has {source} of shape {tensors[source].shape} and its tied copy {copy} of shape "
+                f"{value.shape}; the configured {layout.family} model expects {want}"
+            )
         elif not np.array_equal(value, tensors[source]):
             hint = layout.tie_hint if copy == "lm_head.weight" else ""
             raise ValueError(f"checkpoint has {copy} different from {source}; lmzoo's {layout.family} ties them{hint}")
@@ -242,6 +249,24 @@ def _part_index(entry: Entry) -> int:
     return entry.part[0] if entry.part else 0
 
 
+def _load_safetensors(file: Path) -> dict[str, np.ndarray]:
+    """The tensors of one safetensors file; a truncated or foreign file is a ValueError naming it."""
+    try:
+        return load_file(file)
+    except safetensors.SafetensorError as e:
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({e}): truncated, or another format under that name; "
+            "download or export it again"
+        ) from None
+
+
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); download or export it again") from None
+
+
 def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(config.json dict, state dict) of an HF checkpoint folder with single or sharded safetensors weights."""
     folder = Path(path).expanduser()
@@ -252,18 +277,18 @@ def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[
         raise FileNotFoundError(
             f"{config_file} not found; an HF checkpoint folder needs config.json next to the weights"
         )
-    hf_config = json.loads(config_file.read_text())
+    hf_config = _read_json(config_file)
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():
-        return hf_config, load_file(single)
+        return hf_config, _load_safetensors(single)
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_json(index)["weight_map"]
         state_dict = {}
         for shard in sorted(set(weight_map.values())):
             shard_file = folder / shard
             if not shard_file.is_file():
                 raise FileNotFoundError(f"shard {shard_file} listed in {index} not found")
-            state_dict |= load_file(shard_file)
+            state_dict |= _load_safetensors(shard_file)
         absent = sorted(set(weight_map) - set(state_dict))
         if absent:
             raise ValueError(f"tensors {absent} listed in {index} are not in their shards")

@@ -29,7 +29,12 @@ def sample_text(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
     sampling = dict(
-        temperature=temperature, top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id or 0
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id or 0,
+        vocab_size=tokenizer.vocab_size,
     )
     kind = kinds.kind_of(model)
     if kind == kinds.ENCODER_DECODER:
@@ -100,6 +105,7 @@ def evaluate_generation(
             temperature=0.0,
             eos_id=eos,
             pad_id=pad,
+            vocab_size=tokenizer.vocab_size,
         )
         tokens, mask = jax.device_get((samples.tokens, samples.mask))
         for source, generated, generated_mask, target in zip(inputs, tokens, mask, targets, strict=True):

@@ -119,7 +119,14 @@ class LmzooLM(LM):
         temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample", False) else 0.0
         eos, pad = self.tokenizer.eos_id, self.tokenizer.pad_id or 0
         stops = tuple(tuple(ids) for ids in (self.tokenizer.encode(s) for s in until) if ids)
-        settings = dict(max_new_tokens=max_new, temperature=temperature, eos_id=eos, stop_sequences=stops, pad_id=pad)
+        settings = dict(
+            max_new_tokens=max_new,
+            temperature=temperature,
+            eos_id=eos,
+            stop_sequences=stops,
+            pad_id=pad,
+            vocab_size=self.tokenizer.vocab_size,
+        )
         rows = [self.tokenizer.encode(c) + ([eos] if self.is_seq2seq else []) or [eos] for c in contexts]
         limit = scoring.max_positions(self.model)
         keep = None if limit is None else limit - (0 if self.is_seq2seq else max_new)

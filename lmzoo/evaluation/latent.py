@@ -69,6 +69,14 @@ def _decode(run, params, z, max_len: int) -> list[str]:
     """Greedy sentences from latents z [N, Z], each cut at its first <eos>."""
     eos = run.tokenizer.eos_id
     ids = np.asarray(
-        vae_lm.generate_from_latent(run.model, params, jnp.asarray(z), jax.random.key(0), bos_id=eos, max_len=max_len)
+        vae_lm.generate_from_latent(
+            run.model,
+            params,
+            jnp.asarray(z),
+            jax.random.key(0),
+            bos_id=eos,
+            max_len=max_len,
+            vocab_size=run.tokenizer.vocab_size,
+        )
     )
     return [run.tokenizer.decode(row[: row.index(eos)] if eos in row else row) for row in ids.tolist()]

@@ -81,6 +81,7 @@ def _decode(run, params, inputs: np.ndarray, segments: np.ndarray, length: int, 
             eos_id=-1,
             pad_id=pad_id,
             encoder_segment_ids=segments,
+            vocab_size=run.tokenizer.vocab_size,
         )
     else:
         tokens = decoding.generate_seq2seq(
@@ -93,6 +94,7 @@ def _decode(run, params, inputs: np.ndarray, segments: np.ndarray, length: int, 
             temperature=0.0,
             eos_id=None,
             pad_id=pad_id,
+            vocab_size=run.tokenizer.vocab_size,
         )
     return np.asarray(tokens)
 

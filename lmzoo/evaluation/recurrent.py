@@ -25,7 +25,13 @@ def evaluate_samples(
     prompt = np.full((num_samples, 1), tokenizer.eos_id, np.int32)
     drawn = np.asarray(
         lstm.generate(
-            run.model, params, prompt, jax.random.key(seed), max_new_tokens=max_new_tokens, temperature=temperature
+            run.model,
+            params,
+            prompt,
+            jax.random.key(seed),
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            vocab_size=tokenizer.vocab_size,
         )
     )
     texts, lengths = [], []

@@ -50,10 +50,19 @@ class BertConfig:
     remat_policy: str = "none"
 
     def __post_init__(self):
+        layers.check_fields(
+            self,
+            sizes=("vocab_size", "max_len", "emb_dim", "num_heads", "num_layers", "mlp_dim"),
+            counts=("embedding_dim", "type_vocab_size", "position_offset"),
+            positive=("layer_norm_epsilon",),
+            rates=("dropout_rate", "attention_dropout_rate"),
+        )
         if self.embed_dim != self.emb_dim:  # factorized embeddings always project
             object.__setattr__(self, "embed_projection", True)
         if self.emb_dim % self.num_heads:
-            raise ValueError(f"emb_dim={self.emb_dim} must be divisible by num_heads={self.num_heads}")
+            raise ValueError(
+                f"config.model.emb_dim={self.emb_dim} must be divisible by config.model.num_heads={self.num_heads}"
+            )
         if self.sentence_head and not self.pooler:
             raise ValueError("sentence_head needs pooler=True (NSP/SOP classify the pooled [CLS] state)")
         layers.activation(self.activation)

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lmzoo import layers
 from lmzoo.layers import embed_lookup
 from lmzoo.models import kinds
 from lmzoo.models.lstm import LSTMLayer, per_position, symmetric_uniform
@@ -33,6 +34,14 @@ class ELMoConfig:
     init_scale: float = 0.1
     dtype: str = "float32"
     param_dtype: str = "float32"
+
+    def __post_init__(self):
+        layers.check_fields(
+            self,
+            sizes=("vocab_size", "emb_dim", "num_layers"),
+            positive=("init_scale",),
+            rates=("dropout_rate",),
+        )
 
 
 def reverse_within_length(x: jax.Array, lengths: jax.Array) -> jax.Array:

@@ -43,8 +43,16 @@ class GPT2Config:
     remat_policy: str = "none"
 
     def __post_init__(self):
+        layers.check_fields(
+            self,
+            sizes=("vocab_size", "max_len", "emb_dim", "num_heads", "num_layers", "mlp_dim"),
+            positive=("layer_norm_epsilon",),
+            rates=("dropout_rate", "attention_dropout_rate"),
+        )
         if self.emb_dim % self.num_heads:
-            raise ValueError(f"emb_dim={self.emb_dim} must be divisible by num_heads={self.num_heads}")
+            raise ValueError(
+                f"config.model.emb_dim={self.emb_dim} must be divisible by config.model.num_heads={self.num_heads}"
+            )
         layers.activation(self.activation)
 
     @property

@@ -34,6 +34,14 @@ class LSTMConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
 
+    def __post_init__(self):
+        layers.check_fields(
+            self,
+            sizes=("vocab_size", "emb_dim", "num_layers"),
+            positive=("init_scale",),
+            rates=("dropout_rate",),
+        )
+
 
 def symmetric_uniform(scale: float):
     """Initializer drawing every entry uniformly from [-scale, scale]."""
@@ -150,7 +158,7 @@ class LSTM(nn.Module):
         return logits, new_carry
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p"))
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k", "top_p", "vocab_size"))
 def generate(
     model: LSTM,
     params,
@@ -161,13 +169,17 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    vocab_size: int | None = None,
 ) -> jax.Array:
-    """prompt [B, P] (P >= 1) -> [B, max_new_tokens] ids sampled one at a time, the carry threaded through."""
+    """prompt [B, P] (P >= 1) -> [B, max_new_tokens] ids sampled one at a time, the carry threaded through;
+    none >= vocab_size (the tokenizer's)."""
     logits, carry = model.apply({"params": params}, prompt, model.initial_carry(prompt.shape[0]))
 
     def step(state, key):
         last_logits, carry = state
-        token = decoding.sample_logits(key, last_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        token = decoding.sample_logits(
+            key, last_logits, temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=vocab_size
+        )
         logits, carry = model.apply({"params": params}, token[:, None], carry)
         return (logits[:, -1], carry), token
 

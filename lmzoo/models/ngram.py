@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from lmzoo import layers
 from lmzoo.models import kinds
 
 SMOOTHINGS = ("kneser_ney", "add_k")
@@ -43,6 +44,9 @@ class NgramConfig:
     vocab_size: int = 10000
     smoothing: str = "kneser_ney"
     add_k: float = 1.0
+
+    def __post_init__(self):
+        layers.check_fields(self, sizes=("order", "vocab_size"), positive=("add_k",))
 
 
 def contexts_from_stream(token_ids: np.ndarray, *, order: int, eos_id: int) -> np.ndarray:

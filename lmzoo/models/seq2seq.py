@@ -70,6 +70,24 @@ class Seq2SeqConfig:
     remat_policy: str = "none"
 
     def __post_init__(self):
+        layers.check_fields(
+            self,
+            sizes=(
+                "vocab_size",
+                "emb_dim",
+                "num_heads",
+                "head_dim",
+                "num_encoder_layers",
+                "num_decoder_layers",
+                "mlp_dim",
+                "max_len",
+                "relative_buckets",
+                "relative_max_distance",
+            ),
+            counts=("position_offset", "decoder_start_id", "attention_scale"),
+            positive=("embedding_init_std", "layer_norm_epsilon"),
+            rates=("dropout_rate", "attention_dropout_rate"),
+        )
         object.__setattr__(self, "activations", tuple(self.activations))
         if self.positions not in POSITIONS:
             raise ValueError(f"unknown positions {self.positions!r}; choose one of {POSITIONS}")

@@ -35,6 +35,15 @@ class VAELMConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
 
+    def __post_init__(self):
+        layers.check_fields(
+            self,
+            sizes=("vocab_size", "emb_dim"),
+            counts=("latent_dim",),
+            positive=("init_scale",),
+            rates=("dropout_rate",),
+        )
+
 
 def gaussian_kl(mu: jax.Array, logvar: jax.Array) -> jax.Array:
     """KL(N(mu, exp(logvar)) || N(0, I)) per dimension: [..., Z] -> [..., Z]."""
@@ -111,17 +120,28 @@ class VAELM(nn.Module):
         return logits, mu, logvar
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_len", "temperature"))
+@functools.partial(jax.jit, static_argnames=("model", "max_len", "temperature", "vocab_size"))
 def generate_from_latent(
-    model: VAELM, params, z: jax.Array, rng: jax.Array, *, bos_id: int, max_len: int, temperature: float = 0.0
+    model: VAELM,
+    params,
+    z: jax.Array,
+    rng: jax.Array,
+    *,
+    bos_id: int,
+    max_len: int,
+    temperature: float = 0.0,
+    vocab_size: int | None = None,
 ) -> jax.Array:
-    """z [B, Z] -> [B, max_len] ids decoded one at a time from `bos_id` (greedy at temperature 0)."""
+    """z [B, Z] -> [B, max_len] ids decoded one at a time from `bos_id` (greedy at temperature 0), none >=
+    vocab_size (the tokenizer's)."""
     state = model.apply({"params": params}, z, method=model.start_state)
 
     def step(carry, key):
         token, state = carry
         logits, state = model.apply({"params": params}, z, token[:, None], state, method=model.decode)
-        token = decoding.sample_logits(key, logits[:, -1], temperature=temperature, top_k=0, top_p=1.0)
+        token = decoding.sample_logits(
+            key, logits[:, -1], temperature=temperature, top_k=0, top_p=1.0, vocab_size=vocab_size
+        )
         return (token, state), token
 
     start = jnp.full((z.shape[0],), bos_id, jnp.int32)

@@ -10,10 +10,12 @@ and PPO-ptx demonstrations) is the step, so a resumed run continues exactly.
 """
 
 import dataclasses
+import pathlib
 
 import jax
 import numpy as np
 
+from lmzoo import config as config_lib
 from lmzoo import decoding, models, weights
 from lmzoo.data import comparisons, pipeline, readers, transforms
 from lmzoo.data.loaders import PromptsAndDemonstrations
@@ -117,6 +119,13 @@ class PPO(base.Objective):
             if not getattr(o, field).startswith("ckpt:"):
                 raise ValueError(
                     f"config.objective.{field}={getattr(o, field)!r}: set it to 'ckpt:WORKDIR' of the {field} run"
+                )
+            saved = pathlib.Path(getattr(o, field).removeprefix("ckpt:")).expanduser() / "config.json"
+            source = config_lib.read_saved(saved).get("objective", {}).get("name") if saved.is_file() else None
+            if source is not None and (source == "reward_model") != (field == "reward_model"):
+                raise ValueError(
+                    f"config.objective.{field}={getattr(o, field)!r} is a {source!r} run; point it at the "
+                    f"{'reward_model' if field == 'reward_model' else 'sft (or causal_lm)'} run"
                 )
         rollout_rows = self.config.train.batch_size * o.samples_per_prompt
         if rollout_rows % o.minibatches:

@@ -5,6 +5,8 @@ trainer to config.train.steps with logging, checkpoints, in-loop evaluation, pre
 then samples and summarises. A run restarted with the same workdir continues exactly where it stopped.
 """
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -58,7 +60,8 @@ EXIT_INTERRUPTED = 130  # Ctrl-C: checkpoint saved; rerun to resume (the shell's
 
 
 class TrainingStopped(Exception):
-    """Training stopped early after saving a checkpoint; `exit_code` tells a scheduler why."""
+    """Training stopped early, after saving a checkpoint (or while starting, before any step); `exit_code` tells a
+    scheduler why."""
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
@@ -103,6 +106,49 @@ class StopSignals:
     def close(self):
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def _sigterm_stops_start():
+    """SIGTERM while the run starts (before any step, nothing saved) raises TrainingStopped (exit status 143), so
+    the staged run state is discarded and the lock released on the way out, instead of the process dying with them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise TrainingStopped(
+            "stopped by SIGTERM while starting, before the first step: the workdir is as it was (exit status 143); "
+            "rerun the same command to start",
+            128 + signal.SIGTERM,
+        )
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _full_disk_named(workdir: str):
+    """A full disk while starting is named with the workdir and the unfinished checkpoints of a failed save, which
+    hold space there and which no run reads."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        partial = sorted(str(p) for p in (pathlib.Path(workdir) / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+        held = (
+            f"; unfinished checkpoints of a failed save hold space there and can be deleted: {partial}"
+            if partial
+            else ""
+        )
+        raise OSError(
+            f"the disk holding {workdir} is full ({e.strerror}: {e.filename or 'while starting'}){held}; free space, "
+            "then rerun the same command"
+        ) from None
 
 
 def _count(tree: Any) -> int:
@@ -165,7 +211,7 @@ def _start(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.S
         state, data_state = restore_or_init(run)
         fingerprint = run.objective.reader.fingerprint(run.config)
         if resumable and data_state["step"] > 0:
-            saved = json.loads(saved_config.read_text())
+            saved = config_lib.read_saved(saved_config)
             _continue_as_last_configured(run.config, saved, int(data_state["step"]))
             config_lib.check_resume(saved, run.config, int(data_state["step"]), run.workdir)
             _warn_if_data_changed(run.workdir / "data.json", fingerprint, int(data_state["step"]))
@@ -211,21 +257,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     Process 0 holds the workdir's lock for the whole run (a second run on it stops, naming this one).
     Nothing in the workdir changes until the config, data, tokenizer and checkpoint all passed their
     checks: config.json and tokenizer/ are staged and committed together before the first step.
-    Raises TrainingStopped (after saving a checkpoint) on SIGTERM, preemption or Ctrl-C.
+    Raises TrainingStopped (after saving a checkpoint) on SIGTERM, preemption or Ctrl-C; SIGTERM while starting
+    raises it at once, with the workdir as it was.
     """
     began = time.time()
     is_main = jax.process_index() == 0
-    lock = workdir_lib.lock(workdir) if is_main else None
-    started = False
+    lock, started = None, False
     try:
-        if is_main:
-            for name in workdir_lib.remove_leftovers(workdir):
-                log.warning("removed %s, left in %s by a run that crashed while starting", name, workdir)
-            with workdir_lib.StagedRunState(workdir) as stage:
-                run, state, data_state, loader = _start(config, workdir, stage)
-                stage.commit()
-        else:
-            run, state, data_state, loader = _start(config, workdir, None)
+        with _sigterm_stops_start(), _full_disk_named(workdir):
+            lock = workdir_lib.lock(workdir) if is_main else None
+            if is_main:
+                for name in workdir_lib.remove_leftovers(workdir):
+                    log.warning("removed %s, left in %s by a run that crashed while starting", name, workdir)
+                with workdir_lib.StagedRunState(workdir) as stage:
+                    run, state, data_state, loader = _start(config, workdir, stage)
+                    stage.commit()
+            else:
+                run, state, data_state, loader = _start(config, workdir, None)
         started = True
         return _train(run, state, data_state, loader, began)
     finally:

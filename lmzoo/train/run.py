@@ -8,15 +8,16 @@ loaders are built on first use, so restoring and scoring a checkpoint needs only
 names, never from the checkpoint) or a fresh state; `load(workdir)` gives a trained run's model and params.
 """
 
+import contextlib
 import dataclasses
 import json
 import pathlib
+import sys
 from typing import Any
 
 import flax.linen as nn
 import jax
 import ml_collections
-import numpy as np
 
 from lmzoo import checkpoint, models, objectives, sharding, tokenizers, weights
 from lmzoo import config as config_lib
@@ -24,6 +25,21 @@ from lmzoo import workdir as workdir_lib
 from lmzoo.data import loaders, readers, store
 from lmzoo.objectives import base
 from lmzoo.trainers import base as trainers_base
+
+# What train.py, eval.py and the exporter report as one line: bad flags, config values, files and checkpoints,
+# a locked workdir, a full disk, a diverged loss. Each is raised before work that would be lost.
+USER_ERRORS = (ValueError, OSError, workdir_lib.WorkdirLockedError, FloatingPointError)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """The entry points' one way to fail on a user error (USER_ERRORS): `error: <message>` on stderr, exit
+    status 2, no traceback."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -72,7 +88,7 @@ def load_saved(workdir: str) -> ml_collections.ConfigDict:
     path = pathlib.Path(workdir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: is {workdir!r} the workdir of a train.py run?")
-    saved = json.loads(path.read_text())
+    saved = config_lib.read_saved(path)
     objective = saved.pop("objective", {"name": "causal_lm"})
     known = objectives.defaults(objective["name"])
     config = config_lib.base_config()
@@ -178,21 +194,25 @@ def build(
     stage: workdir_lib.StagedRunState | None = None,
     *,
     batches: bool = True,
+    devices: list | None = None,
 ) -> Run:
     """Validated config, objective, tokenizer, model, compiled trainer and checkpointer for a workdir.
 
     stage: where a training run stages a newly built tokenizer (None: a new tokenizer is not saved).
     batches: check that batch sizes split over the mesh (False for a run opened only to restore params).
+    devices: the mesh's devices (default: all).
     """
     objective = validated_objective(config)
     config = objective.config
     try:
-        mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape))
+        mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape), devices)
     except ValueError as e:
         raise ValueError(f"config.sharding.mesh_shape={tuple(config.sharding.mesh_shape)}: {e}") from None
     dp = data_parallel_size(mesh)
     more = objective.value_problems(data_parallel_size=dp, batches=batches)
-    config_lib.check_values(config, data_parallel_size=dp, batches=batches, more_problems=tuple(more))
+    config_lib.check_values(
+        config, data_parallel_size=dp, devices=mesh.size, batches=batches, more_problems=tuple(more)
+    )
     workdir_path = pathlib.Path(workdir)
     workdir_path.mkdir(parents=True, exist_ok=True)
     rules = sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))
@@ -289,17 +309,42 @@ def load(workdir: str, step: int | None = None, *, mesh_shape: tuple[int, ...] |
     return Loaded(model=run.model, params=params, tokenizer=run.tokenizer, config=run.config, step=step)
 
 
-def open_run(workdir: str, *, mesh_shape: tuple[int, ...] | None = None, batches: bool = True):
-    """A `Run` of an existing workdir, for evaluation (fails if the workdir has no run); `batches=False`
-    when only its params are wanted."""
+def evaluation_layout(config: ml_collections.ConfigDict, *, batches: bool = True) -> tuple[tuple, list | None]:
+    """(mesh shape, devices or None for all) to evaluate a saved run on this machine: the run's mesh when this
+    machine has its devices and (with `batches`) its batches split over them; else the most devices, data-parallel,
+    that split config.eval.batch_size and each microbatch of config.train.batch_size (checkpoints reshard)."""
+    shape = tuple(config.sharding.mesh_shape)
+    try:
+        dp = data_parallel_size(sharding.make_mesh(shape))
+    except ValueError:
+        dp = None
+    train, evals = config.train, config.eval
+
+    def splits(d: int) -> bool:
+        return not batches or (evals.batch_size % d == 0 and train.batch_size % (train.grad_accum_steps * d) == 0)
+
+    if dp is not None and splits(dp):
+        return shape, None
+    d = max(d for d in range(1, jax.device_count() + 1) if splits(d))
+    return (d, 1, 1), jax.devices()[:d]
+
+
+def open_run(
+    workdir: str, *, mesh_shape: tuple[int, ...] | None = None, batches: bool = True, seq_len: int | None = None
+):
+    """A `Run` of an existing workdir, for evaluation (fails if the workdir has no run), on `mesh_shape` or on
+    `evaluation_layout`'s; `batches=False` when only its params are wanted; `seq_len` replaces config.data.seq_len."""
     config = load_saved(workdir)
+    if seq_len is not None:
+        config.data.seq_len = seq_len
+    devices = None
     if mesh_shape is not None:
         config.sharding.mesh_shape = tuple(mesh_shape)
-    elif int(np.prod([abs(x) for x in config.sharding.mesh_shape])) > jax.device_count():
-        config.sharding.mesh_shape = (-1, 1, 1)
+    else:
+        config.sharding.mesh_shape, devices = evaluation_layout(config, batches=batches)
     if not (pathlib.Path(workdir) / "tokenizer" / "spec.json").exists():
         raise FileNotFoundError(f"{workdir}/tokenizer is missing: is {workdir!r} the workdir of a train.py run?")
-    return build(config, workdir, batches=batches)
+    return build(config, workdir, batches=batches, devices=devices)
 
 
 def restore_step(run, step: int | None = None) -> tuple[int, Any]:
@@ -315,4 +360,4 @@ def restore_step(run, step: int | None = None) -> tuple[int, Any]:
         raise FileNotFoundError(
             f"no checkpoint for step {step} in {run.checkpointer.directory}; kept steps: {run.checkpointer.steps()}"
         )
-    return step, run.checkpointer.restore(step, run.abstract_state)[0]
+    return step, run.checkpointer.restore_step(step, run.abstract_state)[0]

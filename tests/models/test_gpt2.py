@@ -76,7 +76,9 @@ def test_out_of_range_token_ids_poison_the_output():
     model, params = testing.tiny_gpt2()
     tokens = testing.random_tokens()
     tokens[0, 3] = 32
-    logits = model.apply({"params": params}, tokens)
+    with pytest.raises(ValueError, match=r"token ids span \[\d+, 32\] but the embedding table has 32 rows"):
+        model.apply({"params": params}, tokens)
+    logits = jax.jit(model.apply)({"params": params}, tokens)
     assert np.isnan(np.asarray(logits[0])).any()
     assert np.isfinite(np.asarray(logits[1])).all()
 

@@ -174,19 +174,21 @@ def test_learning_rate_halves_each_epoch_after_the_fourth():
 
 
 def test_negative_id_gives_nan_not_another_words_embedding():
-    """LSTM LM, VAE-LM and biLM look tokens up with layers.embed_lookup: -1 must not read the last row."""
+    """LSTM LM, VAE-LM and biLM look tokens up with layers.embed_lookup: -1 must not read the last row (traced)."""
     from lmzoo.models import elmo, vae_lm
 
     tokens = jnp.array([[1, 2, -1, 3]])
     weights = jnp.ones(tokens.shape, jnp.float32)
     model = lstm.LSTM(lstm.LSTMConfig(vocab_size=8, emb_dim=4, num_layers=1))
     carry = model.initial_carry(1)
-    params = model.init(jax.random.key(0), tokens, carry)
-    logits, _ = model.apply(params, tokens, carry)
+    valid = jnp.abs(tokens)  # init with in-range ids: concrete out-of-range ids are an error
+    params = model.init(jax.random.key(0), valid, carry)
+    logits, _ = jax.jit(model.apply)(params, tokens, carry)
     assert np.isfinite(logits[0, :2]).all() and np.isnan(logits[0, 2:]).all()
     vae = vae_lm.VAELM(vae_lm.VAELMConfig(vocab_size=8, emb_dim=4, latent_dim=2))
-    variables = vae.init(jax.random.key(0), tokens, tokens, weights, rng=jax.random.key(1))
-    assert np.isnan(jax.tree.leaves(vae.apply(variables, tokens, tokens, weights, rng=jax.random.key(1)))[0]).any()
+    variables = vae.init(jax.random.key(0), valid, valid, weights, rng=jax.random.key(1))
+    applied = jax.jit(vae.apply)(variables, tokens, tokens, weights, rng=jax.random.key(1))
+    assert np.isnan(jax.tree.leaves(applied)[0]).any()
     bilm = elmo.BiLM(elmo.ELMoConfig(vocab_size=8, emb_dim=4, num_layers=1))
-    forward_logits = bilm.apply(bilm.init(jax.random.key(0), tokens, weights), tokens, weights)[0]
+    forward_logits = jax.jit(bilm.apply)(bilm.init(jax.random.key(0), valid, weights), tokens, weights)[0]
     assert np.isfinite(forward_logits[0, :2]).all() and np.isnan(forward_logits[0, 2:]).all()

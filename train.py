@@ -1,6 +1,7 @@
 """Train a model: python train.py [--config=configs/NAME.py[:arg]] [--workdir=DIR] [--config.a.b=value ...]
 
-Restarting with the same --workdir resumes from its latest checkpoint. `python train.py --objectives` lists
+The workdir defaults to runs/NAME[_ARG] (runs/default for the default config). Restarting with the same workdir
+resumes from its latest checkpoint. `python train.py --objectives` lists
 every objective (config.objective.name) with its fields and defaults. A config path that does not exist
 where train.py runs is looked up in the repository (so `configs/NAME.py` works from any folder).
 
@@ -25,7 +26,20 @@ def define_flags() -> None:
     config_flags.DEFINE_config_file(
         "config", str(REPO / "configs" / "default.py"), "Experiment config file (configs/*.py).", lock_config=True
     )
-    flags.DEFINE_string("workdir", "runs/default", "Directory for checkpoints, logs and samples.")
+    flags.DEFINE_string(
+        "workdir",
+        None,
+        "Directory for checkpoints, logs and samples (default runs/CONFIG[_VARIANT], e.g. runs/shakespeare_char_tiny).",
+    )
+
+
+def default_workdir(argv: list[str]) -> str:
+    """runs/<config file name>[_<variant words>]: each config and variant trains in a home of its own (as nanoGPT's
+    out_dir or MaxText's run_name), so a second config never resumes into the first one's checkpoints."""
+    spec = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")), "configs/default.py")
+    path, _, variant = spec.partition(":")
+    words = [w for w in variant.split(",") if w]
+    return str(pathlib.Path("runs") / "_".join([pathlib.Path(path).stem, *words]))
 
 
 def resolve_config_path(argv: list[str]) -> list[str]:
@@ -60,7 +74,7 @@ def main(argv):
             sharding.initialize_distributed(
                 **{k: config.distributed[k] for k in ("coordinator_address", "num_processes", "process_id")}
             )
-            final = loop.train_and_evaluate(config, flags.FLAGS.workdir)
+            final = loop.train_and_evaluate(config, flags.FLAGS.workdir or default_workdir(sys.argv))
     except loop.TrainingStopped as stopped:
         print(stopped, file=sys.stderr)
         sys.exit(stopped.exit_code)

@@ -308,7 +308,7 @@ def test_metrics_have_each_step_once_after_a_resume(trained, tmp_path):
 
 def test_train_py_from_another_folder_prints_start_and_end_summaries(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "--config=configs/default.py:tiny", "--workdir=run"],
+        [sys.executable, str(ROOT / "train.py"), "--config=configs/default.py:tiny"],  # workdir: runs/default_tiny
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -321,9 +321,9 @@ def test_train_py_from_another_folder_prints_start_and_end_summaries(tmp_path):
         "data python_stdlib the Python standard library: training split of ",
         "per step: 4 sequences x 32 tokens = 128 tokens",
         "mesh data=1, fsdp=1, tensor=1",
-        f"checkpoints: {tmp_path}/run/checkpoints (steps [2, 4])",
-        f"metrics: {tmp_path}/run/metrics.jsonl",
-        f"evaluate: python eval.py --workdir={tmp_path}/run",
+        f"checkpoints: {tmp_path}/runs/default_tiny/checkpoints (steps [2, 4])",
+        f"metrics: {tmp_path}/runs/default_tiny/metrics.jsonl",
+        f"evaluate: python eval.py --workdir={tmp_path}/runs/default_tiny",
         "final validation over the first 2 batches (config.eval.max_batches=2), 4,096 tokens: ",
     ):
         assert expected in out, out

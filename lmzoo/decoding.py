@@ -256,27 +256,63 @@ def generate(
     use_cache: bool = True,
 ) -> jax.Array:
     """Host-side `sample`: prompts [B, P] (left-padded; prompt_mask [B, P] 1 for real tokens), checked for shape
-    and out-of-vocabulary ids -> new tokens [B, max_new_tokens], `pad_id` after a row's EOS."""
+    and out-of-vocabulary ids -> new tokens [B, max_new_tokens], `pad_id` after a row's EOS.
+
+    Any length: past the model's `max_len` positions each further token is predicted from the last `max_len` tokens
+    (a sliding window, nanoGPT's crop), recomputed without the cache since every position shifts; a prompt longer
+    than `max_len` keeps its last tokens."""
     prompts = jnp.asarray(prompts, jnp.int32)
     if prompts.ndim != 2 or prompts.shape[1] == 0:
         raise ValueError(f"prompts must be [batch, length>0] token ids, got shape {prompts.shape}")
     _check_ids(model, prompts, "prompt")
     prompt_mask = jnp.ones_like(prompts) if prompt_mask is None else jnp.asarray(prompt_mask, jnp.int32)
-    return sample(
-        model,
-        params,
-        prompts,
-        prompt_mask,
-        rng,
-        max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
-        top_k=int(top_k),
-        top_p=float(top_p),
-        eos_id=eos_id,
-        pad_id=int(pad_id),
-        vocab_size=vocab_size,
-        use_cache=use_cache,
-    ).tokens
+    max_len = getattr(model.config, "max_len", None)
+    sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), vocab_size=vocab_size)
+    fits = max_len is None or prompts.shape[1] + max_new_tokens <= max_len
+    cached = max_new_tokens if fits else max(max_len - prompts.shape[1], 0)
+    new, done = [], jnp.zeros((prompts.shape[0],), bool)
+    if cached:
+        rng, first_rng = jax.random.split(rng)
+        first = sample(
+            model,
+            params,
+            prompts,
+            prompt_mask,
+            first_rng,
+            max_new_tokens=cached,
+            eos_id=eos_id,
+            pad_id=int(pad_id),
+            use_cache=use_cache,
+            **sampling,
+        )
+        new.append(first.tokens)
+        prompts, prompt_mask = (
+            jnp.concatenate(x, axis=1) for x in ((prompts, first.tokens), (prompt_mask, first.mask))
+        )
+        done = first.mask[:, -1] == 0 if eos_id is None else jnp.any(first.tokens == eos_id, axis=1)
+    for _ in range(max_new_tokens - cached):
+        if bool(jnp.all(done)):
+            new.append(jnp.full((prompts.shape[0], 1), pad_id, jnp.int32))
+            continue
+        rng, step_rng = jax.random.split(rng)
+        window, window_mask = prompts[:, -max_len:], prompt_mask[:, -max_len:]
+        token = jnp.where(done, pad_id, _next_from_window(model, params, window, window_mask, step_rng, **sampling))
+        new.append(token[:, None].astype(jnp.int32))
+        prompts = jnp.concatenate([prompts[:, -max_len:], new[-1]], axis=1)
+        prompt_mask = jnp.concatenate([window_mask, (~done)[:, None].astype(jnp.int32)], axis=1)
+        if eos_id is not None:
+            done = done | (token == eos_id)
+    return jnp.concatenate(new, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "temperature", "top_k", "top_p", "vocab_size"))
+def _next_from_window(model, params, window, mask, rng, *, temperature, top_k, top_p, vocab_size):
+    """The next token [B] after a window [B, W <= max_len] (mask [B, W]: 1 for real tokens), its positions from 0."""
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    logits = model.apply({"params": params}, window, positions=positions, segment_ids=mask.astype(jnp.int32))
+    return sample_logits(
+        rng, logits[:, -1].astype(jnp.float32), temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=vocab_size
+    )
 
 
 def _check_seq2seq_inputs(model: nn.Module, inputs: jax.Array, max_new_tokens: int) -> jax.Array:

@@ -109,9 +109,23 @@ class TopPTest(chex.TestCase):
                 assert abs(np.mean(ids == token) - probs[token] / mass) < 0.03, (top_p, token)
 
 
-def test_prompt_longer_than_max_len_raises(gpt2):
+def test_generation_past_max_len_slides_the_window(gpt2):
+    """Past the 16 positions, greedy decoding equals the model's own sliding-window decode: each token the argmax
+    after one forward pass over the last 16 tokens (nanoGPT's crop), for a prompt shorter and one longer than 16."""
+    model, params = gpt2
+    forward = jax.jit(lambda w: model.apply({"params": params}, w, positions=jnp.arange(w.shape[1])[None]))
+    for prompt in (np.array([[3, 1, 4, 1, 5]]), np.arange(20).reshape(1, 20) % 32):
+        got = np.asarray(
+            decoding.generate(model, params, prompt, rng=jax.random.key(0), max_new_tokens=30, temperature=0)
+        )
+        tokens = list(prompt[0])
+        for _ in range(30):
+            tokens.append(int(np.argmax(forward(np.array([tokens[-16:]]))[0, -1])))
+        assert got.shape == (1, 30) and got[0].tolist() == tokens[len(prompt[0]) :]
     with pytest.raises(ValueError, match="prompt length 10 \\+ max_new_tokens 8 exceeds the model's max_len 16"):
-        decoding.generate(*gpt2, np.zeros((1, 10), np.int32), rng=jax.random.key(0), max_new_tokens=8)
+        decoding.sample(
+            *gpt2, np.zeros((1, 10), np.int32), np.ones((1, 10), np.int32), jax.random.key(0), max_new_tokens=8
+        )
 
 
 @pytest.mark.parametrize("bad_id", [32, -1])

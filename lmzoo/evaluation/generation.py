@@ -19,12 +19,13 @@ def sample_text(
     top_k: int,
     top_p: float,
     seed: int,
-    fit_to_model: bool = False,
+    note_window: bool = True,
 ) -> str:
     """Decodes a continuation of `prompt` with the KV cache; params are host arrays (`CompiledTrainer.host_params`).
 
-    Encoder-decoders read the prompt (plus EOS) with the encoder and write a new sequence. A decoder's
-    prompt plus new tokens must fit its positions: more is an error, or with `fit_to_model` is cut to fit."""
+    Encoder-decoders read the prompt (plus EOS) with the encoder and write a new sequence. A decoder generates any
+    length (`decoding.generate` slides its window past the model's positions), saying so when `note_window`
+    (the end-of-training sample, which needs no note)."""
     tokenizer, model = run.tokenizer, run.model
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
@@ -44,17 +45,11 @@ def sample_text(
         )
     elif kind == kinds.DECODER:
         ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
-        room = model.config.max_len - len(ids)
-        if room <= 0:
-            raise ValueError(
-                f"the prompt is {len(ids)} tokens and the model's max_len is {model.config.max_len}; shorten the prompt"
-            )
-        if fit_to_model:
-            max_new_tokens = min(max_new_tokens, room)
-        elif max_new_tokens > room:
-            raise ValueError(
-                f"max_new_tokens={max_new_tokens} does not fit: the prompt is {len(ids)} tokens and the model's "
-                f"max_len is {model.config.max_len}; ask for at most {room}"
+        max_len = model.config.max_len
+        if len(ids) + max_new_tokens > max_len and note_window:
+            print(
+                f"note: the prompt ({len(ids)} tokens) and {max_new_tokens} new tokens pass the model's {max_len} "
+                f"positions: each token past them is predicted from the last {max_len} (a sliding window)"
             )
         new = decoding.generate(
             model, params, np.asarray([ids]), rng=jax.random.key(seed), max_new_tokens=max_new_tokens, **sampling

@@ -405,7 +405,7 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
                 top_k=0,
                 top_p=0.95,
                 seed=config.train.seed,
-                fit_to_model=True,
+                note_window=False,
             )
             (run.workdir / "sample.txt").write_text(config.train.sample_prompt + text)
             print(f"--- sample (step {int(state.step)}) ---\n{config.train.sample_prompt}{text}\n---")

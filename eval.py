@@ -66,8 +66,8 @@ flags.DEFINE_bool("plot", False, "Write PNG training curves to DIR/plots/ and ex
 flags.DEFINE_string(
     "mesh_shape",
     None,
-    "(data,fsdp,tensor) mesh for evaluation, e.g. '-1,1,1'; default: the run's "
-    "mesh if this machine has enough devices, else all devices data-parallel.",
+    "(data,fsdp,tensor) mesh for evaluation, e.g. '-1,1,1'; default: the run's mesh if this machine has its "
+    "devices and they divide the batches, else the most devices, data-parallel, that divide them.",
 )
 FLAGS = flags.FLAGS
 

@@ -268,28 +268,20 @@ def generate(
     prompt_mask = jnp.ones_like(prompts) if prompt_mask is None else jnp.asarray(prompt_mask, jnp.int32)
     max_len = getattr(model.config, "max_len", None)
     sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), vocab_size=vocab_size)
-    fits = max_len is None or prompts.shape[1] + max_new_tokens <= max_len
-    cached = max_new_tokens if fits else max(max_len - prompts.shape[1], 0)
+    settings = dict(eos_id=eos_id, pad_id=int(pad_id), use_cache=use_cache, **sampling)
+    if max_len is None or prompts.shape[1] + max_new_tokens <= max_len:
+        return sample(model, params, prompts, prompt_mask, rng, max_new_tokens=max_new_tokens, **settings).tokens
+    cached = max(max_len - prompts.shape[1], 0)
     new, done = [], jnp.zeros((prompts.shape[0],), bool)
     if cached:
         rng, first_rng = jax.random.split(rng)
-        first = sample(
-            model,
-            params,
-            prompts,
-            prompt_mask,
-            first_rng,
-            max_new_tokens=cached,
-            eos_id=eos_id,
-            pad_id=int(pad_id),
-            use_cache=use_cache,
-            **sampling,
-        )
+        first = sample(model, params, prompts, prompt_mask, first_rng, max_new_tokens=cached, **settings)
         new.append(first.tokens)
         prompts, prompt_mask = (
             jnp.concatenate(x, axis=1) for x in ((prompts, first.tokens), (prompt_mask, first.mask))
         )
-        done = first.mask[:, -1] == 0 if eos_id is None else jnp.any(first.tokens == eos_id, axis=1)
+        if eos_id is not None:
+            done = jnp.any(first.tokens == eos_id, axis=1)
     for _ in range(max_new_tokens - cached):
         if bool(jnp.all(done)):
             new.append(jnp.full((prompts.shape[0], 1), pad_id, jnp.int32))

@@ -29,7 +29,7 @@ from lmzoo import tokenizers
 from lmzoo.data import sources, store
 
 CHUNK_DOCUMENTS = 1024  # documents per chunk of work, at most
-CHUNK_BYTES = 4 << 20  # text per chunk of work, at most (a longer document is a chunk of its own)
+CHUNK_BYTES = 1 << 20  # text per chunk of work, at most (a longer document is a chunk of its own)
 SHARD_TOKENS = 100_000_000  # a shard is closed at the first chunk end past this many tokens (llm.c's size)
 PARALLEL_BYTES = 64 << 20  # a config's corpus larger than this is cached by one worker per CPU (spawning costs ~2 s)
 

@@ -6,12 +6,15 @@ uninterrupted run would have seen. Each process materialises only its rows of th
 """
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from lmzoo.data import transforms
 from lmzoo.data.store import TokenSplit
+
+log = logging.getLogger(__name__)
 
 
 def epoch_permutation(flat_index: np.ndarray, num_examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -60,6 +63,14 @@ class LMLoader:
                 )
         if self.batch_size % self.process_count:
             raise ValueError(f"batch_size {self.batch_size} is not divisible by {self.process_count} processes")
+        tokens = sum(split.num_tokens for split in self.splits)
+        if tokens < self.batch_size * self.seq_len:
+            log.warning(
+                "the training data has %d tokens, fewer than one batch of %d x %d: every step reads the same text again",
+                tokens,
+                self.batch_size,
+                self.seq_len,
+            )
 
     @property
     def dataset_size(self) -> str:

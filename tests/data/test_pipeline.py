@@ -222,3 +222,9 @@ def test_truncated_lengths_follow_bert_truncate_seq_pair():
         for b in range(12):
             for budget in range(25):
                 assert transforms.truncated_lengths(a, b, budget) == reference(a, b, budget), (a, b, budget)
+
+
+def test_a_corpus_smaller_than_one_batch_is_warned_about(caplog):
+    with caplog.at_level("WARNING"):
+        pipeline.LMLoader([one_document(np.arange(40, dtype=np.int32))], batch_size=4, seq_len=32, seed=0)
+    assert "the training data has 40 tokens, fewer than one batch of 4 x 32" in caplog.text

@@ -50,7 +50,8 @@ flags.DEFINE_integer("max_new_tokens", 200, "Tokens to sample.")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
-flags.DEFINE_integer("seed", 0, "Sampling seed; --fewshot: demonstration seed.")
+flags.DEFINE_integer("seed", 0, "Sampling seed (sample i uses seed + i); --fewshot: demonstration seed.")
+flags.DEFINE_integer("num_samples", 1, "--generate: how many continuations to sample.")
 flags.DEFINE_integer("reconstruct", 0, "Denoising runs: score the reconstructions of this many examples (0 = off).")
 flags.DEFINE_integer("beam_size", 1, "--reconstruct decoding: 1 = greedy, more = beam search with this many beams.")
 flags.DEFINE_integer("show", 2, "--reconstruct: examples to print.")
@@ -176,6 +177,8 @@ def check_flags() -> None:
     if FLAGS.generate is not None:
         if FLAGS.max_new_tokens < 1:
             raise ValueError(f"--max_new_tokens={FLAGS.max_new_tokens}: ask for at least one new token")
+        if FLAGS.num_samples < 1:
+            raise ValueError(f"--num_samples={FLAGS.num_samples}: ask for at least one sample")
         try:
             decoding.check_sampling(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
         except ValueError as e:
@@ -242,17 +245,22 @@ def evaluate() -> None:
             ) from None
     step, state = run_lib.restore_step(run, FLAGS.step)
     if FLAGS.generate is not None:
-        text = sample_text(
-            run,
-            run.compiled.host_params(state),
-            FLAGS.generate,
-            max_new_tokens=FLAGS.max_new_tokens,
-            temperature=FLAGS.temperature,
-            top_k=FLAGS.top_k,
-            top_p=FLAGS.top_p,
-            seed=FLAGS.seed,
-        )
-        print(FLAGS.generate + text)
+        params = run.compiled.host_params(state)
+        for index in range(FLAGS.num_samples):
+            text = sample_text(
+                run,
+                params,
+                FLAGS.generate,
+                max_new_tokens=FLAGS.max_new_tokens,
+                temperature=FLAGS.temperature,
+                top_k=FLAGS.top_k,
+                top_p=FLAGS.top_p,
+                seed=FLAGS.seed + index,
+                note_window=index == 0,
+            )
+            if FLAGS.num_samples > 1:
+                print(f"--- sample {index + 1} (seed {FLAGS.seed + index}) ---")
+            print(FLAGS.generate + text)
         run.checkpointer.close()
         return
     result = {"step": step, "split": split, **({"data": FLAGS.data} if FLAGS.data else {})}

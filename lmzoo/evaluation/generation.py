@@ -26,7 +26,8 @@ def sample_text(
     Encoder-decoders read the prompt (plus EOS) with the encoder and write a new sequence. A decoder generates any
     length (`decoding.generate` slides its window past the model's positions), saying so when `note_window`
     (the end-of-training sample, which needs no note)."""
-    tokenizer, model = run.tokenizer, run.model
+    tokenizer = run.tokenizer
+    model, params = kinds.generative(run.model, params)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
     sampling = dict(

@@ -21,3 +21,12 @@ COUNTED = "counted"
 def kind_of(model) -> str | None:
     """The kind a model declares (None for wrappers such as classifier heads, which declare none)."""
     return getattr(model, "kind", None)
+
+
+def generative(model, params) -> tuple:
+    """(model, params) that generate text: the model itself, or the decoder a wrapper without a kind holds under
+    "decoder" (a PPO policy with its value head or value network: the policy is what was trained)."""
+    inner = getattr(model, "decoder", None)
+    if kind_of(model) is None and kind_of(inner) == DECODER and "decoder" in params:
+        return inner, params["decoder"]
+    return model, params

@@ -263,3 +263,29 @@ def test_rloo_trains_and_evaluates_on_the_same_rollout_code(stages, tmp_path):
     assert final["loss"] == pytest.approx(
         -(final["score"] - config.objective.kl_coef * final["kl"]), rel=1e-4, abs=1e-5
     )
+
+
+def test_the_ppo_policy_samples_like_its_decoder(straight_ppo):
+    """eval.py --generate on a PPO run samples the trained policy: the decoder under the value head (or network)."""
+    from lmzoo import decoding
+    from lmzoo.evaluation.generation import sample_text
+
+    run = run_lib.open_run(straight_ppo["workdir"])
+    _, state = run_lib.restore_step(run)
+    run.checkpointer.close()
+    params = run.compiled.host_params(state)
+    text = sample_text(run, params, "Human:", max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    ids = run.tokenizer.encode("Human:")
+    new = decoding.generate(
+        run.model.decoder,
+        params["decoder"],
+        np.array([ids]),
+        rng=jax.random.key(0),
+        max_new_tokens=12,
+        temperature=0.0,
+        eos_id=run.tokenizer.eos_id,
+        pad_id=run.tokenizer.pad_id or 0,
+        vocab_size=run.tokenizer.vocab_size,
+    )
+    out = [int(t) for t in np.asarray(new[0])]
+    assert text == run.tokenizer.decode(out[: out.index(run.tokenizer.eos_id)] if run.tokenizer.eos_id in out else out)

@@ -2,8 +2,8 @@
 
     python train.py                      # = --config=configs/default.py --workdir=runs/default
 
-Needs no download and no files outside the Python installation; 6 to 12 minutes on 2 CPU
-cores. Writes checkpoints, TensorBoard logs (runs/default/tb) and a sample (runs/default/sample.txt).
+Needs no download and no files outside the Python installation; about 3 minutes on 2 quiet CPU
+cores (longer when they are shared). Writes checkpoints, TensorBoard logs (runs/default/tb) and a sample (runs/default/sample.txt).
 """
 
 from lmzoo.config import base_config, check_variants, model_section

@@ -79,11 +79,11 @@ def samples(name: str, workdir: str, count: int) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", action="append", required=True, help="NAME=WORKDIR of a ppo run (repeatable)")
-    parser.add_argument("--out", default="docs/rlhf")
+    parser.add_argument("--out", default=None, help="folder for the PNG (default: the first run's WORKDIR/report)")
     parser.add_argument("--samples", type=int, default=4)
     args = parser.parse_args()
     runs = dict(spec.split("=", 1) for spec in args.run)
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out or pathlib.Path(next(iter(runs.values()))) / "report")
     out.mkdir(parents=True, exist_ok=True)
     plot(runs, out / "ppo_curves.png")
     for name, workdir in runs.items():

@@ -46,7 +46,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.target_seq_len = 128  # text_to_text: tokens of the target
     c.data.split_marker = ""  # pairs with one text field: split at the marker's last occurrence (HH: "\n\nAssistant:")
     c.data.sampler = "random"  # "random" windows (nanoGPT) or "sequential" shuffled non-overlapping windows
-    c.data.tokenizer = ml_collections.ConfigDict({"kind": "byte"})
+    # kind and its files (path: gpt2 folder, wordpiece vocab.txt, hf_json, a saved sentencepiece .model or words.txt),
+    # so --config.data.tokenizer.kind=gpt2 --config.data.tokenizer.path=DIR switches a run's tokenizer on the command line
+    c.data.tokenizer = ml_collections.ConfigDict({"kind": "byte", "path": ""})
 
     # name + that objective's fields (`lmzoo.objectives.objective_section`; `python train.py --objectives` lists them)
     c.objective = ml_collections.ConfigDict({"name": "causal_lm"})

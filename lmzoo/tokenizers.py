@@ -592,12 +592,12 @@ def build_tokenizer(
         return WordTokenizer.from_corpus(corpus, **kwargs)
     if kind == "byte":
         return ByteTokenizer(**kwargs)
-    if kind == "sentencepiece" and path is None:
+    if kind == "sentencepiece" and not path:
         if corpus is None or vocab_size is None:
             raise ValueError("tokenizer kind 'sentencepiece' needs path= (a .model) or corpus= and vocab_size=")
         return SentencePieceTokenizer.train(corpus, vocab_size, **kwargs)
-    if path is None:
-        raise ValueError(f"tokenizer kind {kind!r} needs path=")
+    if not path:
+        raise ValueError(f"tokenizer kind {kind!r} needs path= (config.data.tokenizer.path)")
     if kind == "sentencepiece":
         return SentencePieceTokenizer.load(path, **kwargs)
     if kind == "gpt2":

@@ -115,3 +115,11 @@ def test_check_variants():
 def test_every_config_refuses_an_unknown_variant(path):
     with pytest.raises(ValueError, match="unknown config variant 'tinyy'"):
         config_lib.load_config_file(path, "tinyy")
+
+
+def test_the_tokenizer_is_switched_on_the_command_line():
+    """--config.data.tokenizer.path is a key of every config whose tokenizer section the base config gives, so the
+    default run moves to GPT-2 BPE with two flags (issue 27)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    argv = ["--config.data.tokenizer.kind=gpt2", "--config.data.tokenizer.path=/some/gpt2"]
+    config_lib.check_overrides(argv, default=str(root / "configs" / "default.py"))

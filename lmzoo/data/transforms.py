@@ -23,9 +23,14 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, *, where: str) -> None:
     if tokens.size == 0:
         return
     low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= vocab_size:
+    if low < 0:
         raise ValueError(
-            f"{where}: token id {high if high >= vocab_size else low} is outside the model's vocabulary "
+            f"{where}: token id {low} is negative; no vocabulary has it, so the tokenizer (config.data.tokenizer) or "
+            "the data's ids are wrong, not config.model.vocab_size"
+        )
+    if high >= vocab_size:
+        raise ValueError(
+            f"{where}: token id {high} is outside the model's vocabulary "
             f"[0, {vocab_size}); set config.model.vocab_size to at least the tokenizer's vocab size ({high + 1} needed)"
         )
 

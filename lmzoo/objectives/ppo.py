@@ -182,6 +182,7 @@ class PPO(base.Objective):
             eos_id=tokenizer.eos_id,
             pad_id=tokenizer.pad_id,
             ptx_loss=ptx_loss,
+            vocab_size=tokenizer.vocab_size,
         )
 
     def step_summary(self):
@@ -283,6 +284,7 @@ class PPO(base.Objective):
                 temperature=o.temperature,
                 eos_id=trainer.eos_id,
                 pad_id=trainer.pad_id,
+                vocab_size=trainer.vocab_size,
             )
             inputs = rollout_inputs(prompts["prompts"], prompts["prompt_mask"], samples.tokens, samples.mask)
             return trainer.reward_model.apply(

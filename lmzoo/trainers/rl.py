@@ -93,6 +93,7 @@ class PPOTrainer:
     eos_id: int
     pad_id: int
     ptx_loss: LossFn | None = None  # a Task loss of the decoder on packed demonstrations (PPO-ptx)
+    vocab_size: int | None = None  # the tokenizer's: rollouts never draw the ids a padded model vocabulary adds
 
     @property
     def decoder(self):
@@ -147,6 +148,7 @@ class PPOTrainer:
             temperature=s.temperature,
             eos_id=self.eos_id,
             pad_id=self.pad_id,
+            vocab_size=self.vocab_size,
         )
         return {
             "prompts": prompts,

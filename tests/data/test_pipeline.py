@@ -83,6 +83,8 @@ def test_check_token_ids():
     transforms.check_token_ids(np.array([0, 31]), 32, where="x")
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         transforms.check_token_ids(np.array([0, 32]), 32, where="train split")
+    with pytest.raises(ValueError, match="token id -1 is negative; .* the tokenizer .* not config.model.vocab_size"):
+        transforms.check_token_ids(np.array([-1, 3]), 32, where="train split")
 
 
 def test_local_text_sources(tmp_path):

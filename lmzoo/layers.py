@@ -123,7 +123,8 @@ def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     concrete (an eager `model.apply`); traced (under jit) they give NaN rows, which JAX's gather would otherwise
     clamp (ids >= V) or wrap (negative ids) into another token's row without a word."""
     if not isinstance(ids, jax.core.Tracer) and np.size(ids):
-        low, high = int(np.min(ids)), int(np.max(ids))
+        host = np.asarray(ids)  # on the host: a concrete array's own min() would be staged into an enclosing trace
+        low, high = int(host.min()), int(host.max())
         if low < 0 or high >= table.shape[0]:
             raise ValueError(
                 f"token ids span [{low}, {high}] but the embedding table has {table.shape[0]} rows: encode with "

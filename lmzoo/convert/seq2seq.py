@@ -105,8 +105,9 @@ def _check(cfg: Seq2SeqConfig, model_type: str) -> None:
     broken = [f"{key}={value!r}" for key, value in fixed.items() if getattr(cfg, key) != value]
     if model_type == "t5":
         rules = {
-            "tie_embeddings == scale_tied_logits (HF T5 scales the decoder output exactly when the head is tied)": cfg.tie_embeddings
-            == cfg.scale_tied_logits,
+            "tie_embeddings when scale_tied_logits (the decoder output is scaled only for a head tied to the embedding)": (
+                cfg.tie_embeddings or not cfg.scale_tied_logits
+            ),
             f"activations (ACT,) with ACT in {sorted(mapping.ACTIVATION_TO_HF)} or (ACT, 'linear') with ACT in "
             f"{sorted(_T5_GATED_TO_HF)}": _t5_feed_forward_proj(cfg.activations) is not None,
         }
@@ -140,7 +141,8 @@ def t5_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
 
     v1.0 (feed_forward_proj "relu") has a tied head on the decoder output scaled by d_model ** -0.5;
     v1.1 ("gated-gelu") an untied, unscaled head. transformers >= 5 always sets tie_word_embeddings and
-    keeps the v1.0/v1.1 switch in scale_decoder_outputs, which is read first. HF T5 applies dropout_rate
+    keeps the v1.0/v1.1 switch in scale_decoder_outputs, which is read first (`read_checkpoint` ties an unscaled
+    head saved without lm_head.weight). HF T5 applies dropout_rate
     to attention probabilities too. The decoder starts from decoder_start_token_id, else pad_token_id.
     """
     fields = _typed_fields(hf_config, "t5", _T5_HF_KEYS)
@@ -174,6 +176,7 @@ def t5_config_to_hf(cfg: Seq2SeqConfig) -> dict[str, Any]:
         "num_decoder_layers": cfg.num_decoder_layers,
         "feed_forward_proj": _t5_feed_forward_proj(cfg.activations),
         "tie_word_embeddings": cfg.tie_embeddings,
+        "scale_decoder_outputs": cfg.scale_tied_logits,
         "decoder_start_token_id": cfg.decoder_start_id,
         "is_encoder_decoder": True,
     }
@@ -358,4 +361,8 @@ def read_checkpoint(
         raise ValueError(f"HF config has model_type={model_type!r}; the seq2seq converter reads {sorted(_MODEL_TYPES)}")
     config_from_hf, from_hf = _MODEL_TYPES[model_type]
     fields = config_from_hf(hf_config)
+    if model_type == "t5" and not fields["tie_embeddings"] and "lm_head.weight" not in state_dict:
+        # transformers 5 ties an unscaled (v1.1) head to the embedding unless a checkpoint's lm_head differs, and then
+        # saves no lm_head.weight; it reloads as that shared layer, which lmzoo's tied, unscaled head computes.
+        fields["tie_embeddings"] = True
     return fields, from_hf(state_dict, make_config("seq2seq", fields))

@@ -219,6 +219,28 @@ def test_to_hf_round_trip(tmp_path, variant, data):
 
 
 @pytest.mark.parity
+def test_v1_1_head_shared_with_the_embedding_loads_as_transformers_saves_it(tmp_path, data):
+    """transformers 5 ties a v1.1 T5's head to its embedding unless told otherwise and then saves no lm_head.weight
+    (config: tie_word_embeddings True, scale_decoder_outputs False); lmzoo reads it as a tied, unscaled head."""
+    model = transformers.T5ForConditionalGeneration(hf_config("t5_v1_1")).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.5 if "shared" in name else 0.3)
+    assert model.lm_head.weight is model.shared.weight
+    model.save_pretrained(tmp_path)
+    hf_dict, state_dict = mapping.read_safetensors_dir(str(tmp_path))
+    assert "lm_head.weight" not in state_dict and not hf_dict.get("scale_decoder_outputs", True)
+    fields, params = seq2seq.read_checkpoint(hf_dict, state_dict)
+    assert fields["tie_embeddings"] and not fields["scale_tied_logits"]
+    module = build_model("seq2seq", make_config("seq2seq", fields))
+    inputs, mask, decoder_inputs = data["inputs"], data["mask"], data["decoder_inputs"]
+    ours = np.asarray(module.apply({"params": params}, inputs, decoder_inputs, encoder_segment_ids=mask))
+    assert float(np.max(np.abs(ours - hf_logits(model, inputs, mask, decoder_inputs)))) <= TOL
+    exported = seq2seq.t5_config_to_hf(make_config("seq2seq", fields))
+    assert exported["tie_word_embeddings"] and not exported["scale_decoder_outputs"]
+
+
+@pytest.mark.parity
 def test_config_round_trip():
     common = dict(
         vocab_size=101,
@@ -294,7 +316,7 @@ def test_config_round_trip():
     with pytest.raises(ValueError, match=r"no HF t5 equivalent; it needs: norm='rms'.*activations \(ACT,\)"):
         seq2seq.t5_config_to_hf(make_config("seq2seq", dict(norm="layer", activations=("gelu", "linear"))))
     with pytest.raises(ValueError, match="scale_tied_logits"):
-        seq2seq.t5_config_to_hf(make_config("seq2seq", dict(scale_tied_logits=False)))
+        seq2seq.t5_config_to_hf(make_config("seq2seq", dict(tie_embeddings=False, scale_tied_logits=True)))
     with pytest.raises(ValueError, match="no HF bart equivalent; it needs: positions='learned'"):
         seq2seq.bart_config_to_hf(make_config("seq2seq", {}))
     with pytest.raises(ValueError, match=r"seq2seq converter reads \['bart', 't5'\]"):

@@ -6,8 +6,9 @@ every evaluator of its objective and prints one JSON line (also written to DIR/e
 [_max<B>batches].json) and the same metrics as a table: loss, perplexity, bits per token, per character and
 per UTF-8 byte; accuracy and F1 for classifiers; each with the number of batches and tokens or examples it
 was computed over. --data scores a file the run never saw, in the objective's format (text for language models, a TSV
-for classifiers, pairs for text_to_text); with a tokenizer that has <unk>, unk_fraction is the share of its tokens
-outside the run's vocabulary (above 5% a note says its perplexity is not comparable). --max_batches evaluates part of the split (its result goes to
+for classifiers, pairs for text_to_text); unk_fraction is the share of it outside the run's vocabulary (<unk> tokens,
+or characters a character-level run never saw, which are left out; above 5% a note says its perplexity is not
+comparable). --max_batches evaluates part of the split (its result goes to
 its own file).
 
 Denoising encoder-decoders (T5 span corruption, BART denoising): --reconstruct=N adds BLEU, ROUGE-1/2/L,
@@ -280,15 +281,15 @@ def evaluate() -> None:
             run, state, split, num_examples=FLAGS.reconstruct, beam_size=FLAGS.beam_size
         )
         result.update(scores)
-    if FLAGS.data and run.tokenizer.unk_id is not None:
-        ids = run.tokenizer.encode(pathlib.Path(FLAGS.data).read_text(encoding="utf-8"))
-        result["unk_fraction"] = ids.count(run.tokenizer.unk_id) / max(len(ids), 1)
+    if FLAGS.data:
+        result["unk_fraction"] = run.tokenizer.unknown_fraction(pathlib.Path(FLAGS.data).read_text(encoding="utf-8"))
     line = json.dumps(result)
     print(line)
     print(format_table(result))
     if result.get("unk_fraction", 0) > 0.05:
         print(
-            f"note: {result['unk_fraction']:.1%} of the tokens of --data are <unk> (outside the run's vocabulary); "
+            f"note: {result['unk_fraction']:.1%} of --data is outside the run's vocabulary (<unk> tokens, or characters "
+            "a character vocabulary lacks, left out); "
             "its loss and perplexity are not comparable with those of text the vocabulary covers"
         )
     name = f"data_{pathlib.Path(FLAGS.data).name}" if FLAGS.data else split

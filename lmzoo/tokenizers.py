@@ -95,6 +95,14 @@ class Tokenizer(abc.ABC):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(text) for text in texts]
 
+    def unknown_fraction(self, text: str) -> float:
+        """The share of `text` outside the vocabulary: its <unk> tokens (0 for a tokenizer without <unk>, which
+        encodes every text)."""
+        if self.unk_id is None:
+            return 0.0
+        ids = self.encode(text)
+        return ids.count(self.unk_id) / max(len(ids), 1)
+
     def encode_documents(self, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
         """Documents as a token store holds them: (tokens [N] of `dtype`, every document followed by EOS when the
         tokenizer has one; lengths [len(texts)] int64 with the EOS)."""
@@ -118,7 +126,8 @@ class Tokenizer(abc.ABC):
 
 
 class CharTokenizer(Tokenizer):
-    """Character vocabulary `chars` (ids 0..len-1) followed by `specials`; unknown characters are an error."""
+    """Character vocabulary `chars` (ids 0..len-1) followed by `specials`. `encode` refuses a character the
+    vocabulary lacks; `encode_batch` (what stores and scoring read) leaves it out."""
 
     def __init__(self, chars: str, specials: Sequence[str] = ("<eos>",)):
         if len(set(chars)) != len(chars):
@@ -148,6 +157,16 @@ class CharTokenizer(Tokenizer):
             raise ValueError(
                 f"character {e.args[0]!r} is not in the character vocabulary, which was built from the training corpus"
             ) from None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Every text's characters that the vocabulary has: text scored by a run (eval.py --data) may hold characters
+        its training corpus lacked; they are left out, and `unknown_fraction` says how many."""
+        index = self._index
+        return [[index[c] for c in text if c in index] for text in texts]
+
+    def unknown_fraction(self, text: str) -> float:
+        """The share of `text`'s characters the vocabulary lacks."""
+        return sum(c not in self._index for c in text) / max(len(text), 1)
 
     def _decode(self, ids: Sequence[int]) -> str:
         n = len(self.chars)

@@ -238,3 +238,14 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
         build_tokenizer("hf_json", path=str(tmp_path / "tokenizer.json"))
     with pytest.raises(FileNotFoundError, match=r"\.model file; not found: .*nope.model"):
         SentencePieceTokenizer.load(str(tmp_path / "nope.model"))
+
+
+def test_char_tokenizer_leaves_out_and_counts_characters_it_never_saw():
+    """A character-level run scoring other text (eval.py --data): characters outside the vocabulary are left out of
+    what stores and scoring read, and `unknown_fraction` reports their share (issue 27)."""
+    tokenizer = CharTokenizer.from_corpus(["abc "])
+    assert tokenizer.encode_batch(["a [b] c"]) == [tokenizer.encode("a b c")]
+    assert tokenizer.unknown_fraction("a [b] c") == pytest.approx(2 / 7)
+    assert ByteTokenizer().unknown_fraction("anything [at] all") == 0.0
+    with pytest.raises(ValueError, match="not in the character vocabulary"):
+        tokenizer.encode("[")

@@ -398,7 +398,7 @@ def test_eval_data_outside_a_word_vocabulary_reports_its_unk_fraction(tmp_path):
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("{"))  # after the LSTM's samples
     assert json.loads(line)["unk_fraction"] == pytest.approx(2 / 8)  # 6 words and 2 <eos>, of which 2 unknown
-    assert "note: 25.0% of the tokens of --data are <unk>" in result.stdout
+    assert "note: 25.0% of --data is outside the run's vocabulary" in result.stdout
 
 
 def test_eval_of_a_sentence_longer_than_seq_len_offers_the_flag_that_scores_it(tmp_path):

@@ -272,9 +272,10 @@ def dot_product_attention(
 ) -> jax.Array:
     """q [B, T, N, H], k/v [B, S, N, H] -> [B, T, N, H].
 
-    `jax.nn.dot_product_attention` (the fused kernel; cuDNN on GPUs where it applies; a causal mask is generated
-    inside it, not materialised), except on the CPU and when attention dropout needs the probabilities:
-    then `kernels.cpu.dot_product_attention`, the explicit form.
+    On GPUs, cuDNN's fused flash attention where it applies (bf16/fp16, no mask or bias beyond causal, head
+    size a multiple of 8 up to 128): JAX's default (`implementation=None`) is its XLA form, which materialises
+    the [B, N, T, S] scores. Elsewhere `jax.nn.dot_product_attention`'s XLA form, except on the CPU and when
+    attention dropout needs the probabilities: then `kernels.cpu.dot_product_attention`, the explicit form.
     """
     if kernels.on_cpu() or (dropout_rng is not None and dropout_rate > 0.0):
         return cpu.dot_product_attention(
@@ -288,7 +289,25 @@ def dot_product_attention(
             dropout_rate=dropout_rate,
             dropout_rng=dropout_rng,
         )
-    return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal)
+    fused = (
+        kernels.platform() == "gpu"
+        and jax.default_backend() == "gpu"  # the GPU forms traced on a CPU (tests) have no cuDNN to call
+        and mask is None
+        and bias is None
+        and query.dtype in (jnp.bfloat16, jnp.float16)
+        and query.shape[-1] % 8 == 0
+        and query.shape[-1] <= 128
+    )
+    return jax.nn.dot_product_attention(
+        query,
+        key,
+        value,
+        bias=bias,
+        mask=mask,
+        scale=scale,
+        is_causal=is_causal,
+        implementation="cudnn" if fused else None,
+    )
 
 
 class Attention(nn.Module):

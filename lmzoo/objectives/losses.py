@@ -83,18 +83,21 @@ def _head_loss_and_grads(
     hidden, embedding, targets, weights, chunk_len, with_hidden_grad: bool, with_embedding_grad: bool
 ):
     """Summed weighted loss and correct count over `chunk_len`-position chunks, and, when asked, their loss
-    sum's gradients: hidden [B, T, D] (in hidden's dtype) and embedding [V, D] (float32), else None."""
+    sum's gradients: hidden [B, T, D] (in hidden's dtype) and embedding [V, D] (float32), else None. The logits are
+    computed in hidden's dtype with float32 accumulation, as `Embed.attend` computes them (bf16 compute with float32
+    parameters: the head's matmuls run on the bf16 units)."""
+    compute_embedding = embedding.astype(hidden.dtype)
 
     def chunk(embedding_grad_sum, xs):
         h, h_t, t, w = xs
-        logits = _chunk_logits(h, embedding)
+        logits = _chunk_logits(h, compute_embedding)
         loss_sum, _ = cross_entropy(logits, t, w)
         correct = jnp.sum(top1_correct(logits, t) * w)
         chunk_hidden_grad = None
         if with_hidden_grad or with_embedding_grad:  # the logsumexp is cross_entropy's: XLA computes it once
             logits_grad = _logits_grad(logits, jax.nn.logsumexp(logits, axis=-1), t, w).astype(hidden.dtype)
             if with_hidden_grad:
-                chunk_hidden_grad = layers.project("BCV,VD->BCD", logits_grad, embedding.astype(hidden.dtype))
+                chunk_hidden_grad = layers.project("BCV,VD->BCD", logits_grad, compute_embedding)
             if with_embedding_grad:
                 flat_logits_grad = logits_grad.reshape(-1, logits_grad.shape[-1])
                 embedding_grad_sum += jnp.matmul(h_t, flat_logits_grad, preferred_element_type=jnp.float32)

@@ -160,12 +160,13 @@ def start_summary(run: Run, loader: Any, start: int) -> str:
     cfg, compiled = run.config, run.compiled
     frozen = _count(compiled.abstract_state.frozen)
     mesh = ", ".join(f"{name}={size}" for name, size in compiled.mesh.shape.items())
+    tokenizer = "the store's" if cfg.data.source == "store" else cfg.data.tokenizer.kind  # a store brings its own
     lines = [
         f"workdir {run.workdir.absolute()}: {'resuming at step ' + str(start) if start else 'new run'} of {cfg.train.steps} steps",
         f"model {cfg.model_name}: {_count(compiled.abstract_state.params):,} trained parameters"
         + (f" (+ {frozen:,} frozen)" if frozen else ""),
         f"data {run.objective.reader.describe(cfg)}: training split of {loader.dataset_size}; "
-        f"tokenizer {cfg.data.tokenizer.kind} ({run.tokenizer.vocab_size} ids)",
+        f"tokenizer {tokenizer} ({run.tokenizer.vocab_size} ids)",
         f"per step: {run.objective.step_summary()}",
         f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} process(es); mesh {mesh}",
     ]

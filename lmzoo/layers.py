@@ -5,6 +5,7 @@ V vocab. Every parameter declares logical axes (see `lmzoo.sharding`); activatio
 constrained at block boundaries.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -225,6 +226,73 @@ def sinusoidal_positions(positions: jax.Array, features: int, max_timescale: flo
     return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Rotary:
+    """Rotary position embeddings (Su et al.) in HF's rotate-half layout: dims i and i + H/2 rotate together.
+
+    theta: the base (`rope_theta`). scaling: Llama 3's "llama3" frequency scaling as (factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings), or None.
+    """
+
+    theta: float = 10_000.0
+    scaling: tuple[float, float, float, int] | None = None
+
+    def inverse_frequencies(self, head_dim: int) -> np.ndarray:
+        """[H / 2] float32 angular speeds, as HF's rope initialisation computes them."""
+        inv_freq = 1.0 / self.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+        if self.scaling is None:
+            return inv_freq.astype(np.float32)
+        factor, low_freq_factor, high_freq_factor, original_len = self.scaling
+        low_freq_wavelen, high_freq_wavelen = original_len / low_freq_factor, original_len / high_freq_factor
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x [B, T, N, H] rotated by positions [B, T]; cos/sin in float32, applied in x's dtype (as HF)."""
+        angles = positions[..., None].astype(jnp.float32) * self.inverse_frequencies(x.shape[-1])  # [B, T, H/2]
+        angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+        cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+        first, second = jnp.split(x, 2, axis=-1)
+        return x * cos + jnp.concatenate([-second, first], axis=-1) * sin
+
+
+def check_rope_scaling(scaling: tuple | None) -> None:
+    """Raises unless `scaling` is None or a valid llama3 (factor, low_freq_factor, high_freq_factor, original_len)."""
+    if scaling is None:
+        return
+    if len(scaling) != 4:
+        raise ValueError(
+            f"rope scaling {scaling!r} must be llama3's (factor, low_freq_factor, high_freq_factor, "
+            "original_max_position_embeddings)"
+        )
+    factor, low, high, original = scaling
+    if factor <= 0 or low <= 0 or high <= low or original <= 0:
+        raise ValueError(
+            f"rope scaling {scaling!r}: llama3 needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+            "original_max_position_embeddings > 0"
+        )
+
+
+def sliding_window_mask(query_positions: jax.Array, key_positions: jax.Array, window: int) -> jax.Array:
+    """[B, 1, T, S]: key within the last `window` positions of its query (itself included), as HF's Mistral."""
+    return (key_positions[:, None, :] > query_positions[:, :, None] - window)[:, None]
+
+
+def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
+    """The logical and of the masks that are not None (None when all are)."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    combined = present[0]
+    for mask in present[1:]:
+        combined = combined & mask
+    return combined
+
+
 def attention_mask(
     query_segment_ids: jax.Array | None,
     key_segment_ids: jax.Array | None,
@@ -270,7 +338,7 @@ def dot_product_attention(
     dropout_rate: float,
     dropout_rng: jax.Array | None,
 ) -> jax.Array:
-    """q [B, T, N, H], k/v [B, S, N, H] -> [B, T, N, H].
+    """q [B, T, N, H], k/v [B, S, K, H] (K divides N: grouped-query attention when K < N) -> [B, T, N, H].
 
     On GPUs, cuDNN's fused flash attention where it applies (bf16/fp16, no mask or bias beyond causal, head
     size a multiple of 8 up to 128): JAX's default (`implementation=None`) is its XLA form, which materialises
@@ -278,6 +346,9 @@ def dot_product_attention(
     attention dropout needs the probabilities: then `kernels.cpu.dot_product_attention`, the explicit form.
     """
     if kernels.on_cpu() or (dropout_rng is not None and dropout_rate > 0.0):
+        groups = query.shape[2] // key.shape[2]
+        if groups > 1:  # grouped-query attention: query head n reads kv head n // groups
+            key, value = jnp.repeat(key, groups, axis=2), jnp.repeat(value, groups, axis=2)
         return cpu.dot_product_attention(
             query,
             key,
@@ -322,6 +393,11 @@ class Attention(nn.Module):
         scale: logit scale; None means H ** -0.5 (T5 uses 1.0).
         query_init: initializer of the query projection (None: kernel_init).
         out_init: initializer of the output projection (GPT-2 scales it by 1/sqrt(2 L)).
+        num_kv_heads: K key/value heads (None: N); K < N is grouped-query attention (K = 1: multi-query), and the
+            KV cache holds K heads. Their kernels' heads axis is "kv_heads", a sharding rule of its own.
+        qkv_bias: biases on q/k/v only (None: use_bias), e.g. Qwen2's q/k/v biases without an output bias.
+        rotary: rotate queries and keys by their positions (Llama); None for families with other positions.
+        sliding_window: each query attends to its last `sliding_window` positions (Mistral); None: all.
     """
 
     num_heads: int
@@ -329,6 +405,10 @@ class Attention(nn.Module):
     cross: bool = False
     causal: bool = False
     use_bias: bool = True
+    num_kv_heads: int | None = None
+    qkv_bias: bool | None = None
+    rotary: Rotary | None = None
+    sliding_window: int | None = None
     scale: float | None = None
     dropout_rate: float = 0.0
     kernel_init: Initializer = nn.initializers.normal(0.02)
@@ -346,44 +426,61 @@ class Attention(nn.Module):
         segment_ids: jax.Array | None = None,
         context_segment_ids: jax.Array | None = None,
         bias: jax.Array | None = None,
+        positions: jax.Array | None = None,
         deterministic: bool,
         decode: bool = False,
     ) -> jax.Array:
         """x: [B, T, D]; context: [B, S, D] for cross-attention -> [B, T, D].
 
-        segment_ids [B, T] / context_segment_ids [B, S]: document ids, 0 = padding. In decode mode
-        x is the next chunk of the sequence and self-attention keys/values accumulate in the "cache"
+        segment_ids [B, T] / context_segment_ids [B, S]: document ids, 0 = padding. positions [B, T]: of the
+        queries (and self-attention keys), for rotary embeddings and the sliding window (default 0..T-1). In
+        decode mode x is the next chunk of the sequence and self-attention keys/values accumulate in the "cache"
         collection; cross-attention projects the context once (the call that passes it) and later
         calls, with context None, read its keys/values from the cache.
         """
         d = x.shape[-1]
+        kv_heads = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={kv_heads}")
+        qkv_bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
         proj = functools.partial(
-            Einsum, use_bias=self.use_bias, kernel_init=self.kernel_init, dtype=self.dtype, param_dtype=self.param_dtype
+            Einsum, use_bias=qkv_bias, kernel_init=self.kernel_init, dtype=self.dtype, param_dtype=self.param_dtype
         )
-        qkv_shape, qkv_axes = (d, self.num_heads, self.head_dim), ("embed", "heads", "kv")
-        query = proj(qkv_shape, qkv_axes, kernel_init=self.query_init or self.kernel_init, name="query")(
-            "BTD,DNH->BTNH", x
-        )
+        query = proj(
+            (d, self.num_heads, self.head_dim),
+            ("embed", "heads", "kv"),
+            kernel_init=self.query_init or self.kernel_init,
+            name="query",
+        )("BTD,DNH->BTNH", x)
         query = sharding.constrain(query, ("act_batch", "act_len", "act_heads", "act_kv"))
+        if positions is None and (self.rotary is not None or self.sliding_window):
+            positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        if self.rotary is not None:
+            query = self.rotary(query, positions)
+        grouped = kv_heads < self.num_heads  # fewer kv heads than the tensor axis: they get a rule of their own
+        kv_axes = ("embed", "kv_heads" if grouped else "heads", "kv")
+        kv_act_axes = ("act_batch", "act_len", "act_kv_heads" if grouped else "act_heads", "act_kv")
 
-        def project_keys_values(source):
-            key = proj(qkv_shape, qkv_axes, name="key")("BSD,DNH->BSNH", source)
-            value = proj(qkv_shape, qkv_axes, name="value")("BSD,DNH->BSNH", source)
-            axes = ("act_batch", "act_len", "act_heads", "act_kv")
-            return sharding.constrain(key, axes), sharding.constrain(value, axes)
+        def project_keys_values(source, rotate):
+            key = proj((d, kv_heads, self.head_dim), kv_axes, name="key")("BSD,DNH->BSNH", source)
+            value = proj((d, kv_heads, self.head_dim), kv_axes, name="value")("BSD,DNH->BSNH", source)
+            if rotate and self.rotary is not None:
+                key = self.rotary(key, positions)
+            return sharding.constrain(key, kv_act_axes), sharding.constrain(value, kv_act_axes)
 
         is_causal = self.causal
         if self.cross:
-            key, value = (
-                self._context_keys_values(context, project_keys_values) if decode else project_keys_values(context)
-            )
+            project_context = functools.partial(project_keys_values, rotate=False)
+            key, value = self._context_keys_values(context, project_context) if decode else project_context(context)
             mask = attention_mask(segment_ids, context_segment_ids, causal=False)
         elif decode:
-            key, value, mask = self._update_cache(*project_keys_values(x), segment_ids)
+            key, value, mask = self._update_cache(*project_keys_values(x, rotate=True), segment_ids, positions)
             is_causal = False
         else:
-            key, value = project_keys_values(x)
+            key, value = project_keys_values(x, rotate=True)
             mask = attention_mask(segment_ids, segment_ids, causal=False)
+            if self.sliding_window:
+                mask = combine_masks(mask, sliding_window_mask(positions, positions, self.sliding_window))
 
         dropout_rng = None if deterministic or self.dropout_rate == 0.0 else self.make_rng("dropout")
         out = dot_product_attention(
@@ -423,12 +520,14 @@ class Attention(nn.Module):
             )
         return self.get_variable("cache", "cached_context_key"), self.get_variable("cache", "cached_context_value")
 
-    def _update_cache(self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None):
-        """Writes a [B, T] chunk at the cache index; returns full-length keys, values and the mask.
+    def _update_cache(
+        self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None
+    ):
+        """Writes a [B, T] chunk at the cache index; returns full-length keys, values [B, S, K, H] and the mask.
 
         The first call (at init) sizes the cache from the chunk it sees: call `init` with a
         [B, max_decode_len] batch. Later chunks attend to every earlier valid key and causally
-        within themselves.
+        within themselves (and, with a sliding window, to keys whose positions are within it).
         """
         batch, chunk = key.shape[:2]
         initialized = self.has_variable("cache", "cached_key")
@@ -436,6 +535,11 @@ class Attention(nn.Module):
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
         cached_valid = self.variable("cache", "cached_valid", jnp.zeros, key.shape[:2], jnp.bool_)
         cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        cached_positions = (
+            self.variable("cache", "cached_positions", jnp.zeros, key.shape[:2], jnp.int32)
+            if self.sliding_window
+            else None
+        )
         valid = jnp.ones((batch, chunk), jnp.bool_) if segment_ids is None else segment_ids != 0
         if not initialized:
             return key, value, attention_mask(None, None, causal=False)
@@ -448,6 +552,11 @@ class Attention(nn.Module):
         query_pos = index + jnp.arange(chunk)
         causal = jnp.arange(length)[None, :] <= query_pos[:, None]
         mask = causal[None, None] & cached_valid.value[:, None, None, :]
+        if cached_positions is not None:
+            cached_positions.value = jax.lax.dynamic_update_slice(
+                cached_positions.value, positions.astype(jnp.int32), (0, index)
+            )
+            mask = mask & sliding_window_mask(positions, cached_positions.value, self.sliding_window)
         return cached_key.value, cached_value.value, mask
 
 
@@ -499,6 +608,7 @@ class TransformerBlock(nn.Module):
         residual_init_std: std of the output projections (GPT-2 scales it by 1/sqrt(2 L)).
         fan_in_init: T5's initialisation instead of init_std / residual_init_std: every kernel normal with
             std fan_in ** -0.5, queries (D H) ** -0.5 (T5 leaves the 1/sqrt(H) logit scale to the init).
+        num_kv_heads, qkv_bias, rotary, sliding_window: of the self-attention (`Attention`).
     """
 
     num_heads: int
@@ -517,6 +627,10 @@ class TransformerBlock(nn.Module):
     init_std: float = 0.02
     residual_init_std: float = 0.02
     fan_in_init: bool = False
+    num_kv_heads: int | None = None
+    qkv_bias: bool | None = None
+    rotary: Rotary | None = None
+    sliding_window: int | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
@@ -528,13 +642,15 @@ class TransformerBlock(nn.Module):
         bias: jax.Array | None = None,
         context: jax.Array | None = None,
         context_segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
         *,
         deterministic: bool,
         decode: bool = False,
     ) -> jax.Array:
         """x [B, T, D]; bias [1|B, N, T, T] added to self-attention logits (T5 relative positions);
         context [B, S, D] with context_segment_ids [B, S] for cross-attention (decode steps after the first
-        may pass context None: its keys/values are cached)."""
+        may pass context None: its keys/values are cached); positions [B, T] for rotary embeddings and the
+        sliding window."""
         if self.norm not in ("layer", "rms"):
             raise ValueError(f"unknown norm {self.norm!r}; choose 'layer' or 'rms'")
         rms = self.norm == "rms"
@@ -593,11 +709,20 @@ class TransformerBlock(nn.Module):
             return norm(name=norm_name)(x + dropout(fn(x), deterministic=deterministic))
 
         x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
-        self_attention = attention(causal=self.causal, name="attn")
+        self_attention = attention(
+            causal=self.causal,
+            num_kv_heads=self.num_kv_heads,
+            qkv_bias=self.qkv_bias,
+            rotary=self.rotary,
+            sliding_window=self.sliding_window,
+            name="attn",
+        )
         x = residual(
             x,
             "ln_attn",
-            lambda h: self_attention(h, segment_ids=segment_ids, bias=bias, deterministic=deterministic, decode=decode),
+            lambda h: self_attention(
+                h, segment_ids=segment_ids, bias=bias, positions=positions, deterministic=deterministic, decode=decode
+            ),
         )
         if self.cross_attention:
             cross = attention(cross=True, name="cross_attn")

@@ -22,6 +22,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
+    ("kv_heads", None),  # grouped-query kv heads: often fewer than the tensor axis, so replicated
     ("kv", None),
     ("mlp", "tensor"),
     ("layers", None),
@@ -34,6 +35,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("act_len", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
+    ("act_kv_heads", None),
     ("act_kv", None),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),

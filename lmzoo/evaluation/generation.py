@@ -57,7 +57,7 @@ def sample_text(
         )
     else:
         raise ValueError(
-            f"{type(model).__name__} is not generative; --generate needs a decoder (gpt2) or an encoder-decoder (seq2seq)"
+            f"{type(model).__name__} is not generative; --generate needs a decoder (gpt2, llama) or an encoder-decoder (seq2seq)"
         )
     out = [int(t) for t in np.asarray(new[0])]
     if tokenizer.eos_id in out:

@@ -51,7 +51,7 @@ class LmzooLM(LM):
             loaded = run_lib.load(workdir, None if step is None else int(step))
         if kinds.kind_of(loaded.model) not in (kinds.DECODER, kinds.ENCODER_DECODER):
             raise ValueError(
-                f"lm-eval needs a decoder (gpt2) or an encoder-decoder (seq2seq); this run is {type(loaded.model).__name__}"
+                f"lm-eval needs a decoder (gpt2, llama) or an encoder-decoder (seq2seq); this run is {type(loaded.model).__name__}"
             )
         self.model, self.params, self.tokenizer = loaded.model, loaded.params, loaded.tokenizer
         self.batch_size = 16 if batch_size in (None, "auto") else int(batch_size)

@@ -126,7 +126,7 @@ def loglikelihoods(
         make_rows, score = seq2seq_rows, seq2seq_loglikelihood
     else:
         raise ValueError(
-            f"{type(model).__name__} cannot score continuations; loglikelihood needs a decoder (gpt2) "
+            f"{type(model).__name__} cannot score continuations; loglikelihood needs a decoder (gpt2, llama) "
             "or an encoder-decoder (seq2seq)"
         )
     # Longest first, so each batch pads to rows of similar length; results go back to the given order.
@@ -163,7 +163,7 @@ def rolling_loglikelihood(
 ) -> float:
     """Summed log-probability of every token of a text (ids, any length) under a decoder, in windows."""
     if kinds.kind_of(model) != kinds.DECODER:
-        raise ValueError(f"rolling log-likelihood needs a decoder (gpt2), not {type(model).__name__}")
+        raise ValueError(f"rolling log-likelihood needs a decoder (gpt2, llama), not {type(model).__name__}")
     if not ids:
         return 0.0
     windows = rolling_windows(ids, max_len=model.config.max_len, prefix_id=prefix_id, stride=stride)

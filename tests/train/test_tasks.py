@@ -126,3 +126,16 @@ def test_text_to_text_trains_on_dialogue_pairs(tmp_path):
     too_long.data.target_seq_len = too_long.model.max_len + 1
     with pytest.raises(ValueError, match="config.data.target_seq_len=33 .* longer than the model's positions"):
         run_lib.build(too_long, str(tmp_path / "too_long"))
+
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny,mistral"])
+def test_llama_trains_through_the_loop_and_samples_past_its_context(tmp_path, variant):
+    """The Llama block (GQA, RoPE; Mistral's window) trains on Shakespeare and generates beyond max_len (64)."""
+    final = loop.train_and_evaluate(_config("llama", variant), str(tmp_path))
+    assert np.isfinite(final["loss"]) and final["tokens"] > 0
+    run = run_lib.open_run(str(tmp_path))
+    _, state = run_lib.restore_step(run)
+    kwargs = dict(max_new_tokens=80, temperature=0.0, top_k=0, top_p=1.0, seed=0, note_window=False)
+    text = sample_text(run, run.compiled.host_params(state), "ROMEO:", **kwargs)
+    assert len(run.tokenizer.encode(text)) == 80
+    run.checkpointer.close()

@@ -474,7 +474,8 @@ class Attention(nn.Module):
             key, value = self._context_keys_values(context, project_context) if decode else project_context(context)
             mask = attention_mask(segment_ids, context_segment_ids, causal=False)
         elif decode:
-            key, value, mask = self._update_cache(*project_keys_values(x, rotate=True), segment_ids, positions)
+            update = self._update_rolling_cache if self.sliding_window else self._update_cache
+            key, value, mask = update(*project_keys_values(x, rotate=True), segment_ids, positions)
             is_causal = False
         else:
             key, value = project_keys_values(x, rotate=True)
@@ -527,19 +528,15 @@ class Attention(nn.Module):
 
         The first call (at init) sizes the cache from the chunk it sees: call `init` with a
         [B, max_decode_len] batch. Later chunks attend to every earlier valid key and causally
-        within themselves (and, with a sliding window, to keys whose positions are within it).
+        within themselves.
         """
+        del positions  # the cache index orders the keys
         batch, chunk = key.shape[:2]
         initialized = self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
         cached_valid = self.variable("cache", "cached_valid", jnp.zeros, key.shape[:2], jnp.bool_)
         cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
-        cached_positions = (
-            self.variable("cache", "cached_positions", jnp.zeros, key.shape[:2], jnp.int32)
-            if self.sliding_window
-            else None
-        )
         valid = jnp.ones((batch, chunk), jnp.bool_) if segment_ids is None else segment_ids != 0
         if not initialized:
             return key, value, attention_mask(None, None, causal=False)
@@ -552,12 +549,34 @@ class Attention(nn.Module):
         query_pos = index + jnp.arange(chunk)
         causal = jnp.arange(length)[None, :] <= query_pos[:, None]
         mask = causal[None, None] & cached_valid.value[:, None, None, :]
-        if cached_positions is not None:
-            cached_positions.value = jax.lax.dynamic_update_slice(
-                cached_positions.value, positions.astype(jnp.int32), (0, index)
-            )
-            mask = mask & sliding_window_mask(positions, cached_positions.value, self.sliding_window)
         return cached_key.value, cached_value.value, mask
+
+    def _update_rolling_cache(
+        self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, positions: jax.Array
+    ):
+        """Sliding-window decoding: the cache holds only the last W = sliding_window keys/values [B, W, K, H] (with
+        their positions and validity), W positions of memory rather than max_decode_len. A [B, T] chunk attends to
+        the cached keys and itself, by positions: causal and within the window; the newest W then stay cached."""
+        batch, chunk = key.shape[:2]
+        initialized = self.has_variable("cache", "cached_key")
+        window = min(self.sliding_window, chunk)  # at init the chunk is [B, max_decode_len]
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, (batch, window) + key.shape[2:], key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, (batch, window) + key.shape[2:], value.dtype)
+        cached_valid = self.variable("cache", "cached_valid", jnp.zeros, (batch, window), jnp.bool_)
+        cached_positions = self.variable("cache", "cached_positions", jnp.zeros, (batch, window), jnp.int32)
+        valid = jnp.ones((batch, chunk), jnp.bool_) if segment_ids is None else segment_ids != 0
+        if not initialized:
+            return key, value, attention_mask(None, None, causal=False)
+        keys = jnp.concatenate([cached_key.value, key], axis=1)
+        values = jnp.concatenate([cached_value.value, value], axis=1)
+        key_valid = jnp.concatenate([cached_valid.value, valid], axis=1)
+        key_positions = jnp.concatenate([cached_positions.value, positions.astype(jnp.int32)], axis=1)
+        kept = cached_key.value.shape[1]
+        cached_key.value, cached_value.value = keys[:, -kept:], values[:, -kept:]
+        cached_valid.value, cached_positions.value = key_valid[:, -kept:], key_positions[:, -kept:]
+        causal = (key_positions[:, None, :] <= positions[:, :, None])[:, None]
+        in_window = sliding_window_mask(positions, key_positions, self.sliding_window)
+        return keys, values, causal & in_window & key_valid[:, None, None, :]
 
 
 class MlpBlock(nn.Module):

@@ -70,7 +70,7 @@ def test_kv_cache_decoding_equals_full_forward_with_sliding_window():
     assert np.abs(np.asarray(full[:, 4:] - no_window[:, 4:])).max() > 1e-4  # the window changes later positions
     np.testing.assert_allclose(full[:, :3], no_window[:, :3], atol=1e-5)  # and not those within it
     cache = model.init(jax.random.key(0), jnp.zeros((2, 10), jnp.int32), decode=True)["cache"]
-    assert cache["blocks"]["layer_0"]["attn"]["cached_key"].shape == (2, 10, 2, 8)  # K heads cached
+    assert cache["blocks"]["layer_0"]["attn"]["cached_key"].shape == (2, 3, 2, 8)  # the last 3 positions, K heads
     out, variables = model.apply({"params": params, "cache": cache}, tokens[:, :4], decode=True, mutable=["cache"])
     pieces = [out]
     for t in range(4, 10):
@@ -85,8 +85,9 @@ def test_kv_cache_decoding_equals_full_forward_with_sliding_window():
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5)
 
 
-def test_left_padded_greedy_generation_with_and_without_cache():
-    model, params = tiny_llama()
+@pytest.mark.parametrize("window", [0, 3])
+def test_left_padded_greedy_generation_with_and_without_cache(window):
+    model, params = tiny_llama(sliding_window=window)
     prompts = np.array([[0, 0, 5, 7, 9], [3, 4, 5, 6, 7]], np.int32)
     mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], np.int32)
     kwargs = dict(max_new_tokens=6, temperature=0.0)

@@ -181,6 +181,23 @@ def test_load_pretrained_safetensors_scanned(tmp_path):
         np.testing.assert_array_equal(back[key], value, err_msg=key)
 
 
+@pytest.mark.parity
+def test_bfloat16_checkpoint_loads(tmp_path):
+    """Released Llama-family weights are bfloat16, which numpy lacks: read exactly, as float32."""
+    model = random_hf_model("qwen2_bias_kv1").to(torch.bfloat16)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    cfg = lmzoo_config(model)
+    params, _ = hf.convert_pretrained(f"hf:{tmp_path}", "llama", cfg, target_params(cfg))
+    query = model.model.layers[1].self_attn.q_proj
+    np.testing.assert_array_equal(
+        params["blocks"]["layer_1"]["attn"]["query"]["kernel"],
+        query.weight.detach().float().numpy().T.reshape(24, 6, 8),
+    )
+    np.testing.assert_array_equal(
+        params["blocks"]["layer_1"]["attn"]["query"]["bias"], query.bias.detach().float().numpy().reshape(6, 8)
+    )
+
+
 def test_config_refusals():
     base = {"model_type": "llama", **{k: v for k, v in SHAPE.items() if v is not None}}
     legacy = llama.config_from_hf(base | {"rope_theta": 5e5, "rope_scaling": {"type": "llama3", **LLAMA3}})

@@ -36,7 +36,8 @@ def _rope(hf_config: Mapping[str, Any]) -> dict[str, Any]:
             f"HF config has {field}.partial_rotary_factor={rope['partial_rotary_factor']!r}; "
             "lmzoo's llama rotates the whole head (1.0)"
         )
-    fields: dict[str, Any] = {"rope_theta": float(theta)}
+    # factor 0 (no scaling) is stated, so a target config that scales differs from an unscaled checkpoint.
+    fields: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling_factor": 0.0}
     if rope_type == "default":
         return fields
     if rope_type != "llama3":

@@ -202,6 +202,8 @@ def test_config_refusals():
     base = {"model_type": "llama", **{k: v for k, v in SHAPE.items() if v is not None}}
     legacy = llama.config_from_hf(base | {"rope_theta": 5e5, "rope_scaling": {"type": "llama3", **LLAMA3}})
     assert legacy["rope_theta"] == 5e5 and legacy["rope_scaling_factor"] == 8.0
+    scaled = make_config("llama", llama.config_from_hf(base) | {"rope_scaling_factor": 8.0})
+    assert hf.differing_fields(llama.config_from_hf(base), scaled) == ["rope_scaling_factor"]
     refused = {
         "rope_scaling": base | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
         "rope_parameters": base | {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},

@@ -1,14 +1,15 @@
 """The one mechanism behind every HF converter: declarative tensor tables, safetensors reading, one validator.
 
-A family file (gpt2.py, bert.py, seq2seq.py) lists, for a given lmzoo config, one `Entry` per lmzoo leaf:
-which HF tensor it comes from and how its layout changes. Everything else -- reading a checkpoint
+A family file (gpt2.py, bert.py, seq2seq.py, llama.py) lists, for a given lmzoo config, one `Entry` per lmzoo
+leaf: which HF tensor it comes from and how its layout changes. Everything else -- reading a checkpoint
 folder, stripping and adding key prefixes, folding tied copies, checking names and shapes both ways,
 building the nested parameter tree, the scanned layer layout -- is written once here.
 
 Layouts: Flax kernels are [in, out]. HF GPT-2 uses `Conv1D`, whose weights are already [in, out] and
 copy directly (its fused c_attn [D, 3D] is split in three along the last axis). HF `nn.Linear` (BERT,
-RoBERTa, ALBERT, DistilBERT, T5, BART, and GPT-2's untied lm_head) stores [out, in] and needs a
-transpose. A kernel then reshapes to its Einsum shape: query/key/value (D, N, H), attention output (N, H, D).
+RoBERTa, ALBERT, DistilBERT, T5, BART, Llama, Mistral, Qwen2, and GPT-2's untied lm_head) stores [out, in] and
+needs a transpose. A kernel then reshapes to its Einsum shape: query/key/value (D, N, H) (key/value (D, K, H) with
+K kv heads), attention output (N, H, D).
 
 Weights are read only from safetensors files (float32, float16 or bfloat16; converted to float32): pickled
 `pytorch_model.bin` checkpoints are refused, because unpickling can run arbitrary code.

@@ -7,7 +7,7 @@ difference is an error naming every differing field and its fix, unless the call
 load, which is reported (loaded, dropped, newly initialised) and printed. A pretraining head the target
 does not have (the MLM head of a classifier's backbone) is dropped and reported without an error.
 
-The per-family tables live in gpt2.py, bert.py and seq2seq.py; the mechanism in mapping.py.
+The per-family tables live in gpt2.py, bert.py, seq2seq.py and llama.py; the mechanism in mapping.py.
 """
 
 import dataclasses
@@ -19,17 +19,25 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from lmzoo.convert import bert, gpt2, mapping, seq2seq
+from lmzoo.convert import bert, gpt2, llama, mapping, seq2seq
 from lmzoo.convert.mapping import Params
 from lmzoo.convert.seq2seq import t5_config_to_hf, t5_from_hf  # noqa: F401  (used by bench/seq2seq_bench.py)
 from lmzoo.models import make_config
 
 # model_name -> converter module with read_checkpoint(hf_config, state_dict) -> (config.model fields, params).
-FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "bert": bert, "seq2seq": seq2seq}
+FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "bert": bert, "seq2seq": seq2seq, "llama": llama}
 # Fields a checkpoint does not fix: regularisation and initialisation do not change a loaded model's function,
 # and head presence (pooler, sentence_head) is checked tensor by tensor (a missing head is newly initialised).
 UNCOMPARED_FIELDS = frozenset(
-    {"dropout_rate", "attention_dropout_rate", "embedding_init_std", "init_scheme", "pooler", "sentence_head"}
+    {
+        "dropout_rate",
+        "attention_dropout_rate",
+        "embedding_init_std",
+        "init_std",
+        "init_scheme",
+        "pooler",
+        "sentence_head",
+    }
 )
 
 

@@ -1,17 +1,18 @@
 """The one mechanism behind every HF converter: declarative tensor tables, safetensors reading, one validator.
 
-A family file (gpt2.py, bert.py, seq2seq.py) lists, for a given lmzoo config, one `Entry` per lmzoo leaf:
-which HF tensor it comes from and how its layout changes. Everything else -- reading a checkpoint
+A family file (gpt2.py, bert.py, seq2seq.py, llama.py) lists, for a given lmzoo config, one `Entry` per lmzoo
+leaf: which HF tensor it comes from and how its layout changes. Everything else -- reading a checkpoint
 folder, stripping and adding key prefixes, folding tied copies, checking names and shapes both ways,
 building the nested parameter tree, the scanned layer layout -- is written once here.
 
 Layouts: Flax kernels are [in, out]. HF GPT-2 uses `Conv1D`, whose weights are already [in, out] and
 copy directly (its fused c_attn [D, 3D] is split in three along the last axis). HF `nn.Linear` (BERT,
-RoBERTa, ALBERT, DistilBERT, T5, BART, and GPT-2's untied lm_head) stores [out, in] and needs a
-transpose. A kernel then reshapes to its Einsum shape: query/key/value (D, N, H), attention output (N, H, D).
+RoBERTa, ALBERT, DistilBERT, T5, BART, Llama, Mistral, Qwen2, and GPT-2's untied lm_head) stores [out, in] and
+needs a transpose. A kernel then reshapes to its Einsum shape: query/key/value (D, N, H) (key/value (D, K, H) with
+K kv heads), attention output (N, H, D).
 
-Weights are read only from safetensors files: pickled `pytorch_model.bin` checkpoints are refused,
-because unpickling can run arbitrary code.
+Weights are read only from safetensors files (float32, float16 or bfloat16; converted to float32): pickled
+`pytorch_model.bin` checkpoints are refused, because unpickling can run arbitrary code.
 """
 
 import json
@@ -21,9 +22,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import ml_dtypes
 import numpy as np
 import safetensors
-from safetensors.numpy import load_file
 
 Params = dict[str, Any]
 
@@ -249,15 +250,35 @@ def _part_index(entry: Entry) -> int:
     return entry.part[0] if entry.part else 0
 
 
+# safetensors dtype -> numpy; bfloat16 (most released Llama, Mistral and Qwen2 weights), which numpy lacks and
+# safetensors.numpy refuses, through ml_dtypes.
+_DTYPES = {
+    "BF16": ml_dtypes.bfloat16,
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
 def _load_safetensors(file: Path) -> dict[str, np.ndarray]:
     """The tensors of one safetensors file; a truncated or foreign file is a ValueError naming it."""
     try:
-        return load_file(file)
+        tensors = safetensors.deserialize(file.read_bytes())
     except safetensors.SafetensorError as e:
         raise ValueError(
             f"{file} is not a readable safetensors file ({e}): truncated, or another format under that name; "
             "download or export it again"
         ) from None
+    unknown = sorted({info["dtype"] for _, info in tensors} - set(_DTYPES))
+    if unknown:
+        raise ValueError(f"{file} holds tensors of dtype {unknown}; lmzoo reads {sorted(_DTYPES)}")
+    return {name: np.frombuffer(info["data"], _DTYPES[info["dtype"]]).reshape(info["shape"]) for name, info in tensors}
 
 
 def _read_json(file: Path) -> Any:

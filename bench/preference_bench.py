@@ -2,7 +2,7 @@
 run, with PASS/MISS against the target lmzoo >= 1.0x trl (trl's time over lmzoo's, medians).
 
     PYTHONPATH=$PWD python bench/preference_bench.py                              # lmzoo only
-    PYTHONPATH=$PWD /work/trl-venv/bin/python bench/preference_bench.py --trl     # + trl (its venv: bench/ppo_bench.py)
+    PYTHONPATH=$PWD venv-trl/bin/python bench/preference_bench.py --trl     # + trl (its venv: see bench/ppo_bench.py)
 
 DPO: configs/hh_dpo.py's step, 16 pairs x 2 replies of 256 tokens (a 128-byte prompt, a 127-byte reply and EOS),
 the policy's forward and backward and the frozen reference's forward, AdamW, on the GPT-2 of 4 layers x 128 of the

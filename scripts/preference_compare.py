@@ -45,7 +45,7 @@ from lmzoo.train import run as run_lib  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 METHODS = {"ppo": "hh_ppo.py", "rloo": "hh_ppo.py:rloo", "grpo": "hh_ppo.py:grpo", "dpo": "hh_dpo.py"}
-DEFAULTS = {"sft_steps": 200, "rm_steps": 130, "updates": 128, "checkpoints": 4}  # ~20 min on 2 cores
+DEFAULTS = {"sft_steps": 200, "rm_steps": 130, "updates": 128, "checkpoints": 4}  # 24 min on 2 shared cores
 TINY = {"sft_steps": 4, "rm_steps": 4, "updates": 16, "checkpoints": 2}
 
 

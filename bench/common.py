@@ -99,6 +99,41 @@ def announce(name: str, label: str, spec, rounds: int) -> dict[str, float]:
 TORCH_THREADS = 2  # the machine's cores; XLA:CPU uses them all too
 
 
+def hf_byte_tokenizer():
+    """lmzoo's byte tokenizer as an HF fast tokenizer (ids: 256 bytes, <eos> 256, <pad> 257; prompts padded on the
+    left), for the trl comparisons."""
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {chr(i): i for i in range(256)} | {"<eos>": 256, "<pad>": 257}
+    byte_tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    byte_tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    byte_tokenizer.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=byte_tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<pad>", padding_side="left"
+    )
+
+
+def hf_gpt2_config(model):
+    """An HF `GPT2Config` of lmzoo's GPT-2 `model` section (config.model), dropout off, byte-tokenizer special ids."""
+    import transformers
+
+    return transformers.GPT2Config(
+        vocab_size=model.vocab_size,
+        n_positions=model.max_len,
+        n_embd=model.emb_dim,
+        n_layer=model.num_layers,
+        n_head=model.num_heads,
+        n_inner=model.mlp_dim,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=256,
+        eos_token_id=256,
+        pad_token_id=257,
+    )
+
+
 class Isolated:
     """A trainer built and run in a process of its own, as users run each framework: its own malloc settings,
     threads and JAX client, configured as train.py configures its process (`host_memory.run_on_calling_thread`;

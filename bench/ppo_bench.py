@@ -11,10 +11,10 @@ Random weights (nothing is read). Each phase is jitted on its own (`trainer.run_
 and timed with `block_until_ready` after warm-up, the parts and the step in alternating order
 (`common.interleaved_ms`). The step fuses the parts into one program, so their sum need not equal it.
 
-`--trl` times trl's RLOOTrainer on the same shapes (an HF GPT2 of the same config, a GPT2 reward model, the
-same prompts x samples, response length and updates per rollout). trl 1.16 has no PPOTrainer (moved to
-`trl.experimental.ppo` in 1.10, removed in huggingface/trl#7020), so its RLOO is the comparison, against
-`--variant rloo`. trl is no requirement of lmzoo: put it in a venv of its own that sees the lmzoo venv's
+`--trl` times trl's RLOOTrainer (`--variant rloo`) or GRPOTrainer (`--variant grpo`) on the same shapes (an HF GPT2
+of the same config, a GPT2 reward model, the same prompts x samples, response length and updates per rollout). trl
+1.16 has no PPOTrainer (moved to `trl.experimental.ppo` in 1.10, removed in huggingface/trl#7020), so PPO has no
+trl column. trl is no requirement of lmzoo: put it in a venv of its own that sees the lmzoo venv's
 packages, so pip keeps their torch and transformers (check that it installs nothing but trl):
 
     python -m venv venv-trl && echo $VIRTUAL_ENV/lib/python3.11/site-packages > venv-trl/lib/python3.11/site-packages/lmzoo.pth
@@ -42,7 +42,8 @@ from lmzoo import objectives  # noqa: E402
 from lmzoo.train import run as run_lib  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-VARIANTS = ("ppo", "rloo", "value_model")
+VARIANTS = ("ppo", "rloo", "grpo", "value_model")
+TRL_VARIANTS = ("rloo", "grpo")  # trl 1.16 has no PPOTrainer
 
 
 def hh_ppo_config(variant: str, tiny: bool, ptx_coef: float):
@@ -86,51 +87,33 @@ def lmzoo_parts(config, repeats: int) -> dict[str, tuple[float, float]]:
     )
 
 
-def trl_rloo_iterations(config, iterations: int) -> dict[str, list[float]]:
-    """Seconds per iteration of trl's RLOOTrainer on the shapes of `config` (`--variant rloo`): total, and its
-    rollout (`transformers.generate`), scoring (the rest of generating and scoring) and update, from trl's own
-    profiling hooks. The first iteration (warm-up) is dropped."""
+def trl_iterations(config, iterations: int) -> dict[str, list[float]]:
+    """Seconds per iteration of trl's RLOOTrainer (`--variant rloo`) or GRPOTrainer (configs/hh_ppo.py:grpo) on the
+    shapes of `config`: total, and its rollout (`transformers.generate`), scoring (the rest of generating and scoring)
+    and update, from trl's own profiling hooks. The first iteration (warm-up) is dropped."""
     import datasets
     import torch
     import transformers
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from trl import RLOOConfig, RLOOTrainer
+    import trl
     from trl.extras import profiling
 
     torch.set_num_threads(os.cpu_count())
-    s, m = objectives.build(config).fields, config.model
-    vocab = {chr(i): i for i in range(256)} | {"<eos>": 256, "<pad>": 257}  # lmzoo's byte ids: 256 bytes, eos, pad
-    byte_tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    byte_tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    byte_tokenizer.decoder = decoders.Fuse()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=byte_tokenizer, eos_token="<eos>", pad_token="<pad>", unk_token="<pad>", padding_side="left"
-    )
-    gpt2 = dict(
-        vocab_size=m.vocab_size,
-        n_positions=m.max_len,
-        n_embd=m.emb_dim,
-        n_layer=m.num_layers,
-        n_head=m.num_heads,
-        n_inner=m.mlp_dim,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=256,
-        eos_token_id=256,
-        pad_token_id=257,
-    )
+    s = objectives.build(config).fields
+    tokenizer = common.hf_byte_tokenizer()
+    gpt2 = common.hf_gpt2_config(config.model)
     torch.manual_seed(0)
-    workdir = tempfile.mkdtemp(prefix="trl_rloo_")
+    workdir = tempfile.mkdtemp(prefix=f"trl_{s.algorithm}_")
     policy_dir = os.path.join(workdir, "policy")  # trl builds the reference model from the policy's path
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2)).save_pretrained(policy_dir)
+    transformers.GPT2LMHeadModel(gpt2).save_pretrained(policy_dir)
     tokenizer.save_pretrained(policy_dir)
-    reward_model = transformers.GPT2ForSequenceClassification(transformers.GPT2Config(**gpt2, num_labels=1))
+    gpt2.num_labels = 1
+    reward_model = transformers.GPT2ForSequenceClassification(gpt2)
     rng = np.random.default_rng(0)
     prompts = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz "), s.prompt_len)) for _ in range(256)]
     updates = s.epochs * s.minibatches
     rows = config.train.batch_size * s.samples_per_prompt
-    args = RLOOConfig(
+    Config, Trainer = (trl.GRPOConfig, trl.GRPOTrainer) if s.algorithm == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
+    args = Config(
         output_dir=workdir,
         use_cpu=True,
         bf16=False,
@@ -150,7 +133,7 @@ def trl_rloo_iterations(config, iterations: int) -> dict[str, list[float]]:
         seed=0,
         dataloader_num_workers=0,
     )
-    trainer = RLOOTrainer(
+    trainer = Trainer(
         model=policy_dir,
         reward_funcs=reward_model,
         args=args,
@@ -191,11 +174,13 @@ def main():
     parser.add_argument("--variant", choices=VARIANTS, default="ppo", help="configs/hh_ppo.py's variant")
     parser.add_argument("--ptx_coef", type=float, default=0.0, help="PPO-ptx on ptx_batch_size random rows")
     parser.add_argument(
-        "--trl", action="store_true", help="also time trl's RLOOTrainer on the same shapes (--variant rloo)"
+        "--trl", action="store_true", help="also time trl's RLOOTrainer / GRPOTrainer (--variant rloo / grpo)"
     )
     args = parser.parse_args()
-    if args.trl and args.variant != "rloo":
-        parser.error("--trl compares trl's RLOOTrainer (trl has no PPOTrainer any more): use --variant rloo")
+    if args.trl and args.variant not in TRL_VARIANTS:
+        parser.error(
+            "--trl compares trl's RLOOTrainer or GRPOTrainer (trl has no PPOTrainer any more): use --variant rloo or grpo"
+        )
     config = hh_ppo_config(args.variant, args.tiny, args.ptx_coef)
     s = objectives.build(config).fields
     common.announce("ppo", args.variant, f"emb_dim {config.model.emb_dim}, {config.model.num_layers} layers", 1)
@@ -210,7 +195,7 @@ def main():
     if args.trl:
         import trl
 
-        seconds = trl_rloo_iterations(config, args.repeats)
+        seconds = trl_iterations(config, args.repeats)
         columns[f"trl {trl.__version__}"] = {name: 1e3 * statistics.median(v) for name, v in seconds.items()}
     print(f"median ms per iteration; load average now {os.getloadavg()[0]:.2f}")
     print(f"{'part':18s}" + "".join(f"{name:>14s}" for name in columns))

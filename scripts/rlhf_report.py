@@ -13,14 +13,12 @@ import argparse
 import json
 import pathlib
 
-import jax
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 
-from lmzoo import sharding  # noqa: E402
+from lmzoo.evaluation import alignment  # noqa: E402
 from lmzoo.train import run as run_lib  # noqa: E402
 
 CURVES = (
@@ -41,7 +39,8 @@ def plot(runs: dict[str, str], path: pathlib.Path) -> None:
         rows = [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if r["split"] == "train"]
         for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
-            ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=name)
+            values = [r.get(key, float("nan")) for r in rows]  # GRPO logs no value metrics
+            ax.plot([r["step"] for r in rows], values, label=name)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("PPO iteration")
     axes.flat[0].legend()
@@ -55,25 +54,13 @@ def samples(name: str, workdir: str, count: int) -> None:
     _, state = run_lib.restore_step(run)
     state = state.replace(frozen=run_lib.load_frozen(run))
     run.checkpointer.close()
-    batch = next(iter(run.eval_batches("validation")))
-    trainer, compiled = run.compiled.trainer, run.compiled
-    rollout_fn = jax.jit(
-        lambda st, b: trainer.rollout(st.params, st.frozen, st.kl_coef, b, jax.random.key(0), samples_per_prompt=1)[0]
-    )
-    with run.context():
-        rollout = jax.device_get(rollout_fn(state, sharding.put_batch(batch, compiled.batch_sharding)))
-    keep = np.flatnonzero(batch["example_weights"] > 0)
+    judge = alignment.PolicyJudge(run, state, [next(iter(run.eval_batches("validation")))])
+    rollout = judge.rollouts(state.params["decoder"])
     print(
         f"\n### {name} ({workdir}, step {int(state.step)}): held-out prompts, mean score "
-        f"{rollout['scores'][keep].mean():.3f}, mean KL {rollout['sequence_kl'][keep].mean():.2f}\n"
+        f"{rollout['scores'].mean():.3f}, mean KL {rollout['sequence_kl'].mean():.2f}\n"
     )
-    tokenizer = run.tokenizer
-    for i in keep[:count]:
-        prompt = tokenizer.decode(batch["prompts"][i][batch["prompt_mask"][i] > 0].tolist())
-        response = tokenizer.decode(rollout["responses"][i][rollout["mask"][i] > 0].tolist())
-        print(
-            f"- score {rollout['scores'][i]:+.2f}, KL {rollout['sequence_kl'][i]:.1f}: `…{prompt[-60:]!r}` → `{response!r}`"
-        )
+    print("\n".join(judge.sample_lines(rollout, count)))
 
 
 def main():

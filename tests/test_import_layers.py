@@ -24,6 +24,7 @@ LAYERS = (
             "lmzoo.convert.gpt2",
             "lmzoo.convert.bert",
             "lmzoo.convert.seq2seq",
+            "lmzoo.convert.llama",
             "lmzoo.convert.hf",
             "lmzoo.rl",
         ),

@@ -33,6 +33,7 @@ def test_train_writes_checkpoints_logs_sample_and_eval(tmp_path):
     assert {"loss", "perplexity", "learning_rate", "grad_norm", "tokens_per_sec"} <= set(rows[0])
     assert any(p.name.startswith("events") for p in (tmp_path / "tb").iterdir())
     assert (tmp_path / "sample.txt").read_text().startswith("def ")
+    assert not (tmp_path / "lock").exists()  # a finished run removes its lock file
     result = subprocess.run(
         [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", "--max_batches=2"],
         capture_output=True,

@@ -50,7 +50,10 @@ def evaluate_loss(run, state: Any, split: str = "validation", *, max_batches: in
             if total is None:
                 total = _zero_metrics(compiled, state, stacked, carry)
             device_batches = sharding.put_batch(stacked, compiled.stacked_batch_sharding)
-            total, carry = compiled.eval_steps(state, device_batches, valid, carry, total)
+            previous, (total, carry) = total, compiled.eval_steps(state, device_batches, valid, carry, total)
+        # Waits for the group before this one: the host prepares the next group while the device runs this one, and
+        # a split of any size keeps two groups' inputs in device memory, not all of them.
+        jax.block_until_ready(previous)
         count += len(group)
     if total is None:
         raise ValueError(f"the {split} split produced no evaluation batches; check config.data and config.eval")

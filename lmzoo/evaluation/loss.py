@@ -68,7 +68,8 @@ def evaluate_loss(run, state: Any, split: str = "validation", *, max_batches: in
 
 
 def _zero_metrics(compiled, state: Any, stacked: dict[str, np.ndarray], carry: Any) -> Any:
-    """Zeros shaped like the metrics of one eval step on a batch of `stacked` ([k, batch, ...]); call in the run's context."""
+    """Zeros shaped like the metrics of one eval step on a batch of `stacked` ([k, batch, ...]), the sum `eval_steps`
+    starts from; call it in the run's context."""
     batch = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in stacked.items()}
     shapes = jax.eval_shape(compiled.trainer.eval_step, state, batch, carry)[0]
     return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)

@@ -2,8 +2,9 @@
 
 `lock(workdir)` takes an exclusive `fcntl.flock` on `<workdir>/lock`. The OS drops the lock when the
 holding process exits or crashes, so a lock is never left behind; the file keeps the holder's pid,
-host, command and start time so a second run can name it. Info found in an unlocked file belongs to a
-dead holder: it is reported as stale and taken over.
+host, command and start time so a second run can name it. A run that ends (finished, stopped or failed)
+removes the file; one that is killed or crashes leaves it, and info found in an unlocked file belongs to
+that dead holder: it is reported as stale and taken over.
 
 `StagedRunState` collects the files and folders a run writes at start (config.json, tokenizer/) in a
 staging folder inside the workdir; `commit()` moves them into place only after validation succeeded,
@@ -148,24 +149,24 @@ class WorkdirLock:
         os.fsync(self._file.fileno())
 
     def release(self, *, failed_start: bool = False) -> None:
-        """Clears the holder info (so the next run sees no stale info) and drops the lock.
+        """Removes the lock file and drops the lock, so a run that ended leaves no lock file (a killed one
+        leaves its holder info, reported as stale by the next run).
 
-        failed_start: the run stopped before changing the workdir; what taking the lock and starting added
-        (the lock file, empty folders such as checkpoints/, the workdir itself if it was created) is removed,
-        so the workdir is as it was.
+        failed_start: the run stopped before changing the workdir; what starting added (empty folders such as
+        checkpoints/, the workdir itself if it was created) is removed too, so the workdir is as it was.
         """
         if self._file.closed:
             return
+        # Removed while still held, and only if the path is still this lock's file: a run waiting on it re-checks,
+        # once it holds it, that it is the path's file, and a newer run's file at the path is left alone.
+        if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino:
+            self.path.unlink()
         if failed_start:
             for entry in self.workdir.iterdir():
                 if entry.name not in self.entries_before and entry.is_dir() and not any(entry.iterdir()):
                     entry.rmdir()
-            if LOCK_NAME not in self.entries_before:
-                self.path.unlink()  # while still holding it: a waiting run re-checks the file it locked
-                if self.created_workdir and not any(self.workdir.iterdir()):
-                    self.workdir.rmdir()
-        self._file.truncate(0)
-        self._file.flush()
+            if self.created_workdir and not any(self.workdir.iterdir()):
+                self.workdir.rmdir()
         fcntl.flock(self._file, fcntl.LOCK_UN)
         self._file.close()
 

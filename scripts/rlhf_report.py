@@ -1,9 +1,9 @@
 """Curves and samples of PPO runs: per-iteration metrics as one PNG, and responses to held-out prompts.
 
-    PYTHONPATH=$PWD python scripts/rlhf_report.py --out docs/rlhf \
-        --run ppo=runs/hh_ppo --run nokl=runs/hh_ppo_nokl --samples 4
+    PYTHONPATH=$PWD python scripts/rlhf_report.py --run ppo=runs/hh_ppo --run nokl=runs/hh_ppo_nokl --samples 4
 
-Reads each run's metrics.jsonl for the curves (docs: <out>/ppo_curves.png). For the samples it restores
+Reads each run's metrics.jsonl for the curves (<out>/ppo_curves.png; --out defaults to the first run's
+WORKDIR/report; docs/rlhf/ppo_curves.png was made with --out docs/rlhf). For the samples it restores
 the run's last checkpoint (the frozen SFT reference and reward model are read again from their paths),
 samples one response per held-out prompt with a fixed key and prints each with its normalised
 reward-model score and its KL to the reference (Σ_t log π − log π_ref), as Markdown.

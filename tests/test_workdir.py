@@ -42,10 +42,12 @@ def test_second_process_is_refused_naming_the_holder_then_takes_over_after_a_cra
         assert json.loads((tmp_path / "lock").read_text())["pid"] == os.getpid()
 
 
-def test_released_lock_leaves_no_stale_info(tmp_path):
+def test_released_lock_leaves_no_lock_file_and_no_stale_info(tmp_path):
     workdir.lock(tmp_path).release()
+    assert not (tmp_path / "lock").exists()
     with workdir.lock(tmp_path) as lock:
         assert lock.stale_holder is None
+    assert not (tmp_path / "lock").exists()
 
 
 def test_failed_start_removes_only_what_taking_the_lock_added(tmp_path):
@@ -60,7 +62,7 @@ def test_failed_start_removes_only_what_taking_the_lock_added(tmp_path):
     lock = workdir.lock(used)
     (used / "checkpoints").mkdir()
     lock.release(failed_start=True)
-    assert sorted(p.name for p in used.iterdir()) == ["config.json", "lock"]
+    assert sorted(p.name for p in used.iterdir()) == ["config.json"]
 
 
 def test_a_run_that_waited_on_a_removed_lock_file_locks_the_new_one(tmp_path):
@@ -69,8 +71,11 @@ def test_a_run_that_waited_on_a_removed_lock_file_locks_the_new_one(tmp_path):
     second = workdir.lock(tmp_path / "run")  # opens a new file; the old inode is no longer the lock
     with pytest.raises(workdir.WorkdirLockedError):
         workdir.lock(tmp_path / "run")
+    first.release()  # leaves the second run's file, which is the lock now
+    with pytest.raises(workdir.WorkdirLockedError):
+        workdir.lock(tmp_path / "run")
     second.release()
-    first.release()
+    assert not (tmp_path / "run" / "lock").exists()
 
 
 def test_lock_is_exclusive_within_one_process_too(tmp_path):

@@ -40,6 +40,16 @@ HEADLINE_METRICS = (
     "kl",
 )  # printed after each in-loop evaluation, when present
 
+# The training metrics the progress bar shows, when present, by their short names: a supervised run's loss and
+# learning rate; a PPO run's reward-model score, KL to the reference and KL coefficient β.
+PROGRESS_METRICS = {
+    "loss": "loss",
+    "learning_rate": "learning_rate",
+    "objective/scores": "reward",
+    "objective/kl": "kl",
+    "objective/kl_coef": "beta",
+}
+
 
 class NonFiniteLossError(FloatingPointError):
     pass
@@ -293,6 +303,11 @@ def run_timed_phases(phases: dict, state: Any, batch: Any) -> tuple[Any, dict]:
     return state, {**metrics, **times}
 
 
+def progress_postfix(summary: dict[str, float]) -> dict[str, str]:
+    """The progress bar's fields of a training summary (PROGRESS_METRICS present in it), 4 significant digits."""
+    return {short: f"{summary[name]:.4g}" for name, short in PROGRESS_METRICS.items() if name in summary}
+
+
 def call_size(step: int, train: ml_collections.ConfigDict, steps_per_call: int) -> int:
     """Steps the compiled call from `step` runs: at most `steps_per_call`, ending at the next step that logs,
     saves or evaluates, or at the last, so those land on call boundaries exactly as with one step per call."""
@@ -367,7 +382,7 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
                 elapsed = max(time.time() - window_start, 1e-9)
                 summary["tokens_per_sec"] = window_tokens * jax.process_count() / elapsed
                 writer.write(done, summary, "train")
-                progress.set_postfix({k: f"{summary[k]:.4g}" for k in ("loss", "learning_rate") if k in summary})
+                progress.set_postfix(progress_postfix(summary))
                 total, window_start, window_step, window_tokens = None, time.time(), done, 0
             if at_ckpt or stop:
                 run.checkpointer.save(done, state.replace(frozen={}), {"step": done}, force=bool(stop))

@@ -76,6 +76,9 @@ class CompiledTrainer:
     init(rng) -> state; step(state, batch) -> (state, metrics) donates the old state; steps(state, batches) does
     the same for batches stacked on a leading axis [k, batch, ...] in one call (`lax.scan`), metrics summed over
     the k steps; initial_carry(batch_size) -> carry; eval_step(state, batch, carry) -> (metrics, carry);
+    eval_steps(state, batches, valid, carry, total) -> (total, carry) runs eval_step over batches stacked
+    [k, batch, ...] in one call, adding each metric to `total` in order and skipping the batches whose valid [k] is
+    False (those padding a last group to k);
     phases: {name: phase(state, batch, carry) -> carry} of a trainer with phases (the last donates the state),
     else empty. Call them inside `context()`.
     """
@@ -91,6 +94,7 @@ class CompiledTrainer:
     step: Callable
     steps: Callable
     eval_step: Callable
+    eval_steps: Callable
     with_params: Callable
     phases: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
@@ -143,6 +147,24 @@ def scan_steps(trainer: Any, state: Any, batches: Batch) -> tuple[Any, Metrics]:
     return state, jax.tree.map(lambda m: m.sum(axis=0), metrics)
 
 
+def scan_eval_steps(trainer: Any, state: Any, batches: Batch, valid: jax.Array, carry: Any, total: Any) -> tuple:
+    """`trainer.eval_step` over batches stacked [k, batch, ...], in order: (total + each valid batch's metrics, added
+    one after another as the host would, and the carry after the last valid batch). A batch whose valid [k] is False
+    is skipped, not computed (`lax.cond`), so a group padded to k costs only its real batches."""
+
+    def body(acc, inputs):
+        batch, is_valid = inputs
+
+        def step(acc):
+            total, carry = acc
+            metrics, carry = trainer.eval_step(state, batch, carry)
+            return jax.tree.map(lambda a, b: a + b, total, metrics), carry
+
+        return jax.lax.cond(is_valid, step, lambda acc: acc, acc), None
+
+    return jax.lax.scan(body, (total, carry), (batches, valid))[0]
+
+
 def _init_compiler_options(mesh: jax.sharding.Mesh) -> dict | None:
     """XLA options of the one-time init program. On CPU, LLVM at O1 compiles it (one threefry expansion per
     parameter) ~40% faster than the default and gives bit-identical parameters."""
@@ -190,6 +212,11 @@ def compile_trainer(trainer: Any, *, mesh: jax.sharding.Mesh, rules: tuple, seed
             eval_step=jax.jit(
                 lambda state, batch, carry: trainer.eval_step(state, batch, carry),
                 in_shardings=(state_shardings, batch_sharding, None),
+                out_shardings=(replicated, None),
+            ),
+            eval_steps=jax.jit(
+                functools.partial(scan_eval_steps, trainer),
+                in_shardings=(state_shardings, stacked_batch_sharding, replicated, None, replicated),
                 out_shardings=(replicated, None),
             ),
             with_params=jax.jit(

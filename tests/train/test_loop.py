@@ -33,6 +33,7 @@ def test_train_writes_checkpoints_logs_sample_and_eval(tmp_path):
     assert {"loss", "perplexity", "learning_rate", "grad_norm", "tokens_per_sec"} <= set(rows[0])
     assert any(p.name.startswith("events") for p in (tmp_path / "tb").iterdir())
     assert (tmp_path / "sample.txt").read_text().startswith("def ")
+    assert not (tmp_path / "lock").exists()  # a finished run removes its lock file
     result = subprocess.run(
         [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", "--max_batches=2"],
         capture_output=True,
@@ -169,6 +170,23 @@ def test_perplexity_and_bits_only_for_token_nll_losses():
     not_nll = {"classify", "reward_model", "ppo", "distill", "mlm_nsp", "mlm_sop", "elmo_classify"}
     for name in ("causal_lm", "sft", "mlm", "recurrent_lm", "bilm", "text_to_text", *not_nll):
         assert objectives.get(name).loss_is_token_nll == (name not in not_nll), name
+
+
+def test_progress_bar_shows_the_loss_or_ppos_reward_kl_and_beta():
+    import jax.numpy as jnp
+
+    from lmzoo import metrics as metrics_lib
+    from lmzoo.rl import policy_gradient
+
+    supervised = {"loss": 2.5, "learning_rate": 1e-3, "grad_norm": 0.7, "tokens_per_sec": 1e4}
+    assert loop.progress_postfix(supervised) == {"loss": "2.5", "learning_rate": "0.001"}
+    mask = jnp.ones((2, 3))
+    logprobs = jnp.log(jnp.full((2, 3), 0.5))
+    _, metrics = policy_gradient.ppo_rollout_targets(
+        jnp.array([1.0, 2.0]), jnp.array([True, True]), logprobs, logprobs - 0.1, jnp.zeros((2, 3)), mask, kl_coef=0.05
+    )
+    summary = metrics_lib.summarize(metrics, token_nll=False)  # a PPO step's rollout metrics, as the loop logs them
+    assert loop.progress_postfix(summary) == {"reward": "1.5", "kl": "0.3", "beta": "0.05"}
 
 
 def test_several_steps_per_call_equal_single_steps_and_resume_mid_run(tmp_path):

@@ -4,7 +4,7 @@
     python train.py --config=configs/llama.py:mistral        # the same with a 32-position sliding window
     python train.py --config=configs/llama.py:llama3_8b --config.data.source=store --config.data.path=STORE
 
-The default variant is the Shakespeare recipe of `configs/shakespeare_char.py` (context 64, batch 12, 2,000
+The default variant is the Shakespeare recipe of `configs/shakespeare_char.py`, loaded from it (context 64, batch 12, 2,000
 steps, AdamW 1e-3 cosine to 1e-4, clip 1.0) with the Llama block in place of GPT-2's. `llama3_8b` is Llama 3 8B's
 shape (32 layers, D 4096, 32 query / 8 kv heads, SwiGLU 14,336, rope_theta 500,000, vocabulary 128,256, context
 8,192) for accelerators, bf16 compute, scanned and rematerialised layers, on a prepared token store of its
@@ -14,14 +14,15 @@ tokenizer (`python -m lmzoo.data.prepare`, docs/data.md); shard it with `--confi
 
 import pathlib
 
-from lmzoo.config import base_config, check_variants, model_section
-
-DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
+from lmzoo.config import check_variants, load_config_file, model_section
 
 
 def get_config(arg: str | None = None):
     variants = check_variants(arg, known=("tiny", "mistral", "llama3_8b"))
-    c = base_config()
+    # The Shakespeare recipe, data, optimizer and schedule included; only the model differs.
+    c = load_config_file(
+        pathlib.Path(__file__).with_name("shakespeare_char.py"), "tiny" if "tiny" in variants else None
+    )
     c.model_name = "llama"
     c.model = model_section(
         "llama",
@@ -30,30 +31,12 @@ def get_config(arg: str | None = None):
         emb_dim=128,
         num_heads=4,
         num_kv_heads=2,
-        num_layers=4,
+        num_layers=1 if "tiny" in variants else 4,
         mlp_dim=352,  # SwiGLU's 3 matrices at about GPT-2's 4 x D MLP parameter count
         rope_theta=10_000.0,
         norm_epsilon=1e-5,
     )
-    c.data.source = "local"
-    c.data.path = str(DATA)
-    c.data.tokenizer.kind = "char"
-    c.data.seq_len = 64
-    c.data.validation_fraction = 0.1
-    c.optim.learning_rate = 1e-3
-    c.optim.min_learning_rate = 1e-4
-    c.optim.warmup_steps = 100
-    c.optim.decay_steps = 2000
-    c.optim.b2 = 0.99
-    c.optim.weight_decay = 0.1
-    c.optim.grad_clip = 1.0
-    c.train.steps = 2000
-    c.train.batch_size = 12
-    c.train.log_every = 100
-    c.train.eval_every = 500
-    c.train.checkpoint_every = 500
-    c.train.sample_prompt = "ROMEO:"
-    c.train.sample_tokens = 300
+    c.optim.decay_embeddings = False
     if "mistral" in variants:
         c.model.sliding_window = 32
     if "llama3_8b" in variants:
@@ -77,7 +60,4 @@ def get_config(arg: str | None = None):
         c.optim.b2 = 0.95
         c.train.steps = 100_000
         c.train.sample_prompt = ""
-    if "tiny" in variants:
-        c.train.steps, c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 4, 2, 2, 2
-        c.model.num_layers, c.eval.max_batches, c.train.sample_tokens = 1, 2, 8
     return c

@@ -298,3 +298,21 @@ def test_sampling_in_the_mesh_equals_one_device(mesh_runs, workspace):
     np.testing.assert_array_equal(sharded["tokens"], expected["tokens"])
     np.testing.assert_allclose(sharded["log_probs"], expected["log_probs"], atol=1e-5)
     assert np.all(expected["log_probs"] < 0)
+
+
+def test_grouped_query_attention_trains_tensor_parallel_with_fewer_kv_heads_than_the_tensor_axis(workspace, env):
+    """configs/llama.py:tiny with one kv head on a (data 4, tensor 2) mesh of 8 devices: the kv heads take their
+    own (replicated) rule, query heads, MLP and vocabulary shard over the tensor axis, and the losses are the
+    single device's."""
+    flags = ["--config.model.num_kv_heads=1", "--config.train.log_every=1", "--config.train.sample_tokens=0"]
+    losses = {}
+    for name, mesh in (
+        ("llama_1", ()),
+        ("llama_8", ("--config.distributed.cpu_devices_per_process=8", "--config.sharding.mesh_shape=(4,1,2)")),
+    ):
+        command = [sys.executable, "train.py", "--config=configs/llama.py:tiny", f"--workdir={workspace / name}"]
+        Run(command + flags + list(mesh), env, workspace / f"{name}.log").result()
+        losses[name] = train_losses(workspace / name)
+    assert sorted(losses["llama_8"]) == [1, 2, 3, 4]
+    for step, loss in losses["llama_1"].items():
+        assert losses["llama_8"][step] == pytest.approx(loss, rel=1e-5), step

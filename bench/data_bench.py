@@ -317,9 +317,12 @@ def main() -> None:
             expected = startup[0]["old"]["rss_gb"] * gb / sizes[0] if startup and startup[0]["old"] else 0.0
             if expected > args.old_rss_limit_gb:
                 row["old"] = None
-                row["old_skipped"] = f"its RSS would be ~{expected:.0f} GB (> {args.old_rss_limit_gb:g} GB)"
+                row["old_skipped"] = f"skipped: its RSS would be ~{expected:.0f} GB (> {args.old_rss_limit_gb:g} GB)"
             else:
-                row["old"] = measure("old", corpus, scratch / f"old_{gb}", "byte", args.workers)
+                try:
+                    row["old"] = measure("old", corpus, scratch / f"old_{gb}", "byte", args.workers)
+                except RuntimeError as error:  # e.g. killed for memory: the "before" column's answer at this size
+                    row["old"], row["old_skipped"] = None, f"failed: {str(error).splitlines()[0]}"
             startup.append(row)
             shutil.rmtree(corpus)
             print(
@@ -329,7 +332,7 @@ def main() -> None:
                 + (
                     f"{row['old']['seconds']:.1f} s, RSS {row['old']['rss_gb']:.2f} GB"
                     if row["old"]
-                    else f"skipped: {row['old_skipped']}"
+                    else row["old_skipped"]
                 ),
                 flush=True,
             )

@@ -282,17 +282,6 @@ def sliding_window_mask(query_positions: jax.Array, key_positions: jax.Array, wi
     return (key_positions[:, None, :] > query_positions[:, :, None] - window)[:, None]
 
 
-def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
-    """The logical and of the masks that are not None (None when all are)."""
-    present = [m for m in masks if m is not None]
-    if not present:
-        return None
-    combined = present[0]
-    for mask in present[1:]:
-        combined = combined & mask
-    return combined
-
-
 def attention_mask(
     query_segment_ids: jax.Array | None,
     key_segment_ids: jax.Array | None,
@@ -481,7 +470,8 @@ class Attention(nn.Module):
             key, value = project_keys_values(x, rotate=True)
             mask = attention_mask(segment_ids, segment_ids, causal=False)
             if self.sliding_window:
-                mask = combine_masks(mask, sliding_window_mask(positions, positions, self.sliding_window))
+                window = sliding_window_mask(positions, positions, self.sliding_window)
+                mask = window if mask is None else mask & window
 
         dropout_rng = None if deterministic or self.dropout_rate == 0.0 else self.make_rng("dropout")
         out = dot_product_attention(

@@ -121,23 +121,41 @@ class StopSignals:
 @contextlib.contextmanager
 def _sigterm_stops_start():
     """SIGTERM while the run starts (before any step, nothing saved) raises TrainingStopped (exit status 143), so
-    the staged run state is discarded and the lock released on the way out, instead of the process dying with them."""
+    the staged run state is discarded and the lock released on the way out, instead of the process dying with them.
+
+    Yields `raise_if_stopped`, to call before committing the staged state: Python drops (as "unraisable") an
+    exception raised by a signal handler that runs inside a garbage-collector callback (JAX registers one), so the
+    handler also records the signal, the stop is raised there at the latest, and the dropped one is not printed."""
+    received = []
+
+    def raise_if_stopped():
+        if received:
+            raise TrainingStopped(
+                "stopped by SIGTERM while starting, before the first step: the workdir is as it was (exit status 143); "
+                "rerun the same command to start",
+                128 + signal.SIGTERM,
+            )
+
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield raise_if_stopped
         return
 
     def stop(signum, frame):
-        raise TrainingStopped(
-            "stopped by SIGTERM while starting, before the first step: the workdir is as it was (exit status 143); "
-            "rerun the same command to start",
-            128 + signal.SIGTERM,
-        )
+        received.append(signum)
+        raise_if_stopped()
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    def drop_silently_if_stop(unraisable):
+        if not isinstance(unraisable.exc_value, TrainingStopped):
+            previous_hook(unraisable)
+
+    previous, previous_hook = signal.signal(signal.SIGTERM, stop), sys.unraisablehook
+    sys.unraisablehook = drop_silently_if_stop
     try:
-        yield
+        yield raise_if_stopped
+        raise_if_stopped()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_hook
 
 
 @contextlib.contextmanager
@@ -275,13 +293,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     is_main = jax.process_index() == 0
     lock, started = None, False
     try:
-        with _sigterm_stops_start(), _full_disk_named(workdir):
+        with _sigterm_stops_start() as raise_if_stopped, _full_disk_named(workdir):
             lock = workdir_lib.lock(workdir) if is_main else None
             if is_main:
                 for name in workdir_lib.remove_leftovers(workdir):
                     log.warning("removed %s, left in %s by a run that crashed while starting", name, workdir)
                 with workdir_lib.StagedRunState(workdir) as stage:
                     run, state, data_state, loader = _start(config, workdir, stage)
+                    raise_if_stopped()
                     stage.commit()
             else:
                 run, state, data_state, loader = _start(config, workdir, None)

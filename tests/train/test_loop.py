@@ -1,5 +1,8 @@
+import gc
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -212,3 +215,22 @@ def test_several_steps_per_call_equal_single_steps_and_resume_mid_run(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
     assert loop.call_size(0, _tiny_config(**every).train, 3) == 3
     assert [loop.call_size(s, _tiny_config(**every).train, 3) for s in (3, 5, 6)] == [2, 2, 1]
+
+
+def test_sigterm_in_a_garbage_collector_callback_still_stops_the_start(capfd):
+    """A signal handler that runs inside a gc callback has its exception dropped by Python: the start stops anyway,
+    at the latest when it ends, and the dropped exception is not printed."""
+
+    def sigterm_during_collection(phase, info):
+        if phase == "start":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(loop.TrainingStopped, match="stopped by SIGTERM while starting") as stopped:
+        with loop._sigterm_stops_start():
+            gc.callbacks.append(sigterm_during_collection)
+            try:
+                gc.collect()
+            finally:
+                gc.callbacks.remove(sigterm_during_collection)
+    assert stopped.value.exit_code == 143
+    assert "Exception ignored" not in capfd.readouterr().err

@@ -1,6 +1,6 @@
 """Token-store benchmark (issue 25): prepare speed, train.py start-up on growing stores, loader speed; PASS/MISS.
 
-    python bench/data_bench.py [--quick] [--sizes=0.1,1,4] [--prepare_gb=0.1] [--workers=N]
+    python bench/data_bench.py [--quick] [--sizes=0.1,1,4] [--prepare_gb=0.1] [--workers=N] [--rounds=3]
         [--scratch=/tmp/lmzoo-data-bench] [--keep] [--out=/tmp/data_bench.json]
 
 Corpora are generated at bench time under --scratch as .jsonl files ("text" field) of documents drawn, shuffled and
@@ -10,10 +10,12 @@ from wait4's ru_maxrss):
   1. GPT-2 BPE prepare tokens/s of `lmzoo.data.prepare` against nanoGPT's data/openwebtext/prepare.py path (tiktoken
      `encode_ordinary` per document in a multiprocessing map of --workers processes, EOT appended, one uint16
      np.memmap) and against the old in-memory path (every document read, HF tokenizers `encode_batch`, one int32
-     array and its document ids), on the same corpus in the same run;
+     array and its document ids), on the same corpus in the same run; lmzoo and nanoGPT in --rounds interleaved
+     rounds (median);
   2. `train.py` (configs/gpt2_124m.py:tiny, one step) time to the first train row of metrics.jsonl and peak RSS on
-     byte-tokenized stores of each --sizes GB of text, beside the old path's read + tokenize time and RSS (sizes
-     whose RSS, extrapolated from the smallest, exceeds --old_rss_limit_gb are skipped);
+     byte-tokenized stores of each --sizes GB of text (median of --rounds interleaved rounds over the sizes, once
+     every store is built), beside the old path's read + tokenize time and RSS (sizes whose RSS, extrapolated from
+     the smallest, exceeds --old_rss_limit_gb are skipped);
   3. `LMLoader.batch(step)` tokens/s on the largest store for the gpt2_124m microbatch (12 x 1024) and step
      (480 x 1024).
 Targets are printed as PASS/MISS, never asserted; every number goes to --out as JSON.
@@ -246,6 +248,19 @@ def loader_speed(store: pathlib.Path, rows: int, steps: int) -> dict:
     }
 
 
+def median_run(rows: list[dict]) -> dict:
+    """The run of median tokens/s among `rows`, with every run's tokens/s beside it."""
+    ranked = sorted(rows, key=lambda row: row["tokens_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "runs_tokens_per_s": [row["tokens_per_s"] for row in rows]}
+
+
+def remove(path: pathlib.Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
@@ -261,6 +276,7 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/data_bench.json")
     parser.add_argument("--old_rss_limit_gb", type=float, default=12.0)
     parser.add_argument("--loader_steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the prepare and first-step runs")
     for hidden in ("child", "corpus", "store", "tokenizer", "result"):
         parser.add_argument(f"--{hidden}", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -291,10 +307,14 @@ def main() -> None:
         corpus = scratch / "prepare_corpus"
         text_bytes = write_corpus(documents, corpus, prepare_gb)
         print(f"\n1. prepare, GPT-2 BPE, {text_bytes / 1e6:.0f} MB of text, {args.workers} workers")
-        prepared = {
-            kind: measure(kind, corpus, scratch / f"prepare_{kind}", "gpt2", args.workers)
-            for kind in ("lmzoo", "nanogpt", "old")
-        }
+        runs = {"lmzoo": [], "nanogpt": []}
+        for round_ in range(args.rounds):
+            for kind in list(runs) if round_ % 2 == 0 else list(runs)[::-1]:
+                output = scratch / f"prepare_{kind}"
+                runs[kind].append(measure(kind, corpus, output, "gpt2", args.workers))
+                remove(output)
+        prepared = {kind: median_run(rows) for kind, rows in runs.items()}
+        prepared["old"] = measure("old", corpus, scratch / "prepare_old", "gpt2", args.workers)
         print(f"   {'path':<8} {'tokens':>12} {'seconds':>8} {'M tokens/s':>10} {'peak RSS GB':>11}")
         for kind, row in prepared.items():
             print(
@@ -313,7 +333,6 @@ def main() -> None:
             text_bytes = write_corpus(documents, corpus, gb)
             row = {"gb": gb, "text_bytes": text_bytes}
             row["prepare"] = measure("lmzoo", corpus, store, "byte", args.workers)
-            row["train"] = first_step(store, 258, scratch / f"workdir_{gb}")
             expected = startup[0]["old"]["rss_gb"] * gb / sizes[0] if startup and startup[0]["old"] else 0.0
             if expected > args.old_rss_limit_gb:
                 row["old"] = None
@@ -327,8 +346,7 @@ def main() -> None:
             shutil.rmtree(corpus)
             print(
                 f"   {gb:g} GB: prepare {row['prepare']['seconds']:.0f} s ({row['prepare']['tokens_per_s'] / 1e6:.1f}M "
-                f"tokens/s, RSS {row['prepare']['rss_gb']:.2f} GB); first step {row['train']['first_step_s']:.1f} s, "
-                f"RSS {row['train']['rss_gb']:.2f} GB; old path "
+                f"tokens/s, RSS {row['prepare']['rss_gb']:.2f} GB); old path "
                 + (
                     f"{row['old']['seconds']:.1f} s, RSS {row['old']['rss_gb']:.2f} GB"
                     if row["old"]
@@ -336,9 +354,27 @@ def main() -> None:
                 ),
                 flush=True,
             )
-            if gb != max(sizes) and not args.keep:
-                shutil.rmtree(store)
+        first_steps = {gb: [] for gb in sizes}
+        for round_ in range(args.rounds):
+            for gb in sizes if round_ % 2 == 0 else sizes[::-1]:
+                workdir = scratch / f"workdir_{gb}"
+                first_steps[gb].append(first_step(scratch / f"store_{gb}", 258, workdir))
+                remove(workdir)
+        for row in startup:
+            row["train_runs"] = first_steps[row["gb"]]
+            row["train"] = {
+                key: float(np.median([run[key] for run in row["train_runs"]])) for key in row["train_runs"][0]
+            }
+            print(
+                f"   {row['gb']:g} GB: first step {row['train']['first_step_s']:.2f} s (runs "
+                + ", ".join(f"{run['first_step_s']:.2f}" for run in row["train_runs"])
+                + f"), RSS {row['train']['rss_gb']:.2f} GB",
+                flush=True,
+            )
         record["startup"] = startup
+        for gb in sizes:
+            if gb != max(sizes) and not args.keep:
+                shutil.rmtree(scratch / f"store_{gb}")
 
         largest = scratch / f"store_{max(sizes)}"
         print(f"\n3. LMLoader.batch(step) on the {max(sizes):g} GB store, seq_len 1024")

@@ -530,6 +530,22 @@ class HFTokenizer(Tokenizer):
             return self._tiktoken.encode_batch(texts, allowed_special="all", num_threads=1)
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_documents(self, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """tiktoken's ids straight into numpy (no Python ints) when it gives the same ids, else the base path."""
+        if self._tiktoken is None:
+            return super().encode_documents(texts, dtype)
+        encoded = [self._tiktoken.encode_to_numpy(text, allowed_special="all") for text in texts]
+        eos = 0 if self.eos_id is None else 1
+        lengths = np.array([len(ids) + eos for ids in encoded], np.int64)
+        tokens = np.empty(int(lengths.sum()), dtype)
+        end = 0
+        for ids, length in zip(encoded, lengths, strict=True):
+            tokens[end : end + len(ids)] = ids
+            end += length
+        if eos:
+            tokens[np.cumsum(lengths) - 1] = self.eos_id
+        return tokens, lengths
+
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i != self.pad_id], skip_special_tokens=False)
 

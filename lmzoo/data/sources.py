@@ -62,12 +62,12 @@ def iter_jsonl(path: pathlib.Path, fields: tuple[str, ...], fix: str) -> Iterato
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
+            if not raw.strip():  # as `count_records` decides, without decoding
+                continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
                 raise ValueError(f"{path}: line {number} is not UTF-8 text; JSON lines must be UTF-8") from None
-            if not line.strip():
-                continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
@@ -130,16 +130,39 @@ def read_tsv(path: pathlib.Path, columns: tuple[str, ...], fix: str) -> list[dic
     return rows
 
 
-def file_documents(path: pathlib.Path, text_field: str, unit: str) -> Iterator[str]:
-    """The documents of one file, streamed: a field of each .jsonl(.gz) line or parquet row; a .txt/.py/.md file
-    as one document per file, paragraph (blank-line separated) or line, by `unit`. Empty documents are skipped."""
+def file_records(path: pathlib.Path, text_field: str, unit: str) -> Iterator[str]:
+    """The texts of one file's records, streamed, empty ones included: a field of each .jsonl(.gz) line or parquet
+    row; a .txt/.py/.md file as one record per file, paragraph (blank-line separated) or line, by `unit`."""
     if path.name.endswith((".jsonl", ".jsonl.gz")):
-        texts = (row[text_field] for row in iter_jsonl(path, (text_field,), "set config.data.text_field"))
-    elif path.name.endswith(".parquet"):
-        texts = iter_parquet(path, text_field, "set config.data.text_field")
-    else:
-        texts = iter(_split_units(read_text(path), unit))
-    return (text for text in texts if text)
+        return (row[text_field] for row in iter_jsonl(path, (text_field,), "set config.data.text_field"))
+    if path.name.endswith(".parquet"):
+        return iter_parquet(path, text_field, "set config.data.text_field")
+    if unit == "file":
+        return iter([read_text(path)])
+    return iter(_split_units(read_text(path), unit))
+
+
+def count_records(path: pathlib.Path, unit: str) -> int:
+    """How many records `file_records` streams from `path`, without parsing them where the format allows: the
+    non-blank lines of a .jsonl(.gz), a parquet file's row count, one for a whole-file document."""
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    if path.name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except Exception as e:
+            raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+    if unit == "file":
+        return 1
+    return len(_split_units(read_text(path), unit))
+
+
+def file_documents(path: pathlib.Path, text_field: str, unit: str) -> Iterator[str]:
+    """The documents of one file: its records (`file_records`) that are not empty."""
+    return (text for text in file_records(path, text_field, unit) if text)
 
 
 def text_files(path: str) -> list[pathlib.Path]:
@@ -296,8 +319,9 @@ def fingerprint_files(files: list[pathlib.Path]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class FileCorpus(DocumentSource):
-    """Documents of text files (`file_documents`) held out as the last `validation_fraction` of them (at least one);
-    a corpus of one document is cut by characters instead. Counting the documents costs one reading pass, no tokenizing."""
+    """Documents of text files (`file_records`, empty ones skipped), the last `validation_fraction` of the records
+    held out (at least one); a corpus of one record is cut by characters instead. The records are counted without
+    parsing them (`count_records`): jsonl lines, parquet metadata, files; only line and paragraph units read the text."""
 
     files: tuple[pathlib.Path, ...]
     text_field: str = "text"
@@ -305,28 +329,32 @@ class FileCorpus(DocumentSource):
     validation_fraction: float = 0.0
     description: str = ""
 
-    def _texts(self) -> Iterator[str]:
+    def _records(self) -> Iterator[str]:
         for path in self.files:
-            yield from file_documents(path, self.text_field, self.unit)
+            yield from file_records(path, self.text_field, self.unit)
 
     def documents(self) -> Iterator[tuple[str, str]]:
         if not self.validation_fraction:
-            yield from (("train", text) for text in self._texts())
+            yield from (("train", text) for text in self._records() if text)
             return
-        count = sum(1 for _ in self._texts())
-        if count == 0:
+        count = sum(count_records(path, self.unit) for path in self.files)
+        text = next(self._records(), "") if count == 1 else None
+        if count == 0 or text == "":
             raise ValueError(f"no text found in {self.description}; check config.data.path")
-        if count == 1:
-            text = next(self._texts())
+        if text is not None:
             cut = int(len(text) * (1.0 - self.validation_fraction))
             yield from (("train", text[:cut]), ("validation", text[cut:]))
             return
         cut = training_documents(count, self.validation_fraction)
-        for index, text in enumerate(self._texts()):
-            yield ("train" if index < cut else "validation"), text
+        for index, text in enumerate(self._records()):
+            if text:
+                yield ("train" if index < cut else "validation"), text
 
     def fingerprint(self) -> str:
-        return digest(["files", _file_stats(list(self.files)), self.text_field, self.unit, self.validation_fraction])
+        split = "last records"  # the validation split's rule is part of what decides the documents of each split
+        return digest(
+            ["files", _file_stats(list(self.files)), self.text_field, self.unit, self.validation_fraction, split]
+        )
 
     def size_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)

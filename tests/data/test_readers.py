@@ -81,3 +81,27 @@ def test_pairs_jsonl_checks_every_row(tmp_path):
 def test_python_stdlib_is_text():
     docs = [sources.read_text(f) for f in sources.python_stdlib_files(5)]
     assert len(docs) == 5 and all("\ufffd" not in d and d for d in docs)
+
+
+def test_records_are_counted_without_parsing_and_empty_ones_keep_their_place(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = ['{"text": "a"}', "", '{"text": ""}', "  ", '{"text": "b"}', '{"text": "c"}']
+    (tmp_path / "docs.jsonl").write_text("\n".join(rows) + "\n")
+    with gzip.open(tmp_path / "more.jsonl.gz", "wt") as f:
+        f.write('{"text": "d"}\n\n{"text": "e"}\n')
+    pq.write_table(pa.table({"text": ["f", "", "g"]}), tmp_path / "table.parquet")
+    (tmp_path / "notes.txt").write_text("one\n\ntwo\nlines\n\n\nthree")
+    (tmp_path / "empty.txt").write_text("")
+    for path in sorted(tmp_path.iterdir()):
+        for unit in sources.DOCUMENT_UNITS:
+            assert sources.count_records(path, unit) == len(list(sources.file_records(path, "text", unit)))
+    assert list(sources.file_records(tmp_path / "docs.jsonl", "text", "file")) == ["a", "", "b", "c"]
+
+    # 4 records, the last quarter held out: the empty record counts, so "c" alone is validation
+    corpus = sources.FileCorpus((tmp_path / "docs.jsonl",), validation_fraction=0.25, description="docs")
+    assert list(corpus.documents()) == [("train", "a"), ("train", "b"), ("validation", "c")]
+    only_empty = sources.FileCorpus((tmp_path / "empty.txt",), validation_fraction=0.25, description="empty.txt")
+    with pytest.raises(ValueError, match="no text found in empty.txt"):
+        list(only_empty.documents())

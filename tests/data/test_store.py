@@ -108,6 +108,10 @@ def test_gpt2_store_uses_tiktoken_and_matches_the_decoding_tokenizer(tmp_path):
     hf_ids = [e.ids for e in tokenizer.tokenizer.encode_batch(texts, add_special_tokens=False)]
     assert tokenizer.encode_batch(texts) == hf_ids
     assert tokenizer.decode(tokenizer.encode_batch(texts)[2]) == texts[2]
+    for dtype in (np.uint16, np.uint32):
+        tokens, lengths = tokenizer.encode_documents(texts, np.dtype(dtype))
+        assert tokens.dtype == dtype and tokens.tolist() == [i for ids in hf_ids for i in ids + [50256]]
+        assert lengths.tolist() == [len(ids) + 1 for ids in hf_ids]
     (tmp_path / "doc.txt").write_text(texts[0])
     source = sources.FileCorpus((tmp_path / "doc.txt",), description="doc")
     built = prepare.prepare(source, tokenizer, tmp_path / "store", progress=False)

@@ -1,4 +1,5 @@
-"""lm-eval parity: a random GPT-2 from HF scores the same through lm-eval's HF backend and the lmzoo model."""
+"""lm-eval parity: a random GPT-2 and a random Llama (grouped-query attention) from HF score the same through
+lm-eval's HF backend and the lmzoo model."""
 
 import json
 import os
@@ -15,7 +16,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from lmzoo import tokenizers  # noqa: E402
-from lmzoo.convert import gpt2, mapping  # noqa: E402
+from lmzoo.convert import gpt2, llama, mapping  # noqa: E402
 from lmzoo.evaluation import harness  # noqa: E402
 from lmzoo.models import build_model, make_config  # noqa: E402
 from lmzoo.train import run as run_lib  # noqa: E402
@@ -39,12 +40,54 @@ metric_list:
 """
 
 
-@pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory):
-    """An HF GPT-2 folder: random weights (max_len 32), a byte-level BPE trained on TEXTS."""
+CONVERTERS = {"gpt2": gpt2, "llama": llama}
+
+
+def random_hf_model(family: str, vocab_size: int, eos_id: int):
+    """A random HF decoder of `family` with 32 positions (a Llama with 4 query and 2 kv heads)."""
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=vocab_size,
+            max_position_embeddings=32,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            bos_token_id=eos_id,
+            eos_token_id=eos_id,
+        )
+        model = transformers.LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.15)
+        return model
+    config = transformers.GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if "ln" in name and name.endswith("weight") else 0.0, 0.2 if "ln" in name else 0.15)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CONVERTERS))
+def hf_folder(request, tmp_path_factory):
+    """An HF folder of the family: random weights (max_len 32), a byte-level BPE trained on TEXTS."""
     import tokenizers as hf
 
-    folder = tmp_path_factory.mktemp("hf_gpt2")
+    folder = tmp_path_factory.mktemp(f"hf_{request.param}")
     bpe = hf.Tokenizer(hf.models.BPE())
     bpe.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = hf.decoders.ByteLevel()
@@ -56,24 +99,7 @@ def hf_folder(tmp_path_factory):
         tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
     )
     fast.save_pretrained(str(folder))
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=len(fast),
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=fast.eos_token_id,
-        eos_token_id=fast.eos_token_id,
-    )
-    model = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0 if "ln" in name and name.endswith("weight") else 0.0, 0.2 if "ln" in name else 0.15)
-    model.save_pretrained(str(folder))
+    random_hf_model(request.param, len(fast), fast.eos_token_id).save_pretrained(str(folder))
     (folder / "train.jsonl").write_text(
         "".join(
             json.dumps({"context": t, "choices": ["terrible", "great"], "gold": int("great" in t)}) + "\n"
@@ -98,10 +124,11 @@ def models(hf_folder):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     hf_config, state_dict = mapping.read_safetensors_dir(str(hf_folder))
-    fields, params = gpt2.read_checkpoint(hf_config, state_dict)
+    family = hf_config["model_type"]
+    fields, params = CONVERTERS[family].read_checkpoint(hf_config, state_dict)
     tokenizer = tokenizers.HFTokenizer.from_file(str(hf_folder / "tokenizer.json"))
     loaded = run_lib.Loaded(
-        model=build_model("gpt2", make_config("gpt2", fields)), params=params, tokenizer=tokenizer, config=None, step=0
+        model=build_model(family, make_config(family, fields)), params=params, tokenizer=tokenizer, config=None, step=0
     )
     reference = HFLM(pretrained=str(hf_folder), tokenizer=str(hf_folder), device="cpu", dtype="float32", batch_size=4)
     return harness.LmzooLM.from_loaded(loaded, batch_size=4), reference

@@ -292,8 +292,8 @@ def test_the_ppo_policy_samples_like_its_decoder(straight_ppo):
 
 
 def test_every_alignment_stage_trains_the_llama_family(stages, tmp_path):
-    """SFT -> reward model -> GRPO and DPO with the Llama block (GQA, RoPE) in place of GPT-2's, through the same
-    objectives: none of them branches on the family."""
+    """SFT -> reward model -> PPO (value head), GRPO and DPO with the Llama block (GQA, RoPE) in place of GPT-2's,
+    through the same objectives: none of them branches on the family."""
     model = config_lib.model_section(
         "llama", vocab_size=258, max_len=64, emb_dim=32, num_heads=2, num_kv_heads=1, num_layers=1, mlp_dim=64
     )
@@ -307,6 +307,9 @@ def test_every_alignment_stage_trains_the_llama_family(stages, tmp_path):
     rm_config = llama(stage_config("hh_rm", stages["data"], steps=2))
     rm_config.init_from = f"ckpt:{sft}"
     assert 0.0 <= loop.train_and_evaluate(rm_config, str(rm))["accuracy"] <= 1.0
+    ppo = llama(ppo_config(stages["data"], str(sft), str(rm)))
+    ppo.train.steps = 1
+    assert np.isfinite(loop.train_and_evaluate(ppo, str(tmp_path / "ppo"))["score"])
     grpo = llama(ppo_config(stages["data"], str(sft), str(rm), {"algorithm": "grpo", "kl_target": 0.0}, "tiny,grpo"))
     grpo.train.steps = 1
     assert np.isfinite(loop.train_and_evaluate(grpo, str(tmp_path / "grpo"))["score"])

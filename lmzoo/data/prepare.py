@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer_path", default=None, help="its file or folder (gpt2: vocab.json + merges.txt)")
     parser.add_argument("--text_field", default="text", help="the text's field in .jsonl rows, parquet and TFDS")
     parser.add_argument("--document_unit", default="file", choices=sources.DOCUMENT_UNITS)
-    parser.add_argument("--validation_fraction", type=float, default=0.0005, help="last share of documents held out")
+    parser.add_argument("--validation_fraction", type=float, default=0.0005, help="last share of records held out")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
         "--shard_tokens", type=int, default=SHARD_TOKENS, help="tokens per shard (closed at a chunk end)"

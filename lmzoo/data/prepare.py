@@ -8,7 +8,8 @@ files (the text in `--text_field`), or a prepared TFDS dataset (`--tfds=NAME`). 
 one fixed order and tokenized by `--workers` processes, at most two chunks each in flight, so memory is bounded by
 workers x chunk and the store's bytes do not depend on the worker count. A killed prepare, run again, resumes after
 its last finished shard. A training config that names raw text gets the same store built once into a cache keyed
-by the source's and tokenizer's fingerprints (`cached_store`).
+by the source's and tokenizer's fingerprints (`cached_store`). `--sentences` also records where each sentence starts
+(each encoded on its own; `lmzoo.data.transforms.split_sentences`), for the sentence-pair objectives.
 """
 
 import argparse
@@ -26,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lmzoo import tokenizers
-from lmzoo.data import sources, store
+from lmzoo.data import sources, store, transforms
 
 CHUNK_DOCUMENTS = 1024  # documents per chunk of work, at most
 CHUNK_BYTES = 1 << 20  # text per chunk of work, at most (a longer document is a chunk of its own)
@@ -49,33 +50,63 @@ def chunks(source: sources.DocumentSource, documents: int = CHUNK_DOCUMENTS) -> 
         yield index, split, texts
 
 
-_worker_encoding: tuple[tokenizers.Tokenizer, np.dtype] | None = None
+def encode_sentence_documents(
+    tokenizer: tokenizers.Tokenizer, texts: list[str], dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Documents as their sentences (`transforms.split_sentences`, each encoded on its own, empty ones dropped)
+    concatenated, then EOS when the tokenizer has one: (tokens [N] of `dtype`, lengths [d] of the documents that have
+    a sentence, sentence starts [s] int64 in `tokens`)."""
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    tokens, lengths, starts = [], [], []
+    for text in texts:
+        sentences = [ids for ids in tokenizer.encode_batch(transforms.split_sentences(text, wrapped=True)) if ids]
+        if not sentences:
+            continue
+        for ids in sentences:
+            starts.append(len(tokens))
+            tokens.extend(ids)
+        tokens.extend(eos)
+        lengths.append(sum(map(len, sentences)) + len(eos))
+    return np.array(tokens, dtype), np.array(lengths, np.int64), np.array(starts, np.int64)
 
 
-def _init_worker(tokenizer: tokenizers.Tokenizer, dtype: np.dtype) -> None:
+def encode_chunk(
+    tokenizer: tokenizers.Tokenizer, dtype: np.dtype, sentences: bool, texts: list[str]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(tokens [N], document lengths [d], sentence starts [s] or None) of one chunk of documents."""
+    if sentences:
+        return encode_sentence_documents(tokenizer, texts, dtype)
+    return *tokenizer.encode_documents(texts, dtype), None
+
+
+_worker_encoding: tuple[tokenizers.Tokenizer, np.dtype, bool] | None = None
+
+
+def _init_worker(tokenizer: tokenizers.Tokenizer, dtype: np.dtype, sentences: bool) -> None:
     global _worker_encoding
-    _worker_encoding = (tokenizer, dtype)
+    _worker_encoding = (tokenizer, dtype, sentences)
 
 
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    tokenizer, dtype = _worker_encoding
-    return tokenizer.encode_documents(texts, dtype)
+def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    return encode_chunk(*_worker_encoding, texts)
 
 
-def _encoded(work, tokenizer: tokenizers.Tokenizer, dtype: np.dtype, workers: int):
-    """(index, split, texts, tokens, lengths) of every chunk of `work`, in order, tokenized by `workers` processes."""
+def _encoded(work, tokenizer: tokenizers.Tokenizer, dtype: np.dtype, sentences: bool, workers: int):
+    """(index, split, texts, tokens, lengths, sentence starts) of every chunk of `work`, in order, tokenized by
+    `workers` processes."""
     global _worker_encoding
     if workers <= 1:
         for index, split, texts in work:
-            yield index, split, texts, *tokenizer.encode_documents(texts, dtype)
+            yield index, split, texts, *encode_chunk(tokenizer, dtype, sentences, texts)
         return
     # fork shares the tokenizer with the workers at no cost (spawning them and sending it takes seconds); a process
     # that has started JAX's threads must not fork, so there the workers are spawned and get it pickled.
     if "jax" in sys.modules:
-        context, initializer, initargs = multiprocessing.get_context("spawn"), _init_worker, (tokenizer, dtype)
+        context, initializer = multiprocessing.get_context("spawn"), _init_worker
+        initargs = (tokenizer, dtype, sentences)
     else:
         context, initializer, initargs = multiprocessing.get_context("fork"), None, ()
-        _worker_encoding = (tokenizer, dtype)
+        _worker_encoding = (tokenizer, dtype, sentences)
     with context.Pool(workers, initializer=initializer, initargs=initargs) as pool:
         pending = collections.deque()
         for index, split, texts in work:
@@ -88,11 +119,14 @@ def _encoded(work, tokenizer: tokenizers.Tokenizer, dtype: np.dtype, workers: in
             yield index, split, texts, *result.get()
 
 
-def header(source: sources.DocumentSource, tokenizer: tokenizers.Tokenizer, dtype: str | None = None) -> dict:
-    """What defines a store's content: format, dtype, tokenizer (spec and hash), EOS policy and source fingerprint."""
+def header(
+    source: sources.DocumentSource, tokenizer: tokenizers.Tokenizer, dtype: str | None = None, sentences: bool = False
+) -> dict:
+    """What defines a store's content: format, dtype, tokenizer (spec and hash), EOS policy, source fingerprint and
+    whether documents are stored as sentences."""
     chosen = token_dtype_for(tokenizer, dtype)
     spec, digest = store.tokenizer_fingerprint(tokenizer)
-    return {
+    return ({"sentences": True} if sentences else {}) | {
         "format_version": store.FORMAT_VERSION,
         "dtype": chosen.str,
         "vocab_size": tokenizer.vocab_size,
@@ -125,15 +159,19 @@ def prepare(
     shard_tokens: int = SHARD_TOKENS,
     chunk_documents: int = CHUNK_DOCUMENTS,
     dtype: str | None = None,
+    sentences: bool = False,
     progress: bool = True,
 ) -> store.Store:
     """Tokenizes `source` into the store at `folder` (resuming a killed build there) and opens it. The chunking
-    (`chunk_documents`) and `shard_tokens` decide the bytes written, so a resumed build must keep them."""
+    (`chunk_documents`) and `shard_tokens` decide the bytes written, so a resumed build must keep them. `sentences`:
+    documents as sentences, with the sentence index (`encode_sentence_documents`)."""
     root = pathlib.Path(folder).expanduser()
     if (root / store.MANIFEST).is_file():
         raise store.StoreError(f"{root} already holds a complete store; choose another output folder or remove it")
     settings = {"shard_tokens": shard_tokens, "chunk_documents": chunk_documents, "chunk_bytes": CHUNK_BYTES}
-    writer = store.StoreWriter(root, {**header(source, tokenizer, dtype), "settings": settings}, shard_tokens)
+    writer = store.StoreWriter(
+        root, {**header(source, tokenizer, dtype, sentences), "settings": settings}, shard_tokens
+    )
     tokenizer_folder = root / "tokenizer"
     if not tokenizer_folder.is_dir():
         tokenizer.save(str(tokenizer_folder))
@@ -144,8 +182,10 @@ def prepare(
     bar.set_description(f"prepare {root.name}")
     tokens, began = 0, time.monotonic()
     try:
-        for index, split, texts, chunk_tokens, lengths in _encoded(work, tokenizer, writer.dtype, workers):
-            writer.add(split, chunk_tokens, lengths, index)
+        for index, split, texts, chunk_tokens, lengths, starts in _encoded(
+            work, tokenizer, writer.dtype, sentences, workers
+        ):
+            writer.add(split, chunk_tokens, lengths, index, starts)
             last, tokens = index, tokens + len(chunk_tokens)
             bar.update(sum(len(t.encode("utf-8", "replace")) for t in texts))
             bar.set_postfix_str(f"{tokens / max(time.monotonic() - began, 1e-9) / 1e6:.2f}M tokens/s")
@@ -162,14 +202,17 @@ def cache_root(configured: str = "") -> pathlib.Path:
 
 
 def cached_store(
-    source: sources.DocumentSource, tokenizer: tokenizers.Tokenizer, root: pathlib.Path, workers: int = 1
+    source: sources.DocumentSource,
+    tokenizer: tokenizers.Tokenizer,
+    root: pathlib.Path,
+    workers: int = 1,
+    sentences: bool = False,
 ) -> store.Store:
-    """The store of `source` tokenized by `tokenizer` under `root`, built on first use. Its folder is named by the
-    fingerprints of both, so a changed source or tokenizer gets a new store and a stale one is never read; a lock
-    makes concurrent processes build it once."""
-    key = hashlib.sha256(
-        (source.fingerprint() + store.tokenizer_fingerprint(tokenizer)[1] + str(store.FORMAT_VERSION)).encode()
-    ).hexdigest()[:20]
+    """The store of `source` tokenized by `tokenizer` under `root` (as sentences: `sentences`), built on first use.
+    Its folder is named by the fingerprints of both, so a changed source or tokenizer gets a new store and a stale
+    one is never read; a lock makes concurrent processes build it once."""
+    identity = source.fingerprint() + store.tokenizer_fingerprint(tokenizer)[1] + str(store.FORMAT_VERSION)
+    key = hashlib.sha256((identity + (":sentences" if sentences else "")).encode()).hexdigest()[:20]
     folder = root / key
     if (folder / store.MANIFEST).is_file():
         return store.open_store(folder)
@@ -178,7 +221,7 @@ def cached_store(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (folder / store.MANIFEST).is_file():
             return store.open_store(folder)
-        return prepare(source, tokenizer, folder, workers=workers, progress=False)
+        return prepare(source, tokenizer, folder, workers=workers, sentences=sentences, progress=False)
 
 
 def _source_from_args(args: argparse.Namespace) -> sources.DocumentSource:
@@ -224,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--chunk_documents", type=int, default=CHUNK_DOCUMENTS, help="documents per unit of work")
     parser.add_argument("--dtype", default="", help="uint16 or uint32 (default: the narrowest that fits)")
+    parser.add_argument(
+        "--sentences", action="store_true", help="also index sentences (for mlm_nsp and mlm_sop); each encoded alone"
+    )
     args = parser.parse_args(argv)
     try:
         if not 0 <= args.validation_fraction < 1:
@@ -246,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             shard_tokens=args.shard_tokens,
             chunk_documents=args.chunk_documents,
             dtype=args.dtype,
+            sentences=args.sentences,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -79,6 +79,25 @@ class CorpusSplit:
             self._stores = opened
         return self._stores
 
+    def sentences(self, tokenizer: tokenizers.Tokenizer) -> store.SentenceIndex:
+        """The split's documents as sentences: a raw-text source prepared once into a cached sentence store, or the
+        store config.data names (prepared with --sentences)."""
+        if self.source is None:
+            paths = store_paths(self.config)
+            if len(paths) > 1:
+                raise ValueError(
+                    f"objective {self.config.objective.name!r} reads sentence pairs from one store; config.data.mixture "
+                    "names several (prepare their sources into one store with --sentences)"
+                )
+            opened = store.open_store(paths[0][0])
+            opened.check_tokenizer(tokenizer)
+        else:
+            root = prepare.cache_root(self.config.data.cache_dir)
+            big = (self.source.size_bytes() or 0) > prepare.PARALLEL_BYTES
+            workers = os.cpu_count() if big else 1
+            opened = prepare.cached_store(self.source, tokenizer, root, workers=workers, sentences=True)
+        return opened.split(self.split).sentences()
+
     def tokens(self, tokenizer: tokenizers.Tokenizer) -> store.TokenSplit:
         """The split's tokens (of the first store of a mixture: evaluation reads that one)."""
         return self.stores(tokenizer)[0].split(self.split)

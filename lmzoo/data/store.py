@@ -7,6 +7,9 @@ A store folder holds
     SPLIT/NNNNN.tokens    token ids, little-endian uint16 (vocabulary <= 65,536) or uint32; the split's documents
                           concatenated, each followed by EOS when the manifest's `eos` is "appended"
     SPLIT/NNNNN.starts    int64 offset of each document of the shard, counted from the split's first token
+    SPLIT/NNNNN.sentences in a store prepared with --sentences (the manifest's `sentences` is true): int64 offset of
+                          each sentence, for the sentence-pair objectives (NSP, SOP); a document is its sentences
+                          concatenated (then EOS)
     progress.json         while it is built: the finished shards, after which a killed build resumes
 
 Shards end at document boundaries, so a document is whole in one shard. Opening a store reads the manifest and
@@ -69,8 +72,16 @@ class TokenSplit:
     shard k, the first being the shard's own offset.
     """
 
-    def __init__(self, shards: Sequence[np.ndarray], starts: Sequence[np.ndarray], name: str = ""):
+    def __init__(
+        self,
+        shards: Sequence[np.ndarray],
+        starts: Sequence[np.ndarray],
+        name: str = "",
+        sentence_starts: Sequence[np.ndarray] | None = None,
+        eos_appended: bool = False,
+    ):
         self.shards, self.starts, self.name = list(shards), list(starts), name
+        self.sentence_starts, self.eos_appended = sentence_starts, eos_appended
         self.offsets = np.concatenate([[0], np.cumsum([len(s) for s in self.shards])]).astype(np.int64)
         self.first_document = np.concatenate([[0], np.cumsum([len(s) for s in self.starts])]).astype(np.int64)
 
@@ -102,6 +113,20 @@ class TokenSplit:
         starts = self.starts[k]
         start = int(starts[local])
         end = int(starts[local + 1]) if local + 1 < len(starts) else int(self.offsets[k + 1])
+        return np.asarray(self.shards[k][start - self.offsets[k] : end - self.offsets[k]], np.int32)
+
+    def sentences(self) -> "SentenceIndex":
+        """The split's documents as sentences (a store prepared with --sentences); StoreError otherwise."""
+        if self.sentence_starts is None:
+            raise StoreError(
+                f"{self.name} has no sentence index: prepare the store with --sentences for the sentence-pair "
+                "objectives (mlm_nsp, mlm_sop)"
+            )
+        return SentenceIndex(self)
+
+    def tokens_between(self, start: int, end: int) -> np.ndarray:
+        """Tokens [end - start] int32 of split positions [start, end), inside one shard (as a document is)."""
+        k = int(np.searchsorted(self.offsets, start, side="right")) - 1
         return np.asarray(self.shards[k][start - self.offsets[k] : end - self.offsets[k]], np.int32)
 
     def windows(self, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -170,6 +195,25 @@ class TokenSplit:
         documents[target_rows, target_columns] = index[inside]
 
 
+class SentenceIndex:
+    """The sentences of a split's documents, what `transforms.nsp_pairs` / `sop_pairs` read: counts [D] sentences
+    of each document; sentence(d, i) its tokens. Holds the document and sentence offsets ([D] and [S] int64)."""
+
+    def __init__(self, split: TokenSplit):
+        self.split = split
+        self.sentence_offsets = np.concatenate([np.zeros(0, np.int64), *split.sentence_starts]).astype(np.int64)
+        document_starts = np.concatenate([np.zeros(0, np.int64), *split.starts]).astype(np.int64)
+        self.document_ends = np.append(document_starts[1:], split.num_tokens) - int(split.eos_appended)
+        self.first_sentence = np.searchsorted(self.sentence_offsets, document_starts, side="left")
+        self.counts = np.diff(np.append(self.first_sentence, len(self.sentence_offsets)))
+
+    def sentence(self, document: int, index: int) -> list[int]:
+        s = int(self.first_sentence[document]) + index
+        last = index + 1 == self.counts[document]
+        end = self.document_ends[document] if last else self.sentence_offsets[s + 1]
+        return self.split.tokens_between(int(self.sentence_offsets[s]), int(end)).tolist()
+
+
 @dataclasses.dataclass(frozen=True)
 class Store:
     """A complete store folder, opened: its manifest and memory-mapped splits."""
@@ -192,12 +236,20 @@ class Store:
                 "validation fraction above 0 or choose another store"
             )
         dtype = np.dtype(self.manifest["dtype"])
-        shards, starts = [], []
+        shards, starts, sentences = [], [], []
         for shard in info["shards"]:
             base = self.folder / name / shard["name"]
             shards.append(np.memmap(f"{base}.tokens", dtype=dtype, mode="r", shape=(shard["tokens"],)))
             starts.append(np.memmap(f"{base}.starts", dtype="<i8", mode="r", shape=(shard["documents"],)))
-        return TokenSplit(shards, starts, f"{self.folder.name}/{name}")
+            if self.manifest.get("sentences"):
+                sentences.append(np.memmap(f"{base}.sentences", dtype="<i8", mode="r", shape=(shard["sentences"],)))
+        return TokenSplit(
+            shards,
+            starts,
+            f"{self.folder.name}/{name}",
+            sentence_starts=sentences if self.manifest.get("sentences") else None,
+            eos_appended=self.manifest["eos"] == "appended",
+        )
 
     def summary(self) -> str:
         return ", ".join(
@@ -243,7 +295,10 @@ def open_store(folder: str | os.PathLike) -> Store:
     itemsize = np.dtype(manifest["dtype"]).itemsize
     for name, info in manifest["splits"].items():
         for shard in info["shards"]:
-            for suffix, size in ((".tokens", shard["tokens"] * itemsize), (".starts", shard["documents"] * 8)):
+            files = [(".tokens", shard["tokens"] * itemsize), (".starts", shard["documents"] * 8)]
+            if manifest.get("sentences"):
+                files.append((".sentences", shard["sentences"] * 8))
+            for suffix, size in files:
                 path = root / name / f"{shard['name']}{suffix}"
                 if not path.is_file():
                     raise StoreError(f"{path} is missing from store {root}; prepare the store again")
@@ -262,6 +317,7 @@ class _OpenShard:
     tokens: int = 0
     documents: int = 0
     starts: list = dataclasses.field(default_factory=list)
+    sentence_starts: list = dataclasses.field(default_factory=list)
 
 
 class StoreWriter:
@@ -306,7 +362,8 @@ class StoreWriter:
 
     def _discard_unfinished(self) -> None:
         """Removes shard files the ledger does not list (a shard being written when the build was killed)."""
-        listed = {f"{s['split']}/{s['name']}{suffix}" for s in self.finished for suffix in (".tokens", ".starts")}
+        suffixes = (".tokens", ".starts", ".sentences")
+        listed = {f"{s['split']}/{s['name']}{suffix}" for s in self.finished for suffix in suffixes}
         for split in SPLITS:
             for path in (self.folder / split).glob("*"):
                 if f"{split}/{path.name}" not in listed:
@@ -315,8 +372,13 @@ class StoreWriter:
     def _shard_path(self, shard: _OpenShard, suffix: str) -> pathlib.Path:
         return self.folder / shard.split / f"{shard.name}{suffix}"
 
-    def add(self, split: str, tokens: np.ndarray, lengths: np.ndarray, chunk: int) -> None:
-        """Appends chunk `chunk`: documents of `split` with `lengths` [d] whose tokens [sum(lengths)] are concatenated."""
+    def add(
+        self, split: str, tokens: np.ndarray, lengths: np.ndarray, chunk: int, sentence_starts: np.ndarray | None = None
+    ) -> None:
+        """Appends chunk `chunk`: documents of `split` with `lengths` [d] whose tokens [sum(lengths)] are concatenated;
+        sentence_starts [s]: offsets in `tokens` of their sentences (a store with a sentence index)."""
+        if (sentence_starts is not None) != bool(self.header.get("sentences")):
+            raise ValueError("sentence starts are given exactly when the store has a sentence index")
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}")
         try:
@@ -330,6 +392,8 @@ class StoreWriter:
             shard = self.current
             offset = self.split_offsets[split] + shard.tokens
             shard.starts.append(offset + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64))
+            if sentence_starts is not None:
+                shard.sentence_starts.append(offset + np.asarray(sentence_starts, np.int64))
             self._file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
             shard.tokens += int(len(tokens))
             shard.documents += int(len(lengths))
@@ -363,16 +427,16 @@ class StoreWriter:
             f.write(starts.astype("<i8").tobytes())
             f.flush()
             os.fsync(f.fileno())
+        entry = {"split": shard.split, "name": shard.name, "tokens": shard.tokens, "documents": shard.documents}
+        if self.header.get("sentences"):
+            sentences = np.concatenate([np.zeros(0, np.int64), *shard.sentence_starts])
+            with open(self._shard_path(shard, ".sentences"), "wb") as f:
+                f.write(sentences.astype("<i8").tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            entry["sentences"] = len(sentences)
         os.replace(self._shard_path(shard, ".partial"), self._shard_path(shard, ".tokens"))
-        self.finished.append(
-            {
-                "split": shard.split,
-                "name": shard.name,
-                "tokens": shard.tokens,
-                "documents": shard.documents,
-                "chunk_end": chunk_end,
-            }
-        )
+        self.finished.append({**entry, "chunk_end": chunk_end})
         self.split_offsets[shard.split] += shard.tokens
         self.split_documents[shard.split] += shard.documents
         self.current = None
@@ -388,7 +452,9 @@ class StoreWriter:
                     "tokens": self.split_offsets[name],
                     "documents": self.split_documents[name],
                     "shards": [
-                        {k: s[k] for k in ("name", "tokens", "documents")} for s in self.finished if s["split"] == name
+                        {k: v for k, v in s.items() if k not in ("split", "chunk_end")}
+                        for s in self.finished
+                        if s["split"] == name
                     ],
                 }
                 for name in SPLITS

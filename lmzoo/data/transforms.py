@@ -193,52 +193,69 @@ def pair_example(
     }
 
 
-def _consecutive_positions(sentences_by_doc: list[list[list[int]]]) -> list[tuple[int, int]]:
-    """Every (document, sentence) that has a next sentence in its document."""
-    positions = [(d, i) for d, doc in enumerate(sentences_by_doc) for i in range(len(doc) - 1)]
-    if not positions:
+class SentenceLists:
+    """Documents held as lists of sentences (each a token list): what `nsp_pairs` / `sop_pairs` read, as a store's
+    sentence index (`lmzoo.data.store.TokenSplit`) offers it. counts [D]: sentences of each document."""
+
+    def __init__(self, sentences_by_doc: Sequence[Sequence[Sequence[int]]]):
+        self.sentences_by_doc = sentences_by_doc
+        self.counts = np.array([len(doc) for doc in sentences_by_doc], np.int64)
+
+    def sentence(self, document: int, index: int) -> Sequence[int]:
+        return self.sentences_by_doc[document][index]
+
+
+def _consecutive_positions(counts: np.ndarray) -> np.ndarray:
+    """[D + 1] cumulative counts of the (document, sentence) positions that have a next sentence in their document,
+    in document then sentence order: position k is in document searchsorted(result, k, "right") - 1."""
+    positions = np.concatenate([[0], np.cumsum(np.maximum(np.asarray(counts, np.int64) - 1, 0))])
+    if not positions[-1]:
         raise ValueError("sentence pairs need at least one document with two or more sentences")
     return positions
 
 
-def nsp_pairs(
-    sentences_by_doc: list[list[list[int]]], *, rng: np.random.Generator, count: int
-) -> list[tuple[list[int], list[int], int]]:
-    """Next-sentence-prediction pairs (a, b, label) with HF BertForPreTraining's `next_sentence_label`.
+def _position(positions: np.ndarray, k: int) -> tuple[int, int]:
+    document = int(np.searchsorted(positions, k, side="right")) - 1
+    return document, int(k - positions[document])
+
+
+def nsp_pairs(sentences, *, rng: np.random.Generator, count: int) -> list[tuple[Sequence[int], Sequence[int], int]]:
+    """Next-sentence-prediction pairs (a, b, label) with HF BertForPreTraining's `next_sentence_label`, from
+    `sentences` (`SentenceLists` or a store split's sentence index: `counts` and `sentence(d, i)`).
 
     a is a uniformly drawn sentence that has a successor in its document. Label 0: b is that successor
     (is next); label 1: b is a random sentence of a different document (probability 1/2 each).
     """
-    positions = _consecutive_positions(sentences_by_doc)
-    nonempty = [d for d, doc in enumerate(sentences_by_doc) if doc]
+    counts = np.asarray(sentences.counts)
+    positions = _consecutive_positions(counts)
+    nonempty = np.flatnonzero(counts)
     if len(nonempty) < 2:
         raise ValueError("NSP needs at least two non-empty documents to draw random next sentences from")
-    rank = {d: k for k, d in enumerate(nonempty)}
     pairs = []
-    for k, random_next in zip(rng.integers(len(positions), size=count), rng.random(count) < 0.5, strict=True):
-        d, i = positions[k]
+    for k, random_next in zip(rng.integers(positions[-1], size=count), rng.random(count) < 0.5, strict=True):
+        d, i = _position(positions, k)
         if random_next:
             other = int(rng.integers(len(nonempty) - 1))
-            doc = sentences_by_doc[nonempty[other + (other >= rank[d])]]
-            pairs.append((sentences_by_doc[d][i], doc[rng.integers(len(doc))], 1))
+            rank = int(np.searchsorted(nonempty, d))
+            doc = int(nonempty[other + (other >= rank)])
+            pairs.append((sentences.sentence(d, i), sentences.sentence(doc, int(rng.integers(counts[doc]))), 1))
         else:
-            pairs.append((sentences_by_doc[d][i], sentences_by_doc[d][i + 1], 0))
+            pairs.append((sentences.sentence(d, i), sentences.sentence(d, i + 1), 0))
     return pairs
 
 
-def sop_pairs(
-    sentences_by_doc: list[list[list[int]]], *, rng: np.random.Generator, count: int
-) -> list[tuple[list[int], list[int], int]]:
-    """ALBERT sentence-order pairs (a, b, label) with HF AlbertForPreTraining's `sentence_order_label`.
+def sop_pairs(sentences, *, rng: np.random.Generator, count: int) -> list[tuple[Sequence[int], Sequence[int], int]]:
+    """ALBERT sentence-order pairs (a, b, label) with HF AlbertForPreTraining's `sentence_order_label`, from
+    `sentences` (as `nsp_pairs`).
 
-    Two consecutive segments of one document (each inner list is a segment: a sentence, or sentences the
-    caller grouped). Label 0: original order; label 1: swapped, b precedes a (probability 1/2 each).
+    Two consecutive segments of one document (each a sentence, or sentences the caller grouped). Label 0:
+    original order; label 1: swapped, b precedes a (probability 1/2 each).
     """
-    positions = _consecutive_positions(sentences_by_doc)
+    positions = _consecutive_positions(sentences.counts)
     pairs = []
-    for k, swap in zip(rng.integers(len(positions), size=count), rng.random(count) < 0.5, strict=True):
-        d, i = positions[k]
-        first, second = sentences_by_doc[d][i], sentences_by_doc[d][i + 1]
+    for k, swap in zip(rng.integers(positions[-1], size=count), rng.random(count) < 0.5, strict=True):
+        d, i = _position(positions, k)
+        first, second = sentences.sentence(d, i), sentences.sentence(d, i + 1)
         pairs.append((second, first, 1) if swap else (first, second, 0))
     return pairs
 

@@ -144,13 +144,10 @@ class MaskedLM(base.Objective):
 
 
 def make_pair_examples(
-    docs: list[str], tokenizer: tokenizers.Tokenizer, *, kind: str, count: int, max_len: int, seed: int
+    sentences, tokenizer: tokenizers.Tokenizer, *, kind: str, count: int, max_len: int, seed: int
 ) -> dict[str, np.ndarray]:
-    """NSP ("nsp") or sentence-order ("sop") examples, drawn once from `seed`:
-    tokens, token_types, segment_ids [count, max_len] and sentence_labels [count] (HF conventions)."""
-    sentences = [tokenizer.encode_batch(transforms.split_sentences(d, wrapped=True)) for d in docs]
-    sentences = [[s for s in doc if s] for doc in sentences]
-    sentences = [doc for doc in sentences if doc]
+    """NSP ("nsp") or sentence-order ("sop") examples, drawn once from `seed` out of `sentences` (a split's
+    `SentenceIndex`): tokens, token_types, segment_ids [count, max_len] and sentence_labels [count] (HF conventions)."""
     make = {"nsp": transforms.nsp_pairs, "sop": transforms.sop_pairs}[kind]
     pairs = make(sentences, rng=np.random.default_rng([seed, 1]), count=count)
     if not pairs:
@@ -190,7 +187,7 @@ class SentencePairMLM(base.Objective):
         fields = self.fields
         settings = mask_settings(tokenizer, fields, self.config.train.seed)
         pairs = make_pair_examples(
-            raw.texts(),
+            raw.sentences(tokenizer),
             tokenizer,
             kind=self.kind,
             max_len=self.config.data.seq_len,

@@ -151,7 +151,7 @@ def _docs() -> tuple[list[list[list[int]]], dict[tuple[int, ...], tuple[int, int
 
 def test_nsp_pairs_balanced_and_correct():
     docs, where = _docs()
-    pairs = transforms.nsp_pairs(docs, rng=np.random.default_rng(0), count=2000)
+    pairs = transforms.nsp_pairs(transforms.SentenceLists(docs), rng=np.random.default_rng(0), count=2000)
     assert len(pairs) == 2000
     assert abs(np.mean([label for _, _, label in pairs]) - 0.5) < 0.05
     for a, b, label in pairs:
@@ -164,7 +164,7 @@ def test_nsp_pairs_balanced_and_correct():
 
 def test_sop_pairs_balanced_and_correct():
     docs, where = _docs()
-    pairs = transforms.sop_pairs(docs, rng=np.random.default_rng(0), count=2000)
+    pairs = transforms.sop_pairs(transforms.SentenceLists(docs), rng=np.random.default_rng(0), count=2000)
     assert abs(np.mean([label for _, _, label in pairs]) - 0.5) < 0.05
     for a, b, label in pairs:
         (doc_a, i_a), (doc_b, i_b) = where[tuple(a)], where[tuple(b)]

@@ -355,3 +355,45 @@ def test_prepare_reads_a_prepared_tfds_dataset(tmp_path, capsys):
     assert "train 16 tokens in 2 documents, validation 4 tokens in 1 documents" in capsys.readouterr().out
     built = store.open_store(tmp_path / "store")
     assert built.split("validation").document(0).tolist() == list(b"xyz") + [256]
+
+
+def _prose_corpus(folder: pathlib.Path) -> sources.FileCorpus:
+    """Paragraphs of prose as documents (some of one sentence), from The Time Machine when present."""
+    text = (ROOT.parent / "shared" / "data" / "timemachine" / "timemachine.txt").read_text()[:60_000]
+    folder.mkdir()
+    (folder / "prose.txt").write_text(text + "\n\nOne. Two? Three!\n\nAlone")
+    return sources.FileCorpus((folder / "prose.txt",), unit="paragraph", validation_fraction=0.2, description="prose")
+
+
+@pytest.mark.parametrize("kind", ["nsp", "sop"])
+def test_sentence_pairs_from_a_store_equal_those_from_the_text(tmp_path, kind):
+    """A store prepared with sentences (several shards, 2 workers, EOS appended) gives the sentence pairs the text's
+    own sentences give, draw for draw."""
+    source = _prose_corpus(tmp_path / "corpus")
+    tokenizer = tokenizers.ByteTokenizer()
+    built = prepare.prepare(
+        source, tokenizer, tmp_path / "store", workers=2, shard_tokens=4000, chunk_documents=7, sentences=True
+    )
+    assert len(built.manifest["splits"]["train"]["shards"]) > 3 and built.manifest["eos"] == "appended"
+    make = {"nsp": transforms.nsp_pairs, "sop": transforms.sop_pairs}[kind]
+    for split in ("train", "validation"):
+        texts = [text for name, text in source.documents() if name == split]
+        by_document = [
+            [s for s in tokenizer.encode_batch(transforms.split_sentences(t, wrapped=True)) if s] for t in texts
+        ]
+        expected = make(
+            transforms.SentenceLists([d for d in by_document if d]), rng=np.random.default_rng(3), count=300
+        )
+        index = built.split(split).sentences()
+        assert index.counts.tolist() == [len(d) for d in by_document if d]
+        got = make(index, rng=np.random.default_rng(3), count=300)
+        assert [(list(a), list(b), label) for a, b, label in expected] == got
+        first = next(d for d in by_document if d)  # a document is its sentences, then EOS
+        assert built.split(split).document(0).tolist() == [i for s in first for i in s] + [tokenizer.eos_id]
+
+
+def test_sentence_pair_objectives_refuse_a_store_without_sentences(tmp_path):
+    source = _prose_corpus(tmp_path / "corpus")
+    built = prepare.prepare(source, tokenizers.ByteTokenizer(), tmp_path / "store", progress=False)
+    with pytest.raises(store.StoreError, match="has no sentence index: prepare the store with --sentences"):
+        built.split("train").sentences()

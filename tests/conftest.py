@@ -1,5 +1,7 @@
 """Shared fixtures. Token stores that configs naming raw text build on first use go to one temporary cache per
-test process, not the user's ~/.cache/lmzoo."""
+test run, not the user's ~/.cache/lmzoo. Compiled XLA programs go to JAX's persistent compilation cache, one
+folder for the whole run (its xdist workers and the train.py processes tests start): many tests train the same tiny
+models, and compiling dominates their time."""
 
 import os
 import shutil
@@ -9,6 +11,10 @@ import tempfile
 import pytest
 
 os.environ.setdefault("LMZOO_CACHE", tempfile.mkdtemp(prefix="lmzoo-cache-"))
+# Set by the first pytest process: xdist's workers and the processes tests start inherit the folder.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="lmzoo-tests-xla-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 FAILING_OPEN = r"""

@@ -44,42 +44,21 @@ CONVERTERS = {"gpt2": gpt2, "llama": llama}
 
 
 def random_hf_model(family: str, vocab_size: int, eos_id: int):
-    """A random HF decoder of `family` with 32 positions (a Llama with 4 query and 2 kv heads)."""
+    """A random HF decoder of `family` with 32 positions (a Llama with 4 query and 2 kv heads); norm scales near 1."""
     torch.manual_seed(0)
+    ids = dict(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id)
     if family == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=vocab_size,
-            max_position_embeddings=32,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            bos_token_id=eos_id,
-            eos_token_id=eos_id,
-        )
-        model = transformers.LlamaForCausalLM(config).eval()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.15)
-        return model
-    config = transformers.GPT2Config(
-        vocab_size=vocab_size,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-    )
-    model = transformers.GPT2LMHeadModel(config).eval()
+        shape = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+        config = transformers.LlamaConfig(**ids, **shape, max_position_embeddings=32, num_key_value_heads=2)
+        model, norm = transformers.LlamaForCausalLM(config), "norm"
+    else:
+        dropouts = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = transformers.GPT2Config(**ids, **dropouts, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+        model, norm = transformers.GPT2LMHeadModel(config), "ln"
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.normal_(1.0 if "ln" in name and name.endswith("weight") else 0.0, 0.2 if "ln" in name else 0.15)
-    return model
+            param.normal_(1.0 if norm in name and name.endswith("weight") else 0.0, 0.2 if norm in name else 0.15)
+    return model.eval()
 
 
 @pytest.fixture(scope="module", params=sorted(CONVERTERS))

@@ -106,14 +106,15 @@ def _path_str(path) -> str:
 
 class _DropOrbaxNoise(logging.Filter):
     """Drops orbax's warnings and errors (hundreds of lines of background-thread tracebacks for one failed
-    save) and, once a save failed, asyncio's "exception was never retrieved" reports of orbax's abandoned
-    futures: the Checkpointer raises each failure itself, with its cause in one line."""
+    save) and, once a save failed or a restore met a damaged checkpoint, asyncio's "exception was never
+    retrieved" reports of orbax's abandoned futures (logged whenever they are collected, often after the run's
+    own message): the Checkpointer reports each failure itself, with its cause in one line."""
 
-    save_failed = False
+    futures_abandoned = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == "asyncio":
-            return not self.save_failed
+            return not self.futures_abandoned
         return record.levelno < logging.WARNING or "/orbax/" not in record.pathname.replace("\\", "/")
 
 
@@ -175,7 +176,7 @@ class Checkpointer:
             raise self._save_error(e) from None
 
     def _save_error(self, error: BaseException) -> CheckpointSaveError:
-        self.failed = _ORBAX_NOISE.save_failed = True
+        self.failed = _ORBAX_NOISE.futures_abandoned = True
         kept = [s for s in self.steps() if (self.directory / str(s)).is_dir()]
         return CheckpointSaveError(
             f"saving a checkpoint in {self.directory} failed: {_save_cause(error)}. Training stopped; "
@@ -305,6 +306,7 @@ class Checkpointer:
                         f"reading checkpoint {path} failed with an I/O error ({summary}); nothing was skipped or "
                         "deleted. Check the filesystem, then rerun the same command."
                     ) from e
+                _ORBAX_NOISE.futures_abandoned = True
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, summary)
                 damaged.append(f"{path}: {summary}")
                 continue

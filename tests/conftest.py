@@ -10,11 +10,20 @@ import tempfile
 
 import pytest
 
-os.environ.setdefault("LMZOO_CACHE", tempfile.mkdtemp(prefix="lmzoo-cache-"))
-# Set by the first pytest process: xdist's workers and the processes tests start inherit the folder.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="lmzoo-tests-xla-"))
+# Made by the first pytest process, which removes them at its end: xdist's workers and the processes tests start
+# inherit the folders through the environment.
+_MADE_HERE = []
+for _variable, _prefix in (("LMZOO_CACHE", "lmzoo-cache-"), ("JAX_COMPILATION_CACHE_DIR", "lmzoo-tests-xla-")):
+    if _variable not in os.environ:
+        os.environ[_variable] = tempfile.mkdtemp(prefix=_prefix)
+        _MADE_HERE.append(os.environ[_variable])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_unconfigure(config):
+    for folder in _MADE_HERE:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 FAILING_OPEN = r"""

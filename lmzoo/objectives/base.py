@@ -9,7 +9,7 @@ trainer, frozen subtrees loaded from elsewhere (a distillation teacher), and the
 """
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -151,6 +151,36 @@ class Objective:
         if "segment_ids" in batch:
             return int(np.count_nonzero(batch["segment_ids"]))
         return int(batch["inputs"].size)
+
+
+class ExampleObjective(Objective):
+    """An objective that reads fixed examples (labelled text, comparison pairs): each split becomes example arrays
+    [M, ...] (`examples`), drawn into batches by (seed, step, process) (`pipeline.ExampleLoader`)."""
+
+    def examples(self, tokenizer: tokenizers.Tokenizer, raw: Any, where: str) -> Batch:
+        """The example arrays [M, ...] of a split's raw examples; `where` names the split in errors."""
+        raise NotImplementedError
+
+    def example_transform(self, tokenizer: tokenizers.Tokenizer) -> Callable[[Batch, np.ndarray, np.ndarray], Batch]:
+        """How drawn rows (with the ids [B] and epochs [B] of their examples) become a batch: as they are by default."""
+        return lambda rows, ids, epochs: dict(rows)
+
+    def _example_loader(self, tokenizer, raw, shard: Shard, batch_size: int, where: str) -> pipeline.ExampleLoader:
+        return pipeline.ExampleLoader(
+            self.examples(tokenizer, raw, where),
+            batch_size,
+            seed=self.config.train.seed,
+            transform=self.example_transform(tokenizer),
+            **dataclasses.asdict(shard),
+        )
+
+    def train_loader(self, tokenizer, raw, shard):
+        return self._example_loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")
+
+    def eval_batches(self, tokenizer, raw, shard):
+        return self._example_loader(
+            tokenizer, raw, shard, self.config.eval.batch_size, "evaluation split"
+        ).eval_batches()
 
 
 def check_length(config: ml_collections.ConfigDict, field: str, length: int) -> None:

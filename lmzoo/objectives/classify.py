@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo import tokenizers
-from lmzoo.data import pipeline, readers, transforms
+from lmzoo.data import readers, transforms
 from lmzoo.models import heads
 from lmzoo.objectives import base, losses
 from lmzoo.trainers.state import Task
@@ -137,7 +137,7 @@ def classification_rows(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np
     return {"inputs": rows["tokens"], **{k: v for k, v in rows.items() if k != "tokens"}}
 
 
-class Classification(base.Objective):
+class Classification(base.ExampleObjective):
     """Fine-tuning on (text[, text pair], label) rows of `data.train_path` / `data.validation_path` TSV files."""
 
     name = "classify"
@@ -160,7 +160,7 @@ class Classification(base.Objective):
         shapes = {"inputs": base.int_inputs(shape), "segment_ids": base.int_inputs(shape)}
         return shapes if self.fields.input_format == "gpt" else {**shapes, "token_types": base.int_inputs(shape)}
 
-    def _loader(self, tokenizer, raw, shard, batch_size: int, where: str) -> pipeline.ExampleLoader:
+    def examples(self, tokenizer, raw, where):
         texts, labels = raw
         num_classes = self.fields.num_classes
         if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
@@ -175,16 +175,7 @@ class Classification(base.Objective):
             )
         examples = classification_examples(texts, labels, tokenizer, self.config.data.seq_len, input_format)
         transforms.check_token_ids(examples["tokens"], self.config.model.vocab_size, where=where)
-        return pipeline.ExampleLoader(
-            examples,
-            batch_size,
-            seed=self.config.train.seed,
-            transform=classification_rows,
-            **dataclasses.asdict(shard),
-        )
+        return examples
 
-    def train_loader(self, tokenizer, raw, shard):
-        return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")
-
-    def eval_batches(self, tokenizer, raw, shard):
-        return self._loader(tokenizer, raw, shard, self.config.eval.batch_size, "evaluation split").eval_batches()
+    def example_transform(self, tokenizer):
+        return classification_rows

@@ -26,7 +26,7 @@ import numpy as np
 from flax import traverse_util
 
 from lmzoo import weights
-from lmzoo.data import comparisons, pipeline, readers, transforms
+from lmzoo.data import comparisons, readers, transforms
 from lmzoo.models import kinds
 from lmzoo.objectives import base, sft
 from lmzoo.rl import policy_gradient, reward
@@ -176,11 +176,7 @@ def dpo_examples(raw: list[comparisons.Comparison], tokenizer, config, where: st
     return {"tokens": tokens[distinct], "prompt_lengths": lengths[distinct, 2] - 1, "lengths": lengths[distinct, :2]}
 
 
-def _as_batch(rows, ids, epochs):
-    return dict(rows)
-
-
-class DPO(base.Objective):
+class DPO(base.ExampleObjective):
     """A decoder trained from the SFT policy on the comparisons of `data.path` by DPO or IPO (see the module docstring)."""
 
     name = "dpo"
@@ -209,20 +205,8 @@ class DPO(base.Objective):
             "prompt_lengths": base.int_inputs((batch_size,)),
         }
 
-    def _loader(self, tokenizer, raw, shard, batch_size, where):
-        return pipeline.ExampleLoader(
-            dpo_examples(raw, tokenizer, self.config, where),
-            batch_size,
-            seed=self.config.train.seed,
-            transform=_as_batch,
-            **dataclasses.asdict(shard),
-        )
-
-    def train_loader(self, tokenizer, raw, shard):
-        return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")
-
-    def eval_batches(self, tokenizer, raw, shard):
-        return self._loader(tokenizer, raw, shard, self.config.eval.batch_size, "evaluation split").eval_batches()
+    def examples(self, tokenizer, raw, where):
+        return dpo_examples(raw, tokenizer, self.config, where)
 
     def real_tokens(self, batch):
         return int(np.sum(batch["lengths"]))

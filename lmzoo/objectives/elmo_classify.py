@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo import weights
-from lmzoo.data import pipeline, readers, transforms
+from lmzoo.data import readers, transforms
 from lmzoo.layers import embed_lookup
 from lmzoo.models import elmo
 from lmzoo.objectives import base, losses
@@ -84,11 +84,7 @@ def framed_examples(texts: list[str], labels: np.ndarray, tokenizer, max_len: in
     return {"tokens": tokens, "weights": weights, "labels": np.asarray(labels, np.int32)}
 
 
-def _rows(rows, ids, epochs):
-    return {**rows, "example_weights": np.ones(len(ids), np.float32)}
-
-
-class ELMoClassify(base.Objective):
+class ELMoClassify(base.ExampleObjective):
     """Frozen-feature sentence classification on (sentence, label) TSV files (data.train_path / validation_path)."""
 
     name = "elmo_classify"
@@ -129,19 +125,14 @@ class ELMoClassify(base.Objective):
         shape = (batch_size, self.config.data.seq_len)
         return {"tokens": base.int_inputs(shape), "weights": base.float_inputs(shape)}
 
-    def _loader(self, tokenizer, raw, shard, batch_size: int, where: str) -> pipeline.ExampleLoader:
+    def examples(self, tokenizer, raw, where):
         texts, labels = raw
         examples = framed_examples([" ".join(t) for t in texts], labels, tokenizer, self.config.data.seq_len)
         transforms.check_token_ids(examples["tokens"], self.config.model.vocab_size, where=where)
-        return pipeline.ExampleLoader(
-            examples, batch_size, seed=self.config.train.seed, transform=_rows, **dataclasses.asdict(shard)
-        )
+        return examples
 
-    def train_loader(self, tokenizer, raw, shard):
-        return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")
-
-    def eval_batches(self, tokenizer, raw, shard):
-        return self._loader(tokenizer, raw, shard, self.config.eval.batch_size, "evaluation split").eval_batches()
+    def example_transform(self, tokenizer):
+        return lambda rows, ids, epochs: {**rows, "example_weights": np.ones(len(ids), np.float32)}
 
     def real_tokens(self, batch):
         return int(np.sum(batch["weights"]))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmzoo.data import comparisons, pipeline, readers, transforms
+from lmzoo.data import comparisons, readers, transforms
 from lmzoo.objectives import base, sft
 from lmzoo.rl import reward
 from lmzoo.trainers.state import Task
@@ -69,7 +69,7 @@ def reward_examples(raw: list[comparisons.Comparison], tokenizer, config, where:
     return {**arrays, "lengths": np.sum(arrays["tokens"] != tokenizer.pad_id, axis=-1).astype(np.int32)}
 
 
-class RewardModel(base.Objective):
+class RewardModel(base.ExampleObjective):
     """A scalar-headed backbone trained on the comparisons of `data.path`, held-out pairwise accuracy next to a length baseline."""
 
     name = "reward_model"
@@ -92,20 +92,8 @@ class RewardModel(base.Objective):
             "valid": jax.ShapeDtypeStruct((batch_size, k), jnp.bool_),
         }
 
-    def _loader(self, tokenizer, raw, shard, batch_size, where):
-        return pipeline.ExampleLoader(
-            reward_examples(raw, tokenizer, self.config, where),
-            batch_size,
-            seed=self.config.train.seed,
-            transform=lambda rows, ids, epochs: dict(rows),
-            **dataclasses.asdict(shard),
-        )
-
-    def train_loader(self, tokenizer, raw, shard):
-        return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")
-
-    def eval_batches(self, tokenizer, raw, shard):
-        return self._loader(tokenizer, raw, shard, self.config.eval.batch_size, "evaluation split").eval_batches()
+    def examples(self, tokenizer, raw, where):
+        return reward_examples(raw, tokenizer, self.config, where)
 
     def real_tokens(self, batch):
         return int(np.sum(batch["lengths"]))

@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 
 from lmzoo import tokenizers
-from lmzoo.data import comparisons, pipeline, readers, transforms
+from lmzoo.data import comparisons, readers, transforms
 from lmzoo.objectives import base, causal_lm
 
 
@@ -69,11 +69,7 @@ def sft_examples(raw: list[comparisons.Comparison], tokenizer, config, where: st
     return comparisons.pack_examples(examples, tokenizer.pad_id)
 
 
-def _as_batch(rows, ids, epochs):
-    return dict(rows)
-
-
-class SFT(base.Objective):
+class SFT(base.ExampleObjective):
     """A decoder fine-tuned on prompt -> chosen reply, packed, with the loss on reply tokens only."""
 
     name = "sft"
@@ -91,20 +87,8 @@ class SFT(base.Objective):
             "segment_ids": base.int_inputs(shape),
         }
 
-    def _loader(self, tokenizer, raw, shard, batch_size, where):
-        return pipeline.ExampleLoader(
-            sft_examples(raw, tokenizer, self.config, where),
-            batch_size,
-            seed=self.config.train.seed,
-            transform=_as_batch,
-            **dataclasses.asdict(shard),
-        )
-
-    def train_loader(self, tokenizer, raw, shard):
-        return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train split")
-
-    def eval_batches(self, tokenizer, raw, shard):
-        return self._loader(tokenizer, raw, shard, self.config.eval.batch_size, "evaluation split").eval_batches()
+    def examples(self, tokenizer, raw, where):
+        return sft_examples(raw, tokenizer, self.config, where)
 
     def real_tokens(self, batch):
         return int(np.count_nonzero(batch["segment_ids"]))

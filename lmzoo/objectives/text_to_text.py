@@ -1,12 +1,11 @@
 """Supervised encoder-decoders on (source, target) text pairs: translation, summarisation, dialogue responses."""
 
-import dataclasses
 import functools
 
 import numpy as np
 
 from lmzoo import tokenizers
-from lmzoo.data import pipeline, readers, transforms
+from lmzoo.data import readers, transforms
 from lmzoo.objectives import base, denoising
 
 
@@ -46,7 +45,7 @@ def text_pair_rows(
     }
 
 
-class TextToText(base.Objective):
+class TextToText(base.ExampleObjective):
     """Pairs from a .jsonl/.tsv file (`data.source='pairs'`): two `data.text_fields`, or one split at
     `data.split_marker` (HH-RLHF: the conversation so far -> the final response). The last
     `data.validation_fraction` of the pairs are held out."""
@@ -81,19 +80,13 @@ class TextToText(base.Objective):
     def real_tokens(self, batch):
         return denoising.seq2seq_real_tokens(batch)
 
-    def _loader(self, tokenizer, raw, shard, batch_size: int, where: str) -> pipeline.ExampleLoader:
+    def examples(self, tokenizer, raw, where):
         examples = text_pair_examples(raw, tokenizer, self.config.data.seq_len, self.config.data.target_seq_len)
         for key in ("inputs", "targets"):
             transforms.check_token_ids(examples[key], self.config.model.vocab_size, where=f"{where} {key}")
-        transform = functools.partial(
+        return examples
+
+    def example_transform(self, tokenizer):
+        return functools.partial(
             text_pair_rows, pad_id=tokenizer.pad_id, decoder_start_id=self.config.model.decoder_start_id
         )
-        return pipeline.ExampleLoader(
-            examples, batch_size, seed=self.config.train.seed, transform=transform, **dataclasses.asdict(shard)
-        )
-
-    def train_loader(self, tokenizer, raw, shard):
-        return self._loader(tokenizer, raw, shard, self.config.train.batch_size, "train")
-
-    def eval_batches(self, tokenizer, raw, shard):
-        return self._loader(tokenizer, raw, shard, self.config.eval.batch_size, "evaluation").eval_batches()

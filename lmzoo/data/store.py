@@ -113,7 +113,7 @@ class TokenSplit:
         starts = self.starts[k]
         start = int(starts[local])
         end = int(starts[local + 1]) if local + 1 < len(starts) else int(self.offsets[k + 1])
-        return np.asarray(self.shards[k][start - self.offsets[k] : end - self.offsets[k]], np.int32)
+        return self.tokens_between(start, end)
 
     def sentences(self) -> "SentenceIndex":
         """The split's documents as sentences (a store prepared with --sentences); StoreError otherwise."""

@@ -251,11 +251,27 @@ class Rotary:
         medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """x [B, T, N, H] rotated by positions [B, T]; cos/sin in float32, applied in x's dtype (as HF)."""
-        angles = positions[..., None].astype(jnp.float32) * self.inverse_frequencies(x.shape[-1])  # [B, T, H/2]
-        angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-        cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    def rotation(
+        self, positions: jax.Array | None, head_dim: int, length: int | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """positions [B, T], or None for 0..length-1 -> (cos, sin), each [B or 1, T, 1, H] float32.
+
+        Without positions the tables are numpy constants: computed with jnp, XLA fuses the cos and sin into every
+        consumer and evaluates them once per head and again in the backward pass, which on the CPU cost more
+        than the rotation itself.
+        """
+        if positions is None:
+            angles = np.arange(length, dtype=np.float32)[None, :, None] * self.inverse_frequencies(head_dim)
+            xp = np
+        else:
+            angles = positions[..., None].astype(jnp.float32) * self.inverse_frequencies(head_dim)  # [B, T, H/2]
+            xp = jnp
+        angles = xp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+        return xp.cos(angles), xp.sin(angles)
+
+    def __call__(self, x: jax.Array, rotation: tuple[jax.Array, jax.Array]) -> jax.Array:
+        """x [B, T, N, H] rotated by `rotation(positions, H)`; applied in x's dtype (as HF)."""
+        cos, sin = (table.astype(x.dtype) for table in rotation)
         first, second = jnp.split(x, 2, axis=-1)
         return x * cos + jnp.concatenate([-second, first], axis=-1) * sin
 
@@ -442,10 +458,11 @@ class Attention(nn.Module):
             name="query",
         )("BTD,DNH->BTNH", x)
         query = sharding.constrain(query, ("act_batch", "act_len", "act_heads", "act_kv"))
-        if positions is None and (self.rotary is not None or self.sliding_window):
+        rotation = None if self.rotary is None else self.rotary.rotation(positions, self.head_dim, x.shape[1])
+        if positions is None and self.sliding_window:
             positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
-        if self.rotary is not None:
-            query = self.rotary(query, positions)
+        if rotation is not None:
+            query = self.rotary(query, rotation)
         grouped = kv_heads < self.num_heads  # fewer kv heads than the tensor axis: they get a rule of their own
         kv_axes = ("embed", "kv_heads" if grouped else "heads", "kv")
         kv_act_axes = ("act_batch", "act_len", "act_kv_heads" if grouped else "act_heads", "act_kv")
@@ -453,8 +470,8 @@ class Attention(nn.Module):
         def project_keys_values(source, rotate):
             key = proj((d, kv_heads, self.head_dim), kv_axes, name="key")("BSD,DNH->BSNH", source)
             value = proj((d, kv_heads, self.head_dim), kv_axes, name="value")("BSD,DNH->BSNH", source)
-            if rotate and self.rotary is not None:
-                key = self.rotary(key, positions)
+            if rotate and rotation is not None:
+                key = self.rotary(key, rotation)
             return sharding.constrain(key, kv_act_axes), sharding.constrain(value, kv_act_axes)
 
         is_causal = self.causal

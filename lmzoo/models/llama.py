@@ -127,9 +127,8 @@ class Llama(nn.Module):
         """
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        if positions is None:
+        if positions is None:  # the layers rotate by 0..T-1 from constant tables
             layers.check_length(tokens.shape[1], cfg.max_len, what="Llama input")
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         init = nn.initializers.normal(cfg.init_std)
         embed = layers.Embed(
             cfg.vocab_size, cfg.emb_dim, embedding_init=init, dtype=dtype, param_dtype=param_dtype, name="embed"

@@ -49,10 +49,28 @@ def test_rotary_is_relative():
     q, k = (jax.random.normal(key, (1, 1, 1, 8)) for key in jax.random.split(jax.random.key(1)))
 
     def score(pq, pk):
-        return jnp.sum(rotary(q, jnp.array([[pq]])) * rotary(k, jnp.array([[pk]])))
+        return jnp.sum(
+            rotary(q, rotary.rotation(jnp.array([[pq]]), 8)) * rotary(k, rotary.rotation(jnp.array([[pk]]), 8))
+        )
 
     np.testing.assert_allclose(score(3, 1), score(12, 10), rtol=1e-5)
     assert abs(float(score(3, 1) - score(3, 2))) > 1e-4
+
+
+def test_default_positions_use_constant_tables_equal_to_computed_ones():
+    """Without positions the rotation comes from numpy tables; it equals the one computed from 0..T-1."""
+    rotary = layers.Rotary(10_000.0, (8.0, 1.0, 4.0, 16))
+    positions = jnp.broadcast_to(jnp.arange(20), (3, 20))
+    for constant, computed in zip(rotary.rotation(None, 16, 20), rotary.rotation(positions, 16), strict=True):
+        assert isinstance(constant, np.ndarray) and constant.shape == (1, 20, 1, 16)
+        np.testing.assert_allclose(np.broadcast_to(constant, computed.shape), computed, atol=2e-6)
+    model, params = tiny_llama()
+    tokens = testing.random_tokens((2, 12), vocab_size=61)
+    np.testing.assert_allclose(
+        model.apply({"params": params}, tokens),
+        model.apply({"params": params}, tokens, positions=jnp.broadcast_to(jnp.arange(12), (2, 12))),
+        atol=1e-5,
+    )
 
 
 def test_llama3_scaling_keeps_high_and_divides_low_frequencies():

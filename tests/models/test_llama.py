@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from lmzoo import decoding, layers, models, testing
+from lmzoo import decoding, kernels, layers, models, testing
 
 TINY = dict(vocab_size=61, max_len=32, emb_dim=24, num_heads=6, num_kv_heads=2, head_dim=8, num_layers=2, mlp_dim=40)
 
@@ -58,12 +58,19 @@ def test_rotary_is_relative():
 
 
 def test_default_positions_use_constant_tables_equal_to_computed_ones():
-    """Without positions the rotation comes from numpy tables; it equals the one computed from 0..T-1."""
+    """On the CPU, without positions the rotation comes from numpy tables that every layer shares; they equal the
+    rotation computed from 0..T-1, which is what the accelerators compute."""
     rotary = layers.Rotary(10_000.0, (8.0, 1.0, 4.0, 16))
     positions = jnp.broadcast_to(jnp.arange(20), (3, 20))
-    for constant, computed in zip(rotary.rotation(None, 16, 20), rotary.rotation(positions, 16), strict=True):
+    tables = rotary.rotation(None, 16, 20)
+    assert rotary.rotation(None, 16, 20)[0] is tables[0]
+    with kernels.use_platform("gpu"):
+        accelerator = rotary.rotation(None, 16, 20)
+    for constant, plain, computed in zip(tables, accelerator, rotary.rotation(positions, 16), strict=True):
         assert isinstance(constant, np.ndarray) and constant.shape == (1, 20, 1, 16)
+        assert isinstance(plain, jax.Array) and plain.shape == (1, 20, 1, 16)
         np.testing.assert_allclose(np.broadcast_to(constant, computed.shape), computed, atol=2e-6)
+        np.testing.assert_array_equal(np.broadcast_to(plain, computed.shape), computed)
     model, params = tiny_llama()
     tokens = testing.random_tokens((2, 12), vocab_size=61)
     np.testing.assert_allclose(

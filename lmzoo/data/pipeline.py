@@ -121,28 +121,38 @@ class LMLoader:
 
 
 def eval_batches(
-    split: TokenSplit,
+    splits: Sequence[TokenSplit],
     batch_size: int,
     seq_len: int,
     process_index: int = 0,
     process_count: int = 1,
     transform: Callable[..., dict[str, np.ndarray]] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Every target of the split exactly once: consecutive windows, the last batch padded with weight 0.
+    """Every target of each split exactly once (a mixture's stores one after another, whatever their weights):
+    consecutive windows, the last batch padded with weight 0.
 
-    `transform` (as in LMLoader) sees each window's start as its example id and epoch 0.
+    `transform` (as in LMLoader) sees each window's start, counted through the splits in order, as its example id and
+    epoch 0.
     """
-    num_windows = -(-(split.num_tokens - 1) // seq_len)
-    if num_windows <= 0:
+    counts = [max(-(-(split.num_tokens - 1) // seq_len), 0) for split in splits]  # windows of each split
+    if not sum(counts):
         raise ValueError("the validation split is empty; use more data or a smaller config.data.validation_fraction")
-    starts = np.arange(num_windows) * seq_len
+    split_of = np.repeat(np.arange(len(splits)), counts)
+    starts = np.concatenate([np.arange(count, dtype=np.int64) * seq_len for count in counts])
+    first_token = np.cumsum([0] + [split.num_tokens for split in splits])  # of each split, in example ids
     local = batch_size // process_count
-    for first in range(0, num_windows, batch_size):
-        chunk = starts[first : first + batch_size]
-        padded = np.concatenate([chunk, np.full(batch_size - len(chunk), split.num_tokens, dtype=chunk.dtype)])
-        mine = padded[process_index * local : (process_index + 1) * local]
-        batch = transforms.lm_windows(*split.windows(mine, seq_len + 1))
-        yield batch if transform is None else transform(batch, mine, np.zeros_like(mine))
+    for first in range(0, len(starts), batch_size):
+        rows = np.arange(first, first + batch_size)[process_index * local : (process_index + 1) * local]
+        real = rows < len(starts)
+        window = np.minimum(rows, len(starts) - 1)  # a valid index for padding rows too
+        tokens = np.zeros((local, seq_len + 1), np.int32)
+        documents = np.full((local, seq_len + 1), -1, np.int64)  # padding: past the end, as `TokenSplit.windows`
+        for k in np.unique(split_of[window[real]]):
+            mine = np.flatnonzero(real & (split_of[window] == k))
+            tokens[mine], documents[mine] = splits[k].windows(starts[window[mine]], seq_len + 1)
+        ids = np.where(real, first_token[split_of[window]] + starts[window], first_token[-1])
+        batch = transforms.lm_windows(tokens, documents)
+        yield batch if transform is None else transform(batch, ids, np.zeros_like(ids))
 
 
 @dataclasses.dataclass(frozen=True)

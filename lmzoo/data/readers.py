@@ -98,15 +98,14 @@ class CorpusSplit:
             opened = prepare.cached_store(self.source, tokenizer, root, workers=workers, sentences=True)
         return opened.split(self.split).sentences()
 
-    def tokens(self, tokenizer: tokenizers.Tokenizer) -> store.TokenSplit:
-        """The split's tokens (of the first store of a mixture: evaluation reads that one)."""
-        return self.stores(tokenizer)[0].split(self.split)
+    def token_splits(self, tokenizer: tokenizers.Tokenizer) -> list[store.TokenSplit]:
+        """The split's tokens, one TokenSplit per store it reads: one, or a mixture's."""
+        return [opened.split(self.split) for opened in self.stores(tokenizer)]
 
     def mixture(self, tokenizer: tokenizers.Tokenizer) -> tuple[list[store.TokenSplit], list[float], list[str]]:
         """(token splits, weights, names) of every store the split reads: one, or a mixture's."""
-        opened = self.stores(tokenizer)
         weights = [weight for _, weight in store_paths(self.config)] if self.source is None else [1.0]
-        return [s.split(self.split) for s in opened], weights, [s.folder.name for s in opened]
+        return self.token_splits(tokenizer), weights, [opened.folder.name for opened in self.stores(tokenizer)]
 
 
 def _document_splits(config: Config) -> dict[str, CorpusSplit]:

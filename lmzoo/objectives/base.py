@@ -131,9 +131,13 @@ class Objective:
         )
 
     def window_eval_batches(self, tokenizer, raw: readers.CorpusSplit, shard: Shard, length: int, transform=None):
-        """Every target of a split once, in consecutive `length`-token windows."""
+        """Every target of a split once (of each store of a mixture), in consecutive `length`-token windows."""
         return pipeline.eval_batches(
-            raw.tokens(tokenizer), self.config.eval.batch_size, length, transform=transform, **dataclasses.asdict(shard)
+            raw.token_splits(tokenizer),
+            self.config.eval.batch_size,
+            length,
+            transform=transform,
+            **dataclasses.asdict(shard),
         )
 
     def load_frozen(self, frozen: Any) -> Any:

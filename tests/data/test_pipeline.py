@@ -57,9 +57,30 @@ def test_sequential_sampler_visits_every_window_once_per_epoch():
 
 def test_eval_batches_cover_every_target_once():
     stream = one_document(np.arange(100, dtype=np.int32))
-    batches = list(pipeline.eval_batches(stream, batch_size=4, seq_len=16))
+    batches = list(pipeline.eval_batches([stream], batch_size=4, seq_len=16))
     targets = np.concatenate([b["targets"][b["weights"] > 0] for b in batches])
     np.testing.assert_array_equal(np.sort(targets), np.arange(1, 100))
+
+
+def test_eval_batches_of_a_mixture_cover_every_store_once_and_shard_by_process():
+    web, code = one_document(np.arange(100, dtype=np.int32)), one_document(np.arange(1000, 1037, dtype=np.int32))
+    seen = []
+    batches = list(
+        pipeline.eval_batches(
+            [web, code], batch_size=4, seq_len=16, transform=lambda b, ids, e: {**b, "ids": ids, "epochs": e}
+        )
+    )
+    targets = np.concatenate([b["targets"][b["weights"] > 0] for b in batches])
+    np.testing.assert_array_equal(np.sort(targets), np.concatenate([np.arange(1, 100), np.arange(1001, 1037)]))
+    for b in batches:
+        seen += [int(i) for i, w in zip(b["ids"], b["weights"].sum(1), strict=True) if w > 0]
+    assert seen == list(range(0, 99, 16)) + [100 + s for s in range(0, 36, 16)]  # starts, counted through the splits
+    assert all(not b["epochs"].any() for b in batches)
+    halves = [list(pipeline.eval_batches([web, code], 4, 16, process_index=i, process_count=2)) for i in range(2)]
+    for whole, first, second in zip(batches, *halves, strict=True):
+        np.testing.assert_array_equal(np.concatenate([first["targets"], second["targets"]]), whole["targets"])
+    with pytest.raises(ValueError, match="the validation split is empty"):
+        next(pipeline.eval_batches([one_document(np.zeros(1, np.int32))], 4, 16))
 
 
 def test_seq2seq_eval_padding_rows_have_no_weight():
@@ -72,7 +93,7 @@ def test_seq2seq_eval_padding_rows_have_no_weight():
             batch, ids, epochs, noise=noise, seed=0, inputs_length=8, targets_length=9, pad_id=0, decoder_start_id=1
         )
 
-    (batch,) = pipeline.eval_batches(stream, batch_size=4, seq_len=8, transform=transform)
+    (batch,) = pipeline.eval_batches([stream], batch_size=4, seq_len=8, transform=transform)
     np.testing.assert_array_equal(
         batch["weights"].sum(axis=1), [9, 9, 5, 0]
     )  # windows of 8, 8, 4 tokens + EOS; padding

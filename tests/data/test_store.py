@@ -288,15 +288,15 @@ def test_a_config_naming_raw_text_is_tokenized_once_and_again_when_the_text_chan
     config = local_text_config(corpus)
     raw = objectives.build(config).read()
     tokenizer = tokenizers.ByteTokenizer()
-    first = raw["train"].tokens(tokenizer)
+    first = raw["train"].token_splits(tokenizer)[0]
     stores = list((tmp_path / "cache" / "stores").glob("*/manifest.json"))
     assert len(stores) == 1
-    again = objectives.build(local_text_config(corpus)).read()["train"].tokens(tokenizer)
+    again = objectives.build(local_text_config(corpus)).read()["train"].token_splits(tokenizer)[0]
     assert list((tmp_path / "cache" / "stores").glob("*/manifest.json")) == stores
     np.testing.assert_array_equal(again.windows(np.arange(5), 9)[0], first.windows(np.arange(5), 9)[0])
     time.sleep(0.01)
     (corpus / "a.txt").write_text("Changed text.")
-    changed = objectives.build(local_text_config(corpus)).read()["train"].tokens(tokenizer)
+    changed = objectives.build(local_text_config(corpus)).read()["train"].token_splits(tokenizer)[0]
     assert len(list((tmp_path / "cache" / "stores").glob("*/manifest.json"))) == 2
     assert changed.document(0).tolist() == list(b"Changed text.") + [256]
     assert isinstance(raw["train"], readers.CorpusSplit)
@@ -327,6 +327,12 @@ def test_store_source_and_mixture_configs_are_checked_before_any_work(tmp_path):
     objective = objectives.build(config)
     loader = objective.train_loader(tokenizers.ByteTokenizer(), objective.read()["train"], Shard())
     assert loader.dataset_size.startswith("mixture: web 0.70 of rows")
+    evaluated = sum(
+        float(batch["weights"].sum())
+        for batch in objective.eval_batches(tokenizers.ByteTokenizer(), objective.read()["validation"], Shard())
+    )
+    alone = [pipeline.eval_batches([s.split("validation")], 8, config.data.seq_len) for s in (web, code)]
+    assert evaluated == sum(float(batch["weights"].sum()) for batches in alone for batch in batches) > 0
 
 
 def test_resume_after_the_training_text_changed_warns(tmp_path, caplog):

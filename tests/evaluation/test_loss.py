@@ -38,7 +38,7 @@ def scored(tmp_path_factory):
 
 def _plain(run, state) -> tuple[float, float, int]:
     """(loss, accuracy, tokens) of the file from the model's logits, window by window, in float64."""
-    split = run.raw("data").tokens(run.tokenizer)
+    (split,) = run.raw("data").token_splits(run.tokenizer)
     assert split.num_documents == 1
     tokens, length = split.document(0), run.config.data.seq_len
     params = jax.device_get(state.params)

@@ -52,7 +52,7 @@ def test_eval_and_load_from_the_workdir_alone(tmp_path):
     )
     stream = TokenSplit.from_documents(loaded.tokenizer.encode_batch([NEW_TEXT]), loaded.tokenizer.eos_id)
     total, count = 0.0, 0.0
-    for batch in pipeline.eval_batches(stream, batch_size=64, seq_len=config.data.seq_len):
+    for batch in pipeline.eval_batches([stream], batch_size=64, seq_len=config.data.seq_len):
         logits = loaded.model.apply(
             {"params": loaded.params}, batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"]
         )

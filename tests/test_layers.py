@@ -195,4 +195,4 @@ def test_head_chunks_are_sized_per_platform():
         cpu_chunk = causal_lm.losses.head_loss_chunk_len(8, 1024, 50257)
     with kernels.use_platform("tpu"):
         accelerator_chunk = causal_lm.losses.head_loss_chunk_len(8, 1024, 50257)
-    assert (cpu_chunk, accelerator_chunk) == (4, 128)
+    assert (cpu_chunk, accelerator_chunk) == (8, 128)  # 16 MB and 256 MB of float32 logits

@@ -253,7 +253,7 @@ class Rotary:
 
     def rotation(
         self, positions: jax.Array | None, head_dim: int, length: int | None = None
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array | np.ndarray, jax.Array | np.ndarray]:
         """positions [B, T], or None for 0..length-1 -> (cos, sin), each [B or 1, T, 1, H] float32."""
         if positions is None:
             if kernels.on_cpu():
@@ -277,7 +277,10 @@ def _rotation_tables(rotary: Rotary, head_dim: int, length: int) -> tuple[np.nda
     and again in the backward pass: ~5% of a Llama train step."""
     angles = np.arange(length, dtype=np.float32)[None, :, None] * rotary.inverse_frequencies(head_dim)
     angles = np.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    return np.cos(angles), np.sin(angles)
+    tables = np.cos(angles), np.sin(angles)
+    for table in tables:
+        table.setflags(write=False)  # shared by every caller
+    return tables
 
 
 def check_rope_scaling(scaling: tuple | None) -> None:

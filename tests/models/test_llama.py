@@ -67,7 +67,7 @@ def test_default_positions_use_constant_tables_equal_to_computed_ones():
     with kernels.use_platform("gpu"):
         accelerator = rotary.rotation(None, 16, 20)
     for constant, plain, computed in zip(tables, accelerator, rotary.rotation(positions, 16), strict=True):
-        assert isinstance(constant, np.ndarray) and constant.shape == (1, 20, 1, 16)
+        assert isinstance(constant, np.ndarray) and constant.shape == (1, 20, 1, 16) and not constant.flags.writeable
         assert isinstance(plain, jax.Array) and plain.shape == (1, 20, 1, 16)
         np.testing.assert_allclose(np.broadcast_to(constant, computed.shape), computed, atol=2e-6)
         np.testing.assert_array_equal(np.broadcast_to(plain, computed.shape), computed)

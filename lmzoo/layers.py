@@ -257,7 +257,7 @@ class Rotary:
         """positions [B, T], or None for 0..length-1 -> (cos, sin), each [B or 1, T, 1, H] float32."""
         if positions is None:
             if kernels.on_cpu():
-                return _rotation_tables(self, head_dim, length)
+                return cpu.rotation_tables(tuple(self.inverse_frequencies(head_dim).tolist()), length)
             positions = jnp.arange(length)[None]
         angles = positions[..., None].astype(jnp.float32) * self.inverse_frequencies(head_dim)  # [B, T, H/2]
         angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
@@ -268,19 +268,6 @@ class Rotary:
         cos, sin = (table.astype(x.dtype) for table in rotation)
         first, second = jnp.split(x, 2, axis=-1)
         return x * cos + jnp.concatenate([-second, first], axis=-1) * sin
-
-
-@functools.lru_cache(maxsize=32)
-def _rotation_tables(rotary: Rotary, head_dim: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """`Rotary.rotation` of 0..length-1 as numpy constants [1, T, 1, H], one object per shape, which every layer's
-    program shares. On the CPU, XLA fuses a computed cos and sin into each consumer and evaluates them once per head
-    and again in the backward pass: ~5% of a Llama train step."""
-    angles = np.arange(length, dtype=np.float32)[None, :, None] * rotary.inverse_frequencies(head_dim)
-    angles = np.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    tables = np.cos(angles), np.sin(angles)
-    for table in tables:
-        table.setflags(write=False)  # shared by every caller
-    return tables
 
 
 def check_rope_scaling(scaling: tuple | None) -> None:

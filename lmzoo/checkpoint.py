@@ -12,6 +12,7 @@ A failed save raises CheckpointSaveError with its cause (a full disk named as su
 """
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -119,6 +120,17 @@ class _DropOrbaxNoise(logging.Filter):
 
 
 _ORBAX_NOISE = _DropOrbaxNoise()
+
+
+@contextlib.contextmanager
+def _abandoning_futures_on_error():
+    """A failed orbax read leaves its other reads' futures unretrieved: asyncio's reports of them are dropped
+    from then on (whichever caller turns the failure into its one-line error)."""
+    try:
+        yield
+    except Exception:
+        _ORBAX_NOISE.futures_abandoned = True
+        raise
 
 
 class _LoopTakingLateCallbacks(asyncio.SelectorEventLoop):
@@ -238,6 +250,7 @@ class Checkpointer:
                 + "\nUse the config the checkpoint was written with, or a new workdir."
             )
 
+    @_abandoning_futures_on_error()
     def restore(self, step: int, target: Any) -> tuple[Any, dict]:
         """target: a pytree of jax.ShapeDtypeStruct with shardings."""
         self.check_compatible(step, target)
@@ -260,6 +273,7 @@ class Checkpointer:
                 f"Choose another of the kept steps {others} with --step, or leave --step out for the latest that restores"
             ) from None
 
+    @_abandoning_futures_on_error()
     def restore_params(self, step: int) -> Any:
         """The state's `params` subtree of `step` as host numpy arrays, read from the checkpoint's own metadata
         (no model or restore target needed; the rest of the state is not read)."""
@@ -306,7 +320,6 @@ class Checkpointer:
                         f"reading checkpoint {path} failed with an I/O error ({summary}); nothing was skipped or "
                         "deleted. Check the filesystem, then rerun the same command."
                     ) from e
-                _ORBAX_NOISE.futures_abandoned = True
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one", path, summary)
                 damaged.append(f"{path}: {summary}")
                 continue

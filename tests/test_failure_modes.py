@@ -210,6 +210,21 @@ def test_every_checkpoint_damaged_stops_and_deletes_nothing(trained, tmp_path, c
     assert not [r for r in caplog.records if "exception was never retrieved" in r.getMessage()]
 
 
+def test_a_chosen_damaged_step_drops_the_reports_of_abandoned_futures(trained, tmp_path, caplog, monkeypatch):
+    run_dir = _copy(trained, tmp_path)
+    for f in (run_dir / "checkpoints" / "4" / "state" / "d").iterdir():
+        f.write_bytes(b"broken")
+    monkeypatch.setattr(checkpoint._ORBAX_NOISE, "futures_abandoned", False)
+    run = run_lib.build(run_lib.load_saved(str(run_dir)), str(run_dir))
+    try:
+        with pytest.raises(checkpoint.CheckpointReadError, match="checkpoints/4 cannot be read"):
+            run.checkpointer.restore_step(4, run.abstract_state)
+    finally:
+        run.checkpointer.close()
+    logging.getLogger("asyncio").error("Task exception was never retrieved\nfuture: <Task finished ...>")
+    assert not [r for r in caplog.records if "exception was never retrieved" in r.getMessage()]
+
+
 def test_io_error_on_restore_stops_without_falling_back(trained, tmp_path, failing_open):
     run_dir = _copy(trained, tmp_path)
     env = {

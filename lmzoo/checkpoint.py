@@ -107,15 +107,16 @@ def _path_str(path) -> str:
 
 class _DropOrbaxNoise(logging.Filter):
     """Drops orbax's warnings and errors (hundreds of lines of background-thread tracebacks for one failed
-    save) and, once a save failed or a restore met a damaged checkpoint, asyncio's "exception was never
-    retrieved" reports of orbax's abandoned futures (logged whenever they are collected, often after the run's
-    own message): the Checkpointer reports each failure itself, with its cause in one line."""
+    save) and, while a restore runs and once a save failed or a restore met a damaged checkpoint, asyncio's
+    "exception was never retrieved" reports of orbax's abandoned futures (logged whenever they are collected,
+    often after the run's own message): the Checkpointer reports each failure itself, with its cause in one line."""
 
     futures_abandoned = False
+    reads_in_progress = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == "asyncio":
-            return not self.futures_abandoned
+            return not (self.futures_abandoned or self.reads_in_progress)
         return record.levelno < logging.WARNING or "/orbax/" not in record.pathname.replace("\\", "/")
 
 
@@ -125,12 +126,16 @@ _ORBAX_NOISE = _DropOrbaxNoise()
 @contextlib.contextmanager
 def _abandoning_futures_on_error():
     """A failed orbax read leaves its other reads' futures unretrieved: asyncio's reports of them are dropped
+    while the read runs (orbax's loop may collect them before the failure reaches its caller) and, once it failed,
     from then on (whichever caller turns the failure into its one-line error)."""
+    _ORBAX_NOISE.reads_in_progress += 1
     try:
         yield
     except Exception:
         _ORBAX_NOISE.futures_abandoned = True
         raise
+    finally:
+        _ORBAX_NOISE.reads_in_progress -= 1
 
 
 class _LoopTakingLateCallbacks(asyncio.SelectorEventLoop):

@@ -210,11 +210,11 @@ def test_every_checkpoint_damaged_stops_and_deletes_nothing(trained, tmp_path, c
     assert not [r for r in caplog.records if "exception was never retrieved" in r.getMessage()]
 
 
-def test_a_chosen_damaged_step_drops_the_reports_of_abandoned_futures(trained, tmp_path, caplog, monkeypatch):
+def test_a_chosen_damaged_step_drops_the_reports_of_abandoned_futures(trained, tmp_path, caplog):
     run_dir = _copy(trained, tmp_path)
     for f in (run_dir / "checkpoints" / "4" / "state" / "d").iterdir():
         f.write_bytes(b"broken")
-    monkeypatch.setattr(checkpoint._ORBAX_NOISE, "futures_abandoned", False)
+    checkpoint._ORBAX_NOISE.futures_abandoned = False  # as in a fresh process; left set, as the failure leaves it
     run = run_lib.build(run_lib.load_saved(str(run_dir)), str(run_dir))
     try:
         with pytest.raises(checkpoint.CheckpointReadError, match="checkpoints/4 cannot be read"):

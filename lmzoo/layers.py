@@ -339,10 +339,12 @@ def dot_product_attention(
 ) -> jax.Array:
     """q [B, T, N, H], k/v [B, S, K, H] (K divides N: grouped-query attention when K < N) -> [B, T, N, H].
 
-    On GPUs, cuDNN's fused flash attention where it applies (bf16/fp16, no mask or bias beyond causal, head
-    size a multiple of 8 up to 128): JAX's default (`implementation=None`) is its XLA form, which materialises
-    the [B, N, T, S] scores. Elsewhere `jax.nn.dot_product_attention`'s XLA form, except on the CPU and when
-    attention dropout needs the probabilities: then `kernels.cpu.dot_product_attention`, the explicit form.
+    On GPUs, cuDNN's fused flash attention where it applies (bf16/fp16, head size a multiple of 8 up to 128, no
+    additive bias, and a boolean mask [B, 1, T, S] only over a whole sequence: packed documents, padding): JAX's
+    default (`implementation=None`) is its XLA form, which materialises the [B, N, T, S] scores. A decoding step's
+    few queries against the cache keep the XLA form. Elsewhere `jax.nn.dot_product_attention`'s XLA form, except
+    on the CPU and when attention dropout needs the probabilities: then `kernels.cpu.dot_product_attention`, the
+    explicit form.
     """
     if kernels.on_cpu() or (dropout_rng is not None and dropout_rate > 0.0):
         groups = query.shape[2] // key.shape[2]
@@ -362,7 +364,7 @@ def dot_product_attention(
     fused = (
         kernels.platform() == "gpu"
         and jax.default_backend() == "gpu"  # the GPU forms traced on a CPU (tests) have no cuDNN to call
-        and mask is None
+        and (mask is None or query.shape[1] == key.shape[1])
         and bias is None
         and query.dtype in (jnp.bfloat16, jnp.float16)
         and query.shape[-1] % 8 == 0

@@ -194,5 +194,8 @@ def test_head_chunks_are_sized_per_platform():
     with kernels.use_platform("cpu"):
         cpu_chunk = causal_lm.losses.head_loss_chunk_len(8, 1024, 50257)
     with kernels.use_platform("tpu"):
-        accelerator_chunk = causal_lm.losses.head_loss_chunk_len(8, 1024, 50257)
-    assert (cpu_chunk, accelerator_chunk) == (8, 128)  # 16 MB and 256 MB of float32 logits
+        tpu_chunk = causal_lm.losses.head_loss_chunk_len(8, 1024, 50257)
+    with kernels.use_platform("gpu"):
+        gpu_chunks = [causal_lm.losses.head_loss_chunk_len(b, 1024, 50304) for b in (8, 12)]
+    assert (cpu_chunk, tpu_chunk) == (8, 128)  # 16 MB and 256 MB of float32 logits
+    assert gpu_chunks == [1024, 512]  # 2 GiB: GPT-2 124M's microbatch of 12 takes two chunks

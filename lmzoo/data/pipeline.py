@@ -7,7 +7,8 @@ uninterrupted run would have seen. Each process materialises only its rows of th
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -157,13 +158,15 @@ def eval_batches(
 
 @dataclasses.dataclass(frozen=True)
 class ExampleLoader:
-    """Batches of fixed examples (arrays [N, ...]), reshuffled every epoch from (seed, epoch).
+    """Batches of fixed examples, reshuffled every epoch from (seed, epoch).
 
-    `transform(rows, example_ids, epochs) -> batch` turns the selected rows into model inputs
-    (e.g. masks them); it is pure, so a batch is a function of (seed, step) and resumes exactly.
+    `examples` holds them: arrays [N, ...] by name, or a source whose `rows(ids)` builds those arrays for the
+    example ids asked for (`len` gives N), e.g. sentence pairs drawn when read. `transform(rows, example_ids,
+    epochs) -> batch` turns the selected rows into model inputs (e.g. masks them); it is pure, so a batch is a
+    function of (seed, step) and resumes exactly.
     """
 
-    examples: dict[str, np.ndarray]
+    examples: Mapping[str, np.ndarray] | Any
     batch_size: int
     seed: int
     transform: Callable[..., dict[str, np.ndarray]]
@@ -171,12 +174,19 @@ class ExampleLoader:
     process_count: int = 1
 
     def __post_init__(self):
-        if not len(next(iter(self.examples.values()))):
+        if not self.num_examples:
             raise ValueError("the dataset has no examples; check config.data")
 
     @property
     def num_examples(self) -> int:
-        return len(next(iter(self.examples.values())))
+        if isinstance(self.examples, Mapping):
+            return len(next(iter(self.examples.values())))
+        return len(self.examples)
+
+    def _rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        if isinstance(self.examples, Mapping):
+            return {k: v[ids] for k, v in self.examples.items()}
+        return self.examples.rows(ids)
 
     @property
     def dataset_size(self) -> str:
@@ -190,16 +200,14 @@ class ExampleLoader:
     def batch(self, step: int) -> dict[str, np.ndarray]:
         flat = self._local(np.arange(step * self.batch_size, (step + 1) * self.batch_size))
         epochs, ids = epoch_permutation(flat, self.num_examples, self.seed)
-        return self.transform({k: v[ids] for k, v in self.examples.items()}, ids, epochs)
+        return self.transform(self._rows(ids), ids, epochs)
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
         """Each example once, in order, epoch 0; rows padding the last batch get example_weights 0."""
         n = self.num_examples
         for first in range(0, n, self.batch_size):
             ids = self._local(np.arange(first, first + self.batch_size))
-            batch = self.transform(
-                {k: v[np.minimum(ids, n - 1)] for k, v in self.examples.items()}, ids, np.zeros_like(ids)
-            )
+            batch = self.transform(self._rows(np.minimum(ids, n - 1)), ids, np.zeros_like(ids))
             batch["example_weights"] = (ids < n).astype(np.float32)
             if "weights" in batch:
                 batch["weights"] = batch["weights"] * batch["example_weights"][:, None]

@@ -196,7 +196,7 @@ class TokenSplit:
 
 
 class SentenceIndex:
-    """The sentences of a split's documents, what `transforms.nsp_pairs` / `sop_pairs` read: counts [D] sentences
+    """The sentences of a split's documents, what `transforms.SentencePairs` reads: counts [D] sentences
     of each document; sentence(d, i) its tokens. Holds the document and sentence offsets ([D] and [S] int64)."""
 
     def __init__(self, split: TokenSplit):

@@ -194,7 +194,7 @@ def pair_example(
 
 
 class SentenceLists:
-    """Documents held as lists of sentences (each a token list): what `nsp_pairs` / `sop_pairs` read, as a store's
+    """Documents held as lists of sentences (each a token list): what `SentencePairs` reads, as a store's
     sentence index (`lmzoo.data.store.TokenSplit`) offers it. counts [D]: sentences of each document."""
 
     def __init__(self, sentences_by_doc: Sequence[Sequence[Sequence[int]]]):
@@ -219,45 +219,49 @@ def _position(positions: np.ndarray, k: int) -> tuple[int, int]:
     return document, int(k - positions[document])
 
 
-def nsp_pairs(sentences, *, rng: np.random.Generator, count: int) -> list[tuple[Sequence[int], Sequence[int], int]]:
-    """Next-sentence-prediction pairs (a, b, label) with HF BertForPreTraining's `next_sentence_label`, from
-    `sentences` (`SentenceLists` or a store split's sentence index: `counts` and `sentence(d, i)`).
+class SentencePairs:
+    """`size` sentence pairs (a, b, label) of `sentences`, each drawn when read: pair k is a function of (seed, k)
+    alone, so any pair of any split, however large, is read without the others.
 
-    a is a uniformly drawn sentence that has a successor in its document. Label 0: b is that successor
-    (is next); label 1: b is a random sentence of a different document (probability 1/2 each).
+    `sentences` is `SentenceLists` or a store split's sentence index (`counts` [D] and `sentence(d, i)`). Pair k's
+    first sentence is the (k * P // size)-th of the P sentences that have a successor in their document, in document
+    then sentence order (size None: P, each once). `kind`:
+      "nsp" (BERT; HF BertForPreTraining's `next_sentence_label`): label 0, b is a's successor (is next); label 1,
+        b is a random sentence of a different document (probability 1/2 each).
+      "sop" (ALBERT; HF AlbertForPreTraining's `sentence_order_label`): a and its successor; label 0 in their
+        order, label 1 swapped (probability 1/2 each).
     """
-    counts = np.asarray(sentences.counts)
-    positions = _consecutive_positions(counts)
-    nonempty = np.flatnonzero(counts)
-    if len(nonempty) < 2:
-        raise ValueError("NSP needs at least two non-empty documents to draw random next sentences from")
-    pairs = []
-    for k, random_next in zip(rng.integers(positions[-1], size=count), rng.random(count) < 0.5, strict=True):
-        d, i = _position(positions, k)
-        if random_next:
-            other = int(rng.integers(len(nonempty) - 1))
-            rank = int(np.searchsorted(nonempty, d))
-            doc = int(nonempty[other + (other >= rank)])
-            pairs.append((sentences.sentence(d, i), sentences.sentence(doc, int(rng.integers(counts[doc]))), 1))
-        else:
-            pairs.append((sentences.sentence(d, i), sentences.sentence(d, i + 1), 0))
-    return pairs
 
+    def __init__(self, sentences, *, kind: str, seed: int, size: int | None = None):
+        if kind not in ("nsp", "sop"):
+            raise ValueError(f"unknown sentence-pair kind {kind!r}; choose 'nsp' or 'sop'")
+        self.sentences, self.kind, self.seed = sentences, kind, seed
+        self.counts = np.asarray(sentences.counts)
+        self.positions = _consecutive_positions(self.counts)
+        self.size = int(self.positions[-1]) if size is None else size
+        self.nonempty = np.flatnonzero(self.counts)
+        if kind == "nsp" and len(self.nonempty) < 2:
+            raise ValueError("NSP needs at least two non-empty documents to draw random next sentences from")
 
-def sop_pairs(sentences, *, rng: np.random.Generator, count: int) -> list[tuple[Sequence[int], Sequence[int], int]]:
-    """ALBERT sentence-order pairs (a, b, label) with HF AlbertForPreTraining's `sentence_order_label`, from
-    `sentences` (as `nsp_pairs`).
+    def __len__(self) -> int:
+        return self.size
 
-    Two consecutive segments of one document (each a sentence, or sentences the caller grouped). Label 0:
-    original order; label 1: swapped, b precedes a (probability 1/2 each).
-    """
-    positions = _consecutive_positions(sentences.counts)
-    pairs = []
-    for k, swap in zip(rng.integers(positions[-1], size=count), rng.random(count) < 0.5, strict=True):
-        d, i = _position(positions, k)
-        first, second = sentences.sentence(d, i), sentences.sentence(d, i + 1)
-        pairs.append((second, first, 1) if swap else (first, second, 0))
-    return pairs
+    def __getitem__(self, k: int) -> tuple[Sequence[int], Sequence[int], int]:
+        k = int(k)
+        if not 0 <= k < self.size:
+            raise IndexError(f"sentence pair {k} of {self.size}")
+        rng = np.random.default_rng([self.seed, k])
+        d, i = _position(self.positions, k * int(self.positions[-1]) // self.size)
+        first = self.sentences.sentence(d, i)
+        if self.kind == "sop":
+            successor = self.sentences.sentence(d, i + 1)
+            return (successor, first, 1) if rng.random() < 0.5 else (first, successor, 0)
+        if rng.random() >= 0.5:
+            return first, self.sentences.sentence(d, i + 1), 0
+        other = int(rng.integers(len(self.nonempty) - 1))
+        rank = int(np.searchsorted(self.nonempty, d))
+        doc = int(self.nonempty[other + (other >= rank)])
+        return first, self.sentences.sentence(doc, int(rng.integers(self.counts[doc]))), 1
 
 
 # A sentence ends at . ! or ? (optionally followed by a closing quote or bracket), then whitespace, then an

@@ -35,11 +35,12 @@ class MaskedLMConfig:
 @dataclasses.dataclass(frozen=True)
 class SentencePairConfig(MaskedLMConfig):
     """Attributes (besides MaskedLMConfig's):
-    num_pair_examples / num_eval_pairs: sentence pairs drawn once from the seed for training / evaluation.
+    num_pair_examples / num_eval_pairs: sentence pairs an epoch of training / evaluated, spread evenly over the
+        split's sentences (`transforms.SentencePairs`); num_pair_examples 0: every sentence that has a successor.
     sentence_loss_weight: weight of the NSP / SOP loss added to the MLM loss.
     """
 
-    num_pair_examples: int = 100_000
+    num_pair_examples: int = 0
     num_eval_pairs: int = 2_000
     sentence_loss_weight: float = 1.0
 
@@ -143,27 +144,29 @@ class MaskedLM(base.Objective):
         return self.window_eval_batches(tokenizer, raw, shard, self.config.data.seq_len - 2, transform)
 
 
-def make_pair_examples(
-    sentences, tokenizer: tokenizers.Tokenizer, *, kind: str, count: int, max_len: int, seed: int
-) -> dict[str, np.ndarray]:
-    """NSP ("nsp") or sentence-order ("sop") examples, drawn once from `seed` out of `sentences` (a split's
-    `SentenceIndex`): tokens, token_types, segment_ids [count, max_len] and sentence_labels [count] (HF conventions)."""
-    make = {"nsp": transforms.nsp_pairs, "sop": transforms.sop_pairs}[kind]
-    pairs = make(sentences, rng=np.random.default_rng([seed, 1]), count=count)
-    if not pairs:
-        raise ValueError(f"no sentence pairs could be built for {kind}; the corpus needs documents with 2+ sentences")
-    rows = [
-        transforms.pair_example(
-            a, b, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, max_len=max_len, pad_id=tokenizer.pad_id
-        )
-        for a, b, _ in pairs
-    ]
-    out = {
-        "tokens": np.stack([r["tokens"] for r in rows]),
-        "token_types": np.stack([r["token_type_ids"] for r in rows]),
-        "segment_ids": np.stack([r["segment_ids"] for r in rows]),
-    }
-    return {**out, "sentence_labels": np.array([label for _, _, label in pairs], np.int32)}
+class PairRows:
+    """`transforms.SentencePairs` as `pipeline.ExampleLoader` rows, built when read: `rows(ids)` gives tokens,
+    token_types, segment_ids [len(ids), max_len] and sentence_labels [len(ids)] (HF conventions)."""
+
+    def __init__(self, pairs: transforms.SentencePairs, tokenizer: tokenizers.Tokenizer, max_len: int):
+        self.pairs, self.tokenizer, self.max_len = pairs, tokenizer, max_len
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        t = self.tokenizer
+        pairs = [self.pairs[k] for k in ids]
+        built = [
+            transforms.pair_example(a, b, cls_id=t.cls_id, sep_id=t.sep_id, max_len=self.max_len, pad_id=t.pad_id)
+            for a, b, _ in pairs
+        ]
+        return {
+            "tokens": np.stack([r["tokens"] for r in built]),
+            "token_types": np.stack([r["token_type_ids"] for r in built]),
+            "segment_ids": np.stack([r["segment_ids"] for r in built]),
+            "sentence_labels": np.array([label for _, _, label in pairs], np.int32),
+        }
 
 
 def masked_pairs(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np.ndarray, *, mask) -> dict[str, np.ndarray]:
@@ -173,7 +176,8 @@ def masked_pairs(rows: dict[str, np.ndarray], ids: np.ndarray, epochs: np.ndarra
 
 class SentencePairMLM(base.Objective):
     """MLM plus a sentence-level task on `[CLS] A [SEP] B [SEP]` pairs: next-sentence prediction ("nsp",
-    BERT) or sentence-order prediction ("sop", ALBERT). Pairs are drawn once from the seed per split."""
+    BERT) or sentence-order prediction ("sop", ALBERT). Each pair is a function of (seed, its id), drawn when a batch
+    reads it, so an epoch can span every sentence of a store of any size."""
 
     Config = SentencePairConfig
     loss_is_token_nll = False  # MLM plus the sentence-level loss
@@ -186,18 +190,20 @@ class SentencePairMLM(base.Objective):
     def _loader(self, tokenizer, raw, shard, *, train: bool) -> pipeline.ExampleLoader:
         fields = self.fields
         settings = mask_settings(tokenizer, fields, self.config.train.seed)
-        pairs = make_pair_examples(
+        pairs = transforms.SentencePairs(
             raw.sentences(tokenizer),
-            tokenizer,
             kind=self.kind,
-            max_len=self.config.data.seq_len,
             seed=self.config.train.seed + (0 if train else 1),
-            count=fields.num_pair_examples if train else fields.num_eval_pairs,
+            size=(fields.num_pair_examples or None) if train else fields.num_eval_pairs,
         )
         transform = functools.partial(masked_pairs, mask=functools.partial(transforms.mask_rows, **settings))
         batch_size = self.config.train.batch_size if train else self.config.eval.batch_size
         return pipeline.ExampleLoader(
-            pairs, batch_size, seed=self.config.train.seed, transform=transform, **dataclasses.asdict(shard)
+            PairRows(pairs, tokenizer, self.config.data.seq_len),
+            batch_size,
+            seed=self.config.train.seed,
+            transform=transform,
+            **dataclasses.asdict(shard),
         )
 
     def train_loader(self, tokenizer, raw, shard):

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from lmzoo import tokenizers
-from lmzoo.data import transforms
+from lmzoo.data import pipeline, transforms
+from lmzoo.objectives import mlm
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
 SPECIALS = (PAD, CLS, SEP, MASK)
@@ -151,10 +152,11 @@ def _docs() -> tuple[list[list[list[int]]], dict[tuple[int, ...], tuple[int, int
 
 def test_nsp_pairs_balanced_and_correct():
     docs, where = _docs()
-    pairs = transforms.nsp_pairs(transforms.SentenceLists(docs), rng=np.random.default_rng(0), count=2000)
+    pairs = transforms.SentencePairs(transforms.SentenceLists(docs), kind="nsp", seed=0, size=2000)
     assert len(pairs) == 2000
-    assert abs(np.mean([label for _, _, label in pairs]) - 0.5) < 0.05
-    for a, b, label in pairs:
+    drawn = [pairs[k] for k in range(2000)]
+    assert abs(np.mean([label for _, _, label in drawn]) - 0.5) < 0.05
+    for a, b, label in drawn:
         (doc_a, i_a), (doc_b, i_b) = where[tuple(a)], where[tuple(b)]
         if label == 0:  # HF convention: 0 = B continues A
             assert (doc_b, i_b) == (doc_a, i_a + 1)
@@ -164,12 +166,60 @@ def test_nsp_pairs_balanced_and_correct():
 
 def test_sop_pairs_balanced_and_correct():
     docs, where = _docs()
-    pairs = transforms.sop_pairs(transforms.SentenceLists(docs), rng=np.random.default_rng(0), count=2000)
-    assert abs(np.mean([label for _, _, label in pairs]) - 0.5) < 0.05
-    for a, b, label in pairs:
+    pairs = transforms.SentencePairs(transforms.SentenceLists(docs), kind="sop", seed=0, size=2000)
+    drawn = [pairs[k] for k in range(2000)]
+    assert abs(np.mean([label for _, _, label in drawn]) - 0.5) < 0.05
+    for a, b, label in drawn:
         (doc_a, i_a), (doc_b, i_b) = where[tuple(a)], where[tuple(b)]
         assert doc_a == doc_b
         assert i_b == (i_a + 1 if label == 0 else i_a - 1)  # HF convention: 1 = swapped
+
+
+@pytest.mark.parametrize("kind", ["nsp", "sop"])
+def test_sentence_pairs_are_drawn_when_read_from_seed_and_id_alone(kind):
+    """Pair k is the same however the pairs are read (any order, a fresh object); unsized, an epoch takes every
+    sentence with a successor once, in order; sized, the first sentences spread evenly over the split."""
+    docs, where = _docs()
+    sentences = transforms.SentenceLists(docs)
+    everything = transforms.SentencePairs(sentences, kind=kind, seed=5)
+    assert len(everything) == sum(len(d) - 1 for d in docs if d)
+    forward = [everything[k] for k in range(len(everything))]
+    again = transforms.SentencePairs(sentences, kind=kind, seed=5)
+    assert [again[k] for k in reversed(range(len(everything)))] == forward[::-1]
+    firsts = [where[tuple(a if label == 0 or kind == "nsp" else b)] for a, b, label in forward]
+    assert firsts == [(d, i) for d, doc in enumerate(docs) for i in range(len(doc) - 1)]
+    other_seed = transforms.SentencePairs(sentences, kind=kind, seed=6)
+    assert [p[2] for p in forward] != [other_seed[k][2] for k in range(len(everything))]
+    spread = transforms.SentencePairs(sentences, kind=kind, seed=5, size=3)
+    spread_firsts = [
+        where[tuple(a if label == 0 or kind == "nsp" else b)] for a, b, label in map(spread.__getitem__, range(3))
+    ]
+    assert spread_firsts == [firsts[0], firsts[len(firsts) // 3], firsts[2 * len(firsts) // 3]]
+    with pytest.raises(IndexError):
+        spread[3]
+
+
+def test_a_batch_of_pairs_reads_only_its_own_sentences():
+    """The loader builds a batch's pairs when it asks for them: at most two sentence reads a row, whatever the size
+    of the split (a pool drawn up front would read them all)."""
+    docs, _ = _docs()
+    reads = []
+
+    class CountingSentences(transforms.SentenceLists):
+        def sentence(self, document, index):
+            reads.append((document, index))
+            return super().sentence(document, index)
+
+    pairs = transforms.SentencePairs(CountingSentences(docs), kind="nsp", seed=0, size=10_000)
+    tokenizer = type("Ids", (), {"cls_id": CLS, "sep_id": SEP, "pad_id": PAD})()
+    loader = pipeline.ExampleLoader(
+        mlm.PairRows(pairs, tokenizer, max_len=16), 4, seed=0, transform=lambda rows, ids, epochs: rows
+    )
+    assert loader.num_examples == 10_000 and not reads
+    batch = loader.batch(1234)
+    assert batch["tokens"].shape == (4, 16) and batch["sentence_labels"].shape == (4,)
+    assert 4 <= len(reads) <= 8
+    assert loader.batch(1234)["tokens"].tolist() == batch["tokens"].tolist()  # a function of (seed, step)
 
 
 def test_split_sentences():

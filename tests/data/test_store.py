@@ -381,19 +381,20 @@ def test_sentence_pairs_from_a_store_equal_those_from_the_text(tmp_path, kind):
         source, tokenizer, tmp_path / "store", workers=2, shard_tokens=4000, chunk_documents=7, sentences=True
     )
     assert len(built.manifest["splits"]["train"]["shards"]) > 3 and built.manifest["eos"] == "appended"
-    make = {"nsp": transforms.nsp_pairs, "sop": transforms.sop_pairs}[kind]
     for split in ("train", "validation"):
         texts = [text for name, text in source.documents() if name == split]
         by_document = [
             [s for s in tokenizer.encode_batch(transforms.split_sentences(t, wrapped=True)) if s] for t in texts
         ]
-        expected = make(
-            transforms.SentenceLists([d for d in by_document if d]), rng=np.random.default_rng(3), count=300
+        expected = transforms.SentencePairs(
+            transforms.SentenceLists([d for d in by_document if d]), kind=kind, seed=3, size=300
         )
         index = built.split(split).sentences()
         assert index.counts.tolist() == [len(d) for d in by_document if d]
-        got = make(index, rng=np.random.default_rng(3), count=300)
-        assert [(list(a), list(b), label) for a, b, label in expected] == got
+        got = transforms.SentencePairs(index, kind=kind, seed=3, size=300)
+        assert [(list(a), list(b), label) for a, b, label in map(expected.__getitem__, range(300))] == [
+            got[k] for k in range(300)
+        ]
         first = next(d for d in by_document if d)  # a document is its sentences, then EOS
         assert built.split(split).document(0).tolist() == [i for s in first for i in s] + [tokenizer.eos_id]
 

@@ -16,12 +16,9 @@ cuDNN's causal kernel without a mask. The last line is one JSON record. `--tiny`
 
 import argparse
 import collections
-import glob
 import json
 import pathlib
 import sys
-import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +27,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import common, step_profile  # noqa: E402
 from bench.gpu_recipe import (  # noqa: E402
     DATASHEET_BF16_TFLOPS,
     flops_per_token,
@@ -65,15 +63,8 @@ def kernel_kind(name: str) -> str:
 
 def device_kernel_ms(run) -> tuple[collections.Counter, collections.Counter, float]:
     """(ms by kernel name, launches by name, wall ms) of `run()` on the first device, from a jax.profiler trace."""
-    from jax._src.lib import _profile_data
-
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            start = time.perf_counter()
-            run()
-            wall = (time.perf_counter() - start) * 1e3
-        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        data = _profile_data.ProfileData.from_file(path)
+    wall = []
+    data = step_profile.profile(lambda: wall.append(common.timed(run) * 1e3))
     ms, launches = collections.Counter(), collections.Counter()
     for plane in data.planes:
         if plane.name.startswith("/device:") and plane.name.endswith(":0"):
@@ -83,18 +74,14 @@ def device_kernel_ms(run) -> tuple[collections.Counter, collections.Counter, flo
                 for event in line.events:
                     ms[event.name] += event.duration_ns / 1e6
                     launches[event.name] += 1
-    return ms, launches, wall
+    return ms, launches, wall[0]
 
 
 def best_ms(fn, *args, repeats: int = 20) -> float:
     """The best of 3 timings of `repeats` calls dispatched back to back (one wait each), after a warm-up."""
     jax.block_until_ready(fn(*args))
-    timings = []
-    for _ in range(3):
-        start = time.perf_counter()
-        jax.block_until_ready([fn(*args) for _ in range(repeats)])
-        timings.append((time.perf_counter() - start) / repeats * 1e3)
-    return min(timings)
+    dispatch = lambda: jax.block_until_ready([fn(*args) for _ in range(repeats)])  # noqa: E731
+    return min(common.timed(dispatch) for _ in range(3)) / repeats * 1e3
 
 
 def attention_forms(shape: tuple[int, int, int, int], interpret: bool) -> dict[str, dict]:
@@ -182,14 +169,13 @@ def main() -> None:
     with compiled.context():
         state = compiled.init(jax.random.key(0))
         device_batch = sharding.put_batch(batch, compiled.batch_sharding)
-        start = time.perf_counter()
-        state, metrics = jax.block_until_ready(compiled.step(state, device_batch))
-        compile_s = time.perf_counter() - start
-        step_ms = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            state, metrics = jax.block_until_ready(compiled.step(state, device_batch))
-            step_ms.append((time.perf_counter() - start) * 1e3)
+
+        def one_step():
+            nonlocal state
+            state, _ = jax.block_until_ready(compiled.step(state, device_batch))
+
+        compile_s = common.timed(one_step)
+        step_ms = [common.timed(one_step) * 1e3 for _ in range(args.steps)]
         tokens_per_s = b * t / (min(step_ms) / 1e3)
         achieved = tokens_per_s * per_token / 1e12
         mfu = achieved / datasheet if datasheet else None
@@ -203,11 +189,6 @@ def main() -> None:
             + (f", MFU {mfu:.1%} of datasheet: target >= 40%: {'PASS' if mfu >= 0.40 else 'MISS'}" if mfu else "")
         )
         if args.profile:
-
-            def one_step():
-                nonlocal state
-                state, _ = jax.block_until_ready(compiled.step(state, device_batch))
-
             ms, launches, wall = device_kernel_ms(one_step)
             by_kind = collections.Counter()
             for name, value in ms.items():

@@ -75,19 +75,23 @@ def op_kind(hlo_text: str) -> dict[str, str]:
     return kinds
 
 
-def op_ms(run, names, steps: int) -> collections.Counter:
-    """Per-step time (ms, summed over threads) of each compiled op in `names`, from a jax.profiler trace of `run(steps)`."""
+def profile(run) -> _profile_data.ProfileData:
+    """The jax.profiler trace of `run()`: planes (host threads, devices) of lines of timed events."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
-            run(steps)
+            run()
         (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        data = _profile_data.ProfileData.from_file(path)
-        op_ns = collections.Counter()
-        for plane in data.planes:
-            for line in plane.lines:
-                for event in line.events:
-                    if event.name in names:
-                        op_ns[event.name] += event.duration_ns
+        return _profile_data.ProfileData.from_file(path)
+
+
+def op_ms(run, names, steps: int) -> collections.Counter:
+    """Per-step time (ms, summed over threads) of each compiled op in `names`, from a jax.profiler trace of `run(steps)`."""
+    op_ns = collections.Counter()
+    for plane in profile(lambda: run(steps)).planes:
+        for line in plane.lines:
+            for event in line.events:
+                if event.name in names:
+                    op_ns[event.name] += event.duration_ns
     return collections.Counter({name: ns / steps / 1e6 for name, ns in op_ns.items()})
 
 

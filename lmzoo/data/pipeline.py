@@ -8,7 +8,7 @@ uninterrupted run would have seen. Each process materialises only its rows of th
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 
@@ -156,17 +156,25 @@ def eval_batches(
         yield batch if transform is None else transform(batch, ids, np.zeros_like(ids))
 
 
+class RowSource(Protocol):
+    """Examples built when read: `rows(ids)` gives the arrays [len(ids), ...] by name of those example ids."""
+
+    def __len__(self) -> int: ...
+
+    def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class ExampleLoader:
     """Batches of fixed examples, reshuffled every epoch from (seed, epoch).
 
-    `examples` holds them: arrays [N, ...] by name, or a source whose `rows(ids)` builds those arrays for the
-    example ids asked for (`len` gives N), e.g. sentence pairs drawn when read. `transform(rows, example_ids,
+    `examples` holds them: arrays [N, ...] by name, or a `RowSource` that builds them when read (e.g. sentence
+    pairs). `transform(rows, example_ids,
     epochs) -> batch` turns the selected rows into model inputs (e.g. masks them); it is pure, so a batch is a
     function of (seed, step) and resumes exactly.
     """
 
-    examples: Mapping[str, np.ndarray] | Any
+    examples: Mapping[str, np.ndarray] | RowSource
     batch_size: int
     seed: int
     transform: Callable[..., dict[str, np.ndarray]]

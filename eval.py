@@ -35,6 +35,12 @@ import pathlib
 
 from absl import app, flags, logging
 
+from lmzoo import storage
+
+# --max_new_tokens above this is refused: past the model's positions every new token is a forward pass of its own
+# (no KV cache), so a mistyped count would run for hours before printing anything.
+MAX_NEW_TOKENS = 100_000
+
 flags.DEFINE_string("workdir", None, "Workdir of a train.py run.", required=True)
 flags.DEFINE_string("split", "validation", "Split to evaluate: train or validation.")
 flags.DEFINE_string("data", None, "Evaluate this file (in the objective's input format) instead of a split.")
@@ -47,7 +53,7 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest that restores).")
 flags.DEFINE_string("generate", None, "Prompt to continue.")
-flags.DEFINE_integer("max_new_tokens", 200, "Tokens to sample.")
+flags.DEFINE_integer("max_new_tokens", 200, f"Tokens to sample (at most {MAX_NEW_TOKENS:,}).")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
@@ -136,7 +142,9 @@ def run_fewshot(loaded) -> None:
     )
     print(line)
     print(fewshot_table(baseline, results))
-    (pathlib.Path(FLAGS.workdir) / f"eval_fewshot_{pathlib.Path(FLAGS.fewshot).stem}.json").write_text(line + "\n")
+    storage.write_text(
+        storage.path(FLAGS.workdir) / f"eval_fewshot_{pathlib.Path(FLAGS.fewshot).stem}.json", line + "\n"
+    )
     if FLAGS.dump_prompts:
         pathlib.Path(FLAGS.dump_prompts).write_text("".join(json.dumps(d) + "\n" for d in dumped))
 
@@ -176,8 +184,11 @@ def check_flags() -> None:
     if FLAGS.max_batches is not None and FLAGS.max_batches < 1:
         raise ValueError(f"--max_batches={FLAGS.max_batches}: must be >= 1 (omit it to evaluate the whole split)")
     if FLAGS.generate is not None:
-        if FLAGS.max_new_tokens < 1:
-            raise ValueError(f"--max_new_tokens={FLAGS.max_new_tokens}: ask for at least one new token")
+        if not 1 <= FLAGS.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(
+                f"--max_new_tokens={FLAGS.max_new_tokens}: ask for 1 to {MAX_NEW_TOKENS:,} new tokens (eval.py's bound, "
+                "so that a mistyped count does not sample for hours)"
+            )
         if FLAGS.num_samples < 1:
             raise ValueError(f"--num_samples={FLAGS.num_samples}: ask for at least one sample")
         try:
@@ -196,8 +207,8 @@ def check_flags() -> None:
             check_text_file(FLAGS.fewshot_train, "--fewshot_train")
     if FLAGS.reconstruct < 0 or FLAGS.beam_size < 1:
         raise ValueError(f"--reconstruct={FLAGS.reconstruct} must be >= 0 and --beam_size={FLAGS.beam_size} >= 1")
-    workdir = pathlib.Path(FLAGS.workdir)
-    if workdir.is_dir() and not os.access(workdir, os.W_OK):
+    workdir = storage.path(FLAGS.workdir)
+    if not storage.is_remote(workdir) and workdir.is_dir() and not os.access(workdir, os.W_OK):
         raise PermissionError(
             f"--workdir={workdir} is read-only and eval.py writes its result there (eval_*.json); "
             "make it writable or evaluate a copy"
@@ -222,6 +233,11 @@ def evaluate() -> None:
     if FLAGS.plot:
         from lmzoo.evaluation import plots
 
+        if storage.is_remote(FLAGS.workdir):
+            raise ValueError(
+                f"--plot reads the event files of a local workdir; copy {FLAGS.workdir}/tb into a folder DIR/tb "
+                "(gcloud storage cp -r) and pass --workdir=DIR"
+            )
         print("\n".join(str(p) for p in plots.plot_metrics(FLAGS.workdir)))
         return
     check_flags()
@@ -244,7 +260,12 @@ def evaluate() -> None:
             raise FileNotFoundError(
                 f"the run's {split} data cannot be read ({e}); score a file with --data=FILE instead"
             ) from None
-    step, state = run_lib.restore_step(run, FLAGS.step)
+    if FLAGS.generate is not None and FLAGS.top_k > run.tokenizer.vocab_size:
+        raise ValueError(
+            f"--top_k={FLAGS.top_k}: the run's vocabulary has {run.tokenizer.vocab_size} tokens; pass at most "
+            f"{run.tokenizer.vocab_size} (0 keeps every token)"
+        )
+    step, state = run_lib.restore_step(run, FLAGS.step, frozen=FLAGS.generate is None)  # sampling needs only params
     if FLAGS.generate is not None:
         params = run.compiled.host_params(state)
         for index in range(FLAGS.num_samples):
@@ -296,7 +317,7 @@ def evaluate() -> None:
     suffix = ("" if FLAGS.step is None else f"_step{step}") + (
         "" if FLAGS.max_batches is None else f"_max{FLAGS.max_batches}batches"
     )
-    (pathlib.Path(FLAGS.workdir) / f"eval_{name}{suffix}.json").write_text(line + "\n")
+    storage.write_text(storage.path(FLAGS.workdir) / f"eval_{name}{suffix}.json", line + "\n")
     for i, example in enumerate(examples[: FLAGS.show]):
         print(f"--- example {i} ---")
         for key in ("corrupted", "reconstruction", "original"):

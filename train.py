@@ -66,7 +66,7 @@ def main(argv):
     host_memory.run_on_calling_thread()  # before JAX's CPU client exists: one-device steps keep their buffers
     try:
         with run_lib.user_errors():
-            config = run_lib.validate(flags.FLAGS.config)
+            config = flags.FLAGS.config  # validated once, by the run it builds, before any work
             if config.distributed.cpu_devices_per_process:
                 import jax
 

@@ -13,7 +13,6 @@ and its :roberta variant's mlm windows through LMLoader + mlm_from_windows) agai
 step consumes. No targets: ratios are printed; the last line is one JSON record of every number.
 """
 
-import argparse
 import dataclasses
 import json
 import os
@@ -30,7 +29,6 @@ transformers.logging.set_verbosity_error()  # here, so the trainers' own process
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
-from bench.gpt2_bench import print_table  # noqa: E402
 from configs import bert as bert_configs  # noqa: E402
 from lmzoo import (  # noqa: E402
     models,
@@ -38,7 +36,7 @@ from lmzoo import (  # noqa: E402
 )
 from lmzoo.data import readers, sources, transforms  # noqa: E402
 from lmzoo.data.loaders import Shard  # noqa: E402
-from lmzoo.objectives import losses, mlm  # noqa: E402
+from lmzoo.objectives import losses, tasks  # noqa: E402
 from lmzoo.train import run as run_lib  # noqa: E402
 from lmzoo.trainers.state import Task  # noqa: E402
 
@@ -110,13 +108,13 @@ def full_logits_task(model) -> Task:
         value, metrics = losses.token_loss(logits, batch)
         return value, (metrics, carry)
 
-    return dataclasses.replace(mlm.masked_lm_task(model, mask_rate=MASK_RATE), loss=loss)
+    return dataclasses.replace(tasks.masked_lm_task(model, mask_rate=MASK_RATE), loss=loss)
 
 
 def lmzoo_trainer(spec: Spec, batch: dict[str, np.ndarray], optim_config, full_logits: bool) -> common.LmzooTrainer:
     """lmzoo's MLM train step: logits at the masked positions only (`masked_lm_task`), or at all of them."""
     model = models.build_model("bert", spec.model_fields())
-    task = full_logits_task(model) if full_logits else mlm.masked_lm_task(model, mask_rate=MASK_RATE)
+    task = full_logits_task(model) if full_logits else tasks.masked_lm_task(model, mask_rate=MASK_RATE)
     return common.LmzooTrainer(task, batch, optim_config)
 
 
@@ -200,18 +198,11 @@ def bench(spec: Spec, rounds: int) -> dict:
         "lmzoo_full": common.Isolated(lmzoo_trainer, spec, batch, optim_config, True),
         "torch": common.Isolated(torch_trainer, spec, batch, optim_config),
     }
-    compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
-    for trainer in trainers.values():
-        trainer.run(1)
-    initial_loss = {name: t.loss for name, t in trainers.items()}
-    tokens_per_step, n = spec.batch_size * spec.seq_len, spec.batches_per_round
-    per_round = []
-    for r in range(rounds):
-        names = list(trainers)
-        row = {}
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            seconds = common.timed(lambda t=trainers[name]: t.run(spec.steps_per_round))
-            row[name] = tokens_per_step * spec.steps_per_round / seconds
+    steps_per_round = dict.fromkeys(trainers, spec.steps_per_round)
+    tokens_per_step, n = dict.fromkeys(trainers, spec.batch_size * spec.seq_len), spec.batches_per_round
+
+    def measure(r: int) -> dict[str, float]:
+        row = common.train_rates(trainers, steps_per_round, tokens_per_step, r)
         for name, loader in loaders.items():
             seconds = common.timed(lambda lo=loader, steps=range(r * n, (r + 1) * n): [lo.batch(s) for s in steps])
             row[name] = spec.batch_size * n / seconds
@@ -221,18 +212,16 @@ def bench(spec: Spec, rounds: int) -> dict:
         row["step_examples"] = row["lmzoo"] / spec.seq_len
         for name in loaders:
             row[f"{name}_vs_step"] = row[name] / row["step_examples"]
-        per_round.append(row)
-        print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
-    for trainer in trainers.values():
-        trainer.close()
-    return {
-        "rounds": per_round,
-        "compile_s": compile_s,
-        "loss_after_warmup": initial_loss,
-        "masked_positions_per_row": float(batch["weights"].sum(axis=1).mean()),
-        "data": data_info,
-        **{f"median_{k}": common.median(row[k] for row in per_round) for k in per_round[0]},
-    }
+        return row
+
+    return common.trainer_rounds(
+        trainers,
+        "round",
+        rounds,
+        measure,
+        masked_positions_per_row=float(batch["weights"].sum(axis=1).mean()),
+        data=data_info,
+    )
 
 
 TRAIN_COLUMNS = [
@@ -253,9 +242,7 @@ PIPELINE_COLUMNS = [
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="tiny config and 200 KJV paragraphs, 1 round (smoke test)")
+    parser = common.rounds_parser(__doc__, "tiny config and 200 KJV paragraphs, 1 round (smoke test)")
     args = parser.parse_args()
     spec, rounds = (QUICK, 1) if args.quick else (FULL, args.rounds)
     load = common.announce("bert", "quick" if args.quick else "full", spec, rounds)
@@ -275,7 +262,7 @@ def main():
         + "; loss after warm-up: "
         + ", ".join(f"{k} {v:.4f}" for k, v in loss.items())
     )
-    print_table(result, TRAIN_COLUMNS)
+    common.print_table(result, TRAIN_COLUMNS)
     print(
         f"\ndata pipeline ({spec.batches_per_round} batches/loader/round, single host thread) vs the lmzoo step's "
         f"consumption; {data['text']}, {data['vocab']}"
@@ -283,7 +270,7 @@ def main():
     for name in ("mlm_nsp", "mlm"):
         d = data[name]
         print(f"  {name}: {d['loader']} over {d['size']} {d['size_unit']}, built in {d['build_s']:.1f} s")
-    print_table(result, PIPELINE_COLUMNS)
+    common.print_table(result, PIPELINE_COLUMNS)
 
     print(f"\nload average (1 min) at start {load['start']:.2f}, at end {load['end']:.2f}")
     medians = {

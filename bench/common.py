@@ -1,10 +1,14 @@
-"""Helpers shared by the benchmarks: a wall-clock timer, the machine's f32 matmul peak, the two trainers and a
-process of its own for each."""
+"""Helpers shared by the benchmarks: a wall-clock timer, interleaved rounds and their medians, the machine's f32
+matmul peak, the two trainers and a process of its own for each, lmzoo's train step against torch's, the printed
+tables and verdicts, and what the trl comparisons share."""
 
+import argparse
 import functools
 import multiprocessing
+import os
 import pathlib
 import statistics
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -13,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmzoo import sharding
+from lmzoo import decoding, sharding
 from lmzoo.kernels import host_memory
 from lmzoo.trainers import base as trainer_lib
 from lmzoo.trainers import optim, supervised
@@ -47,6 +51,34 @@ def interleaved_ms(runs: dict[str, tuple[Callable, object]], repeats: int) -> di
     return {name: (1e3 * min(s), 1e3 * median(s)) for name, s in seconds.items()}
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """The order in which round `r` runs `names`: rotated by one each round, so that each runs first in turn and
+    the machine's drift hits all of them alike (two names alternate)."""
+    shift = r % len(names)
+    return names[shift:] + names[:shift]
+
+
+def rates(runs: dict[str, Callable[[], object]], units_per_call: dict[str, float], r: int) -> dict[str, float]:
+    """Units per second of one call of each run, timed in round `r`'s order (`round_order`), which the row keeps."""
+    return {name: units_per_call[name] / timed(runs[name]) for name in round_order(list(runs), r)}
+
+
+def measure_rounds(label: str, rounds: int, measure: Callable[[int], dict[str, float]]) -> list[dict[str, float]]:
+    """The rows `measure(r)` of each round, each printed as it comes: `  LABEL r/rounds: column value, ...`."""
+    per_round = []
+    for r in range(rounds):
+        row = measure(r)
+        per_round.append(row)
+        print(f"  {label} {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+    return per_round
+
+
+def summary(per_round: list[dict[str, float]], **fields) -> dict:
+    """The rounds, then `fields`, then the median over the rounds of every column as `median_COLUMN`."""
+    medians = {f"median_{k}": median(row[k] for row in per_round) for k in per_round[0]}
+    return {"rounds": per_round, **fields, **medians}
+
+
 def cpu_model_and_isa() -> tuple[str, str]:
     """The CPU model and the widest vector ISA it offers (XLA:CPU compiles for the host's features)."""
     cpuinfo = pathlib.Path("/proc/cpuinfo")
@@ -73,10 +105,24 @@ def matmul_peak(sizes=(1024, 2048), repeats: int = 5) -> dict[int, float]:
     return peak
 
 
+def print_matmul_peak(sizes=(1024, 2048)) -> dict[int, float]:
+    """`matmul_peak` of `sizes`, printed."""
+    peak = matmul_peak(sizes)
+    print("matmul peak (f32, best of 5): " + ", ".join(f"{n}: {g:.1f} GFLOP/s" for n, g in peak.items()), flush=True)
+    return peak
+
+
+def rounds_parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
+    """The command line of a bench timed in interleaved rounds: --rounds N (3), and --quick, a smoke run of
+    `quick_help`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    return parser
+
+
 def announce(name: str, label: str, spec, rounds: int) -> dict[str, float]:
     """Prints what runs on what and warns when other processes share the cores; returns the load at start."""
-    import os
-
     import torch
 
     print(
@@ -96,7 +142,48 @@ def announce(name: str, label: str, spec, rounds: int) -> dict[str, float]:
     return load
 
 
+def print_table(result: dict, columns: list[tuple[str, str, str]]) -> None:
+    """One line per round of `result` (a `summary`) and a median line; columns are (header, key, format)."""
+    rows = [(str(i + 1), row) for i, row in enumerate(result["rounds"])]
+    rows.append(("median", {key: result[f"median_{key}"] for _, key, _ in columns}))
+    widths = [max(len(header), 8) for header, _, _ in columns]
+    print(f"{'round':>6} " + " ".join(f"{header:>{w}}" for (header, _, _), w in zip(columns, widths, strict=True)))
+    for label, row in rows:
+        print(
+            f"{label:>6} "
+            + " ".join(f"{fmt.format(row[key]):>{w}}" for (_, key, fmt), w in zip(columns, widths, strict=True))
+        )
+
+
+def verdict(passed: bool) -> str:
+    return "PASS" if passed else "MISS"
+
+
+def report_targets(results: dict[str, float], targets: dict[str, float]) -> dict[str, dict]:
+    """Prints each result against its target (PASS when >= target); returns {name: {value, target, pass}}."""
+    for name, target in targets.items():
+        print(f"  {name:<19} {results[name]:>8.3f}  target >= {target:<5}  {verdict(results[name] >= target)}")
+    return {name: {"value": results[name], "target": t, "pass": results[name] >= t} for name, t in targets.items()}
+
+
 TORCH_THREADS = 2  # the machine's cores; XLA:CPU uses them all too
+
+
+def fastest_torch_threads(probe: Callable[[], object]) -> tuple[int, dict[int, float]]:
+    """Runs torch with whichever of 1 or 2 threads runs `probe` faster: (that count, {threads: seconds}).
+
+    Decoding runs many small ops, which torch's 2 OpenMP threads can slow down many-fold when other processes
+    hold the cores; `probe` (a short greedy decode) is warmed up first, then timed once with each count."""
+    import torch
+
+    probe()
+    seconds = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        seconds[threads] = timed(probe)
+    fastest = min(seconds, key=seconds.get)
+    torch.set_num_threads(fastest)
+    return fastest, seconds
 
 
 def hf_byte_tokenizer():
@@ -132,6 +219,21 @@ def hf_gpt2_config(model):
         eos_token_id=256,
         pad_token_id=257,
     )
+
+
+TRL_ON_CPU = dict(use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=10**6)
+
+
+def trl_policy(prefix: str, gpt2_config, tokenizer) -> tuple[str, str]:
+    """A new folder for a trl trainer and in it the policy trl reads by path (and builds its reference model from):
+    a GPT-2 of `gpt2_config` with fresh weights (seed torch first), saved with `tokenizer`. (folder, policy folder)"""
+    import transformers
+
+    workdir = tempfile.mkdtemp(prefix=prefix)
+    policy_dir = os.path.join(workdir, "policy")
+    transformers.GPT2LMHeadModel(gpt2_config).save_pretrained(policy_dir)
+    tokenizer.save_pretrained(policy_dir)
+    return workdir, policy_dir
 
 
 class Isolated:
@@ -220,6 +322,51 @@ class LmzooTrainer:
         self.loss = float(loss_sum / count)
 
 
+def next_token_batch(tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """Inputs, targets and weights [B, T] (contiguous arrays) of next-token prediction on `tokens` [B, T + 1]."""
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones(tokens[:, 1:].shape, np.float32)}
+    return {k: np.ascontiguousarray(v) for k, v in batch.items()}
+
+
+def greedy_decode(model, params, prompt: np.ndarray, new_tokens: int, use_cache: bool) -> np.ndarray:
+    """`new_tokens` greedy tokens after `prompt` by `decoding.generate`, with or without the KV cache."""
+    return np.asarray(
+        decoding.generate(
+            model,
+            params,
+            prompt,
+            rng=jax.random.key(0),
+            max_new_tokens=new_tokens,
+            temperature=0.0,
+            use_cache=use_cache,
+        )
+    )
+
+
+def trainer_rounds(
+    trainers: dict[str, Isolated], label: str, rounds: int, measure: Callable[[int], dict[str, float]], **fields
+) -> dict:
+    """Warms the trainers up, runs `measure_rounds`, then ends their processes. The `summary` of the rounds with, first,
+    compile_s (each trainer's first step, which compiles) and loss_after_warmup (after one more), then `fields`."""
+    compile_s = {name: timed(functools.partial(trainer.run, 1)) for name, trainer in trainers.items()}
+    for trainer in trainers.values():
+        trainer.run(1)
+    initial_loss = {name: trainer.loss for name, trainer in trainers.items()}
+    per_round = measure_rounds(label, rounds, measure)
+    for trainer in trainers.values():
+        trainer.close()
+    return summary(per_round, compile_s=compile_s, loss_after_warmup=initial_loss, **fields)
+
+
+def train_rates(
+    trainers: dict[str, Isolated], steps: dict[str, int], tokens_per_step: dict[str, int], r: int
+) -> dict[str, float]:
+    """Train tokens/s of each trainer over `steps[name]` steps of `tokens_per_step[name]` tokens, in round `r`'s
+    order (`rates`)."""
+    runs = {name: functools.partial(trainer.run, steps[name]) for name, trainer in trainers.items()}
+    return rates(runs, {name: tokens_per_step[name] * steps[name] for name in trainers}, r)
+
+
 class TorchTrainer:
     """The reference: an HF PyTorch model + torch AdamW with lmzoo's hyper-parameters, schedule, clipping
     and weight-decay mask. `decays(name, param)` picks the tensors that decay (lmzoo: kernels, not
@@ -256,3 +403,46 @@ class TorchTrainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.loss = loss.item()
+
+
+def train_vs_torch(spec, rounds: int, lmzoo_build: Callable, torch_build: Callable) -> dict:
+    """Train tokens/s of lmzoo's step and the torch reference on one random next-token batch, each built by
+    `build(spec, tokens)` in a process of its own (`Isolated`), in interleaved rounds with the matmul peak measured
+    in each and both MFUs against it. `spec` has vocab_size, batch_size, seq_len, steps_per_round and
+    flops_per_token()."""
+    tokens = np.random.default_rng(0).integers(0, spec.vocab_size, (spec.batch_size, spec.seq_len + 1), dtype=np.int32)
+    trainers = {"lmzoo": Isolated(lmzoo_build, spec, tokens), "torch": Isolated(torch_build, spec, tokens)}
+    steps = dict.fromkeys(trainers, spec.steps_per_round)
+    tokens_per_step = dict.fromkeys(trainers, spec.batch_size * spec.seq_len)
+
+    def measure(r: int) -> dict[str, float]:
+        row = train_rates(trainers, steps, tokens_per_step, r)
+        row["peak_gflops"] = max(matmul_peak(repeats=3).values())
+        row["ratio"] = row["lmzoo"] / row["torch"]
+        row["mfu"] = spec.flops_per_token() * row["lmzoo"] / (row["peak_gflops"] * 1e9)
+        row["torch_mfu"] = spec.flops_per_token() * row["torch"] / (row["peak_gflops"] * 1e9)
+        return row
+
+    return trainer_rounds(trainers, "train round", rounds, measure, flops_per_token=spec.flops_per_token())
+
+
+TRAIN_VS_TORCH_COLUMNS = [
+    ("lmzoo tok/s", "lmzoo", "{:.0f}"),
+    ("torch tok/s", "torch", "{:.0f}"),
+    ("lmzoo/torch", "ratio", "{:.3f}"),
+    ("peak GFLOP/s", "peak_gflops", "{:.1f}"),
+    ("lmzoo MFU", "mfu", "{:.1%}"),
+    ("torch MFU", "torch_mfu", "{:.1%}"),
+]
+
+
+def print_train_vs_torch(spec, train: dict) -> None:
+    """A `train_vs_torch` result: the shapes, compile times and losses, then its table."""
+    compile_s, loss = train["compile_s"], train["loss_after_warmup"]
+    print(
+        f"\ntrain: B={spec.batch_size} T={spec.seq_len} ({spec.batch_size * spec.seq_len} tokens/step), "
+        f"{spec.steps_per_round} steps/round, {train['flops_per_token'] / 1e6:.1f} MFLOP/token; "
+        f"compile+1st step s: lmzoo {compile_s['lmzoo']:.1f}, torch {compile_s['torch']:.1f}; "
+        f"loss after warm-up: lmzoo {loss['lmzoo']:.3f}, torch {loss['torch']:.3f}"
+    )
+    print_table(train, TRAIN_VS_TORCH_COLUMNS)

@@ -261,10 +261,6 @@ def remove(path: pathlib.Path) -> None:
         path.unlink()
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="10 and 20 MB corpora: a smoke run of minutes")
@@ -400,7 +396,7 @@ def main() -> None:
         (
             ratio >= TARGETS["prepare_vs_nanogpt"],
             f"prepare vs nanoGPT {ratio:.2f}x (target >= 1.0x; stretch 1.5x: "
-            f"{verdict(ratio >= TARGETS['prepare_vs_nanogpt_stretch'])}); vs old path "
+            f"{common.verdict(ratio >= TARGETS['prepare_vs_nanogpt_stretch'])}); vs old path "
             f"{record['prepare']['vs_old']:.1f}x",
         ),
         (max(times) <= TARGETS["first_step_s"], f"time to first step max {max(times):.1f} s (target <= 15 s)"),
@@ -417,9 +413,9 @@ def main() -> None:
         )
         for row in record["loader"]
     ]
-    record["verdicts"] = {text: verdict(ok) for ok, text in lines}
+    record["verdicts"] = {text: common.verdict(ok) for ok, text in lines}
     for ok, text in lines:
-        print(f"{verdict(ok)} {text}")
+        print(f"{common.verdict(ok)} {text}")
     pathlib.Path(args.out).write_text(json.dumps(record, indent=1))
     print(f"numbers: {args.out}")
 

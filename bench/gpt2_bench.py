@@ -12,7 +12,6 @@ printed as PASS/MISS, never asserted; the last line is one JSON record of every 
 not have: it measures how much of the difference is the allocator.
 """
 
-import argparse
 import dataclasses
 import json
 import os
@@ -29,9 +28,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
-from lmzoo import decoding, models  # noqa: E402
+from lmzoo import models  # noqa: E402
 from lmzoo.kernels import host_memory  # noqa: E402
-from lmzoo.objectives import causal_lm  # noqa: E402
+from lmzoo.objectives import tasks  # noqa: E402
 
 transformers.logging.set_verbosity_error()  # here, so the trainers' own processes get it too
 
@@ -106,9 +105,9 @@ def torch_trainer(spec: Spec, tokens: np.ndarray) -> common.TorchTrainer:
 def lmzoo_trainer(spec: Spec, tokens: np.ndarray) -> common.LmzooTrainer:
     """lmzoo's GPT-2 train step on next-token targets of `tokens` [B, T + 1]."""
     model = models.build_model("gpt2", spec.model_fields(max_len=spec.seq_len))
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones(tokens[:, 1:].shape, np.float32)}
-    batch = {k: np.ascontiguousarray(v) for k, v in batch.items()}
-    return common.LmzooTrainer(causal_lm.causal_lm_task(model), batch, config_lib.base_config().optim)
+    return common.LmzooTrainer(
+        tasks.causal_lm_task(model), common.next_token_batch(tokens), config_lib.base_config().optim
+    )
 
 
 def torch_trainer_kept_buffers(spec: Spec, tokens: np.ndarray) -> common.TorchTrainer:
@@ -118,84 +117,26 @@ def torch_trainer_kept_buffers(spec: Spec, tokens: np.ndarray) -> common.TorchTr
     return torch_trainer(spec, tokens)
 
 
-def bench_train(spec: Spec, rounds: int, torch_kept_buffers: bool = False) -> dict:
-    tokens = np.random.default_rng(0).integers(0, spec.vocab_size, (spec.batch_size, spec.seq_len + 1), dtype=np.int32)
-    tokens_per_step = spec.batch_size * spec.seq_len
-    reference = torch_trainer_kept_buffers if torch_kept_buffers else torch_trainer
-    trainers = {
-        "lmzoo": common.Isolated(lmzoo_trainer, spec, tokens),
-        "torch": common.Isolated(reference, spec, tokens),
-    }
-    compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
-    for trainer in trainers.values():
-        trainer.run(1)
-    initial_loss = {name: t.loss for name, t in trainers.items()}
-    per_round = []
-    for r in range(rounds):
-        order = list(trainers) if r % 2 == 0 else list(trainers)[::-1]
-        row = {}
-        for name in order:
-            seconds = common.timed(lambda t=trainers[name]: t.run(spec.steps_per_round))
-            row[name] = tokens_per_step * spec.steps_per_round / seconds
-        row["peak_gflops"] = max(common.matmul_peak(repeats=3).values())
-        row["ratio"] = row["lmzoo"] / row["torch"]
-        row["mfu"] = spec.flops_per_token() * row["lmzoo"] / (row["peak_gflops"] * 1e9)
-        row["torch_mfu"] = spec.flops_per_token() * row["torch"] / (row["peak_gflops"] * 1e9)
-        per_round.append(row)
-        print(f"  train round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
-    for trainer in trainers.values():
-        trainer.close()
-    return {
-        "rounds": per_round,
-        "compile_s": compile_s,
-        "loss_after_warmup": initial_loss,
-        "flops_per_token": spec.flops_per_token(),
-        **{f"median_{k}": common.median(row[k] for row in per_round) for k in per_round[0]},
-    }
-
-
 def bench_decode(spec: Spec, rounds: int) -> dict:
     model = models.build_model("gpt2", spec.model_fields(max_len=spec.prompt_len + spec.new_tokens))
     prompt = np.random.default_rng(1).integers(0, spec.vocab_size, (1, spec.prompt_len), dtype=np.int32)
     params = jax.jit(model.init)(jax.random.key(0), jnp.asarray(prompt))["params"]
 
-    def decode(use_cache):
-        return np.asarray(
-            decoding.generate(
-                model,
-                params,
-                prompt,
-                rng=jax.random.key(0),
-                max_new_tokens=spec.new_tokens,
-                temperature=0.0,
-                use_cache=use_cache,
-            )
-        )
-
-    modes = {"cache": True, "recompute": False}
-    outputs = {name: decode(use_cache) for name, use_cache in modes.items()}
-    per_round = []
-    for r in range(rounds):
-        order = list(modes) if r % 2 == 0 else list(modes)[::-1]
-        row = {name: spec.new_tokens / common.timed(lambda c=modes[name]: decode(c)) for name in order}
-        row["speedup"] = row["cache"] / row["recompute"]
-        per_round.append(row)
-        print(f"  decode round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
-    return {
-        "rounds": per_round,
-        "greedy_tokens_agree": float(np.mean(outputs["cache"] == outputs["recompute"])),
-        **{f"median_{k}": common.median(row[k] for row in per_round) for k in per_round[0]},
+    modes = {
+        "cache": lambda: common.greedy_decode(model, params, prompt, spec.new_tokens, use_cache=True),
+        "recompute": lambda: common.greedy_decode(model, params, prompt, spec.new_tokens, use_cache=False),
     }
+    outputs = {name: run() for name, run in modes.items()}
+
+    def measure(r: int) -> dict[str, float]:
+        row = common.rates(modes, dict.fromkeys(modes, spec.new_tokens), r)
+        row["speedup"] = row["cache"] / row["recompute"]
+        return row
+
+    per_round = common.measure_rounds("decode round", rounds, measure)
+    return common.summary(per_round, greedy_tokens_agree=float(np.mean(outputs["cache"] == outputs["recompute"])))
 
 
-TRAIN_COLUMNS = [
-    ("lmzoo tok/s", "lmzoo", "{:.0f}"),
-    ("torch tok/s", "torch", "{:.0f}"),
-    ("lmzoo/torch", "ratio", "{:.3f}"),
-    ("peak GFLOP/s", "peak_gflops", "{:.1f}"),
-    ("lmzoo MFU", "mfu", "{:.1%}"),
-    ("torch MFU", "torch_mfu", "{:.1%}"),
-]
 DECODE_COLUMNS = [
     ("cache tok/s", "cache", "{:.1f}"),
     ("recompute tok/s", "recompute", "{:.1f}"),
@@ -203,51 +144,25 @@ DECODE_COLUMNS = [
 ]
 
 
-def print_table(result: dict, columns: list[tuple[str, str, str]]) -> None:
-    """One line per round and a median line; columns are (header, key, format)."""
-    rows = [(str(i + 1), row) for i, row in enumerate(result["rounds"])]
-    rows.append(("median", {key: result[f"median_{key}"] for _, key, _ in columns}))
-    widths = [max(len(header), 8) for header, _, _ in columns]
-    print(f"{'round':>6} " + " ".join(f"{header:>{w}}" for (header, _, _), w in zip(columns, widths, strict=True)))
-    for label, row in rows:
-        print(
-            f"{label:>6} "
-            + " ".join(f"{fmt.format(row[key]):>{w}}" for (_, key, fmt), w in zip(columns, widths, strict=True))
-        )
-
-
-def verdict(value: float, target: float) -> str:
-    return "PASS" if value >= target else "MISS"
-
-
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="tiny config, 1 round (smoke test)")
+    parser = common.rounds_parser(__doc__, "tiny config, 1 round (smoke test)")
     parser.add_argument("--torch_kept_buffers", action="store_true", help="torch's process gets lmzoo's malloc setting")
     args = parser.parse_args()
     spec, rounds = (QUICK, 1) if args.quick else (MATMUL_BOUND, args.rounds)
     load = common.announce("gpt2", "quick" if args.quick else "matmul-bound", spec, rounds)
 
-    peak = common.matmul_peak(sizes=(1024,) if args.quick else (1024, 2048))
-    print("matmul peak (f32, best of 5): " + ", ".join(f"{n}: {g:.1f} GFLOP/s" for n, g in peak.items()), flush=True)
-    train = bench_train(spec, rounds, args.torch_kept_buffers)
+    peak = common.print_matmul_peak(sizes=(1024,) if args.quick else (1024, 2048))
+    reference = torch_trainer_kept_buffers if args.torch_kept_buffers else torch_trainer
+    train = common.train_vs_torch(spec, rounds, lmzoo_trainer, reference)
     decode = bench_decode(spec, rounds)
     load["end"] = os.getloadavg()[0]
 
-    compile_s, loss = train["compile_s"], train["loss_after_warmup"]
-    print(
-        f"\ntrain: B={spec.batch_size} T={spec.seq_len} ({spec.batch_size * spec.seq_len} tokens/step), "
-        f"{spec.steps_per_round} steps/round, {train['flops_per_token'] / 1e6:.1f} MFLOP/token; "
-        f"compile+1st step s: lmzoo {compile_s['lmzoo']:.1f}, torch {compile_s['torch']:.1f}; "
-        f"loss after warm-up: lmzoo {loss['lmzoo']:.3f}, torch {loss['torch']:.3f}"
-    )
-    print_table(train, TRAIN_COLUMNS)
+    common.print_train_vs_torch(spec, train)
     print(
         f"\ndecode: batch 1, prompt {spec.prompt_len}, {spec.new_tokens} new tokens, greedy; "
         f"cache/recompute tokens agree: {decode['greedy_tokens_agree']:.1%}"
     )
-    print_table(decode, DECODE_COLUMNS)
+    common.print_table(decode, DECODE_COLUMNS)
 
     results = {
         "train_ratio": train["median_ratio"],
@@ -257,8 +172,7 @@ def main():
     print(f"\nload average (1 min) at start {load['start']:.2f}, at end {load['end']:.2f}")
     caveat = " torch ran with lmzoo's malloc setting, not as the reference" if args.torch_kept_buffers else ""
     print("targets (medians):" + caveat)
-    for name, target in TARGETS.items():
-        print(f"  {name:<19} {results[name]:>8.3f}  target >= {target:<5}  {verdict(results[name], target)}")
+    targets = common.report_targets(results, TARGETS)
     record = {
         "bench": "gpt2",
         "config": "quick" if args.quick else "matmul-bound",
@@ -268,9 +182,7 @@ def main():
         "train": train,
         "decode": decode,
         "load_average": load,
-        "targets": {
-            name: {"value": results[name], "target": t, "pass": results[name] >= t} for name, t in TARGETS.items()
-        },
+        "targets": targets,
     }
     print(json.dumps(record))
 

@@ -35,9 +35,10 @@ from bench.gpu_recipe import (  # noqa: E402
     matmul_peak_tflops,
 )
 from lmzoo import config as config_lib  # noqa: E402
-from lmzoo import layers, models, sharding  # noqa: E402
+from lmzoo import models, sharding  # noqa: E402
 from lmzoo.data import transforms  # noqa: E402
-from lmzoo.objectives import causal_lm  # noqa: E402
+from lmzoo.layers import attention  # noqa: E402
+from lmzoo.objectives import tasks  # noqa: E402
 from lmzoo.trainers import base as trainer_lib  # noqa: E402
 from lmzoo.trainers import optim, supervised  # noqa: E402
 
@@ -92,7 +93,7 @@ def attention_forms(shape: tuple[int, int, int, int], interpret: bool) -> dict[s
     b, t, n, h = shape
     q, k, v, cotangent = (jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 4))
     segment_ids = jnp.asarray(packed_documents(b, t)[0])
-    mask = layers.attention_mask(segment_ids, segment_ids, causal=False)
+    mask = attention.attention_mask(segment_ids, segment_ids, causal=False)
     forms = {
         "XLA, mask": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True),
         "cuDNN, mask": lambda q, k, v: jax.nn.dot_product_attention(
@@ -153,10 +154,10 @@ def main() -> None:
     )
     b, t = args.microbatch * args.accum, config.data.seq_len
     tokens = np.random.default_rng(0).integers(0, 50257, (b, t + 1), dtype=np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((b, t), np.float32)}
+    batch = common.next_token_batch(tokens)
     if args.packed:
         batch["segment_ids"], batch["positions"] = packed_documents(b, t)
-    task = causal_lm.causal_lm_task(models.build_model(config.model_name, config.model.to_dict()))
+    task = tasks.causal_lm_task(models.build_model(config.model_name, config.model.to_dict()))
     tx, schedule = optim.make_optimizer(config.optim)
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
     compiled = trainer_lib.compile_trainer(
@@ -186,7 +187,7 @@ def main() -> None:
             f"step: {args.accum} microbatches of {args.microbatch} x {t}{', packed documents' if args.packed else ''}: "
             f"best {min(step_ms):.1f} ms of {[round(x) for x in step_ms]} (first {compile_s:.1f} s), "
             f"{tokens_per_s:,.0f} tokens/s, {achieved:.1f} TFLOP/s = {achieved / peak:.1%} of measured peak"
-            + (f", MFU {mfu:.1%} of datasheet: target >= 40%: {'PASS' if mfu >= 0.40 else 'MISS'}" if mfu else "")
+            + (f", MFU {mfu:.1%} of datasheet: target >= 40%: {common.verdict(mfu >= 0.40)}" if mfu else "")
         )
         if args.profile:
             ms, launches, wall = device_kernel_ms(one_step)

@@ -11,7 +11,6 @@ of 1 or 2 threads is faster) on the same weights (`lmzoo.convert.llama`). Target
 never asserted; the last line is one JSON record of every number.
 """
 
-import argparse
 import dataclasses
 import json
 import os
@@ -26,11 +25,10 @@ import transformers
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
-from bench.gpt2_bench import print_table, verdict  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
-from lmzoo import decoding, models  # noqa: E402
+from lmzoo import models  # noqa: E402
 from lmzoo.convert import llama as llama_convert  # noqa: E402
-from lmzoo.objectives import causal_lm  # noqa: E402
+from lmzoo.objectives import tasks  # noqa: E402
 
 transformers.logging.set_verbosity_error()  # here, so the trainers' own processes get it too
 
@@ -100,44 +98,9 @@ def torch_trainer(spec: Spec, tokens: np.ndarray) -> common.TorchTrainer:
 def lmzoo_trainer(spec: Spec, tokens: np.ndarray) -> common.LmzooTrainer:
     """lmzoo's Llama train step on next-token targets of `tokens` [B, T + 1]."""
     model = models.build_model("llama", spec.model_fields(max_len=spec.seq_len))
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones(tokens[:, 1:].shape, np.float32)}
-    batch = {k: np.ascontiguousarray(v) for k, v in batch.items()}
-    return common.LmzooTrainer(causal_lm.causal_lm_task(model), batch, config_lib.base_config().optim)
-
-
-def bench_train(spec: Spec, rounds: int) -> dict:
-    tokens = np.random.default_rng(0).integers(0, spec.vocab_size, (spec.batch_size, spec.seq_len + 1), dtype=np.int32)
-    tokens_per_step = spec.batch_size * spec.seq_len
-    trainers = {
-        "lmzoo": common.Isolated(lmzoo_trainer, spec, tokens),
-        "torch": common.Isolated(torch_trainer, spec, tokens),
-    }
-    compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
-    for trainer in trainers.values():
-        trainer.run(1)
-    initial_loss = {name: t.loss for name, t in trainers.items()}
-    per_round = []
-    for r in range(rounds):
-        order = list(trainers) if r % 2 == 0 else list(trainers)[::-1]
-        row = {}
-        for name in order:
-            seconds = common.timed(lambda t=trainers[name]: t.run(spec.steps_per_round))
-            row[name] = tokens_per_step * spec.steps_per_round / seconds
-        row["peak_gflops"] = max(common.matmul_peak(repeats=3).values())
-        row["ratio"] = row["lmzoo"] / row["torch"]
-        row["mfu"] = spec.flops_per_token() * row["lmzoo"] / (row["peak_gflops"] * 1e9)
-        row["torch_mfu"] = spec.flops_per_token() * row["torch"] / (row["peak_gflops"] * 1e9)
-        per_round.append(row)
-        print(f"  train round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
-    for trainer in trainers.values():
-        trainer.close()
-    return {
-        "rounds": per_round,
-        "compile_s": compile_s,
-        "loss_after_warmup": initial_loss,
-        "flops_per_token": spec.flops_per_token(),
-        **{f"median_{k}": common.median(row[k] for row in per_round) for k in per_round[0]},
-    }
+    return common.LmzooTrainer(
+        tasks.causal_lm_task(model), common.next_token_batch(tokens), config_lib.base_config().optim
+    )
 
 
 def bench_decode(spec: Spec, rounds: int) -> dict:
@@ -152,19 +115,6 @@ def bench_decode(spec: Spec, rounds: int) -> dict:
     prompt = np.random.default_rng(1).integers(0, spec.vocab_size, (1, spec.prompt_len), dtype=np.int32)
     torch_prompt = torch.from_numpy(prompt.astype(np.int64))
 
-    def decode(use_cache: bool) -> np.ndarray:
-        return np.asarray(
-            decoding.generate(
-                model,
-                params,
-                prompt,
-                rng=jax.random.key(0),
-                max_new_tokens=spec.new_tokens,
-                temperature=0.0,
-                use_cache=use_cache,
-            )
-        )
-
     def hf_generate(new_tokens: int = spec.new_tokens) -> np.ndarray:
         with torch.no_grad():
             out = hf_model.generate(
@@ -176,44 +126,25 @@ def bench_decode(spec: Spec, rounds: int) -> dict:
             )
         return out[:, spec.prompt_len :].numpy()
 
-    # Decoding runs many small ops, which torch's 2 OpenMP threads can slow down many-fold when other processes
-    # hold the cores: HF decodes with whichever of 1 or 2 threads is faster on a short greedy probe.
-    probe_tokens, probe_s = max(spec.new_tokens // 4, 1), {}
-    hf_generate(probe_tokens)
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        probe_s[threads] = common.timed(lambda: hf_generate(probe_tokens))
-    hf_threads = min(probe_s, key=probe_s.get)
-    torch.set_num_threads(hf_threads)
-
-    modes = {"cache": lambda: decode(True), "recompute": lambda: decode(False), "hf": hf_generate}
+    hf_threads, _ = common.fastest_torch_threads(lambda: hf_generate(max(spec.new_tokens // 4, 1)))
+    modes = {
+        "cache": lambda: common.greedy_decode(model, params, prompt, spec.new_tokens, use_cache=True),
+        "recompute": lambda: common.greedy_decode(model, params, prompt, spec.new_tokens, use_cache=False),
+        "hf": hf_generate,
+    }
     outputs = {name: run() for name, run in modes.items()}  # first call: jit compile (lmzoo)
-    per_round = []
-    for r in range(rounds):
-        order = list(modes) if r % 2 == 0 else list(modes)[::-1]
-        row = {name: spec.new_tokens / common.timed(modes[name]) for name in order}
+
+    def measure(r: int) -> dict[str, float]:
+        row = common.rates(modes, dict.fromkeys(modes, spec.new_tokens), r)
         row["speedup"] = row["cache"] / row["recompute"]
         row["vs_hf"] = row["cache"] / row["hf"]
-        per_round.append(row)
-        print(f"  decode round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
-    return {
-        "rounds": per_round,
-        "hf_threads": hf_threads,
-        "greedy_tokens_agree": {
-            name: float(np.mean(outputs["cache"] == outputs[name])) for name in ("recompute", "hf")
-        },
-        **{f"median_{k}": common.median(row[k] for row in per_round) for k in per_round[0]},
-    }
+        return row
+
+    per_round = common.measure_rounds("decode round", rounds, measure)
+    agree = {name: float(np.mean(outputs["cache"] == outputs[name])) for name in ("recompute", "hf")}
+    return common.summary(per_round, hf_threads=hf_threads, greedy_tokens_agree=agree)
 
 
-TRAIN_COLUMNS = [
-    ("lmzoo tok/s", "lmzoo", "{:.0f}"),
-    ("torch tok/s", "torch", "{:.0f}"),
-    ("lmzoo/torch", "ratio", "{:.3f}"),
-    ("peak GFLOP/s", "peak_gflops", "{:.1f}"),
-    ("lmzoo MFU", "mfu", "{:.1%}"),
-    ("torch MFU", "torch_mfu", "{:.1%}"),
-]
 DECODE_COLUMNS = [
     ("cache tok/s", "cache", "{:.1f}"),
     ("recompute tok/s", "recompute", "{:.1f}"),
@@ -224,34 +155,24 @@ DECODE_COLUMNS = [
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="tiny config, 1 round (smoke test)")
+    parser = common.rounds_parser(__doc__, "tiny config, 1 round (smoke test)")
     args = parser.parse_args()
     spec, rounds = (QUICK, 1) if args.quick else (MATMUL_BOUND, args.rounds)
     load = common.announce("llama", "quick" if args.quick else "matmul-bound", spec, rounds)
 
-    peak = common.matmul_peak(sizes=(1024,) if args.quick else (1024, 2048))
-    print("matmul peak (f32, best of 5): " + ", ".join(f"{n}: {g:.1f} GFLOP/s" for n, g in peak.items()), flush=True)
-    train = bench_train(spec, rounds)
+    peak = common.print_matmul_peak(sizes=(1024,) if args.quick else (1024, 2048))
+    train = common.train_vs_torch(spec, rounds, lmzoo_trainer, torch_trainer)
     decode = bench_decode(spec, rounds)
     load["end"] = os.getloadavg()[0]
 
-    compile_s, loss = train["compile_s"], train["loss_after_warmup"]
-    print(
-        f"\ntrain: B={spec.batch_size} T={spec.seq_len} ({spec.batch_size * spec.seq_len} tokens/step), "
-        f"{spec.steps_per_round} steps/round, {train['flops_per_token'] / 1e6:.1f} MFLOP/token; "
-        f"compile+1st step s: lmzoo {compile_s['lmzoo']:.1f}, torch {compile_s['torch']:.1f}; "
-        f"loss after warm-up: lmzoo {loss['lmzoo']:.3f}, torch {loss['torch']:.3f}"
-    )
-    print_table(train, TRAIN_COLUMNS)
+    common.print_train_vs_torch(spec, train)
     agree = decode["greedy_tokens_agree"]
     print(
         f"\ndecode: batch 1, prompt {spec.prompt_len}, {spec.new_tokens} new tokens, greedy; HF on "
         f"{decode['hf_threads']} torch thread(s); cache tokens agree with recompute {agree['recompute']:.1%}, "
         f"with HF {agree['hf']:.1%}"
     )
-    print_table(decode, DECODE_COLUMNS)
+    common.print_table(decode, DECODE_COLUMNS)
 
     results = {
         "train_ratio": train["median_ratio"],
@@ -260,8 +181,7 @@ def main():
     }
     print(f"\nload average (1 min) at start {load['start']:.2f}, at end {load['end']:.2f}")
     print("targets (medians):")
-    for name, target in TARGETS.items():
-        print(f"  {name:<19} {results[name]:>8.3f}  target >= {target:<5}  {verdict(results[name], target)}")
+    targets = common.report_targets(results, TARGETS)
     record = {
         "bench": "llama",
         "config": "quick" if args.quick else "matmul-bound",
@@ -270,9 +190,7 @@ def main():
         "train": train,
         "decode": decode,
         "load_average": load,
-        "targets": {
-            name: {"value": results[name], "target": t, "pass": results[name] >= t} for name, t in TARGETS.items()
-        },
+        "targets": targets,
     }
     print(json.dumps(record))
 

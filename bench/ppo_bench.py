@@ -27,7 +27,6 @@ import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -102,10 +101,7 @@ def trl_iterations(config, iterations: int) -> dict[str, list[float]]:
     tokenizer = common.hf_byte_tokenizer()
     gpt2 = common.hf_gpt2_config(config.model)
     torch.manual_seed(0)
-    workdir = tempfile.mkdtemp(prefix=f"trl_{s.algorithm}_")
-    policy_dir = os.path.join(workdir, "policy")  # trl builds the reference model from the policy's path
-    transformers.GPT2LMHeadModel(gpt2).save_pretrained(policy_dir)
-    tokenizer.save_pretrained(policy_dir)
+    workdir, policy_dir = common.trl_policy(f"trl_{s.algorithm}_", gpt2, tokenizer)
     gpt2.num_labels = 1
     reward_model = transformers.GPT2ForSequenceClassification(gpt2)
     rng = np.random.default_rng(0)
@@ -115,11 +111,7 @@ def trl_iterations(config, iterations: int) -> dict[str, list[float]]:
     Config, Trainer = (trl.GRPOConfig, trl.GRPOTrainer) if s.algorithm == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
     args = Config(
         output_dir=workdir,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10**6,
+        **common.TRL_ON_CPU,
         per_device_train_batch_size=rows // s.minibatches,
         steps_per_generation=s.minibatches,
         num_iterations=s.epochs,

@@ -21,7 +21,6 @@ import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -84,21 +83,14 @@ def trl_dpo_seconds(config, steps: int) -> list[float]:
     from trl import DPOConfig, DPOTrainer
 
     torch.set_num_threads(os.cpu_count())
-    torch.manual_seed(0)
-    workdir = tempfile.mkdtemp(prefix="trl_dpo_")
-    policy_dir = os.path.join(workdir, "policy")  # trl builds the reference model from the policy's path
-    transformers.GPT2LMHeadModel(common.hf_gpt2_config(config.model)).save_pretrained(policy_dir)
     tokenizer = common.hf_byte_tokenizer()
-    tokenizer.save_pretrained(policy_dir)
+    torch.manual_seed(0)
+    workdir, policy_dir = common.trl_policy("trl_dpo_", common.hf_gpt2_config(config.model), tokenizer)
     batch = config.train.batch_size
     rows = dpo_texts(config, batch) * (steps + 1)  # every step the same batch, as for lmzoo
     args = DPOConfig(
         output_dir=workdir,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10**6,
+        **common.TRL_ON_CPU,
         per_device_train_batch_size=batch,
         max_length=config.data.seq_len,
         learning_rate=config.optim.learning_rate,
@@ -133,9 +125,9 @@ def trl_dpo_seconds(config, steps: int) -> list[float]:
     return [e - b for b, e in zip(begins, finished, strict=True)][1:]
 
 
-def verdict(lmzoo_ms: float, trl_ms: float) -> str:
+def speedup_verdict(lmzoo_ms: float, trl_ms: float) -> str:
     ratio = trl_ms / lmzoo_ms
-    return f"{ratio:.2f}x {'PASS' if ratio >= 1.0 else 'MISS'}"
+    return f"{ratio:.2f}x {common.verdict(ratio >= 1.0)}"
 
 
 def main():
@@ -172,7 +164,9 @@ def main():
         line = f"{label:22s}" + "".join(f"{column[part]:14.1f}" for column in columns.values())
         if args.trl:
             ours, theirs = (column[part] for column in columns.values())
-            line += f"   {verdict(ours, theirs) if part in ('dpo step', 'grpo step') else f'{theirs / ours:.2f}x'}"
+            line += (
+                f"   {speedup_verdict(ours, theirs) if part in ('dpo step', 'grpo step') else f'{theirs / ours:.2f}x'}"
+            )
         print(line)
     if args.trl:
         print("target: lmzoo >= 1.0x trl (trl's median time over lmzoo's) on the DPO step and the GRPO iteration")

@@ -17,7 +17,6 @@ ratios have a target (> 1: the host pipeline never starves the step), printed as
 the last line is one JSON record of every number.
 """
 
-import argparse
 import dataclasses
 import json
 import os
@@ -33,7 +32,6 @@ import transformers
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
-from bench.gpt2_bench import print_table  # noqa: E402
 from configs import bart as bart_configs  # noqa: E402
 from configs import t5 as t5_configs  # noqa: E402
 from lmzoo import (  # noqa: E402
@@ -45,7 +43,7 @@ from lmzoo import (  # noqa: E402
 from lmzoo.convert import hf  # noqa: E402
 from lmzoo.data import noising  # noqa: E402
 from lmzoo.data.loaders import Shard  # noqa: E402
-from lmzoo.objectives import denoising  # noqa: E402
+from lmzoo.objectives import tasks  # noqa: E402
 
 TARGETS = {"t5_data_vs_step": 1.0, "bart_data_vs_step": 1.0}  # strictly greater
 
@@ -175,7 +173,7 @@ def hf_t5(cfg) -> "transformers.T5ForConditionalGeneration":
 
 def lmzoo_trainer(cfg, batch: dict[str, np.ndarray], optim_config) -> common.LmzooTrainer:
     """lmzoo's seq2seq train step (`seq2seq_task`) for model config `cfg`."""
-    return common.LmzooTrainer(denoising.seq2seq_task(models.build_model("seq2seq", cfg)), batch, optim_config)
+    return common.LmzooTrainer(tasks.seq2seq_task(models.build_model("seq2seq", cfg)), batch, optim_config)
 
 
 def torch_trainer(cfg, batch: dict[str, np.ndarray], optim_config) -> common.TorchTrainer:
@@ -240,21 +238,13 @@ def bench_train_and_data(spec: Spec, rounds: int) -> dict:
         "torch": common.Isolated(torch_trainer, t5_cfg, t5_batch, t5_optim),
         "bart_step": common.Isolated(lmzoo_trainer, bart_cfg, bart_batch, bart_optim),
     }
-    compile_s = {name: common.timed(lambda t=t: t.run(1)) for name, t in trainers.items()}
-    for trainer in trainers.values():
-        trainer.run(1)
-    initial_loss = {name: t.loss for name, t in trainers.items()}
     steps = {"lmzoo": spec.steps_per_round, "torch": spec.steps_per_round, "bart_step": spec.bart_steps_per_round}
     t5_tokens = spec.batch_size * (spec.inputs_len + spec.targets_len)  # encoder + decoder tokens
     tokens_per_step = {"lmzoo": t5_tokens, "torch": t5_tokens, "bart_step": spec.batch_size * 2 * spec.inputs_len}
     n, flops = spec.batches_per_round, spec.step_flops()
-    per_round = []
-    for r in range(rounds):
-        names = list(trainers)
-        row = {}
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            seconds = common.timed(lambda t=trainers[name], k=steps[name]: t.run(k))
-            row[name] = tokens_per_step[name] * steps[name] / seconds
+
+    def measure(r: int) -> dict[str, float]:
+        row = common.train_rates(trainers, steps, tokens_per_step, r)
         for name, loader in loaders.items():
             seconds = common.timed(lambda lo=loader, s=range(r * n, (r + 1) * n): [lo.batch(i) for i in s])
             row[f"{name}_data"] = spec.batch_size * spec.inputs_len * n / seconds  # encoder-input tokens/s
@@ -267,19 +257,17 @@ def bench_train_and_data(spec: Spec, rounds: int) -> dict:
         row["bart_step_enc"] = step_per_s["bart_step"] * spec.batch_size * spec.inputs_len
         row["t5_data_vs_step"] = row["t5_data"] / row["t5_step_enc"]
         row["bart_data_vs_step"] = row["bart_data"] / row["bart_step_enc"]
-        per_round.append(row)
-        print(f"  train round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
-    for trainer in trainers.values():
-        trainer.close()
-    return {
-        "rounds": per_round,
-        "compile_s": compile_s,
-        "loss_after_warmup": initial_loss,
-        "tokens_per_step": tokens_per_step,
-        "flops_per_token": flops / tokens_per_step["lmzoo"],
-        "data": data_info,
-        **{f"median_{k}": common.median(row[k] for row in per_round) for k in per_round[0]},
-    }
+        return row
+
+    return common.trainer_rounds(
+        trainers,
+        "train round",
+        rounds,
+        measure,
+        tokens_per_step=tokens_per_step,
+        flops_per_token=flops / tokens_per_step["lmzoo"],
+        data=data_info,
+    )
 
 
 def bench_decode(spec: Spec, rounds: int) -> dict:
@@ -315,15 +303,8 @@ def bench_decode(spec: Spec, rounds: int) -> dict:
             )
         return out[:, 1:].numpy()
 
-    # Decoding runs many small ops, which torch's 2 OpenMP threads can slow down many-fold when other processes
-    # hold the cores: HF decodes with whichever of 1 or 2 threads is faster on a short greedy probe.
-    probe_tokens, probe_s = max(spec.new_tokens // 4, 1), {}
-    hf_generate(1, probe_tokens)
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        probe_s[threads] = common.timed(lambda: hf_generate(1, probe_tokens))
-    hf_threads = min(probe_s, key=probe_s.get)
-    torch.set_num_threads(hf_threads)
+    probe_tokens = max(spec.new_tokens // 4, 1)
+    hf_threads, probe_s = common.fastest_torch_threads(lambda: hf_generate(1, probe_tokens))
 
     def lmzoo_beam() -> np.ndarray:
         tokens, _ = decoding.beam_search(
@@ -358,37 +339,26 @@ def bench_decode(spec: Spec, rounds: int) -> dict:
     for name, out in outputs.items():
         if out.shape != (spec.decode_batch, spec.new_tokens):
             raise AssertionError(f"{name} returned {out.shape}, not the full length {spec.new_tokens}")
-    per_round = []
-    for r in range(rounds):
-        names = list(runs)
-        row = {}
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            row[name] = spec.decode_batch * spec.new_tokens / common.timed(runs[name])
+
+    def measure(r: int) -> dict[str, float]:
+        row = common.rates(runs, dict.fromkeys(runs, spec.decode_batch * spec.new_tokens), r)
         row["beam_ratio"] = row["lmzoo_beam"] / row["hf_beam"]
         row["greedy_ratio"] = row["lmzoo_greedy"] / row["hf_greedy"]
-        per_round.append(row)
-        print(f"  decode round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+        return row
+
+    per_round = common.measure_rounds("decode round", rounds, measure)
     torch.set_num_threads(2)
-    return {
-        "rounds": per_round,
-        "compile_s": compile_s,
-        "hf_threads": hf_threads,
-        "hf_thread_probe_s": {str(k): v for k, v in probe_s.items()},
-        "hf_thread_probe_tokens": probe_tokens,
-        "beam_tokens_agree": float(np.mean(outputs["lmzoo_beam"] == outputs["hf_beam"])),
-        "greedy_tokens_agree": float(np.mean(outputs["lmzoo_greedy"] == outputs["hf_greedy"])),
-        **{f"median_{k}": common.median(row[k] for row in per_round) for k in per_round[0]},
-    }
+    return common.summary(
+        per_round,
+        compile_s=compile_s,
+        hf_threads=hf_threads,
+        hf_thread_probe_s={str(k): v for k, v in probe_s.items()},
+        hf_thread_probe_tokens=probe_tokens,
+        beam_tokens_agree=float(np.mean(outputs["lmzoo_beam"] == outputs["hf_beam"])),
+        greedy_tokens_agree=float(np.mean(outputs["lmzoo_greedy"] == outputs["hf_greedy"])),
+    )
 
 
-TRAIN_COLUMNS = [
-    ("lmzoo tok/s", "lmzoo", "{:.0f}"),
-    ("torch tok/s", "torch", "{:.0f}"),
-    ("lmzoo/torch", "ratio", "{:.3f}"),
-    ("peak GFLOP/s", "peak_gflops", "{:.1f}"),
-    ("lmzoo MFU", "mfu", "{:.1%}"),
-    ("torch MFU", "torch_mfu", "{:.1%}"),
-]
 DATA_COLUMNS = [
     ("T5 data enc tok/s", "t5_data", "{:.0f}"),
     ("T5 step enc tok/s", "t5_step_enc", "{:.0f}"),
@@ -408,9 +378,7 @@ DECODE_COLUMNS = [
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="tiny config and test tokenizers, 1 round (smoke test)")
+    parser = common.rounds_parser(__doc__, "tiny config and test tokenizers, 1 round (smoke test)")
     args = parser.parse_args()
     spec, rounds = (QUICK, 1) if args.quick else (FULL, args.rounds)
     torch.set_num_threads(2)
@@ -433,7 +401,7 @@ def main():
         + "; loss after warm-up: "
         + ", ".join(f"{k} {v:.3f}" for k, v in loss.items())
     )
-    print_table(train, TRAIN_COLUMNS)
+    common.print_table(train, common.TRAIN_VS_TORCH_COLUMNS)
     print(
         f"\ndata pipeline ({spec.batches_per_round} batches/loader/round, single host thread) vs the lmzoo step's "
         f"consumption at the same batch shape, in encoder-input tokens/s (B x {s} per batch):"
@@ -448,7 +416,7 @@ def main():
         f"  step for BART batches: configs/bart.py architecture at the T5 sizes, decoder T={s}, "
         f"{spec.bart_steps_per_round} steps/round"
     )
-    print_table(train, DATA_COLUMNS)
+    common.print_table(train, DATA_COLUMNS)
     print(
         f"\ndecode: batch {spec.decode_batch}, encoder {s} tokens, {spec.new_tokens} new tokens per row, EOS id "
         f"{spec.vocab_size} (outside the vocabulary, never produced: every row runs to full length); tokens/s = "
@@ -465,7 +433,7 @@ def main():
         + ", ".join(f"{k} {v:.1f}" for k, v in decode["compile_s"].items())
         + f"; tokens agree with HF: beam {decode['beam_tokens_agree']:.1%}, greedy {decode['greedy_tokens_agree']:.1%}"
     )
-    print_table(decode, DECODE_COLUMNS)
+    common.print_table(decode, DECODE_COLUMNS)
 
     results = {name: train[f"median_{name}"] for name in TARGETS}
     medians = {
@@ -478,9 +446,7 @@ def main():
     print("medians: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
     print("targets (medians):")
     for name, target in TARGETS.items():
-        print(
-            f"  {name:<18} {results[name]:>8.2f}  target > {target:<4}  {'PASS' if results[name] > target else 'MISS'}"
-        )
+        print(f"  {name:<18} {results[name]:>8.2f}  target > {target:<4}  {common.verdict(results[name] > target)}")
     record = {
         "bench": "seq2seq",
         "config": "quick" if args.quick else "full",

@@ -103,10 +103,6 @@ def run(name: str, seed: int, log_path: pathlib.Path, extra_env: dict[str, str],
     }
 
 
-def verdict(passed: bool) -> str:
-    return "PASS" if passed else "MISS"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1)
@@ -126,8 +122,7 @@ def main():
     cwd = {"lmzoo": ROOT, "torch": ROOT}
     if args.nanogpt_dir:
         cwd["nanogpt"] = nanogpt_workspace(args.nanogpt_dir.resolve(), pathlib.Path(scratch.name))
-    peak = common.matmul_peak()
-    print("matmul peak (f32, best of 5): " + ", ".join(f"{n}: {g:.1f} GFLOP/s" for n, g in peak.items()), flush=True)
+    peak = common.print_matmul_peak()
     log_dir = pathlib.Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {"lmzoo": {}, reference: {}}
@@ -169,18 +164,18 @@ def main():
     if reference == "torch":
         print(
             f"  equal loss      lmzoo - torch {loss_gap:+.4f}   target <= {LOSS_TOLERANCE}    "
-            f"{verdict(loss_gap <= LOSS_TOLERANCE)}"
+            f"{common.verdict(loss_gap <= LOSS_TOLERANCE)}"
         )
     else:
         print(f"  loss            lmzoo whole split - nanoGPT's 20-batch estimate {loss_gap:+.4f} (not a target)")
     print(
         f"  wall clock      {wall_ratio:.3f}x {reference}   target <= {TARGETS['wall_ratio']}x  "
-        f"{verdict(wall_ratio <= TARGETS['wall_ratio'])}"
-        f" (stretch <= {TARGETS['wall_ratio_stretch']}x: {verdict(wall_ratio <= TARGETS['wall_ratio_stretch'])})"
+        f"{common.verdict(wall_ratio <= TARGETS['wall_ratio'])}"
+        f" (stretch <= {TARGETS['wall_ratio_stretch']}x: {common.verdict(wall_ratio <= TARGETS['wall_ratio_stretch'])})"
     )
     print(
         f"  peak RSS        {rss_ratio:.3f}x {reference}   target <= {TARGETS['rss_ratio']}x "
-        f"{verdict(rss_ratio <= TARGETS['rss_ratio'])}"
+        f"{common.verdict(rss_ratio <= TARGETS['rss_ratio'])}"
     )
     scratch.cleanup()
     record = {

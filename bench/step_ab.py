@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import models  # noqa: E402
-from lmzoo.objectives import causal_lm  # noqa: E402
+from lmzoo.objectives import tasks  # noqa: E402
 
 
 def parse_value(text: str, current):
@@ -91,9 +91,9 @@ class Side:
         config = load_config(spec, overrides)
         b, t = config.train.batch_size, config.data.seq_len
         tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (b, t + 1), dtype=np.int32)
-        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((b, t), np.float32)}
+        batch = common.next_token_batch(tokens)
         model = models.build_model(config.model_name, config.model.to_dict())
-        self.trainer = common.LmzooTrainer(causal_lm.causal_lm_task(model), batch, config.optim)
+        self.trainer = common.LmzooTrainer(tasks.causal_lm_task(model), batch, config.optim)
         self.loss = None
 
     def run(self, steps: int) -> tuple[float, float]:
@@ -180,8 +180,7 @@ def main():
     load = common.announce(
         "step_ab", f"{args.config}: {label}", f"B={config.train.batch_size} T={config.data.seq_len}", args.rounds
     )
-    peak = common.matmul_peak()
-    print("matmul peak (f32, best of 5): " + ", ".join(f"{n}: {g:.1f} GFLOP/s" for n, g in peak.items()), flush=True)
+    peak = common.print_matmul_peak()
     trainers = {}
     for name, side in sides.items():
         with environment(side["env"]):

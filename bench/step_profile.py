@@ -30,7 +30,7 @@ from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import models  # noqa: E402
 from lmzoo.kernels import host_memory  # noqa: E402
-from lmzoo.objectives import causal_lm  # noqa: E402
+from lmzoo.objectives import tasks  # noqa: E402
 
 PARTS = [  # (group, pattern on the op's metadata name), first match wins
     ("head + loss", r"fused_head_loss|causal_lm|output_embedding"),
@@ -128,12 +128,11 @@ def main():
     load = common.announce(
         "step_profile", args.config, f"B={config.train.batch_size} T={config.data.seq_len}", args.steps
     )
-    peak = common.matmul_peak()
-    print("matmul peak (f32, best of 5): " + ", ".join(f"{n}: {g:.1f} GFLOP/s" for n, g in peak.items()), flush=True)
+    peak = common.print_matmul_peak()
     b, t = config.train.batch_size, config.data.seq_len
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (b, t + 1), dtype=np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((b, t), np.float32)}
-    task = causal_lm.causal_lm_task(models.build_model(config.model_name, config.model.to_dict()))
+    batch = common.next_token_batch(tokens)
+    task = tasks.causal_lm_task(models.build_model(config.model_name, config.model.to_dict()))
     trainer = common.LmzooTrainer(task, batch, config.optim)
     params, rng = trainer.state.params, jax.random.key(0)
 

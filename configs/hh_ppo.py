@@ -37,15 +37,19 @@ def get_config(arg: str | None = None):
     )
     if "nokl" in variants:
         objective.update(kl_coef=0.0, kl_target=0.0)
-    if "rloo" in variants:
-        objective.update(algorithm="rloo", samples_per_prompt=4, epochs=1)
-    if "grpo" in variants:
-        objective.update(algorithm="grpo", samples_per_prompt=4, epochs=1, minibatches=1, kl_coef=0.04, kl_target=0.0)
+    name = "ppo"
+    if "rloo" in variants:  # its defaults: 4 samples per prompt, one update per rollout
+        name = "rloo"
+        del objective["epochs"]
+    if "grpo" in variants:  # its defaults: groups of 4, one update per rollout, beta 0.04 on the k3 KL, no controller
+        name = "grpo"
+        for field in ("epochs", "minibatches", "kl_coef", "kl_target"):
+            del objective[field]
     if "value_model" in variants:
         objective.update(value_model="reward")
     if tiny:
         objective.update(prompt_len=24, response_len=8, normalize_samples=8)
-    c.objective = objective_section("ppo", **objective)
+    c.objective = objective_section(name, **objective)
     c.optim.learning_rate, c.optim.min_learning_rate = 2e-5, 2e-5
     c.optim.warmup_steps = 0
     c.optim.weight_decay = 0.0

@@ -2,6 +2,7 @@
 
     python train.py --config=configs/llama.py                # 4 layers, 4 query / 2 kv heads, D 128: minutes on 2 CPUs
     python train.py --config=configs/llama.py:mistral        # the same with a 32-position sliding window
+    python train.py --config=configs/llama.py:moe            # the same with 8 SwiGLU experts a layer, top-2
     python train.py --config=configs/llama.py:llama3_8b --config.data.source=store --config.data.path=STORE
 
 The default variant is the Shakespeare recipe of `configs/shakespeare_char.py`, loaded from it (context 64, batch 12, 2,000
@@ -9,7 +10,9 @@ steps, AdamW 1e-3 cosine to 1e-4, clip 1.0) with the Llama block in place of GPT
 shape (32 layers, D 4096, 32 query / 8 kv heads, SwiGLU 14,336, rope_theta 500,000, vocabulary 128,256, context
 8,192) for accelerators, bf16 compute, scanned and rematerialised layers, on a prepared token store of its
 tokenizer (`python -m lmzoo.data.prepare`, docs/data.md); shard it with `--config.sharding.mesh_shape`
-(docs/SCALING.md). `:tiny` shrinks the default for tests.
+(docs/SCALING.md). `moe` makes every layer a mixture of 8 experts of F 176 with Mixtral's top-2 router, so a token
+goes through 2 x 176 = 352 expert units, the dense recipe's active parameter count (and a router [128, 8] a layer)
+(docs/moe.md). `:tiny` shrinks the default for tests.
 """
 
 import pathlib
@@ -18,7 +21,7 @@ from lmzoo.config import check_variants, load_config_file, model_section
 
 
 def get_config(arg: str | None = None):
-    variants = check_variants(arg, known=("tiny", "mistral", "llama3_8b"))
+    variants = check_variants(arg, known=("tiny", "mistral", "moe", "llama3_8b"))
     # The Shakespeare recipe, data, optimizer and schedule included; only the model differs.
     c = load_config_file(
         pathlib.Path(__file__).with_name("shakespeare_char.py"), "tiny" if "tiny" in variants else None
@@ -39,6 +42,8 @@ def get_config(arg: str | None = None):
     c.optim.decay_embeddings = False
     if "mistral" in variants:
         c.model.sliding_window = 32
+    if "moe" in variants:
+        c.model.update(num_experts=8, experts_per_token=2, expert_mlp_dim=176)
     if "llama3_8b" in variants:
         c.model.update(
             vocab_size=128_256,

@@ -16,13 +16,15 @@ import contextlib
 import errno
 import json
 import logging
-import pathlib
+import os
 import re
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from lmzoo import storage
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +162,23 @@ class _EventLoopPolicy(asyncio.DefaultEventLoopPolicy):
     _loop_factory = _LoopTakingLateCallbacks
 
 
+def check_directory(directory: str) -> None:
+    """Raises ValueError, in one line, for a directory checkpoints cannot be kept in: s3://. orbax-checkpoint (0.12.8,
+    its newest release) maps gs:// to tensorstore's GCS driver and any other path to local files: it would fail in its
+    background threads on "s3:/..." as a relative local path."""
+    if os.fspath(directory).startswith("s3://"):
+        raise ValueError(
+            f"{directory}: checkpoints cannot be kept on s3:// (orbax-checkpoint writes arrays to local paths and "
+            "gs:// only); use a local or gs:// workdir"
+        )
+
+
 class Checkpointer:
     """Saves and restores (state, data_state) under `directory`; keeps the newest `max_to_keep`."""
 
     def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
-        self.directory = pathlib.Path(directory).absolute()
+        check_directory(directory)
+        self.directory = storage.path(directory)
         self.failed = False
         for logger in ("absl", "asyncio"):  # orbax logs through absl; adding a filter twice is a no-op
             logging.getLogger(logger).addFilter(_ORBAX_NOISE)

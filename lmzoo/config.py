@@ -87,7 +87,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.evaluators = ("loss",)  # run during training, by name (lmzoo.evaluation.EVALUATORS); "loss" comes first
 
     c.sharding = ml_collections.ConfigDict()
-    c.sharding.mesh_shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
+    c.sharding.mesh_shape = (-1, 1, 1)  # (data, fsdp, tensor) or (data, fsdp, expert, tensor); -1: the rest
     c.sharding.rules = ()  # overrides of lmzoo.sharding.LOGICAL_AXIS_RULES, e.g. (("vocab", None),)
 
     c.distributed = ml_collections.ConfigDict()
@@ -337,9 +337,10 @@ def check_values(
     require(optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 turns clipping off)")
     mesh = tuple(config.sharding.mesh_shape)
     require(
-        len(mesh) == 3 and all(n >= 1 or n == -1 for n in mesh) and mesh.count(-1) <= 1,
+        len(mesh) in (3, 4) and all(n >= 1 or n == -1 for n in mesh) and mesh.count(-1) <= 1,
         "sharding.mesh_shape",
-        "must be 3 sizes (data, fsdp, tensor), each >= 1, one of them may be -1 (the remaining devices)",
+        "must be 3 sizes (data, fsdp, tensor) or 4 (data, fsdp, expert, tensor), each >= 1, one of them may be -1 "
+        "(the remaining devices)",
     )
     problems += more_problems
     if problems:

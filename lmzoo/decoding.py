@@ -30,13 +30,17 @@ def _check_ids(model: nn.Module, tokens: jax.Array, what: str) -> None:
         )
 
 
-def check_sampling(*, temperature: float, top_k: int, top_p: float) -> None:
+def check_sampling(*, temperature: float, top_k: int, top_p: float, vocab_size: int | None = None) -> None:
     """Raises on settings that do not sample the model's distribution or a truncation of it (a negative
-    temperature would sample the inverted one)."""
+    temperature would sample the inverted one), or that keep more tokens than the `vocab_size` there are."""
     if not temperature >= 0:
         raise ValueError(f"temperature={temperature}: must be >= 0 (0 is greedy, 1 the model's distribution)")
     if top_k < 0:
         raise ValueError(f"top_k={top_k}: must be >= 0 (0 keeps every token)")
+    if vocab_size is not None and top_k > vocab_size:
+        raise ValueError(
+            f"top_k={top_k}: the vocabulary has {vocab_size} tokens; keep at most {vocab_size} (0 keeps every token)"
+        )
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p}: must be in (0, 1] (1 keeps every token)")
 
@@ -54,7 +58,7 @@ def sample_logits(
 ) -> jax.Array:
     """logits [B, V] -> token ids [B], each below `vocab_size` (the tokenizer's; None: any of V). temperature 0
     is greedy; top_k 0 and top_p 1 disable the filters."""
-    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=logits.shape[-1])
     logits = mask_padded_vocab(logits, vocab_size)
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1)

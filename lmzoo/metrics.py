@@ -3,11 +3,19 @@
 import contextlib
 import json
 import math
-import pathlib
+import os
+import shutil
 import sys
+import tempfile
 
 import jax
 import numpy as np
+
+from lmzoo import storage
+
+# A bucket workdir's event file is uploaded whole at each flush; past this size a new one is begun, so that an upload
+# stays small however long the run.
+EVENT_FILE_BYTES = 1 << 20
 
 
 def accumulate(total: dict | None, metrics: dict) -> dict:
@@ -58,8 +66,73 @@ def _summary_writer_class():
     return SummaryWriter
 
 
+class _EventFiles:
+    """tensorboardX event files for `folder` (tensorboardX writes local files only: its own gs:// writer needs
+    google-cloud-storage and uploads its whole file at each flush too). A local folder is written in directly. For a
+    bucket they are written in a local temporary folder, and `flush` uploads each file that grew as one whole object
+    (a kill leaves the version of the last flush), beginning a new file once the current one passes EVENT_FILE_BYTES.
+    Events still queued in tensorboardX's writer thread at a flush are uploaded at the next one.
+    """
+
+    def __init__(self, folder: str, *, purge_step: int | None):
+        self.folder = folder
+        self.uploaded: dict[str, int] = {}  # event file name -> the size uploaded
+        if not storage.is_remote(folder):
+            self.local = folder
+            self.writer = _summary_writer_class()(folder, purge_step=purge_step)
+            return
+        self.local = tempfile.mkdtemp(prefix="lmzoo-tb-")
+        try:
+            self.files_begun = len(storage.list_dir(folder))
+        except FileNotFoundError:
+            self.files_begun = 0
+        self.writer = self._begin_file(purge_step)
+
+    def _begin_file(self, purge_step: int | None = None):
+        """A writer of a new event file, numbered after every file already in the bucket folder: tensorboardX names a
+        file by the second it began, and TensorBoard reads files in name order, so files of one second keep theirs."""
+        self.files_begun += 1
+        return _summary_writer_class()(self.local, purge_step=purge_step, filename_suffix=f".{self.files_begun:06d}")
+
+    def flush(self) -> None:
+        self.writer.flush()
+        if self.local == self.folder:
+            return
+        self._upload()
+        (current,) = os.listdir(self.local)
+        if os.path.getsize(os.path.join(self.local, current)) > EVENT_FILE_BYTES:
+            self.writer.close()
+            self._upload()
+            os.remove(os.path.join(self.local, current))  # in the bucket whole; the local folder keeps the open file
+            self.writer = self._begin_file()
+
+    def _upload(self) -> None:
+        for name in sorted(os.listdir(self.local)):
+            size = os.path.getsize(os.path.join(self.local, name))
+            if self.uploaded.get(name) != size:
+                with open(os.path.join(self.local, name), "rb") as file:
+                    storage.write_bytes(f"{self.folder}/{name}", file.read())
+                self.uploaded[name] = size
+
+    def close(self, *, upload: bool) -> None:
+        """Closes the writer; for a bucket, uploads what changed (unless `upload` is False: the bucket failed) and
+        removes the local folder."""
+        self.writer.close()
+        if self.local == self.folder:
+            return
+        try:
+            if upload:
+                self._upload()
+        finally:
+            shutil.rmtree(self.local, ignore_errors=True)
+
+
 class MetricWriter:
     """Writes scalars to TensorBoard (`<workdir>/tb`) and `<workdir>/metrics.jsonl`; process 0 only.
+
+    Every `write` reaches storage before it returns: a row is appended to metrics.jsonl (`storage.append_bytes`: on
+    GCS a compose, so a kill leaves the rows written before it, whole) and the event files are flushed (uploaded
+    whole, for a bucket workdir: `_EventFiles`).
 
     resume_step: the step a run resumes from; rows and events of later steps (written after that
     checkpoint by a run that then stopped) are dropped, so every step appears once.
@@ -67,28 +140,25 @@ class MetricWriter:
 
     def __init__(self, workdir: str, *, enabled: bool = True, resume_step: int = 0):
         self.enabled = enabled
+        self.failed = False
         if enabled:
-            from lmzoo import workdir as workdir_lib
-
-            path = pathlib.Path(workdir) / "metrics.jsonl"
-            if path.exists():
-                kept = [line for line in path.read_text().splitlines(keepends=True) if _row_step(line) <= resume_step]
-                workdir_lib.atomic_write_text(path, "".join(kept))
-            self.tb = _summary_writer_class()(
-                str(pathlib.Path(workdir) / "tb"), purge_step=resume_step + 1 if resume_step else None
-            )
-            self.jsonl = open(path, "a")
+            self.jsonl = f"{workdir}/metrics.jsonl"
+            rows = storage.read_text(self.jsonl).splitlines(keepends=True) if storage.exists(self.jsonl) else []
+            storage.write_text(self.jsonl, "".join(line for line in rows if _row_step(line) <= resume_step))
+            self.events = _EventFiles(f"{workdir}/tb", purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, step: int, scalars: dict[str, float], prefix: str) -> None:
         if not self.enabled:
             return
         for name, value in scalars.items():
-            self.tb.add_scalar(f"{prefix}/{name}", value, step)
-        self.jsonl.write(json.dumps({"step": step, "split": prefix, **scalars}) + "\n")
-        self.jsonl.flush()
-        self.tb.flush()
+            self.events.writer.add_scalar(f"{prefix}/{name}", value, step)
+        try:
+            storage.append_bytes(self.jsonl, (json.dumps({"step": step, "split": prefix, **scalars}) + "\n").encode())
+            self.events.flush()
+        except BaseException:
+            self.failed = True  # closing does not try the storage that failed again
+            raise
 
     def close(self) -> None:
         if self.enabled:
-            self.tb.close()
-            self.jsonl.close()
+            self.events.close(upload=not self.failed)

@@ -2,8 +2,13 @@
 
 Modules name every parameter and activation dimension with a logical axis (`embed`, `mlp`,
 `act_batch`, ...). `LOGICAL_AXIS_RULES` maps each logical name to a mesh axis of the
-(`data`, `fsdp`, `tensor`) mesh, so data parallelism, FSDP and tensor parallelism are chosen by
-the mesh shape alone. A config may override single rules (`config.sharding.rules`).
+(`data`, `fsdp`, `expert`, `tensor`) mesh, so data parallelism, FSDP, expert parallelism and tensor parallelism
+are chosen by the mesh shape alone. A config may override single rules (`config.sharding.rules`).
+
+The expert axis shards the experts of mixture-of-experts layers ("exp"). The batch is split over it too, as over
+data and fsdp (as MaxText does): outside the experts its devices are data-parallel, and the capacity form moves
+each expert's tokens to its devices with an all-to-all (`layers.mlp.capacity_experts`). A mesh shape of 3 sizes
+(data, fsdp, tensor), as every config and saved run before the expert axis has, means expert 1 (`mesh_shape`).
 """
 
 from collections.abc import Sequence
@@ -14,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical name -> mesh axis (or tuple of axes, or None = replicated).
 LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
@@ -25,13 +30,16 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("kv_heads", None),  # grouped-query kv heads: often fewer than the tensor axis, so replicated
     ("kv", None),
     ("mlp", "tensor"),
+    ("exp", "expert"),
     ("layers", None),
     ("position", None),
     ("norm", None),
     ("classes", None),
     ("relpos_buckets", None),
     # Activations.
-    ("act_batch", ("data", "fsdp")),
+    ("act_batch", ("data", "fsdp", "expert")),
+    ("act_batch_no_exp", ("data", "fsdp")),  # the batch axis of a tensor whose experts axis takes the expert axis
+    ("act_exp", "expert"),
     ("act_len", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
@@ -70,25 +78,36 @@ def initialize_distributed(coordinator_address: str, num_processes: int, process
     )
 
 
-def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh; one -1 entry takes all remaining devices.
+def mesh_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """`shape` with one size per axis of MESH_AXES: a (data, fsdp, tensor) shape, as configs and runs saved before
+    the expert axis have, gets expert 1; a shape of 4 sizes is returned as it is."""
+    shape = tuple(shape)
+    if len(shape) == 3:
+        return shape[:2] + (1,) + shape[2:]
+    if len(shape) != len(MESH_AXES):
+        raise ValueError(f"mesh shape {shape} must have one size per axis {MESH_AXES} (or 3: data, fsdp, tensor)")
+    return shape
+
+
+def make_mesh(shape: Sequence[int] = (-1, 1, 1, 1), devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, expert, tensor) mesh of `shape` (3 sizes: expert 1, `mesh_shape`); one -1 entry takes all
+    remaining devices.
 
     Uses Auto axis types: linen's logical constraints are hints, not asserts, under such a mesh.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = list(shape)
-    if len(shape) != len(MESH_AXES):
-        raise ValueError(f"mesh shape {shape} must have one entry per axis {MESH_AXES}")
+    given = list(shape)  # as the config wrote it, for the messages
+    shape = list(mesh_shape(given))
     if shape.count(-1) > 1:
-        raise ValueError(f"mesh shape {shape} may contain at most one -1")
+        raise ValueError(f"mesh shape {given} may contain at most one -1")
     if -1 in shape:
         known = int(np.prod([s for s in shape if s != -1]))
         if len(devices) % known:
-            raise ValueError(f"mesh shape {shape}: {len(devices)} devices are not divisible by {known}")
+            raise ValueError(f"mesh shape {given}: {len(devices)} devices are not divisible by {known}")
         shape[shape.index(-1)] = len(devices) // known
     if int(np.prod(shape)) != len(devices):
         raise ValueError(
-            f"mesh shape {tuple(shape)} needs {int(np.prod(shape))} devices but {len(devices)} are available; "
+            f"mesh shape {tuple(given)} needs {int(np.prod(shape))} devices but {len(devices)} are available; "
             "use -1 for one axis to fill the rest"
         )
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
@@ -97,6 +116,17 @@ def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices: Sequence[jax.Device] |
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Sharding hint for an activation by logical names; a no-op outside a mesh context."""
     return nn.with_logical_constraint(x, tuple(names))
+
+
+def logical_axis_size(name: str) -> int:
+    """How many shards the logical axis `name` has: the product of the sizes of the mesh axes it maps to under the
+    rules in context (`nn.logical_axis_rules`) in the mesh in context; 1 outside a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    (axes,) = nn.logical_to_mesh_axes((name,))
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[axis] for axis in axes]))
 
 
 def logical_to_sharding(tree: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> Any:

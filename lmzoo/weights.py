@@ -1,7 +1,9 @@
 """Pretrained weights from elsewhere: another run's checkpoint ("ckpt:WORKDIR") or a HuggingFace folder ("hf:PATH"),
-read as host params and merged into fresh ones. Below the objectives, which read their frozen models with it.
+merged into fresh params. Below the objectives, which read their frozen models with it.
 
-A checkpoint's params are read from its own metadata: no config, model or trainer is built.
+Each merged parameter takes the placement of the fresh one it replaces: a host numpy array, or a jax.Array in the
+fresh one's sharding. An HF folder is streamed tensor by tensor straight into that placement (`lmzoo.convert.hf`);
+a checkpoint's params are read from its own metadata (no config, model or trainer is built), on the host.
 """
 
 import pathlib
@@ -12,6 +14,7 @@ import numpy as np
 from flax import traverse_util
 
 from lmzoo import checkpoint
+from lmzoo.convert import hf, mapping
 
 
 def checkpoint_params(workdir: str) -> Any:
@@ -30,14 +33,12 @@ def checkpoint_params(workdir: str) -> Any:
 
 
 def read_params(spec: str, model_name: str, model_config, target, *, allow_partial: bool = False):
-    """Params from "hf:PATH" (HuggingFace safetensors folder, converted to `model_config`'s layout) or
-    "ckpt:WORKDIR" (another lmzoo run's latest checkpoint; a classifier run gives its backbone).
+    """Params from "hf:PATH" (HuggingFace safetensors folder, converted to `model_config`'s layout and to the dtypes
+    and placement of `target`'s leaves: see `lmzoo.convert.hf.convert_pretrained`) or "ckpt:WORKDIR" (another lmzoo
+    run's latest checkpoint, host numpy; a classifier run gives its backbone).
 
-    allow_partial: an HF checkpoint that fits only in part gives the parameters that fit (see
-    `lmzoo.convert.hf.convert_pretrained`) instead of an error."""
+    allow_partial: an HF checkpoint that fits only in part gives the parameters that fit instead of an error."""
     if spec.startswith("hf:"):
-        from lmzoo.convert import hf
-
         return hf.convert_pretrained(spec, model_name, model_config, target, allow_partial=allow_partial)[0]
     if spec.startswith("ckpt:"):
         source = checkpoint_params(spec.removeprefix("ckpt:"))
@@ -52,7 +53,8 @@ def merge_pretrained(
     fresh, source, model_name: str, model_config=None, *, name: str | None = None, allow_partial: bool = False
 ):
     """`fresh` params with every parameter `source` (params, or a read_params spec, read for `model_config`
-    with `allow_partial`) provides replaced.
+    with `allow_partial`) provides replaced, in the fresh parameter's dtype and placement (host numpy, or a
+    jax.Array in its sharding).
 
     A classifier takes the weights into its backbone and keeps its new head; pretraining heads the
     target lacks are dropped. A token table (TOKEN_TABLES) with more rows than the source's keeps its
@@ -78,9 +80,12 @@ def merge_pretrained(
     ]
     if mismatched:
         raise ValueError(f"weights from {name} do not fit the configured model:\n  " + "\n  ".join(mismatched))
-    loaded = {k: np.asarray(flat_source[k], dtype=v.dtype) if k in flat_source else v for k, v in flat_target.items()}
-    for k in grown:
-        loaded[k] = np.concatenate([loaded[k], np.asarray(flat_target[k])[len(loaded[k]) :]])
+    loaded = dict(flat_target)
+    for k in flat_source.keys() & flat_target.keys():
+        value = flat_source[k]
+        if k in grown:  # the pretrained rows, then the new tokens' fresh ones
+            value = np.concatenate([np.asarray(value), np.asarray(flat_target[k])[len(value) :]])
+        loaded[k] = mapping.place(value, flat_target[k])
     fresh_keys = sorted(set(flat_target) - set(flat_source))
     if jax.process_index() == 0:
         print(

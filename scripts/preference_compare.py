@@ -65,7 +65,7 @@ def updates_per_step(config) -> int:
     """Optimizer updates of the policy in one train step: epochs x minibatches per rollout (`PPOTrainer.update`, every
     algorithm), one for DPO."""
     o = config.objective
-    return o.epochs * o.minibatches if o.name == "ppo" else 1
+    return 1 if o.name == "dpo" else o.epochs * o.minibatches
 
 
 def budget_unit(config) -> str:
@@ -122,7 +122,7 @@ def train_methods(args, sft: str, rm: str) -> dict[str, dict]:
             "train.eval_every": steps,
             "train.keep_checkpoints": args.checkpoints,
         }
-        if config.objective.name == "ppo":
+        if config.objective.name != "dpo":
             overrides["objective.reward_model"] = f"ckpt:{rm}"
         workdir = pathlib.Path(args.out) / name
         wall = train(name, spec, workdir, steps, overrides, args)
@@ -155,9 +155,9 @@ def judge_checkpoints(judge: alignment.PolicyJudge, runs: dict[str, dict], sampl
         run = run_lib.open_run(info["workdir"], batches=False)
         try:
             for step in run.checkpointer.steps():
-                _, state = run_lib.restore_step(run, step)
+                _, state = run_lib.restore_step(run, step, frozen=False)  # the judge holds the frozen models
                 params = run.compiled.host_params(state)
-                decoder = params["decoder"] if run.config.objective.name == "ppo" else params
+                decoder = params if run.config.objective.name == "dpo" else params["decoder"]
                 metrics, rollout = judge.judge(decoder)
                 rows.append({"method": name, "updates": step * info["per_step"], **metrics})
                 print(f"{name} step {step}: {json.dumps(rows[-1])}", flush=True)

@@ -23,7 +23,7 @@ python train.py --config=configs/sst2_lm.py --workdir=$OUT/lm --config.data.path
 python eval.py --workdir=$OUT/lm --plot
 python eval.py --workdir=$OUT/lm --fewshot=$OUT/data/dev.jsonl --fewshot_train=$OUT/data/train.jsonl --fewshot_k=$KS \
   --fewshot_template="{context} it was" --fewshot_examples=$EXAMPLES --dump_prompts=$OUT/prompts.jsonl
-python -m lmzoo.convert.export --workdir=$OUT/lm --out=$OUT/hf
+python -m lmzoo.cli.export --workdir=$OUT/lm --out=$OUT/hf
 
 mkdir -p $OUT/tasks
 cat > $OUT/tasks/sst2_icl.yaml <<YAML
@@ -46,9 +46,9 @@ metric_list:
   - metric: acc_norm
 YAML
 for k in ${KS//,/ }; do
-  python -m lmzoo.evaluation.harness run --model lmzoo --model_args workdir=$OUT/lm --tasks sst2_icl \
+  python -m lmzoo.cli.harness run --model lmzoo --model_args workdir=$OUT/lm --tasks sst2_icl \
     --include_path $OUT/tasks --num_fewshot $k --limit $LM_EVAL_EXAMPLES --batch_size 16 --log_samples --output_path $OUT/lm_eval/lmzoo_k$k
-  python -m lmzoo.evaluation.harness run --model hf --model_args pretrained=$OUT/hf,dtype=float32 --device cpu \
+  python -m lmzoo.cli.harness run --model hf --model_args pretrained=$OUT/hf,dtype=float32 --device cpu \
     --tasks sst2_icl --include_path $OUT/tasks --num_fewshot $k --limit $LM_EVAL_EXAMPLES --batch_size 16 \
     --log_samples --output_path $OUT/lm_eval/hf_k$k
 done

@@ -20,11 +20,11 @@ import optax
 import pytest
 
 from lmzoo import decoding, models, testing
-from lmzoo.convert import export
+from lmzoo.cli import export as cli_export
 from lmzoo.evaluation import fewshot, scoring
 from lmzoo.evaluation.generation import sample_text
 from lmzoo.models import heads, lstm, vae_lm
-from lmzoo.objectives import bilm, causal_lm, classify, denoising, mlm, recurrent_lm
+from lmzoo.objectives import bilm, classify, recurrent_lm, tasks
 from lmzoo.objectives import vae_lm as vae_lm_objective
 from lmzoo.rl import reward
 from lmzoo.train import loop
@@ -124,7 +124,7 @@ def test_export_of_a_bf16_run_writes_float32_that_transformers_loads(bf16_run, b
     transformers = pytest.importorskip("transformers")
     from safetensors.numpy import load_file
 
-    export.export_workdir(str(bf16_run[0]), str(tmp_path))
+    cli_export.export_workdir(str(bf16_run[0]), str(tmp_path))
     assert _dtypes(load_file(str(tmp_path / "model.safetensors"))) == {F32}
     tokens = testing.random_tokens((2, 9), vocab_size=258)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
@@ -151,18 +151,18 @@ def _family(name: str, precision: dict):
     """(task, batch) of each family's supervised objective, the model in `precision`."""
     if name == "gpt2":
         model = models.build_model("gpt2", testing.TINY_GPT2 | dict(num_layers=1) | precision)
-        return causal_lm.causal_lm_task(model), _lm_batch()
+        return tasks.causal_lm_task(model), _lm_batch()
     if name == "bert":
         model = models.build_model("bert", TINY_BERT | precision)
         weights = jnp.zeros((2, 8), jnp.float32).at[:, 2:4].set(1.0)
         batch = {**_lm_batch(), "weights": weights, "sentence_labels": jnp.array([0, 1])}
-        return mlm.masked_lm_task(model, mask_rate=0.15), batch
+        return tasks.masked_lm_task(model, mask_rate=0.15), batch
     if name in ("t5", "bart"):
         model = models.build_model("seq2seq", (TINY_T5 if name == "t5" else TINY_BART) | precision)
         targets = _rows(1, (2, 6))
         batch = {"inputs": _rows(2), "encoder_segment_ids": jnp.ones((2, 8), jnp.int32), "weights": jnp.ones((2, 6))}
         batch |= {"targets": targets, "decoder_inputs": jnp.pad(targets[:, :-1], ((0, 0), (1, 0)))}
-        return denoising.seq2seq_task(model), batch
+        return tasks.seq2seq_task(model), batch
     if name == "lstm":
         model = models.build_model("lstm", TINY_LSTM | precision)
         return recurrent_lm.recurrent_lm_task(model, sum_over_time=True), {**_lm_batch(), "reset": jnp.zeros((2,))}

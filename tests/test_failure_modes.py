@@ -339,7 +339,7 @@ def test_train_py_from_another_folder_prints_start_and_end_summaries(tmp_path):
         "model gpt2: 17,888 trained parameters",
         "data python_stdlib the Python standard library: training split of ",
         "per step: 4 sequences x 32 tokens = 128 tokens",
-        "mesh data=1, fsdp=1, tensor=1",
+        "mesh data=1, fsdp=1, expert=1, tensor=1",
         f"checkpoints: {tmp_path}/runs/default_tiny/checkpoints (steps [2, 4])",
         f"metrics: {tmp_path}/runs/default_tiny/metrics.jsonl",
         f"evaluate: python eval.py --workdir={tmp_path}/runs/default_tiny",

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmzoo import layers
-from lmzoo.kernels import cpu
+from lmzoo.kernels import explicit
+from lmzoo.layers import attention
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
@@ -21,7 +21,7 @@ def test_fused_attention_matches_explicit_form(causal, packed):
     mask, real = None, jnp.ones((2, 256, 1, 1), jnp.float32)
     if packed:
         segment_ids = jnp.asarray(np.repeat([[1, 2, 3, 0], [1, 1, 2, 2]], [40, 100, 76, 40], axis=1), jnp.int32)
-        mask = layers.attention_mask(segment_ids, segment_ids, causal=False)
+        mask = attention.attention_mask(segment_ids, segment_ids, causal=False)
         real = (segment_ids != 0)[:, :, None, None].astype(jnp.float32)  # padding queries' outputs are unused
     cotangent = cotangent.astype(jnp.float32) * real
 
@@ -29,8 +29,8 @@ def test_fused_attention_matches_explicit_form(causal, packed):
         out = fn(q, k, v, mask=mask, bias=None, is_causal=causal, scale=None, dropout_rate=0.0, dropout_rng=None)
         return jnp.sum(out.astype(jnp.float32) * cotangent), out.astype(jnp.float32) * real
 
-    fused = jax.jit(jax.value_and_grad(lambda *a: attend(layers.dot_product_attention, *a), (0, 1, 2), has_aux=True))
-    plain = jax.jit(jax.value_and_grad(lambda *a: attend(cpu.dot_product_attention, *a), (0, 1, 2), has_aux=True))
+    fused = jax.jit(jax.value_and_grad(lambda *a: attend(attention.dot_product_attention, *a), (0, 1, 2), has_aux=True))
+    plain = jax.jit(jax.value_and_grad(lambda *a: attend(explicit.dot_product_attention, *a), (0, 1, 2), has_aux=True))
     assert "cudnn" in fused.lower(q, k, v).as_text().lower()  # the fused kernel, not the XLA form
     (_, out), grads = fused(q, k, v)
     (_, want), want_grads = plain(q, k, v)

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmzoo import kernels, layers, models, testing
-from lmzoo.kernels import cpu
-from lmzoo.objectives import causal_lm
+from lmzoo import kernels, models, testing
+from lmzoo.kernels import cpu, explicit
+from lmzoo.layers import attention, embeddings, linears, mlp
+from lmzoo.objectives import losses, tasks
 
 PROJECTIONS = [
     ("BTD,DNH->BTNH", (2, 8, 16), (16, 4, 4)),
@@ -63,14 +64,14 @@ def test_non_projection_equations_fall_back_to_einsum():
 
 
 @pytest.mark.parametrize("query_without_keys", [False, True])
-def test_cpu_attention_equals_jax_attention_with_masks_and_bias(query_without_keys):
-    """The explicit head-major attention used on CPU matches `jax.nn.dot_product_attention` in value and gradients
+def test_explicit_attention_equals_jax_attention_with_masks_and_bias(query_without_keys):
+    """The explicit head-major attention (CPU, attention dropout) matches `jax.nn.dot_product_attention` in value and gradients
     (of the bias too), also when the loss reaches a query that no key is valid for (position 7 of the first row)."""
     rng = np.random.default_rng(2)
     query, key, value = (rng.normal(size=(2, 8, 4, 4)).astype(np.float32) for _ in range(3))
     bias = rng.normal(size=(1, 4, 8, 8)).astype(np.float32)
     segment_ids = np.array([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
-    mask = layers.attention_mask(segment_ids, segment_ids, causal=False)
+    mask = attention.attention_mask(segment_ids, segment_ids, causal=False)
     if query_without_keys:
         mask = mask & (segment_ids != 0)[:, None, :, None]
 
@@ -80,7 +81,7 @@ def test_cpu_attention_equals_jax_attention_with_masks_and_bias(query_without_ke
 
         return jax.value_and_grad(fn, argnums=(0, 1, 2, 3))(query, key, value, bias)
 
-    ours = loss(functools.partial(cpu.dot_product_attention, dropout_rate=0.0, dropout_rng=None))
+    ours = loss(functools.partial(explicit.dot_product_attention, dropout_rate=0.0, dropout_rng=None))
     reference = loss(jax.nn.dot_product_attention)
     chex.assert_trees_all_close(ours, reference, atol=1e-5)
 
@@ -89,7 +90,7 @@ def test_cpu_attention_equals_jax_attention_with_masks_and_bias(query_without_ke
 def test_causal_split_attention_equals_jax_attention(monkeypatch, length):
     """Causal self-attention split into query halves (recursively: 512 -> 256 + 256 -> ...) matches
     `jax.nn.dot_product_attention` in value and gradients, as does an odd-halved length (6 -> 3 + 3, then unsplit)."""
-    monkeypatch.setattr(cpu, "CAUSAL_SPLIT_MIN_LEN", min(length, 128))
+    monkeypatch.setattr(explicit, "CAUSAL_SPLIT_MIN_LEN", min(length, 128))
     rng = np.random.default_rng(3)
     query, key, value = (rng.normal(size=(2, length, 2, 8)).astype(np.float32) for _ in range(3))
 
@@ -99,7 +100,7 @@ def test_causal_split_attention_equals_jax_attention(monkeypatch, length):
 
         return jax.value_and_grad(fn, argnums=(0, 1, 2))(query, key, value)
 
-    ours = loss(functools.partial(cpu.dot_product_attention, dropout_rate=0.0, dropout_rng=None))
+    ours = loss(functools.partial(explicit.dot_product_attention, dropout_rate=0.0, dropout_rng=None))
     reference = loss(jax.nn.dot_product_attention)
     chex.assert_trees_all_close(ours, reference, atol=1e-4)
 
@@ -149,12 +150,12 @@ def test_embed_lookup_gives_nan_rows_for_ids_outside_the_vocabulary():
     table = jnp.arange(12.0).reshape(4, 3)
     ids = jnp.array([[0, 3, -1], [4, 2, -4]])
     with pytest.raises(ValueError, match=r"token ids span \[-4, 4\] but the embedding table has 4 rows"):
-        layers.embed_lookup(table, ids)  # concrete ids are checked; traced ones give NaN rows
-    out = jax.jit(layers.embed_lookup)(table, ids)
+        embeddings.embed_lookup(table, ids)  # concrete ids are checked; traced ones give NaN rows
+    out = jax.jit(embeddings.embed_lookup)(table, ids)
     np.testing.assert_array_equal(out[0, :2], table[jnp.array([0, 3])])
     np.testing.assert_array_equal(out[1, 1], table[2])
     assert np.isnan(out[0, 2]).all() and np.isnan(out[1, 0]).all() and np.isnan(out[1, 2]).all()
-    grad = jax.grad(lambda t: jnp.sum(layers.embed_lookup(t, jnp.array([0, 2, 2])) * 2.0))(table)
+    grad = jax.grad(lambda t: jnp.sum(embeddings.embed_lookup(t, jnp.array([0, 2, 2])) * 2.0))(table)
     np.testing.assert_array_equal(grad, jnp.array([[2.0] * 3, [0.0] * 3, [4.0] * 3, [0.0] * 3]))
 
 
@@ -163,19 +164,30 @@ def test_layers_choose_the_form_of_the_platform(platform):
     """`layers` runs `kernels.cpu`'s forms on the CPU and the plain ones (einsum, jax.nn) elsewhere."""
     x, kernel = _operands((2, 8, 16), (16, 4, 4))
     with kernels.use_platform(platform):
-        jaxpr = str(jax.make_jaxpr(lambda x, k: layers.project("BTD,DNH->BTNH", x, k))(x, kernel))
+        jaxpr = str(jax.make_jaxpr(lambda x, k: linears.project("BTD,DNH->BTNH", x, k))(x, kernel))
         gelu_jaxpr = str(
-            jax.make_jaxpr(lambda x: layers.gelu(x))(x)
+            jax.make_jaxpr(lambda x: mlp.gelu(x))(x)
         )  # a new function: no trace cached from the other platform
     assert ("custom_jvp_call" in gelu_jaxpr) == (platform == "cpu")
     assert ("reshape" in jaxpr) == (platform == "cpu")  # the 2-D form flattens [B, T, D] to [B*T, D]
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_the_platform_seam_alone_chooses_the_explicit_attention(platform, dropout):
+    """The explicit form runs on the CPU and, on every platform, when attention dropout needs the probabilities;
+    otherwise `jax.nn.dot_product_attention` (cuDNN needs a GPU backend, so here its XLA form)."""
+    query, key = _operands((2, 8, 4, 8), (2, 8, 2, 8))
+    with kernels.use_platform(platform):
+        form = kernels.attention_form(query.astype(jnp.bfloat16), key, mask=None, bias=None, dropout=dropout)
+    assert form == ("explicit" if platform == "cpu" or dropout else "xla")
 
 
 def test_accelerator_forms_equal_the_cpu_forms_in_loss_and_gradients():
     """GPT-2's causal-LM loss and gradients traced with the GPU/TPU forms (einsum projections, jax.nn GELU and
     attention, autodiff norms, large head chunks), run here on the CPU, equal the CPU forms'."""
     model = models.build_model("gpt2", dict(testing.TINY_GPT2, dropout_rate=0.0))
-    task = causal_lm.causal_lm_task(model)
+    task = tasks.causal_lm_task(model)
     tokens = testing.random_tokens((2, 9), vocab_size=testing.TINY_GPT2["vocab_size"], seed=4)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((2, 8), np.float32)}
     params, _ = task.init(jax.random.key(0), batch)
@@ -192,10 +204,10 @@ def test_accelerator_forms_equal_the_cpu_forms_in_loss_and_gradients():
 
 def test_head_chunks_are_sized_per_platform():
     with kernels.use_platform("cpu"):
-        cpu_chunk = causal_lm.losses.head_loss_chunk_len(8, 1024, 50257)
+        cpu_chunk = losses.head_loss_chunk_len(8, 1024, 50257)
     with kernels.use_platform("tpu"):
-        tpu_chunk = causal_lm.losses.head_loss_chunk_len(8, 1024, 50257)
+        tpu_chunk = losses.head_loss_chunk_len(8, 1024, 50257)
     with kernels.use_platform("gpu"):
-        gpu_chunks = [causal_lm.losses.head_loss_chunk_len(b, 1024, 50304) for b in (8, 12)]
+        gpu_chunks = [losses.head_loss_chunk_len(b, 1024, 50304) for b in (8, 12)]
     assert (cpu_chunk, tpu_chunk) == (8, 128)  # 16 MB and 256 MB of float32 logits
     assert gpu_chunks == [1024, 512]  # 2 GiB: GPT-2 124M's microbatch of 12 takes two chunks

@@ -101,7 +101,7 @@ def export_into_non_empty(trained, tmp):
     out.mkdir()
     (out / "config.json").write_text('{"mine": true}')
     (out / "tokenizer.json").write_text("{}")
-    return ["-m", "lmzoo.convert.export", f"--workdir={trained}", f"--out={out}"], tmp
+    return ["-m", "lmzoo.cli.export", f"--workdir={trained}", f"--out={out}"], tmp
 
 
 def deleted_training_data(run, tmp):
@@ -176,7 +176,7 @@ def test_export_overwrite_leaves_no_stale_file(trained, tmp_path):
     out.mkdir()
     for name in ("config.json", "tokenizer.json", "model.safetensors.index.json"):
         (out / name).write_text("{}")
-    cmd = [sys.executable, "-m", "lmzoo.convert.export", f"--workdir={trained}", f"--out={out}", "--overwrite"]
+    cmd = [sys.executable, "-m", "lmzoo.cli.export", f"--workdir={trained}", f"--out={out}", "--overwrite"]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # char tokenizer: no HF form

@@ -84,14 +84,6 @@ def test_lock_is_exclusive_within_one_process_too(tmp_path):
             workdir.lock(tmp_path)
 
 
-def test_atomic_write_text_replaces_and_leaves_no_temp(tmp_path):
-    target = tmp_path / "config.json"
-    target.write_text("old")
-    workdir.atomic_write_text(target, "new")
-    assert target.read_text() == "new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
-
-
 def test_replace_directory_swaps_whole_folders(tmp_path):
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "old.model").write_text("old")
@@ -128,7 +120,8 @@ def test_commit_moves_every_staged_entry(tmp_path):
 
 def test_remove_leftovers_of_a_crashed_start(tmp_path):
     (tmp_path / ".staging-123" / "tokenizer").mkdir(parents=True)
-    (tmp_path / ".config.json.tmp-123").write_text("half")
+    (tmp_path / ".config.json.0123456789ab.tmp").write_text("half")  # storage.write_bytes's temporary file
+    (tmp_path / ".tokenizer.old-123").mkdir()
     (tmp_path / "config.json").write_text("good")
-    assert workdir.remove_leftovers(tmp_path) == [".config.json.tmp-123", ".staging-123"]
+    assert workdir.remove_leftovers(tmp_path) == [".config.json.0123456789ab.tmp", ".staging-123", ".tokenizer.old-123"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]

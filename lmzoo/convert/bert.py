@@ -15,7 +15,6 @@ import numpy as np
 
 from lmzoo.convert import mapping
 from lmzoo.convert.mapping import Entry, Params
-from lmzoo.models import make_config
 from lmzoo.models.bert import BertConfig
 
 # config.model field -> (HF config.json key, HF class default; None = required).
@@ -224,19 +223,21 @@ def config_from_hf(
     """
     model_type = hf_config.get("model_type")
     if model_type not in _HF_KEYS:
-        raise ValueError(f"HF config has model_type={model_type!r}; the bert converter reads {sorted(_HF_KEYS)}")
+        raise mapping.ConfigError(
+            f"HF config has model_type={model_type!r}; the bert converter reads {sorted(_HF_KEYS)}"
+        )
     keys = _HF_KEYS[model_type]
     missing = [key for key, default in keys.values() if default is None and key not in hf_config]
     if missing:
-        raise ValueError(f"HF {model_type} config lacks {missing}")
+        raise mapping.ConfigError(f"HF {model_type} config lacks {missing}")
     for key, supported in _FIXED_HF_OPTIONS[model_type].items():
         if hf_config.get(key, supported) != supported:
-            raise ValueError(
+            raise mapping.ConfigError(
                 f"HF {model_type} config has {key}={hf_config[key]!r}; lmzoo's bert supports only {supported!r}"
             )
     hf_activation = hf_config.get(*keys["activation"])
     if hf_activation not in mapping.ACTIVATION_FROM_HF:
-        raise ValueError(
+        raise mapping.ConfigError(
             f"HF activation {hf_activation!r} has no lmzoo equivalent; supported: {sorted(mapping.ACTIVATION_FROM_HF)}"
         )
     # Each value takes the type of the BertConfig default (int, float).
@@ -256,7 +257,7 @@ def config_from_hf(
         "activation": mapping.ACTIVATION_FROM_HF[hf_activation],
         "layer_norm_epsilon": fields.get("layer_norm_epsilon", 1e-12),
     }
-    _check_family(make_config("bert", fields), model_type)
+    _check_family(mapping.checkpoint_config("bert", fields), model_type)
     return fields
 
 
@@ -293,7 +294,7 @@ def layout(model_type: str, *, heads: frozenset[str] = frozenset(), tied: bool =
     )
 
 
-def from_hf(state_dict: Mapping[str, np.ndarray], cfg: BertConfig, *, model_type: str) -> Params:
+def from_hf(state_dict: Mapping[str, Any], cfg: BertConfig, *, model_type: str) -> Params:
     """HF BERT/RoBERTa/ALBERT/DistilBERT state dict -> lmzoo "bert" params (per-layer or shared, float32 numpy).
 
     Reads *ForMaskedLM, *ForPreTraining (NSP `cls.seq_relationship`, SOP `sop_classifier`) and the bare
@@ -304,14 +305,18 @@ def from_hf(state_dict: Mapping[str, np.ndarray], cfg: BertConfig, *, model_type
     `encode`): the params then fit `encode` and task heads, and loading them into an MLM model
     reports the head as newly initialised.
     """
+    return mapping.materialize(_sources(state_dict, cfg, model_type))
+
+
+def _sources(state_dict: Mapping[str, Any], cfg: BertConfig, model_type: str) -> Params:
     _check_family(cfg, model_type)
     table = entries(cfg, model_type)
-    params = mapping.to_params(*mapping.read_hf(state_dict, layout(model_type), table, optional=("mlm",)))
+    params = mapping.to_sources(*mapping.read_hf(state_dict, layout(model_type), table, optional=("mlm",)))
     params.setdefault("mlm_bias", np.zeros(cfg.vocab_size, np.float32))
     return params
 
 
-def classifier_from_hf(state_dict: Mapping[str, np.ndarray], cfg: BertConfig, *, model_type: str) -> Params:
+def classifier_from_hf(state_dict: Mapping[str, Any], cfg: BertConfig, *, model_type: str) -> Params:
     """HF *ForSequenceClassification state dict -> params of
     `heads.SequenceClassifier(Bert(cfg), num_labels, head=CLASSIFIER_HEADS[model_type])`.
 
@@ -324,10 +329,10 @@ def classifier_from_hf(state_dict: Mapping[str, np.ndarray], cfg: BertConfig, *,
     num_labels = np.shape(state_dict[out_weight])[0] if out_weight in state_dict else 0
     table = _classifier_entries(cfg, model_type, num_labels)
     tensors, table = mapping.read_hf(state_dict, layout(model_type, tied=False), table)
-    backbone = mapping.to_params(tensors, [entry for entry in table if entry.group != "classifier"])
+    backbone = mapping.to_sources(tensors, [entry for entry in table if entry.group != "classifier"])
     backbone["mlm_bias"] = np.zeros(cfg.vocab_size, np.float32)
-    head = mapping.to_params(tensors, [entry for entry in table if entry.group == "classifier"])
-    return {"backbone": backbone, **head}
+    head = mapping.to_sources(tensors, [entry for entry in table if entry.group == "classifier"])
+    return mapping.materialize({"backbone": backbone, **head})
 
 
 def _classifier_entries(cfg: BertConfig, model_type: str, num_labels: int) -> list[Entry]:
@@ -371,11 +376,9 @@ def to_hf(params: Params, cfg: BertConfig, *, model_type: str) -> dict[str, np.n
     return mapping.to_hf(params, naming, table, prefixed=with_mlm or cfg.sentence_head)
 
 
-def read_checkpoint(
-    hf_config: Mapping[str, Any], state_dict: Mapping[str, np.ndarray]
-) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params) of any BERT-family checkpoint (by config.json model_type), pooler and
-    NSP/SOP head as the checkpoint has them."""
+def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
+    """(config.model fields, params as lazy `mapping` leaves, read only when placed) of any BERT-family checkpoint
+    (by config.json model_type), pooler and NSP/SOP head as the checkpoint has them."""
     fields = config_from_hf(hf_config)
     model_type = hf_config["model_type"]
     names = _MODULES[model_type]
@@ -383,4 +386,10 @@ def read_checkpoint(
     modules = (names["pooler"], names["sentence_classifier"])
     pooler, sentence = (module is not None and f"{module}.weight" in keys for module in modules)
     fields |= {"pooler": pooler, "sentence_head": sentence}
-    return fields, from_hf(state_dict, make_config("bert", fields), model_type=model_type)
+    return fields, _sources(state_dict, mapping.checkpoint_config("bert", fields), model_type)
+
+
+def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
+    """(config.model fields, params: per-layer float32 numpy) of any BERT-family checkpoint."""
+    fields, sources = checkpoint_sources(hf_config, state_dict)
+    return fields, mapping.materialize(sources)

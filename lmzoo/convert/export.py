@@ -1,7 +1,6 @@
-"""lmzoo checkpoints -> HuggingFace folders (config.json, model.safetensors, tokenizer files) for transformers.
+"""lmzoo parameters -> HuggingFace folders (config.json, model.safetensors, tokenizer files) for transformers.
 
-    python -m lmzoo.convert.export --workdir=runs/gpt2 --out=exported/gpt2 [--step=N]
-    python -m lmzoo.convert.export --workdir=runs/sst2 --out=exported/sst2 --labels=negative,positive
+The command line, which reads a train.py run's checkpoint, is `python -m lmzoo.cli.export` (`lmzoo.cli.export`).
 
 The families with an HF counterpart: gpt2 (GPT2LMHeadModel), bert (BERT / RoBERTa / ALBERT / DistilBERT
 *ForMaskedLM, or *ForPreTraining with a sentence head; the model type follows from the config, see
@@ -23,7 +22,6 @@ export is left beside the new one). The folder is written beside --out and moved
 a failed export leaves --out as it was. A user error exits with status 2 and one `error:` line.
 """
 
-import argparse
 import json
 import os
 import pathlib
@@ -220,37 +218,6 @@ def export_hf(
     return summary if classifier is None else {**summary, "labels": labels}
 
 
-def export_workdir(
-    workdir: str,
-    out_dir: str,
-    step: int | None = None,
-    labels: Sequence[str] | None = None,
-    *,
-    overwrite: bool = False,
-) -> dict[str, Any]:
-    """Exports a train.py run's latest (or `step`'s) checkpoint with its tokenizer; adds "step" to the summary.
-    A run whose model is a SequenceClassifier exports as one (labels: its class names). `out_dir` is checked
-    (`check_out_dir`) before the checkpoint is read."""
-    from lmzoo.train import run as run_lib
-
-    check_out_dir(out_dir, overwrite=overwrite, keep=workdir)
-    loaded = run_lib.load(workdir, step)
-    params, classifier = exported_part(loaded.model, loaded.params)
-    summary = export_hf(
-        loaded.config.model_name,
-        loaded.config.model.to_dict(),
-        params,
-        out_dir,
-        loaded.tokenizer,
-        classifier=classifier,
-        labels=labels,
-        overwrite=overwrite,
-    )
-    if isinstance(loaded.model, heads.LMWithValueHead | heads.LMWithValueModel):
-        summary["left_out"] = "the value head or value network (PPO's value estimate)"
-    return {**summary, "step": loaded.step}
-
-
 def exported_part(model: Any, params: Any) -> tuple[Any, heads.SequenceClassifier | None]:
     """(params to export, the SequenceClassifier they belong to or None) of a run's model: a classifier as
     itself, a PPO policy (LMWithValueHead, LMWithValueModel) as its decoder language model, a family model as it is."""
@@ -259,32 +226,3 @@ def exported_part(model: Any, params: Any) -> tuple[Any, heads.SequenceClassifie
     if isinstance(model, heads.LMWithValueHead | heads.LMWithValueModel):
         return params["decoder"], None
     return params, None
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Export a train.py run's checkpoint to an HF folder.")
-    parser.add_argument("--workdir", required=True, help="Workdir of a train.py run.")
-    parser.add_argument("--out", required=True, help="Folder to write the HF checkpoint to.")
-    parser.add_argument("--step", type=int, default=None, help="Checkpoint step (default: the latest).")
-    parser.add_argument("--labels", default=None, help="A classifier's class names, comma-separated (id2label).")
-    parser.add_argument("--overwrite", action="store_true", help="Replace the contents of a non-empty --out folder.")
-    args = parser.parse_args()
-    from lmzoo.train import run as run_lib
-
-    with run_lib.user_errors():
-        summary = export_workdir(
-            args.workdir,
-            args.out,
-            args.step,
-            args.labels.split(",") if args.labels else None,
-            overwrite=args.overwrite,
-        )
-    print(json.dumps(summary))
-    if not summary["tokenizer"]:
-        print(
-            "note: the run's tokenizer has no HF form (char, byte, word or sentencepiece); no tokenizer files written"
-        )
-
-
-if __name__ == "__main__":
-    main()

@@ -14,7 +14,6 @@ import numpy as np
 
 from lmzoo.convert import mapping
 from lmzoo.convert.mapping import Entry, Params
-from lmzoo.models import make_config
 from lmzoo.models.gpt2 import GPT2Config
 
 # HF GPT-2 switches that lmzoo's decoder does not implement, with the only supported value.
@@ -31,16 +30,20 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """config.model fields of the "gpt2" family from an HF GPT-2 config.json dict."""
     model_type = hf_config.get("model_type", "gpt2")
     if model_type != "gpt2":
-        raise ValueError(f"HF config has model_type={model_type!r}; the gpt2 converter reads only 'gpt2' checkpoints")
+        raise mapping.ConfigError(
+            f"HF config has model_type={model_type!r}; the gpt2 converter reads only 'gpt2' checkpoints"
+        )
     missing = [key for key in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer") if key not in hf_config]
     if missing:
-        raise ValueError(f"HF GPT-2 config lacks {missing}")
+        raise mapping.ConfigError(f"HF GPT-2 config lacks {missing}")
     for key, supported in _FIXED_HF_OPTIONS.items():
         if hf_config.get(key, supported) != supported:
-            raise ValueError(f"HF GPT-2 config has {key}={hf_config[key]!r}; lmzoo's gpt2 supports only {supported!r}")
+            raise mapping.ConfigError(
+                f"HF GPT-2 config has {key}={hf_config[key]!r}; lmzoo's gpt2 supports only {supported!r}"
+            )
     hf_activation = hf_config.get("activation_function", "gelu_new")
     if hf_activation not in mapping.ACTIVATION_FROM_HF:
-        raise ValueError(
+        raise mapping.ConfigError(
             f"HF activation_function {hf_activation!r} has no lmzoo equivalent; "
             f"supported: {sorted(mapping.ACTIVATION_FROM_HF)}"
         )
@@ -126,14 +129,17 @@ def layout(cfg: GPT2Config) -> mapping.Layout:
     )
 
 
-def from_hf(state_dict: Mapping[str, np.ndarray], cfg: GPT2Config) -> Params:
+def _sources(state_dict: Mapping[str, Any], cfg: GPT2Config) -> Params:
+    return mapping.to_sources(*mapping.read_hf(state_dict, layout(cfg), entries(cfg)))
+
+
+def from_hf(state_dict: Mapping[str, Any], cfg: GPT2Config) -> Params:
     """HF GPT2LMHeadModel / GPT2Model state dict -> lmzoo "gpt2" params (per-layer, float32 numpy).
 
     Keys may carry the `transformer.` prefix or not; the causal-mask buffers are ignored. With
     tied embeddings an `lm_head.weight` is accepted only if it equals `wte.weight`.
     """
-    table = entries(cfg)
-    return mapping.to_params(*mapping.read_hf(state_dict, layout(cfg), table))
+    return mapping.materialize(_sources(state_dict, cfg))
 
 
 def to_hf(params: Params, cfg: GPT2Config) -> dict[str, np.ndarray]:
@@ -166,9 +172,13 @@ def classifier_to_hf(params: Params, cfg: GPT2Config) -> tuple[dict[str, Any], d
     return hf_config, mapping.to_hf({**backbone, "score": {"kernel": kernel}}, naming, table)
 
 
-def read_checkpoint(
-    hf_config: Mapping[str, Any], state_dict: Mapping[str, np.ndarray]
-) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params) of an HF GPT-2 checkpoint."""
+def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
+    """(config.model fields, params as lazy `mapping` leaves, read only when placed) of an HF GPT-2 checkpoint."""
     fields = config_from_hf(hf_config)
-    return fields, from_hf(state_dict, make_config("gpt2", fields))
+    return fields, _sources(state_dict, mapping.checkpoint_config("gpt2", fields))
+
+
+def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
+    """(config.model fields, params: per-layer float32 numpy) of an HF GPT-2 checkpoint."""
+    fields, sources = checkpoint_sources(hf_config, state_dict)
+    return fields, mapping.materialize(sources)

@@ -1,11 +1,13 @@
 """Importing HuggingFace checkpoints ("hf:PATH") into a configured lmzoo model; the entry point of the loop.
 
-A checkpoint folder (config.json + safetensors) is read by its family's converter (`FAMILIES`), which
-gives the config.model fields the checkpoint describes and its parameters. `convert_pretrained` then
-compares those fields with the target model's config and the parameters with the target's tree: any
-difference is an error naming every differing field and its fix, unless the caller asks for a partial
-load, which is reported (loaded, dropped, newly initialised) and printed. A pretraining head the target
-does not have (the MLM head of a classifier's backbone) is dropped and reported without an error.
+A checkpoint folder (config.json + safetensors) is opened by its headers and handed to its family's converter
+(`FAMILIES`), which gives the config.model fields the checkpoint describes and its parameters as lazy leaves
+(nothing read yet). `convert_pretrained` then compares those fields with the target model's config and the
+parameters' shapes with the target's tree: any difference is an error naming every differing field and its fix,
+unless the caller asks for a partial load, which is reported (loaded, dropped, newly initialised) and printed. A
+pretraining head the target does not have (the MLM head of a classifier's backbone) is dropped and reported
+without an error. Only then is each parameter read, tensor by tensor, converted once to the target's dtype and
+built in the target's sharding (`mapping.place`): host memory never holds the checkpoint whole.
 
 The per-family tables live in gpt2.py, bert.py, seq2seq.py and llama.py; the mechanism in mapping.py.
 """
@@ -17,14 +19,13 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import numpy as np
 
 from lmzoo.convert import bert, gpt2, llama, mapping, seq2seq
 from lmzoo.convert.mapping import Params
 from lmzoo.convert.seq2seq import t5_config_to_hf, t5_from_hf  # noqa: F401  (used by bench/seq2seq_bench.py)
 from lmzoo.models import make_config
 
-# model_name -> converter module with read_checkpoint(hf_config, state_dict) -> (config.model fields, params).
+# model_name -> converter module with checkpoint_sources(hf_config, state_dict) -> (config.model fields, lazy params).
 FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "bert": bert, "seq2seq": seq2seq, "llama": llama}
 # Fields a checkpoint does not fix: regularisation and initialisation do not change a loaded model's function,
 # and head presence (pooler, sentence_head) is checked tensor by tensor (a missing head is newly initialised).
@@ -87,24 +88,31 @@ def _read(spec: str, model_name: str) -> tuple[dict[str, Any], Params]:
         )
     if model_name not in FAMILIES:
         raise ValueError(f"no HF converter for model_name {model_name!r}; available: {sorted(FAMILIES)}")
-    hf_config, state_dict = mapping.read_safetensors_dir(spec.removeprefix("hf:"))
+    folder = spec.removeprefix("hf:")
+    hf_config, tensors = mapping.read_safetensors_dir(folder)
     model_type = str(hf_config.get("model_type", ""))
     disagreeing = [a for a in hf_config.get("architectures") or () if not a.lower().startswith(model_type.lower())]
     if model_type and disagreeing:
         raise ValueError(
-            f"{spec.removeprefix('hf:')}/config.json: architectures {disagreeing} disagree with model_type "
+            f"{folder}/config.json: architectures {disagreeing} disagree with model_type "
             f"{model_type!r}; correct whichever is wrong (the architecture of a {model_type!r} model starts with {model_type!r})"
         )
-    return FAMILIES[model_name].read_checkpoint(hf_config, state_dict)
+    try:
+        return FAMILIES[model_name].checkpoint_sources(hf_config, tensors)
+    except mapping.ConfigError as e:
+        raise mapping.ConfigError(f"{folder}/config.json: {e}") from None
 
 
 def convert_pretrained(
     spec: str, model_name: str, model_config: Any, target_params: Any, *, allow_partial: bool = False
 ) -> tuple[Params, LoadReport]:
-    """The parameters of checkpoint "hf:PATH" that fit the target, in its layer layout and dtypes, and the report.
+    """The parameters of checkpoint "hf:PATH" that fit the target, in its layer layout, dtypes and placement, and the
+    report.
 
     model_config: the target's config.model (family dataclass or mapping); target_params: its (boxed or
-    unboxed) parameter tree, arrays or ShapeDtypeStructs -- a classifier passes its backbone. Without
+    unboxed) parameter tree, arrays or ShapeDtypeStructs -- a classifier passes its backbone. A target leaf with a
+    sharding (a jax.Array, or a ShapeDtypeStruct given one) gets a jax.Array in that sharding, of which this
+    process reads only the shards its devices hold; the others get host numpy arrays. Without
     allow_partial, a config difference or a target parameter the checkpoint cannot fill is an error that
     lists them all; with it, only the parameters that fit are returned (the rest keep their fresh values).
     The report is printed (process 0) and returned.
@@ -113,7 +121,7 @@ def convert_pretrained(
     target_config = model_config if dataclasses.is_dataclass(model_config) else make_config(model_name, model_config)
     target = nn.unbox(target_params)
     found, wanted = mapping.flatten(mapping.to_layout(params, target)), mapping.flatten(target)
-    diff = mapping.diff_tensors({k: np.shape(v) for k, v in found.items()}, {k: v.shape for k, v in wanted.items()})
+    diff = mapping.diff_tensors({k: v.shape for k, v in found.items()}, {k: v.shape for k, v in wanted.items()})
     initialised = [*diff.missing, *diff.misshapen]
     differing = differing_fields(fields, target_config)
     report = LoadReport(
@@ -129,7 +137,7 @@ def convert_pretrained(
         raise ValueError(_mismatch_message(spec, model_name, fields, fix, report, found, wanted))
     if jax.process_index() == 0:
         print(f"{spec} -> {model_name}: {report}")
-    loaded = {path: np.asarray(found[path], dtype=wanted[path].dtype) for path in report.loaded}
+    loaded = {path: mapping.place(found[path], wanted[path]) for path in report.loaded}
     return _unflatten(loaded), report
 
 
@@ -145,7 +153,7 @@ def _mismatch_message(
     lines = [f"checkpoint {spec!r} does not fit the configured {model_name} model:"]
     for path in report.initialised:
         if path in found:
-            lines.append(f"  {path}: checkpoint {tuple(np.shape(found[path]))} vs model {tuple(wanted[path].shape)}")
+            lines.append(f"  {path}: checkpoint {tuple(found[path].shape)} vs model {tuple(wanted[path].shape)}")
         else:
             lines.append(f"  {path}: not in the checkpoint (model expects {tuple(wanted[path].shape)})")
     lines += [f"  {difference}" for difference in report.config_differences]

@@ -13,7 +13,6 @@ import numpy as np
 
 from lmzoo.convert import mapping
 from lmzoo.convert.mapping import Entry, Params
-from lmzoo.models import make_config
 from lmzoo.models.llama import LlamaConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -32,7 +31,7 @@ def _rope(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     theta = rope.get("rope_theta", hf_config.get("rope_theta", 10_000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
+        raise mapping.ConfigError(
             f"HF config has {field}.partial_rotary_factor={rope['partial_rotary_factor']!r}; "
             "lmzoo's llama rotates the whole head (1.0)"
         )
@@ -41,7 +40,7 @@ def _rope(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     if rope_type == "default":
         return fields
     if rope_type != "llama3":
-        raise ValueError(
+        raise mapping.ConfigError(
             f"HF config has {field} rope_type {rope_type!r}; lmzoo's llama implements only 'default' and 'llama3'"
         )
     return fields | {
@@ -66,7 +65,7 @@ def _sliding_window(hf_config: Mapping[str, Any], model_type: str, num_layers: i
     if set(kinds) == {"full_attention"}:
         return 0
     if set(kinds) != {"sliding_attention"}:
-        raise ValueError(
+        raise mapping.ConfigError(
             f"HF Qwen2 config has use_sliding_window=True with max_window_layers={first_sliding} < "
             f"num_hidden_layers={num_layers}: only some layers slide (layer_types {kinds}); lmzoo's llama applies "
             "one sliding_window to every layer (max_window_layers 0) or none (use_sliding_window False)"
@@ -78,13 +77,13 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """config.model fields of the "llama" family from an HF Llama, Mistral or Qwen2 config.json dict."""
     model_type = hf_config.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise ValueError(
+        raise mapping.ConfigError(
             f"HF config has model_type={model_type!r} (architectures {hf_config.get('architectures')}); the llama "
             f"converter reads {', '.join(ARCHITECTURES.values())} (model_type {', '.join(ARCHITECTURES)})"
         )
     unsupported = [a for a in hf_config.get("architectures") or () if a != ARCHITECTURES[model_type]]
     if unsupported:
-        raise ValueError(
+        raise mapping.ConfigError(
             f"HF architecture {unsupported} is not supported; the llama converter reads {ARCHITECTURES[model_type]}"
         )
     keys = (
@@ -97,22 +96,27 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     )
     missing = [key for key in keys if key not in hf_config]
     if missing:
-        raise ValueError(f"HF {model_type} config lacks {missing}")
+        raise mapping.ConfigError(f"HF {model_type} config lacks {missing}")
     for key, supported in _FIXED_HF_OPTIONS.items():
         if hf_config.get(key, supported) != supported:
-            raise ValueError(
+            raise mapping.ConfigError(
                 f"HF {model_type} config has {key}={hf_config[key]!r}; lmzoo's llama supports only {supported!r}"
             )
     emb_dim, num_heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
     num_layers = int(hf_config["num_hidden_layers"])
-    kv_heads, head_dim = hf_config.get("num_key_value_heads") or num_heads, hf_config.get("head_dim")
+    kv_heads, head_dim = int(hf_config.get("num_key_value_heads") or num_heads), hf_config.get("head_dim")
+    if num_heads % kv_heads:
+        raise mapping.ConfigError(
+            f"HF {model_type} config has num_key_value_heads={kv_heads}, which does not divide "
+            f"num_attention_heads={num_heads} (each key/value head serves a whole group of query heads)"
+        )
     return {
         "vocab_size": int(hf_config["vocab_size"]),
         "max_len": int(hf_config["max_position_embeddings"]),
         "emb_dim": emb_dim,
         "num_heads": num_heads,
         # 0, lmzoo's default, where HF's value is its own default, so a config that leaves them unset matches.
-        "num_kv_heads": 0 if kv_heads == num_heads else int(kv_heads),
+        "num_kv_heads": 0 if kv_heads == num_heads else kv_heads,
         "head_dim": 0 if head_dim in (None, emb_dim // num_heads) else int(head_dim),
         "num_layers": num_layers,
         "mlp_dim": int(hf_config["intermediate_size"]),
@@ -226,12 +230,16 @@ def layout(cfg: LlamaConfig) -> mapping.Layout:
     )
 
 
-def from_hf(state_dict: Mapping[str, np.ndarray], cfg: LlamaConfig) -> Params:
+def _sources(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
+    return mapping.to_sources(*mapping.read_hf(state_dict, layout(cfg), entries(cfg)))
+
+
+def from_hf(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
     """HF Llama / Mistral / Qwen2 *ForCausalLM state dict -> lmzoo "llama" params (per-layer, float32 numpy).
 
     With tied embeddings an `lm_head.weight` is accepted only if it equals `embed_tokens.weight`.
     """
-    return mapping.to_params(*mapping.read_hf(state_dict, layout(cfg), entries(cfg)))
+    return mapping.materialize(_sources(state_dict, cfg))
 
 
 def to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:
@@ -239,9 +247,14 @@ def to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:
     return mapping.to_hf(params, layout(cfg), entries(cfg))
 
 
-def read_checkpoint(
-    hf_config: Mapping[str, Any], state_dict: Mapping[str, np.ndarray]
-) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params) of an HF Llama, Mistral or Qwen2 checkpoint."""
+def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
+    """(config.model fields, params as lazy `mapping` leaves, read only when placed) of an HF Llama, Mistral or
+    Qwen2 checkpoint."""
     fields = config_from_hf(hf_config)
-    return fields, from_hf(state_dict, make_config("llama", fields))
+    return fields, _sources(state_dict, mapping.checkpoint_config("llama", fields))
+
+
+def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
+    """(config.model fields, params: per-layer float32 numpy) of an HF Llama, Mistral or Qwen2 checkpoint."""
+    fields, sources = checkpoint_sources(hf_config, state_dict)
+    return fields, mapping.materialize(sources)

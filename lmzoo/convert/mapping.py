@@ -1,9 +1,10 @@
-"""The one mechanism behind every HF converter: declarative tensor tables, safetensors reading, one validator.
+"""The one mechanism behind every HF converter: declarative tensor tables, lazy safetensors reading, one validator,
+and the placement of each converted parameter in its target's sharding.
 
 A family file (gpt2.py, bert.py, seq2seq.py, llama.py) lists, for a given lmzoo config, one `Entry` per lmzoo
 leaf: which HF tensor it comes from and how its layout changes. Everything else -- reading a checkpoint
-folder, stripping and adding key prefixes, folding tied copies, checking names and shapes both ways,
-building the nested parameter tree, the scanned layer layout -- is written once here.
+folder, stripping and adding key prefixes, folding tied copies, checking names, shapes and dtypes, building the
+nested parameter tree, the scanned layer layout -- is written once here.
 
 Layouts: Flax kernels are [in, out]. HF GPT-2 uses `Conv1D`, whose weights are already [in, out] and
 copy directly (its fused c_attn [D, 3D] is split in three along the last axis). HF `nn.Linear` (BERT,
@@ -11,20 +12,32 @@ RoBERTa, ALBERT, DistilBERT, T5, BART, Llama, Mistral, Qwen2, and GPT-2's untied
 needs a transpose. A kernel then reshapes to its Einsum shape: query/key/value (D, N, H) (key/value (D, K, H) with
 K kv heads), attention output (N, H, D).
 
-Weights are read only from safetensors files (float32, float16 or bfloat16; converted to float32): pickled
-`pytorch_model.bin` checkpoints are refused, because unpickling can run arbitrary code.
+Streaming: a checkpoint folder is opened by its headers alone (`read_safetensors_dir`); each tensor is a
+`StoredTensor` read by byte ranges when sliced. The converted tree holds `Converted` leaves (an Entry's view of one
+tensor) and `Stacked` ones (scanned layers), which compute any box of the leaf from the HF rows behind it. `place`
+then builds each parameter in its target's dtype and sharding: the tensor is read once (a scanned leaf once per
+layer) for all the shards this process's devices hold, each written straight into its shard's host block, which the
+CPU client adopts as the device buffer and an accelerator's copies over. Beyond the parameters, host memory holds one
+tensor being read and the blocks of the one parameter being built.
+
+Weights are read only from safetensors files (float32, float16 or bfloat16): pickled `pytorch_model.bin`
+checkpoints are refused, because unpickling can run arbitrary code.
 """
 
+import itertools
 import json
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import ml_dtypes
 import numpy as np
-import safetensors
+
+from lmzoo.models import make_config
 
 Params = dict[str, Any]
 
@@ -160,60 +173,264 @@ def check_tensors(
         raise ValueError(f"{what} does not match the config: {diff.describe(found, expected)}{note}")
 
 
+class ConfigError(ValueError):
+    """An HF config.json value lmzoo cannot read (unsupported or inconsistent); `hf.py` names the file."""
+
+
+def checkpoint_config(family: str, fields: Mapping[str, Any]) -> Any:
+    """The family's config dataclass of the config.model fields an HF config.json gave; a value it refuses is a
+    ConfigError (the checkpoint's config.json is at fault, not the run's config.model)."""
+    try:
+        return make_config(family, fields)
+    except ValueError as e:
+        raise ConfigError(f"it gives config.model fields lmzoo's {family} refuses: {e}") from None
+
+
+# Weights are floats; an integer or boolean tensor where one belongs is a damaged or foreign file, not a cast.
+_FLOAT_DTYPES = tuple(np.dtype(t) for t in (ml_dtypes.bfloat16, np.float16, np.float32, np.float64))
+_COMPARE_BYTES = 64 << 20  # tied copies are compared this much at a time
+
+
 def read_hf(
     state_dict: Mapping[str, Any], layout: Layout, entries: Sequence[Entry], *, optional: Sequence[str] = ()
-) -> tuple[dict[str, np.ndarray], list[Entry]]:
-    """(float32 tensors by name without the prefix, the entries the checkpoint has).
+) -> tuple[dict[str, Any], list[Entry]]:
+    """(tensors by name without the prefix, the entries the checkpoint has); the tensors are the state dict's own
+    (numpy arrays or lazy `StoredTensor`s), not read.
 
     Buffers are skipped; each tied copy folds into its source after checking both hold the same values;
-    groups in `optional` may be absent as a whole. Every other difference is an error.
+    groups in `optional` may be absent as a whole. Every other difference is an error, and so is a weight whose
+    dtype is not a float.
     """
-    tensors, duplicates = {}, []
+    tensors, keys, duplicates = {}, {}, []
     for key, value in state_dict.items():
         name = key.removeprefix(layout.prefix)
         if layout.skip is not None and layout.skip.fullmatch(name):
             continue
         if name in tensors:
             duplicates.append(key)
-        tensors[name] = np.array(value, dtype=np.float32)
+        tensors[name], keys[name] = value, key
     for copy, source in layout.tied.items():
         if copy not in tensors:
             continue
         value = tensors.pop(copy)
         if source not in tensors:
-            tensors[source] = value
-        elif value.shape != tensors[source].shape:  # a wrong size, not a tie problem: name the shapes
+            tensors[source], keys[source] = value, keys[copy]
+        elif tuple(value.shape) != tuple(tensors[source].shape):  # a wrong size, not a tie problem: name the shapes
             want = next((tuple(e.hf_shape) for e in entries if e.hf == source), None)
             raise ValueError(
-                f"checkpoint has {source} of shape {tensors[source].shape} and its tied copy {copy} of shape "
-                f"{value.shape}; the configured {layout.family} model expects {want}"
+                f"checkpoint has {source} of shape {tuple(tensors[source].shape)} and its tied copy {copy} of shape "
+                f"{tuple(value.shape)}; the configured {layout.family} model expects {want}"
             )
-        elif not np.array_equal(value, tensors[source]):
+        elif not _same_values(value, tensors[source]):
             hint = layout.tie_hint if copy == "lm_head.weight" else ""
             raise ValueError(f"checkpoint has {copy} different from {source}; lmzoo's {layout.family} ties them{hint}")
     absent = {group for group in optional if not any(e.hf in tensors for e in entries if e.group == group)}
     present = [entry for entry in entries if entry.group not in absent]
     expected = {entry.hf: entry.hf_shape for entry in present}
-    found = {name: tensor.shape for name, tensor in tensors.items()}
+    found = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
     check_tensors(found, expected, what=f"{layout.name} state dict", note=layout.note, duplicates=duplicates)
+    for name in expected:
+        dtype = np.dtype(tensors[name].dtype)
+        if dtype not in _FLOAT_DTYPES:
+            where = tensors[name].file if isinstance(tensors[name], StoredTensor) else "the state dict"
+            raise ValueError(
+                f"{layout.name} tensor {keys[name]} in {where} has dtype {dtype} where a float weight belongs "
+                "(expected bfloat16, float16 or float32): the checkpoint is damaged or not this model's; "
+                "export or download it again"
+            )
     return tensors, present
 
 
-def to_params(tensors: Mapping[str, np.ndarray], entries: Sequence[Entry]) -> Params:
-    """Nested lmzoo params (per-layer layout) from the HF tensors of `entries`."""
+def _same_values(a: Any, b: Any) -> bool:
+    """Whether two tensors of one shape hold the same values, compared a block of rows at a time."""
+    if not a.shape:
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    row_bytes = math.prod(a.shape[1:]) * max(np.dtype(a.dtype).itemsize, np.dtype(b.dtype).itemsize)
+    step = max(1, _COMPARE_BYTES // max(1, row_bytes))
+    return all(np.array_equal(a[(slice(i, i + step),)], b[(slice(i, i + step),)]) for i in range(0, a.shape[0], step))
+
+
+# A box of an array: (start, stop) per axis.
+Box = tuple[tuple[int, int], ...]
+
+
+def _box(index: tuple[slice, ...], shape: Sequence[int]) -> Box:
+    """The box a tuple of step-1 slices (a shard's index, shorter than `shape` for whole trailing axes) selects."""
+    index = (*index, *[slice(None)] * (len(shape) - len(index)))
+    return tuple(part.indices(size)[:2] for part, size in zip(index, shape, strict=True))
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in box)
+
+
+class LazyLeaf:
+    """A parameter read on demand: `shape`, `dtype` as stored, and `leaf[index]` (a tuple of step-1 slices) reading
+    only what that box needs. Numpy arrays serve in the same places; `np.asarray(leaf)` reads it whole."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        return _host(self, np.dtype(self.dtype if dtype is None else dtype))
+
+
+class Converted(LazyLeaf):
+    """The lmzoo leaf an `Entry` makes of one HF tensor (transposed, one part of a fused tensor, reshaped), for any
+    box of the leaf reading only the HF rows behind it.
+
+    The reshape only splits axes: each axis of the (transposed, part-sliced) HF tensor becomes a run of leaf axes
+    (D*H -> (N, H)), or vanishes when it has size 1 (BART's [1, V] final_logits_bias).
+    """
+
+    def __init__(self, tensor: Any, entry: Entry):
+        self.tensor, self.entry = tensor, entry
+        self.shape, self.dtype = tuple(entry.shape), np.dtype(tensor.dtype)
+        view = entry.hf_shape[::-1] if entry.transpose else entry.hf_shape
+        count = entry.part[1] if entry.part else 1
+        self.view = (*view[:-1], view[-1] // count)  # the HF tensor as this leaf sees it, before the reshape
+        self.groups = _split_axes(self.view, self.shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        box = _box(index, self.shape)
+        # Each HF axis is read over the range of the outer leaf axis of its run; the inner ones are sliced after.
+        view_box = []
+        for size, axes in zip(self.view, self.groups, strict=True):
+            inner = math.prod(self.shape[axis] for axis in axes[1:])
+            start, stop = box[axes[0]] if axes else (0, size)
+            view_box.append((start * inner, stop * inner))
+        if self.entry.part:
+            offset = self.entry.part[0] * self.view[-1]
+            view_box[-1] = (view_box[-1][0] + offset, view_box[-1][1] + offset)
+        block = self.tensor[_slices(view_box[::-1] if self.entry.transpose else view_box)]
+        if self.entry.transpose:
+            block = block.T
+        outer = [axes[0] for axes in self.groups if axes]
+        # [.., outer range, inner axes whole, ..]: a view, as splitting an axis needs no copy
+        block = block.reshape(
+            [box[axis][1] - box[axis][0] if axis in outer else n for axis, n in enumerate(self.shape)]
+        )
+        return block[tuple(slice(None) if axis in outer else slice(*box[axis]) for axis in range(len(self.shape)))]
+
+
+def _split_axes(view: Sequence[int], shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """For each axis of `view`, the consecutive axes of `shape` that reshaping `view` to `shape` splits it into."""
+    groups, axis = [], 0
+    for size in view:
+        group, product = [], 1
+        while axis < len(shape) and product * shape[axis] <= size and (product < size or shape[axis] == 1):
+            group.append(axis)
+            product *= shape[axis]
+            axis += 1
+        if product != size:
+            raise ValueError(f"an HF tensor viewed as {tuple(view)} does not split axis by axis into {tuple(shape)}")
+        groups.append(tuple(group))
+    if axis != len(shape):
+        raise ValueError(f"an HF tensor viewed as {tuple(view)} does not split axis by axis into {tuple(shape)}")
+    return groups
+
+
+class Stacked(LazyLeaf):
+    """One leaf of every layer stacked along a new leading [L] axis (a scanned layer stack), read layer by layer."""
+
+    def __init__(self, layers: Sequence[Any]):
+        self.layers = list(layers)
+        self.shape, self.dtype = (len(self.layers), *layers[0].shape), np.dtype(layers[0].dtype)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        box = _box(index, self.shape)
+        return np.stack([layer[_slices(box[1:])] for layer in self.layers[slice(*box[0])]])
+
+
+def to_sources(tensors: Mapping[str, Any], entries: Sequence[Entry]) -> Params:
+    """Nested lmzoo params (per-layer layout) of `Converted` leaves over the HF tensors of `entries`; nothing is read."""
     params: Params = {}
     for entry in entries:
         *parents, leaf = entry.path
         node = params
         for name in parents:
             node = node.setdefault(name, {})
-        tensor = tensors[entry.hf]
-        tensor = tensor.T if entry.transpose else tensor
-        if entry.part is not None:
-            index, count = entry.part
-            tensor = np.split(tensor, count, axis=-1)[index]
-        node[leaf] = np.ascontiguousarray(tensor).reshape(entry.shape)
+        node[leaf] = Converted(tensors[entry.hf], entry)
     return params
+
+
+def materialize(tree: Any, dtype: Any = np.float32) -> Any:
+    """Nested leaves (lazy or arrays) -> nested host numpy arrays of `dtype`, read one leaf at a time."""
+    return jax.tree.map(lambda leaf: _host(leaf, np.dtype(dtype)), tree)
+
+
+def place(source: Any, like: Any) -> np.ndarray | jax.Array:
+    """`source` (a lazy leaf or an array) as a parameter of `like`'s dtype, converted once: in `like`'s sharding
+    when it has one (a jax.Array, or a ShapeDtypeStruct given a sharding), this process filling only the shards its
+    devices hold; else a host numpy array. A source already so placed is returned as it is."""
+    dtype, sharding = np.dtype(like.dtype), getattr(like, "sharding", None)
+    if sharding is None:
+        return source if isinstance(source, np.ndarray) and source.dtype == dtype else _host(source, dtype)
+    if isinstance(source, jax.Array) and source.dtype == dtype and source.sharding == sharding:
+        return source
+    shape = tuple(source.shape)
+    boxes = {_box(index, shape) for index in sharding.addressable_devices_indices_map(shape).values()}
+    blocks = {box: _aligned_empty(tuple(stop - start for start, stop in box), dtype) for box in boxes}
+    _fill(source, list(blocks.items()))
+    return jax.make_array_from_callback(shape, sharding, lambda index: blocks[_box(index, shape)])
+
+
+def _host(source: Any, dtype: np.dtype) -> np.ndarray:
+    out = np.empty(tuple(source.shape), dtype)
+    _fill(source, [(_box((), out.shape), out)])
+    return out
+
+
+def _fill(source: Any, parts: Sequence[tuple[Box, np.ndarray]]) -> None:
+    """Writes into each (box, out) of `parts` that box of `source`, converted to out's dtype; `source` is read once
+    for all of them over the box that bounds theirs (a stacked leaf once per layer)."""
+    if isinstance(source, Stacked):
+        for layer, layer_source in enumerate(source.layers):
+            inside = [(box[1:], out[layer - box[0][0]]) for box, out in parts if box[0][0] <= layer < box[0][1]]
+            if inside:
+                _fill(layer_source, inside)
+        return
+    bounds = tuple(
+        (min(box[axis][0] for box, _ in parts), max(box[axis][1] for box, _ in parts))
+        for axis in range(len(source.shape))
+    )
+    block = source[_slices(bounds)]
+    for box, out in parts:
+        relative = tuple(slice(start - low, stop - low) for (start, stop), (low, _) in zip(box, bounds, strict=True))
+        _copy(out, block[relative])
+
+
+# Tile sides (elements) for copying a transposed view: along the axis the source is contiguous in, and over the others.
+_TILE_FAST, _TILE = 256, 128
+
+
+def _copy(out: np.ndarray, src: np.ndarray) -> None:
+    """np.copyto(out, src), converting to out's dtype; a source laid out transposed (HF's [out, in] kernels) is copied
+    in tiles that fit the cache, 3x faster than one pass that touches a new cache line of one array per element."""
+    fast = int(np.argmin(np.abs(src.strides))) if src.ndim else 0
+    if src.ndim < 2 or fast == src.ndim - 1:
+        np.copyto(out, src, casting="unsafe")
+        return
+    sides, product = [_TILE_FAST] * src.ndim, 1
+    for axis in reversed(range(src.ndim)):
+        if axis != fast:
+            sides[axis] = max(1, min(src.shape[axis], _TILE // product))
+            product *= sides[axis]
+    for starts in itertools.product(*(range(0, n, side) for n, side in zip(src.shape, sides, strict=True))):
+        tile = tuple(slice(start, start + side) for start, side in zip(starts, sides, strict=True))
+        np.copyto(out[tile], src[tile], casting="unsafe")
+
+
+_ALIGNMENT = 64  # bytes
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary: jax's CPU client adopts such a buffer as the
+    device's instead of copying it, so host memory holds each loaded parameter once."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def to_hf(params: Params, layout: Layout, entries: Sequence[Entry], *, prefixed: bool = True) -> dict[str, np.ndarray]:
@@ -250,8 +467,8 @@ def _part_index(entry: Entry) -> int:
     return entry.part[0] if entry.part else 0
 
 
-# safetensors dtype -> numpy; bfloat16 (most released Llama, Mistral and Qwen2 weights), which numpy lacks and
-# safetensors.numpy refuses, through ml_dtypes.
+# safetensors dtype -> numpy; bfloat16 (most released Llama, Mistral and Qwen2 weights), which numpy lacks, through
+# ml_dtypes.
 _DTYPES = {
     "BF16": ml_dtypes.bfloat16,
     "F16": np.float16,
@@ -266,19 +483,78 @@ _DTYPES = {
 }
 
 
-def _load_safetensors(file: Path) -> dict[str, np.ndarray]:
-    """The tensors of one safetensors file; a truncated or foreign file is a ValueError naming it."""
-    try:
-        tensors = safetensors.deserialize(file.read_bytes())
-    except safetensors.SafetensorError as e:
-        raise ValueError(
-            f"{file} is not a readable safetensors file ({e}): truncated, or another format under that name; "
+class StoredTensor(LazyLeaf):
+    """One tensor of a safetensors file, read when sliced: `tensor[index]` reads the bytes of the rows (outer-axis
+    range) of the index and no others.
+
+    Read by byte ranges rather than through safetensors' `safe_open`: its numpy reader has no bfloat16, the dtype
+    of most released weights, and it maps the whole file, whose touched pages count as the process's memory until
+    the file is closed.
+    """
+
+    def __init__(self, file: Path, name: str, dtype: np.dtype, shape: tuple[int, ...], offset: int):
+        self.file, self.name, self.dtype, self.shape, self.offset = file, name, dtype, shape, offset
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        if not self.shape:
+            return self._read(0, 1).reshape(())
+        box = _box(index, self.shape)
+        (start, stop), row = box[0], math.prod(self.shape[1:])
+        rows = self._read(start * row, (stop - start) * row).reshape(stop - start, *self.shape[1:])
+        return rows[(slice(None), *_slices(box[1:]))]
+
+    def _read(self, first: int, count: int) -> np.ndarray:
+        """`count` elements from element `first` on, read from the file into a new array."""
+        out = np.empty(count, self.dtype)
+        buffer, done = memoryview(out.view(np.uint8)), 0
+        with open(self.file, "rb", buffering=0) as f:
+            f.seek(self.offset + first * self.dtype.itemsize)
+            while done < len(buffer):
+                got = f.readinto(buffer[done:])
+                if not got:
+                    raise ValueError(
+                        f"{self.file} ends inside tensor {self.name}: truncated; download or export it again"
+                    )
+                done += got
+        return out
+
+
+def _read_header(file: Path) -> dict[str, StoredTensor]:
+    """The tensors of one safetensors file (8-byte little-endian header length, JSON header, data), from its header
+    alone; a truncated or foreign file is a ValueError naming it."""
+
+    def unreadable(why: str) -> ValueError:
+        return ValueError(
+            f"{file} is not a readable safetensors file ({why}): truncated, or another format under that name; "
             "download or export it again"
-        ) from None
-    unknown = sorted({info["dtype"] for _, info in tensors} - set(_DTYPES))
+        )
+
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little") if size >= 8 else 0
+        if not 0 < length <= size - 8:
+            raise unreadable(f"a header of {length} bytes in a file of {size}")
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise unreadable(f"its header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise unreadable("its header is not a JSON object")
+    header.pop("__metadata__", None)
+    unknown = sorted({str(info.get("dtype")) for info in header.values() if isinstance(info, dict)} - set(_DTYPES))
     if unknown:
         raise ValueError(f"{file} holds tensors of dtype {unknown}; lmzoo reads {sorted(_DTYPES)}")
-    return {name: np.frombuffer(info["data"], _DTYPES[info["dtype"]]).reshape(info["shape"]) for name, info in tensors}
+    data_start, tensors = 8 + length, {}
+    for name, info in header.items():
+        try:
+            dtype, shape = np.dtype(_DTYPES[info["dtype"]]), tuple(int(n) for n in info["shape"])
+            begin, end = (int(n) for n in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise unreadable(f"tensor {name}: {e!r}") from None
+        if not (0 <= begin and end - begin == math.prod(shape) * dtype.itemsize and data_start + end <= size):
+            raise unreadable(f"tensor {name} of shape {shape} at bytes {begin}..{end} of {size - data_start}")
+        tensors[name] = StoredTensor(file, name, dtype, shape, data_start + begin)
+    return tensors
 
 
 def _read_json(file: Path) -> Any:
@@ -288,8 +564,9 @@ def _read_json(file: Path) -> Any:
         raise ValueError(f"{file} is not valid JSON ({e}); download or export it again") from None
 
 
-def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(config.json dict, state dict) of an HF checkpoint folder with single or sharded safetensors weights."""
+def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, StoredTensor]]:
+    """(config.json dict, state dict of lazy `StoredTensor`s) of an HF checkpoint folder with single or sharded
+    safetensors weights; only the files' headers are read."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"HF checkpoint folder {folder} does not exist")
@@ -301,7 +578,7 @@ def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[
     hf_config = _read_json(config_file)
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():
-        return hf_config, _load_safetensors(single)
+        return hf_config, _read_header(single)
     if index.is_file():
         weight_map = _read_json(index)["weight_map"]
         state_dict = {}
@@ -309,7 +586,7 @@ def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[
             shard_file = folder / shard
             if not shard_file.is_file():
                 raise FileNotFoundError(f"shard {shard_file} listed in {index} not found")
-            state_dict |= _load_safetensors(shard_file)
+            state_dict |= _read_header(shard_file)
         absent = sorted(set(weight_map) - set(state_dict))
         if absent:
             raise ValueError(f"tensors {absent} listed in {index} are not in their shards")
@@ -343,7 +620,7 @@ def _is_per_layer(tree: Any) -> bool:
 def _stack(*subtrees: Any) -> Any:
     if isinstance(subtrees[0], Mapping):
         return {key: _stack(*(tree[key] for tree in subtrees)) for key in subtrees[0]}
-    return np.stack([np.asarray(tree) for tree in subtrees])
+    return Stacked(subtrees)
 
 
 def unstack_layers(tree: Any) -> Any:
@@ -365,7 +642,8 @@ def _layer(stacked: Any, i: int) -> Any:
 
 
 def to_layout(tree: Any, target: Any) -> Any:
-    """`tree` (per-layer) with every per-layer subtree stacked where `target` holds a scanned `layers` subtree."""
+    """`tree` (per-layer) with every per-layer subtree stacked (lazily: `Stacked` leaves) where `target` holds a
+    scanned `layers` subtree."""
     if not isinstance(tree, Mapping) or not isinstance(target, Mapping):
         return tree
     if set(target) == {"layers"} and _is_per_layer(tree):

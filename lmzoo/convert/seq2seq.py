@@ -13,7 +13,6 @@ import numpy as np
 
 from lmzoo.convert import mapping
 from lmzoo.convert.mapping import Entry, Params
-from lmzoo.models import make_config
 from lmzoo.models.seq2seq import Seq2SeqConfig
 
 # config.model field -> (HF config.json key, HF class default; None = required).
@@ -83,7 +82,7 @@ def _t5_activations(feed_forward_proj: str) -> tuple[str, ...]:
     if feed_forward_proj == "gated-gelu":
         name = "gelu_new"  # HF's backward-compatible reading
     if gate not in ([], ["gated"]) or name not in mapping.ACTIVATION_FROM_HF:
-        raise ValueError(
+        raise mapping.ConfigError(
             f"HF T5 feed_forward_proj {feed_forward_proj!r} has no lmzoo equivalent; use ACT or gated-ACT with ACT "
             f"one of {sorted(mapping.ACTIVATION_FROM_HF)}"
         )
@@ -125,10 +124,10 @@ def _check(cfg: Seq2SeqConfig, model_type: str) -> None:
 def _typed_fields(hf_config: Mapping[str, Any], model_type: str, keys: Mapping[str, tuple[str, Any]]) -> dict[str, Any]:
     """The fields of `keys` from an HF config dict (None values take the HF default), typed like Seq2SeqConfig."""
     if hf_config.get("model_type", model_type) != model_type:
-        raise ValueError(f"HF config has model_type={hf_config['model_type']!r}; expected {model_type!r}")
+        raise mapping.ConfigError(f"HF config has model_type={hf_config['model_type']!r}; expected {model_type!r}")
     missing = [key for key, default in keys.values() if default is None and hf_config.get(key) is None]
     if missing:
-        raise ValueError(f"HF {model_type} config lacks {missing}")
+        raise mapping.ConfigError(f"HF {model_type} config lacks {missing}")
     fields = {}
     for field, (key, default) in keys.items():
         value = hf_config.get(key)
@@ -191,14 +190,14 @@ def bart_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     fields = _typed_fields(hf_config, "bart", _BART_HF_KEYS | {"max_len": ("max_position_embeddings", None)})
     for key, same in (("decoder_attention_heads", "encoder_attention_heads"), ("decoder_ffn_dim", "encoder_ffn_dim")):
         if hf_config.get(key, hf_config[same]) != hf_config[same]:
-            raise ValueError(
+            raise mapping.ConfigError(
                 f"HF bart config has {key}={hf_config[key]} != {same}={hf_config[same]}; lmzoo's seq2seq uses one value"
             )
     if not hf_config.get("tie_word_embeddings", True):
-        raise ValueError("HF bart config has tie_word_embeddings=False; lmzoo reads BART with its head tied")
+        raise mapping.ConfigError("HF bart config has tie_word_embeddings=False; lmzoo reads BART with its head tied")
     activation = hf_config.get("activation_function", "gelu")
     if activation not in mapping.ACTIVATION_FROM_HF:
-        raise ValueError(
+        raise mapping.ConfigError(
             f"HF activation {activation!r} has no lmzoo equivalent; supported: {sorted(mapping.ACTIVATION_FROM_HF)}"
         )
     return (
@@ -311,10 +310,10 @@ def _layout(cfg: Seq2SeqConfig, model_type: str) -> mapping.Layout:
     )
 
 
-def _from_hf(state_dict: Mapping[str, Any], cfg: Seq2SeqConfig, model_type: str) -> Params:
+def _sources(state_dict: Mapping[str, Any], cfg: Seq2SeqConfig, model_type: str) -> Params:
     _check(cfg, model_type)
     table = _entries(cfg, model_type)
-    params = mapping.to_params(*mapping.read_hf(state_dict, _layout(cfg, model_type), table, optional=("bias",)))
+    params = mapping.to_sources(*mapping.read_hf(state_dict, _layout(cfg, model_type), table, optional=("bias",)))
     if model_type == "bart":  # as in HF, a checkpoint without final_logits_bias (a bare BartModel) has zeros
         params.setdefault("final_logits_bias", np.zeros(cfg.vocab_size, np.float32))
     return params
@@ -325,10 +324,10 @@ def _to_hf(params: Params, cfg: Seq2SeqConfig, model_type: str) -> dict[str, np.
     return mapping.to_hf(params, _layout(cfg, model_type), _entries(cfg, model_type))
 
 
-def t5_from_hf(state_dict: Mapping[str, np.ndarray], cfg: Seq2SeqConfig) -> Params:
+def t5_from_hf(state_dict: Mapping[str, Any], cfg: Seq2SeqConfig) -> Params:
     """HF T5ForConditionalGeneration (or T5Model with a tied head) state dict -> lmzoo "seq2seq" params
     (per-layer, float32 numpy). embed_tokens copies, and lm_head when cfg ties the head, must equal shared."""
-    return _from_hf(state_dict, cfg, "t5")
+    return mapping.materialize(_sources(state_dict, cfg, "t5"))
 
 
 def t5_to_hf(params: Params, cfg: Seq2SeqConfig) -> dict[str, np.ndarray]:
@@ -337,10 +336,10 @@ def t5_to_hf(params: Params, cfg: Seq2SeqConfig) -> dict[str, np.ndarray]:
     return _to_hf(params, cfg, "t5")
 
 
-def bart_from_hf(state_dict: Mapping[str, np.ndarray], cfg: Seq2SeqConfig) -> Params:
+def bart_from_hf(state_dict: Mapping[str, Any], cfg: Seq2SeqConfig) -> Params:
     """HF BartForConditionalGeneration (or BartModel: no "model." prefix, final_logits_bias zeros) state dict
     -> lmzoo "seq2seq" params (per-layer, float32 numpy). Tied copies must equal model.shared."""
-    return _from_hf(state_dict, cfg, "bart")
+    return mapping.materialize(_sources(state_dict, cfg, "bart"))
 
 
 def bart_to_hf(params: Params, cfg: Seq2SeqConfig) -> dict[str, np.ndarray]:
@@ -349,20 +348,26 @@ def bart_to_hf(params: Params, cfg: Seq2SeqConfig) -> dict[str, np.ndarray]:
     return _to_hf(params, cfg, "bart")
 
 
-_MODEL_TYPES = {"t5": (t5_config_from_hf, t5_from_hf), "bart": (bart_config_from_hf, bart_from_hf)}
+_CONFIG_FROM_HF = {"t5": t5_config_from_hf, "bart": bart_config_from_hf}
 
 
-def read_checkpoint(
-    hf_config: Mapping[str, Any], state_dict: Mapping[str, np.ndarray]
-) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params) of an HF T5 or BART checkpoint (by config.json model_type)."""
+def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
+    """(config.model fields, params as lazy `mapping` leaves, read only when placed) of an HF T5 or BART checkpoint
+    (by config.json model_type)."""
     model_type = hf_config.get("model_type")
-    if model_type not in _MODEL_TYPES:
-        raise ValueError(f"HF config has model_type={model_type!r}; the seq2seq converter reads {sorted(_MODEL_TYPES)}")
-    config_from_hf, from_hf = _MODEL_TYPES[model_type]
-    fields = config_from_hf(hf_config)
+    if model_type not in _CONFIG_FROM_HF:
+        raise mapping.ConfigError(
+            f"HF config has model_type={model_type!r}; the seq2seq converter reads {sorted(_CONFIG_FROM_HF)}"
+        )
+    fields = _CONFIG_FROM_HF[model_type](hf_config)
     if model_type == "t5" and not fields["tie_embeddings"] and "lm_head.weight" not in state_dict:
         # transformers 5 ties an unscaled (v1.1) head to the embedding unless a checkpoint's lm_head differs, and then
         # saves no lm_head.weight; it reloads as that shared layer, which lmzoo's tied, unscaled head computes.
         fields["tie_embeddings"] = True
-    return fields, from_hf(state_dict, make_config("seq2seq", fields))
+    return fields, _sources(state_dict, mapping.checkpoint_config("seq2seq", fields), model_type)
+
+
+def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
+    """(config.model fields, params: per-layer float32 numpy) of an HF T5 or BART checkpoint."""
+    fields, sources = checkpoint_sources(hf_config, state_dict)
+    return fields, mapping.materialize(sources)

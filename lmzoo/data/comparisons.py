@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from lmzoo.data import transforms
+
 ASSISTANT_TURN = "\n\nAssistant:"
 
 
@@ -228,3 +230,23 @@ def prompt_arrays(
             raise ValueError(f"prompt {i} encodes to no tokens; every prompt needs at least one")
         tokens[i, prompt_len - len(ids) :], mask[i, prompt_len - len(ids) :] = ids, 1
     return {"prompts": tokens, "prompt_mask": mask}
+
+
+def response_end_id(tokenizer) -> int:
+    """The token closing every prompt ⊕ response: the tokenizer's <eos>, or an encoder vocabulary's [SEP]."""
+    end = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.sep_id
+    if end is None or end == tokenizer.pad_id:
+        raise ValueError("the tokenizer needs an <eos> (or [SEP]) id distinct from <pad> to close each response")
+    return end
+
+
+def sft_rows(raw: list[Comparison], tokenizer, *, seq_len: int, vocab_size: int, where: str) -> dict[str, np.ndarray]:
+    """Packed rows [M, seq_len] of prompt -> chosen reply examples ("inputs", "targets", "weights", "segment_ids",
+    "positions"); ids outside the model's vocab_size are an error naming `where`."""
+    if tokenizer.eos_id is None or tokenizer.pad_id is None or tokenizer.pad_id == tokenizer.eos_id:
+        raise ValueError(
+            "SFT needs a tokenizer with distinct <eos> and <pad> ids (e.g. config.data.tokenizer.kind='byte')"
+        )
+    examples = sft_arrays(raw, tokenizer.encode, max_len=seq_len, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
+    transforms.check_token_ids(examples["inputs"], vocab_size, where=where)
+    return pack_examples(examples, tokenizer.pad_id)

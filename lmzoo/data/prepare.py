@@ -169,17 +169,41 @@ def prepare(
     if (root / store.MANIFEST).is_file():
         raise store.StoreError(f"{root} already holds a complete store; choose another output folder or remove it")
     settings = {"shard_tokens": shard_tokens, "chunk_documents": chunk_documents, "chunk_bytes": CHUNK_BYTES}
+    existed = root.exists()
     writer = store.StoreWriter(
         root, {**header(source, tokenizer, dtype, sentences), "settings": settings}, shard_tokens
     )
-    tokenizer_folder = root / "tokenizer"
+    try:
+        return _write(
+            source, tokenizer, writer, chunk_documents, workers=workers, sentences=sentences, progress=progress
+        )
+    except Exception:
+        # A build that finished no shard has nothing to resume, and the ledger it left would refuse the corrected
+        # command (another source or settings): the folder goes back to how it was.
+        if not writer.finished:
+            writer.discard(remove_folder=not existed)
+        raise
+
+
+def _write(
+    source: sources.DocumentSource,
+    tokenizer: tokenizers.Tokenizer,
+    writer: store.StoreWriter,
+    chunk_documents: int,
+    *,
+    workers: int,
+    sentences: bool,
+    progress: bool,
+) -> store.Store:
+    """`prepare`'s build into `writer`'s folder, from its first unfinished chunk."""
+    tokenizer_folder = writer.folder / "tokenizer"
     if not tokenizer_folder.is_dir():
         tokenizer.save(str(tokenizer_folder))
     start, last = writer.resume_chunk, -1
     work = ((i, split, texts) for i, split, texts in chunks(source, chunk_documents) if i >= start)
     # disable=None: the bar shows on a terminal only, so logs and pipes get the final summary line alone.
     bar = tqdm(total=source.size_bytes(), unit="B", unit_scale=True, disable=None if progress else True)
-    bar.set_description(f"prepare {root.name}")
+    bar.set_description(f"prepare {writer.folder.name}")
     tokens, began = 0, time.monotonic()
     try:
         for index, split, texts, chunk_tokens, lengths, starts in _encoded(
@@ -242,7 +266,12 @@ def _source_from_args(args: argparse.Namespace) -> sources.DocumentSource:
         raise ValueError("--source (files or folders) or --tfds is required")
     files = [f for path in args.source for f in sources.text_files(path)]
     return sources.FileCorpus(
-        tuple(files), args.text_field, args.document_unit, args.validation_fraction, ", ".join(args.source)
+        tuple(files),
+        args.text_field,
+        args.document_unit,
+        args.validation_fraction,
+        ", ".join(args.source),
+        text_field_fix="pass --text_field=NAME, the field that holds the text",
     )
 
 
@@ -294,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             sentences=args.sentences,
         )
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad flags or inputs; an output folder that cannot be written
         print(f"error: {e}", file=sys.stderr)
         return 2
     tokens = sum(info["tokens"] for info in result.manifest["splits"].values())

@@ -130,13 +130,16 @@ def read_tsv(path: pathlib.Path, columns: tuple[str, ...], fix: str) -> list[dic
     return rows
 
 
-def file_records(path: pathlib.Path, text_field: str, unit: str) -> Iterator[str]:
+def file_records(
+    path: pathlib.Path, text_field: str, unit: str, text_field_fix: str = "set config.data.text_field"
+) -> Iterator[str]:
     """The texts of one file's records, streamed, empty ones included: a field of each .jsonl(.gz) line or parquet
-    row; a .txt/.py/.md file as one record per file, paragraph (blank-line separated) or line, by `unit`."""
+    row; a .txt/.py/.md file as one record per file, paragraph (blank-line separated) or line, by `unit`.
+    text_field_fix: what an error on a row without `text_field` tells the user to change."""
     if path.name.endswith((".jsonl", ".jsonl.gz")):
-        return (row[text_field] for row in iter_jsonl(path, (text_field,), "set config.data.text_field"))
+        return (row[text_field] for row in iter_jsonl(path, (text_field,), text_field_fix))
     if path.name.endswith(".parquet"):
-        return iter_parquet(path, text_field, "set config.data.text_field")
+        return iter_parquet(path, text_field, text_field_fix)
     if unit == "file":
         return iter([read_text(path)])
     return iter(_split_units(read_text(path), unit))
@@ -328,10 +331,11 @@ class FileCorpus(DocumentSource):
     unit: str = "file"
     validation_fraction: float = 0.0
     description: str = ""
+    text_field_fix: str = "set config.data.text_field"  # the setting that names text_field where the corpus comes from
 
     def _records(self) -> Iterator[str]:
         for path in self.files:
-            yield from file_records(path, self.text_field, self.unit)
+            yield from file_records(path, self.text_field, self.unit, self.text_field_fix)
 
     def documents(self) -> Iterator[tuple[str, str]]:
         if not self.validation_fraction:

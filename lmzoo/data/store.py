@@ -16,12 +16,15 @@ Shards end at document boundaries, so a document is whole in one shard. Opening 
 maps the shards: start-up time and memory do not grow with the corpus.
 """
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
 import json
 import os
 import pathlib
+import resource
+import shutil
 import tempfile
 from collections.abc import Sequence
 
@@ -37,6 +40,24 @@ SPLITS = ("train", "validation")
 
 class StoreError(ValueError):
     """A store that cannot be read or written as asked; the message names the file and the fix."""
+
+
+# What to do when a shard outgrows the process's file-size limit: a smaller --shard_tokens changes the store's header,
+# so it needs a new folder, while the same command resumes after the finished shards.
+_FILE_SIZE_LIMIT_FIX = (
+    "raise the limit (ulimit -f unlimited) and run the same command to resume, or prepare into a new folder with a "
+    "smaller --shard_tokens so that each shard fits under it"
+)
+
+
+def _file_size_limit() -> str:
+    """The process's file-size limit (RLIMIT_FSIZE, `ulimit -f`), past which a write fails with EFBIG."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return (
+        "a file-size limit (ulimit -f)"
+        if limit == resource.RLIM_INFINITY
+        else f"a file-size limit of {limit:,} bytes (ulimit -f)"
+    )
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -264,8 +285,10 @@ class Store:
             kind = self.manifest["tokenizer"]["spec"].get("kind")
             raise StoreError(
                 f"store {self.folder} was written by another tokenizer ({kind}, sha256 {self.tokenizer_hash[:12]}) "
-                f"than the run's ({type(tokenizer).__name__}, sha256 {digest[:12]}); set config.data.tokenizer to the "
-                f"store's (its files are in {self.folder / 'tokenizer'}) or prepare the corpus again with the run's"
+                f"than the run's ({type(tokenizer).__name__}, sha256 {digest[:12]}), whose ids the run reads (a resumed "
+                "run keeps the tokenizer in its workdir): point config.data.path (or config.data.mixture) at a store "
+                "prepared with the run's tokenizer (a resume keeps config.data.path, so prepare it again at "
+                f"{self.folder}), or train on this store in a new --workdir"
             )
 
 
@@ -401,16 +424,34 @@ class StoreWriter:
                 self._finish_shard(chunk + 1)
         except OSError as e:
             self._abandon_shard()
+            kept = f"the shard being written was discarded and {len(self.finished)} finished shard(s) kept"
             if e.errno == errno.ENOSPC:
                 raise StoreError(
-                    f"the disk filled while writing store {self.folder}; the shard being written was discarded and "
-                    f"{len(self.finished)} finished shard(s) kept: free space and run the same command to resume"
+                    f"the disk filled while writing store {self.folder}; {kept}: free space and run the same command "
+                    "to resume"
+                ) from None
+            if e.errno == errno.EFBIG:
+                raise StoreError(
+                    f"{_file_size_limit()} stopped writing store {self.folder}; {kept}: {_FILE_SIZE_LIMIT_FIX}"
                 ) from None
             raise
 
+    def discard(self, *, remove_folder: bool) -> None:
+        """Closes the shard being written and removes what the folder holds (and the folder, with `remove_folder`):
+        for a build that failed before finishing a shard, which leaves nothing to resume."""
+        self._abandon_shard()
+        if remove_folder:
+            shutil.rmtree(self.folder)
+            return
+        for child in self.folder.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+
     def _abandon_shard(self) -> None:
         if self._file is not None:
-            self._file.close()
+            # After a write failed for space, closing flushes the bytes still buffered and fails the same way; the
+            # file is closed regardless, and deleted below.
+            with contextlib.suppress(OSError):
+                self._file.close()
             self._file = None
         if self.current is not None:
             self._shard_path(self.current, ".partial").unlink(missing_ok=True)
@@ -465,6 +506,10 @@ class StoreWriter:
             if e.errno == errno.ENOSPC:
                 raise StoreError(
                     f"the disk filled while finishing store {self.folder}: free space and run the same command again"
+                ) from None
+            if e.errno == errno.EFBIG:
+                raise StoreError(
+                    f"{_file_size_limit()} stopped finishing store {self.folder}: {_FILE_SIZE_LIMIT_FIX}"
                 ) from None
             raise
         (self.folder / PROGRESS).unlink()

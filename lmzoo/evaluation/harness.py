@@ -1,54 +1,34 @@
-"""An EleutherAI lm-eval model ("lmzoo") on lmzoo's scoring functions and jitted sampler.
+"""An EleutherAI lm-eval model on lmzoo's scoring functions and jitted sampler: `LmzooLM(lmzoo.load(...))`.
 
-    python -m lmzoo.evaluation.harness run --model lmzoo --model_args workdir=runs/gpt2 \\
-        --tasks my_task --include_path tasks/ [--num_fewshot 4] [--limit 100]
-
-`python -m lmzoo.evaluation.harness` is lm-eval's own command line with the model registered first: lm-eval
-0.4.13 finds third-party models only through `register_model` in the running process (it has no plugin
-entry points), so the `lm_eval` script itself cannot see it. From Python, importing this module is enough:
-`lm_eval.simple_evaluate(model="lmzoo", model_args="workdir=...")`, or pass `LmzooLM.from_loaded(lmzoo.load(...))`.
+The command line and the model registered as "lmzoo" (which reads a workdir from `--model_args`) are
+`lmzoo.cli.harness`: `python -m lmzoo.cli.harness run --model lmzoo --model_args workdir=runs/gpt2 ...`.
 
 Requests are tokenized as lm-eval's HF backend does (trailing context spaces move to the continuation; a
 decoder's continuation is the whole text's ids after the context's; an empty context becomes EOS; an
 encoder-decoder's context is encoded with EOS appended), so a checkpoint exported to HF
-(`lmzoo.convert.export`) scores the same through both. model_args: workdir, step, batch_size,
-max_gen_toks (default 256).
+(`python -m lmzoo.cli.export`) scores the same through both.
 """
 
 import collections
-import sys
 
 import jax
-import lm_eval.models  # noqa: F401  (lm-eval's own models, registered before this one so `--model hf` still works)
 import numpy as np
 from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
 
 from lmzoo import decoding
 from lmzoo.evaluation import scoring
 from lmzoo.models import kinds
 
 
-@register_model("lmzoo")
 class LmzooLM(LM):
-    """lm-eval's LM interface over a loaded lmzoo checkpoint (`lmzoo.load`)."""
+    """lm-eval's LM interface over a loaded lmzoo checkpoint (`lmzoo.load`: model, params, tokenizer).
 
-    def __init__(
-        self,
-        workdir: str | None = None,
-        step: int | None = None,
-        batch_size: int | str | None = 16,
-        max_gen_toks: int = 256,
-        loaded=None,
-        **unused,
-    ):
+    batch_size: requests scored or sampled per compiled call ("auto" and None: 16). max_gen_toks: the most tokens
+    `generate_until` samples (256).
+    """
+
+    def __init__(self, loaded, batch_size: int | str | None = 16, max_gen_toks: int = 256):
         super().__init__()
-        if loaded is None:
-            if workdir is None:
-                raise ValueError("the lmzoo model needs --model_args workdir=PATH (a train.py run)")
-            from lmzoo.train import run as run_lib
-
-            loaded = run_lib.load(workdir, None if step is None else int(step))
         if kinds.kind_of(loaded.model) not in (kinds.DECODER, kinds.ENCODER_DECODER):
             raise ValueError(
                 f"lm-eval needs a decoder (gpt2, llama) or an encoder-decoder (seq2seq); this run is {type(loaded.model).__name__}"
@@ -57,10 +37,6 @@ class LmzooLM(LM):
         self.batch_size = 16 if batch_size in (None, "auto") else int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
         self.is_seq2seq = kinds.kind_of(self.model) == kinds.ENCODER_DECODER
-
-    @classmethod
-    def from_loaded(cls, loaded, **kwargs) -> "LmzooLM":
-        return cls(loaded=loaded, **kwargs)
 
     @property
     def tokenizer_name(self) -> str:
@@ -155,14 +131,3 @@ class LmzooLM(LM):
                 text = text.split(stop)[0] if stop else text
             texts.append(text)
         return texts
-
-
-def main() -> None:
-    from lm_eval.__main__ import cli_evaluate
-
-    sys.argv[0] = "lm_eval"
-    cli_evaluate()
-
-
-if __name__ == "__main__":
-    main()

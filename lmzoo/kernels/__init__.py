@@ -1,15 +1,18 @@
 """The platform seam: which form of a building block runs, chosen in one place from the mesh's platform.
 
 `lmzoo.layers` holds the plain forms (what runs on GPUs and TPUs); `kernels.cpu` the forms XLA:CPU runs
-faster; `kernels.host_memory` the glibc settings of a process running XLA:CPU programs. The platform is
+faster; `kernels.explicit` the attention form with materialised probabilities (`attention_form` says where it runs);
+`kernels.host_memory` the glibc settings of a process running XLA:CPU programs. The platform is
 that of the mesh a program is traced under (`jax.set_mesh`, as every compiled trainer is), else JAX's
 default backend; `use_platform` overrides it (tests run the accelerator forms on the CPU with it).
 """
 
 import contextlib
+import glob
 import threading
 
 import jax
+import jax.numpy as jnp
 
 _override = threading.local()
 
@@ -44,3 +47,55 @@ def head_chunk_bytes() -> int:
     matmuls win (GPT-2's microbatch of 12 x 1,024 positions takes 2 chunks, not 10 of 256 MiB) and memory is ample;
     256 MiB on TPUs, whose memory is smaller (GPT-2's real shape, batch 8, takes 8 chunks of 128 positions)."""
     return {"cpu": 16 << 20, "gpu": 2 << 30}.get(platform(), 256 << 20)
+
+
+def attention_form(
+    query: jax.Array, key: jax.Array, *, mask: jax.Array | None, bias: jax.Array | None, dropout: bool
+) -> str:
+    """Which form computes `layers.attention.dot_product_attention` for query [B, T, N, H], keys [B, S, K, H]:
+
+    - "explicit" (`kernels.explicit`): on the CPU, and wherever attention dropout needs the probabilities;
+    - "cudnn": cuDNN's fused flash attention on GPUs where it applies (bf16/fp16, head size a multiple of 8 up to
+      128, no additive bias, and a boolean mask [B, 1, T, S] only over a whole sequence: packed documents,
+      padding; a decoding step's few queries against the cache keep XLA's form);
+    - "xla": `jax.nn.dot_product_attention`'s XLA form.
+    """
+    if on_cpu() or dropout:
+        return "explicit"
+    fused = (
+        platform() == "gpu"
+        and jax.default_backend() == "gpu"  # the GPU forms traced on a CPU (tests) have no cuDNN to call
+        and (mask is None or query.shape[1] == key.shape[1])
+        and bias is None
+        and query.dtype in (jnp.bfloat16, jnp.float16)
+        and query.shape[-1] % 8 == 0
+        and query.shape[-1] <= 128
+    )
+    return "cudnn" if fused else "xla"
+
+
+# Device files an accelerator's driver creates: NVIDIA GPUs; TPU v4+ (accel) and v2/v3 VMs (vfio).
+ACCELERATOR_DEVICE_FILES = {
+    "an NVIDIA GPU": "/dev/nvidia[0-9]*",
+    "a TPU": "/dev/accel[0-9]*",
+    "a TPU (vfio)": "/dev/vfio/[0-9]*",
+}
+INSTALL_FILES = {
+    "an NVIDIA GPU": "requirements-cuda12.txt",
+    "a TPU": "requirements-tpu.txt",
+    "a TPU (vfio)": "requirements-tpu.txt",
+}
+
+
+def unused_accelerator_warning() -> str | None:
+    """A warning when this machine has an accelerator (its driver's device files are present) but JAX runs on the
+    CPU, as it does with the CPU-only jaxlib of requirements.txt; None otherwise."""
+    if jax.default_backend() != "cpu":
+        return None
+    for name, pattern in ACCELERATOR_DEVICE_FILES.items():
+        if glob.glob(pattern):
+            return (
+                f"warning: this machine has {name} ({pattern}) but JAX runs on the CPU: install JAX for it with "
+                f"`pip install -r {INSTALL_FILES[name]}` (README: Install)"
+            )
+    return None

@@ -21,7 +21,7 @@ def gelu(x: jax.Array) -> jax.Array:
     jax.nn.gelu's exact form goes through erfc, whose XLA:CPU expansion (two polynomial branches and
     a select) is recomputed in each fusion that needs it; with its automatic derivative the GELU of
     one MLP took three loop fusions (~17% of the op time of the Shakespeare-char forward+backward,
-    docs/RESULTS.md "Speed on CPU"). erf is a single rational polynomial, and the derivative
+    docs/notes/cpu-speed.md). erf is a single rational polynomial, and the derivative
     Phi(x) + x phi(x) shares it.
     """
     return x * _normal_cdf(x)
@@ -99,7 +99,7 @@ def _normalize_jvp(epsilon, use_mean, primals, tangents):
 
 @functools.lru_cache(maxsize=32)
 def rotation_tables(inverse_frequencies: tuple[float, ...], length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rotary (cos, sin) of positions 0..length-1, each [1, T, 1, H] float32 (`layers.Rotary.rotation`), as numpy
+    """Rotary (cos, sin) of positions 0..length-1, each [1, T, 1, H] float32 (`layers.embeddings.Rotary.rotation`), as numpy
     constants: one read-only object per argument, which every layer's program shares.
 
     Computed with jnp, XLA fuses the cos and sin into each consumer and evaluates them once per head and again in the
@@ -113,51 +113,34 @@ def rotation_tables(inverse_frequencies: tuple[float, ...], length: int) -> tupl
     return tables
 
 
-CAUSAL_SPLIT_MIN_LEN = 256  # CPU: causal self-attention this long skips its masked upper-right quarter
+GROUP_BLOCK = 128  # rows per block of `grouped_matmul`: fewest padding rows and kernel copies at M = 4096, E = 8
 
 
-def dot_product_attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    *,
-    mask: jax.Array | None,
-    bias: jax.Array | None,
-    is_causal: bool,
-    scale: float | None,
-    dropout_rate: float,
-    dropout_rng: jax.Array | None,
-) -> jax.Array:
-    """q [B, T, N, H], k/v [B, S, N, H] -> [B, T, N, H], computed explicitly with the heads before the positions.
+def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x [M, D] with rows sorted by group, kernel [E, D, F], group_sizes [E] summing to M -> [M, F], as
+    `jax.lax.ragged_dot`: each row times its group's kernel.
 
-    The form for the CPU, and wherever attention dropout needs the probabilities. XLA:CPU lowers the
-    [B, T, N, H] einsums with transposes inside fusions; this form's forward+backward measured ~1.9x faster at
-    B 12, T 64, N 4, H 32. Causal self-attention of CAUSAL_SPLIT_MIN_LEN positions or more is computed in two
-    query halves, the first against the first half of the keys only: a quarter of the scores, all masked, are
-    never computed.
-    """
-    use_dropout = dropout_rng is not None and dropout_rate > 0.0
-    length = query.shape[1]
-    plain_causal = is_causal and mask is None and bias is None and not use_dropout and length == key.shape[1]
-    if plain_causal and length >= CAUSAL_SPLIT_MIN_LEN and length % 2 == 0:
-        half = length // 2  # the first half's queries see only the first half of the keys
-        kwargs = dict(mask=None, bias=None, is_causal=True, scale=scale, dropout_rate=0.0, dropout_rng=None)
-        first = dot_product_attention(query[:, :half], key[:, :half], value[:, :half], **kwargs)
-        second = dot_product_attention(query[:, half:], key, value, **kwargs)
-        return jnp.concatenate([first, second], axis=1)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    query, key, value = (jnp.swapaxes(a, 1, 2) for a in (query, key, value))  # [B, N, T|S, H]
-    logits = jnp.einsum("BNTH,BNSH->BNTS", query, key).astype(jnp.float32) * scale
-    if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
-    if is_causal:
-        t, s = logits.shape[-2:]
-        causal = jnp.tril(jnp.ones((t, s), bool), k=s - t)
-        mask = causal if mask is None else mask & causal
-    if mask is not None:
-        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    if use_dropout:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
-        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-    return jnp.swapaxes(jnp.einsum("BNTS,BNSH->BNTH", probs.astype(value.dtype), value), 1, 2)  # [B, T, N, H]
+    XLA:CPU computes ragged_dot as one dense product of every row with every group's kernel, masked ([E, M, D]
+    operands, E times the work: 21x a dense matmul of the same rows at M = 4,096, D = 256, F = 512, E = 8). Here each
+    group's rows are padded to whole blocks of GROUP_BLOCK rows, so that a block belongs to one group, and the blocks
+    are multiplied by their group's kernel in one batched matmul ([G, GROUP_BLOCK, D] x [G, D, F], G = M // block + E
+    blocks, a static bound): at most E * (block - 1) padding rows, and one copy of a kernel per block."""
+    m, d = x.shape
+    e, _, f = kernel.shape
+    blocks = m // GROUP_BLOCK + e
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    padded_sizes = (group_sizes + GROUP_BLOCK - 1) // GROUP_BLOCK * GROUP_BLOCK
+    padded_ends = jnp.cumsum(padded_sizes)
+    padded_starts = padded_ends - padded_sizes
+    place = jnp.arange(blocks * GROUP_BLOCK)  # a row of the padded blocks, its group and its source row
+    group = jnp.minimum(jnp.searchsorted(padded_ends, place, side="right"), e - 1)
+    offset = place - padded_starts[group]
+    filled = (offset < group_sizes[group]) & (place < padded_ends[-1])
+    padded = jnp.where(filled[:, None], jnp.take(x, jnp.where(filled, starts[group] + offset, 0), axis=0), 0)
+    out = jnp.einsum(
+        "GMD,GDF->GMF", padded.reshape(blocks, GROUP_BLOCK, d), jnp.take(kernel, group[::GROUP_BLOCK], axis=0)
+    )  # M: a block's rows
+    row = jnp.arange(m)
+    row_group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), e - 1)
+    return jnp.take(out.reshape(-1, f), padded_starts[row_group] + row - starts[row_group], axis=0)

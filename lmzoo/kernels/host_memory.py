@@ -6,8 +6,8 @@ largest mmap threshold (32 MB), so by default malloc maps it fresh each step, th
 every page of it again, and free unmaps it: 23.8 million minor page faults and 53 s of system time in that
 config's 2,000-step run, a quarter of its CPU time. With mmap off (every block from a heap), heaps trimmed only
 past 64 MB free at their top and padded by the step's temporaries and 64 MB more, the freed buffer stays mapped
-and the next step reuses it. What the heaps keep is released between phases (the loop calls
-`release_freed_memory` around evaluations and before the end-of-run sample).
+and the next step reuses it. What the heaps keep is released between phases (the loop's `StepBuffers` hook releases it
+around evaluations and before the end-of-run sample, on the CPU only).
 
 Where the buffer comes from matters. By default JAX runs XLA:CPU programs on worker threads, whose glibc heaps
 hold at most 64 MB: a larger block asked for there is mapped afresh whatever the setting. `run_on_calling_thread`
@@ -60,24 +60,14 @@ def keep_step_buffers_mapped(step: Any, *args: Any) -> bool:
     """`keep_freed_buffers_mapped` for jitted `step`'s temporaries on `args` (already compiled for them: this looks
     the executable up, ~20 ms, so call it once) when it runs on XLA:CPU and glibc can keep them: they fit a worker
     thread's heap, or `step` runs on the calling thread (`run_on_calling_thread`, one device). Whether it was set;
-    a step on accelerator devices keeps nothing."""
-    executable = step.lower(*args).compile()
-    devices = {device for sharding in jax.tree.leaves(executable.input_shardings) for device in sharding.device_set}
-    if any(device.platform != "cpu" for device in devices):
+    a step on accelerator devices keeps nothing and is not looked up."""
+    devices = {device for leaf in jax.tree.leaves(args) if isinstance(leaf, jax.Array) for device in leaf.devices()}
+    if not devices or any(device.platform != "cpu" for device in devices):
         return False
+    executable = step.lower(*args).compile()
     temp_bytes = executable.memory_analysis().temp_size_in_bytes
     on_calling_thread = not jax.config.read("jax_cpu_enable_async_dispatch") and len(devices) == 1
     return (on_calling_thread or temp_bytes <= THREAD_HEAP_BYTES) and keep_freed_buffers_mapped(temp_bytes)
-
-
-@contextlib.contextmanager
-def released():
-    """Returns freed pages to the OS before and after the block (an evaluation between steps whose buffers are kept)."""
-    release_freed_memory()
-    try:
-        yield
-    finally:
-        release_freed_memory()
 
 
 def release_freed_memory() -> None:
@@ -85,3 +75,35 @@ def release_freed_memory() -> None:
     trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+class StepBuffers:
+    """The training loop's one hook into the process's malloc, for the platform its mesh runs on.
+
+    On the CPU: after a compiled function's first call its temporaries are kept mapped (`keep_step_buffers_mapped`,
+    once per function) and freed pages go back to the OS around evaluations and at the end. On accelerators, whose
+    step buffers live on the device, every method does nothing: no lowering, no glibc call.
+    """
+
+    def __init__(self, platform: str):
+        self.active = platform == "cpu"
+        self._kept: set[Any] = set()
+
+    def after_call(self, step: Any, *args: Any) -> None:
+        """Called after each call of jitted `step` on `args`; acts on its first."""
+        if self.active and step not in self._kept:
+            keep_step_buffers_mapped(step, *args)
+            self._kept.add(step)
+
+    @contextlib.contextmanager
+    def released(self):
+        """Freed pages returned to the OS before and after the block (an evaluation between steps)."""
+        self.release()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if self.active:
+            release_freed_memory()

@@ -19,7 +19,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lmzoo import layers, sharding
+from lmzoo import sharding
+from lmzoo.layers import attention, blocks, embeddings, linears, mlp, norms
 from lmzoo.models import kinds
 
 
@@ -50,7 +51,7 @@ class BertConfig:
     remat_policy: str = "none"
 
     def __post_init__(self):
-        layers.check_fields(
+        kinds.check_fields(
             self,
             sizes=("vocab_size", "max_len", "emb_dim", "num_heads", "num_layers", "mlp_dim"),
             counts=("embedding_dim", "type_vocab_size", "position_offset"),
@@ -65,7 +66,7 @@ class BertConfig:
             )
         if self.sentence_head and not self.pooler:
             raise ValueError("sentence_head needs pooler=True (NSP/SOP classify the pooled [CLS] state)")
-        layers.activation(self.activation)
+        mlp.activation(self.activation)
 
     @property
     def head_dim(self) -> int:
@@ -90,9 +91,9 @@ class Bert(nn.Module):
     def setup(self):
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        embed = functools.partial(layers.Embed, dtype=dtype, param_dtype=param_dtype)
-        dense = functools.partial(layers.Einsum, use_bias=True, dtype=dtype, param_dtype=param_dtype)
-        norm = functools.partial(layers.LayerNorm, epsilon=cfg.layer_norm_epsilon, dtype=dtype, param_dtype=param_dtype)
+        embed = functools.partial(embeddings.Embed, dtype=dtype, param_dtype=param_dtype)
+        dense = functools.partial(linears.Einsum, use_bias=True, dtype=dtype, param_dtype=param_dtype)
+        norm = functools.partial(norms.LayerNorm, epsilon=cfg.layer_norm_epsilon, dtype=dtype, param_dtype=param_dtype)
         e, h = cfg.embed_dim, cfg.emb_dim
         self.word_embeddings = embed(cfg.vocab_size, e)
         self.position_embeddings = embed(cfg.max_len, e, axes=("position", "embed"))
@@ -101,20 +102,18 @@ class Bert(nn.Module):
         self.ln_embed = norm()
         if cfg.embed_projection:
             self.embed_projection = dense((e, h), ("embed", "mlp"))
-        block = layers.TransformerBlock(
-            num_heads=cfg.num_heads,
-            head_dim=cfg.head_dim,
+        block = blocks.TransformerBlock(
+            attention.AttentionConfig(cfg.num_heads, cfg.head_dim, dropout_rate=cfg.attention_dropout_rate),
             mlp_dim=cfg.mlp_dim,
             causal=False,
             pre_norm=False,
             activations=(cfg.activation,),
             layer_norm_epsilon=cfg.layer_norm_epsilon,
             dropout_rate=cfg.dropout_rate,
-            attention_dropout_rate=cfg.attention_dropout_rate,
             dtype=dtype,
             param_dtype=param_dtype,
         )
-        self.blocks = layers.BlockStack(
+        self.blocks = blocks.BlockStack(
             block, cfg.num_layers, scan=cfg.scan_layers, remat_policy=cfg.remat_policy, share_params=cfg.share_layers
         )
         if cfg.pooler:
@@ -152,7 +151,7 @@ class Bert(nn.Module):
         """
         cfg = self.config
         if positions is None:
-            layers.check_length(tokens.shape[1], cfg.max_len, offset=cfg.position_offset, what="encoder input")
+            embeddings.check_length(tokens.shape[1], cfg.max_len, offset=cfg.position_offset, what="encoder input")
             positions = self._positions(tokens, segment_ids)
         x = self.word_embeddings(tokens) + self.position_embeddings(positions)
         if cfg.type_vocab_size:
@@ -167,7 +166,7 @@ class Bert(nn.Module):
 
     def mlm_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, T, H] (or gathered [B, M, H]) -> logits [B, T, V]."""
-        x = layers.activation(self.config.activation)(self.mlm_dense("BTH,HE->BTE", hidden))
+        x = mlp.activation(self.config.activation)(self.mlm_dense("BTH,HE->BTE", hidden))
         logits = self.word_embeddings.attend(self.mlm_norm(x)) + self.mlm_bias
         return sharding.constrain(logits, ("act_batch", "act_len", "act_vocab"))
 

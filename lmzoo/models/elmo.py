@@ -10,17 +10,15 @@ frozen features (computed outside the gradient).
 """
 
 import dataclasses
-import functools
 from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lmzoo import layers
-from lmzoo.layers import embed_lookup
+from lmzoo.layers.embeddings import embed_lookup
 from lmzoo.models import kinds
-from lmzoo.models.lstm import LSTMLayer, per_position, symmetric_uniform
+from lmzoo.models.lstm import lstm_parts, per_position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +34,7 @@ class ELMoConfig:
     param_dtype: str = "float32"
 
     def __post_init__(self):
-        layers.check_fields(
+        kinds.check_fields(
             self,
             sizes=("vocab_size", "emb_dim", "num_layers"),
             positive=("init_scale",),
@@ -64,15 +62,12 @@ class BiLM(nn.Module):
 
     def setup(self):
         cfg = self.config
-        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        init = symmetric_uniform(cfg.init_scale)
-        table_init = nn.with_logical_partitioning(init, ("vocab", "embed"))
-        self.embedding = self.param("embedding", table_init, (cfg.vocab_size, cfg.emb_dim), param_dtype)
-        lstm = functools.partial(LSTMLayer, cfg.emb_dim, cfg.init_scale, dtype, param_dtype)
-        self.forward_layers = [lstm() for _ in range(cfg.num_layers)]
-        self.backward_layers = [lstm() for _ in range(cfg.num_layers)]
-        kernel_init = nn.with_logical_partitioning(init, ("embed", "vocab"))
-        self.out = nn.Dense(cfg.vocab_size, kernel_init=kernel_init, dtype=dtype, param_dtype=param_dtype)
+        parts = lstm_parts(self, cfg)
+        self.embedding = parts.embedding
+        self.forward_layers = [parts.layer() for _ in range(cfg.num_layers)]
+        self.backward_layers = [parts.layer() for _ in range(cfg.num_layers)]
+        kernel_init = nn.with_logical_partitioning(parts.init, ("embed", "vocab"))
+        self.out = nn.Dense(cfg.vocab_size, kernel_init=kernel_init, dtype=parts.dtype, param_dtype=parts.param_dtype)
         self.dropout = nn.Dropout(cfg.dropout_rate)
 
     def __call__(self, tokens: jax.Array, weights: jax.Array, *, deterministic: bool = True):

@@ -15,7 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lmzoo import layers, sharding
+from lmzoo import sharding
+from lmzoo.layers import attention, blocks, embeddings, mlp, norms
 from lmzoo.models import kinds
 
 
@@ -43,7 +44,7 @@ class GPT2Config:
     remat_policy: str = "none"
 
     def __post_init__(self):
-        layers.check_fields(
+        kinds.check_fields(
             self,
             sizes=("vocab_size", "max_len", "emb_dim", "num_heads", "num_layers", "mlp_dim"),
             positive=("layer_norm_epsilon",),
@@ -53,14 +54,14 @@ class GPT2Config:
             raise ValueError(
                 f"config.model.emb_dim={self.emb_dim} must be divisible by config.model.num_heads={self.num_heads}"
             )
-        layers.activation(self.activation)
+        mlp.activation(self.activation)
 
     @property
     def head_dim(self) -> int:
         return self.emb_dim // self.num_heads
 
 
-class GPT2(nn.Module):
+class GPT2(kinds.DecoderOutputs, nn.Module):
     """Causal decoder LM.
 
     Attributes:
@@ -68,6 +69,7 @@ class GPT2(nn.Module):
     """
 
     kind: ClassVar[str] = kinds.DECODER
+    token_table: ClassVar[str] = "wte"
 
     config: GPT2Config
 
@@ -92,10 +94,10 @@ class GPT2(nn.Module):
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         if positions is None:
-            layers.check_length(tokens.shape[1], cfg.max_len, what="GPT-2 input")
+            embeddings.check_length(tokens.shape[1], cfg.max_len, what="GPT-2 input")
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        wte = layers.Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, name="wte")
-        wpe = layers.Embed(
+        wte = embeddings.Embed(cfg.vocab_size, cfg.emb_dim, dtype=dtype, param_dtype=param_dtype, name="wte")
+        wpe = embeddings.Embed(
             cfg.max_len,
             cfg.emb_dim,
             axes=("position", "embed"),
@@ -105,9 +107,13 @@ class GPT2(nn.Module):
         )
         x = wte(tokens) + wpe(positions)
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        block = layers.TransformerBlock(
-            num_heads=cfg.num_heads,
-            head_dim=cfg.head_dim,
+        block = blocks.TransformerBlock(
+            attention.AttentionConfig(
+                cfg.num_heads,
+                cfg.head_dim,
+                use_bias=cfg.use_bias,
+                dropout_rate=cfg.attention_dropout_rate,
+            ),
             mlp_dim=cfg.mlp_dim,
             causal=True,
             pre_norm=cfg.pre_norm,
@@ -115,16 +121,15 @@ class GPT2(nn.Module):
             use_bias=cfg.use_bias,
             layer_norm_epsilon=cfg.layer_norm_epsilon,
             dropout_rate=cfg.dropout_rate,
-            attention_dropout_rate=cfg.attention_dropout_rate,
             residual_init_std=0.02 / (2 * cfg.num_layers) ** 0.5 if cfg.scale_residual_init else 0.02,
             dtype=dtype,
             param_dtype=param_dtype,
         )
-        x = layers.BlockStack(
+        x = blocks.BlockStack(
             block, cfg.num_layers, scan=cfg.scan_layers, remat_policy=cfg.remat_policy, name="blocks"
         )(x, segment_ids, deterministic=deterministic, decode=decode)
         if cfg.pre_norm:
-            x = layers.LayerNorm(
+            x = norms.LayerNorm(
                 epsilon=cfg.layer_norm_epsilon,
                 use_bias=cfg.use_bias,
                 dtype=dtype,
@@ -132,39 +137,5 @@ class GPT2(nn.Module):
                 name="ln_final",
             )(x)
         x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
-        if cfg.tie_embeddings:
-            logits = wte.attend(x)
-        else:
-            logits = layers.Einsum(
-                (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), dtype=dtype, param_dtype=param_dtype, name="lm_head"
-            )("BTD,DV->BTV", x)
-        logits = sharding.constrain(logits, ("act_batch", "act_len", "act_vocab"))
+        logits = embeddings.output_logits(x, wte, tied=cfg.tie_embeddings, dtype=dtype, param_dtype=param_dtype)
         return (logits, x) if return_hidden else logits
-
-    def output_embedding(self) -> jax.Array:
-        """The output projection as [V, D]: the token table when tied, else lm_head's kernel transposed.
-
-        With the final hidden states (`return_hidden`) it lets a loss compute the logits in chunks
-        (`lmzoo.objectives.losses.fused_head_loss`)."""
-        params = nn.unbox(self.variables["params"])
-        return params["wte"]["embedding"] if self.config.tie_embeddings else params["lm_head"]["kernel"].T
-
-    def encode(
-        self,
-        tokens: jax.Array,
-        *,
-        segment_ids: jax.Array | None = None,
-        positions: jax.Array | None = None,
-        deterministic: bool = True,
-        token_types: jax.Array | None = None,
-    ) -> tuple[jax.Array, None]:
-        """Final hidden states [B, T, D] (and no pooled output), the interface heads use.
-
-        token_types is accepted for interface compatibility with encoders and must be None.
-        """
-        if token_types is not None:
-            raise ValueError("GPT-2 has no token-type embeddings; encode pairs with delimiter tokens instead")
-        _, hidden = self(
-            tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True
-        )
-        return hidden, None

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lmzoo import layers
+from lmzoo.layers import linears
 
 HEAD_STYLES = ("pooler", "dense_tanh", "dense_relu", "linear")
 POOLINGS = ("first", "last", "mean")
@@ -72,10 +72,10 @@ class SequenceClassifier(nn.Module):
         dropout = nn.Dropout(self.dropout_rate)
         if self.head in ("dense_tanh", "dense_relu"):
             x = dropout(x, deterministic=deterministic)
-            x = layers.Einsum((d, d), ("embed", "mlp"), use_bias=True, name="head_dense")("BD,DK->BK", x)
+            x = linears.Einsum((d, d), ("embed", "mlp"), use_bias=True, name="head_dense")("BD,DK->BK", x)
             x = jnp.tanh(x) if self.head == "dense_tanh" else jax.nn.relu(x)
         x = dropout(x, deterministic=deterministic)
-        classifier = layers.Einsum(
+        classifier = linears.Einsum(
             (d, self.num_classes),
             ("embed", "classes"),
             use_bias=True,
@@ -99,7 +99,7 @@ class TokenClassifier(nn.Module):
         )
         hidden = nn.Dropout(self.dropout_rate)(hidden, deterministic=deterministic)
         d = hidden.shape[-1]
-        return layers.Einsum((d, self.num_labels), ("embed", "classes"), use_bias=True, name="classifier")(
+        return linears.Einsum((d, self.num_labels), ("embed", "classes"), use_bias=True, name="classifier")(
             "BTD,DC->BTC", hidden
         )
 
@@ -120,7 +120,7 @@ class LMWithValueHead(nn.Module):
             tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True
         )
         d = hidden.shape[-1]
-        head = layers.Einsum(
+        head = linears.Einsum(
             (d, 1), ("embed", "classes"), use_bias=True, kernel_init=nn.initializers.zeros, name="value_head"
         )
         return logits, head("BTD,DC->BTC", hidden)[..., 0]

@@ -8,7 +8,15 @@
 - RECURRENT: `model(tokens, carry) -> (logits, carry)` (LSTM LM, ELMo's biLM).
 - LATENT: a sentence VAE (`vae_lm`), scored by its ELBO / importance-weighted bound.
 - COUNTED: a count-based model, its config standing for the module (`ngram`).
+
+Each family's config dataclass also checks its own fields on construction (`check_fields`).
 """
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
 
 DECODER = "decoder"
 ENCODER = "encoder"
@@ -30,3 +38,70 @@ def generative(model, params) -> tuple:
     if kind_of(model) is None and kind_of(inner) == DECODER and "decoder" in params:
         return inner, params["decoder"]
     return model, params
+
+
+def check_fields(
+    config: Any,
+    *,
+    sizes: Sequence[str] = (),
+    counts: Sequence[str] = (),
+    positive: Sequence[str] = (),
+    rates: Sequence[str] = (),
+) -> None:
+    """Raises one ValueError naming every out-of-range field of a family config dataclass as `config.model.FIELD`
+    with its fix (called from each family's `__post_init__`, so `models.make_config` checks them all before any
+    model is built): sizes >= 1, counts >= 0, positive (epsilons, scales) > 0, rates (dropout) in [0, 1)."""
+    rules = [
+        *((f, lambda v: v >= 1, "must be a positive integer; set --config.model.{f}=N with N >= 1") for f in sizes),
+        *((f, lambda v: v >= 0, "must be >= 0; set --config.model.{f}=0 or more") for f in counts),
+        *((f, lambda v: v > 0, "must be > 0; set --config.model.{f} to a positive value") for f in positive),
+        *(
+            (f, lambda v: 0 <= v < 1, "must be in [0, 1); set e.g. --config.model.{f}=0.1 (0 turns it off)")
+            for f in rates
+        ),
+    ]
+    problems = [
+        f"config.model.{f}={getattr(config, f)!r}: {why.format(f=f)}"
+        for f, ok, why in rules
+        if not ok(getattr(config, f))
+    ]
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+class DecoderOutputs:
+    """What a decoder family exposes besides its call (GPT-2, Llama): `output_embedding` for the fused LM head and
+    `encode` for the heads built on it. Mixed into the family's module, whose token table is the param collection
+    `token_table` and whose untied head is "lm_head" (`layers.embeddings.output_logits`)."""
+
+    token_table: ClassVar[str]
+
+    def output_embedding(self) -> jax.Array:
+        """The output projection as [V, D]: the token table when tied, else lm_head's kernel transposed.
+
+        With the final hidden states (`return_hidden`) it lets a loss compute the logits in chunks
+        (`lmzoo.objectives.losses.fused_head_loss`)."""
+        params = nn.unbox(self.variables["params"])
+        return params[self.token_table]["embedding"] if self.config.tie_embeddings else params["lm_head"]["kernel"].T
+
+    def encode(
+        self,
+        tokens: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        deterministic: bool = True,
+        token_types: jax.Array | None = None,
+    ) -> tuple[jax.Array, None]:
+        """Final hidden states [B, T, D] (and no pooled output), the interface heads use.
+
+        token_types is accepted for interface compatibility with encoders and must be None.
+        """
+        if token_types is not None:
+            raise ValueError(
+                f"{type(self).__name__} has no token-type embeddings; encode pairs with delimiter tokens instead"
+            )
+        _, hidden = self(
+            tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True
+        )
+        return hidden, None

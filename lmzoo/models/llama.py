@@ -6,6 +6,10 @@ Rotary position embeddings (HF's rotate-half layout, `rope_theta`, Llama 3's "ll
 attention (`num_kv_heads`), an optional sliding window (Mistral) and q/k/v biases (Qwen2), all on the shared
 `lmzoo.layers` blocks. Load and export HF `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` with
 `lmzoo.convert`.
+
+With `num_experts` > 0 every layer's SwiGLU is a mixture of SwiGLU experts (`layers.mlp.MoeBlock`: Mixtral's top-2
+renormalised router; Qwen2-MoE's shared expert with `shared_expert_mlp_dim`); its auxiliary losses reach the loss
+through the "moe" collection (`objectives.tasks.causal_lm_task`).
 """
 
 import dataclasses
@@ -15,7 +19,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lmzoo import layers, sharding
+from lmzoo import sharding
+from lmzoo.layers import attention, blocks, embeddings, mlp, norms
 from lmzoo.models import kinds
 
 
@@ -25,6 +30,8 @@ class LlamaConfig:
 
     head_dim 0 means emb_dim // num_heads; num_kv_heads 0 means num_heads; sliding_window 0 means none;
     rope_scaling_factor 0 means no scaling, else Llama 3's scaling with the three fields after it.
+    num_experts 0 means a dense SwiGLU; above 0, the fields after it are `layers.mlp.MoeConfig`'s (expert_mlp_dim 0
+    means mlp_dim).
     """
 
     vocab_size: int = 32000
@@ -35,6 +42,15 @@ class LlamaConfig:
     head_dim: int = 0
     num_layers: int = 32
     mlp_dim: int = 11008
+    num_experts: int = 0
+    experts_per_token: int = 2
+    expert_mlp_dim: int = 0
+    shared_expert_mlp_dim: int = 0
+    moe_form: str = "dropless"
+    capacity_factor: float = 1.25
+    router_z_loss_coef: float = 1e-3
+    load_balance_coef: float = 1e-2
+    renormalize_expert_weights: bool = True
     rope_theta: float = 10_000.0
     rope_scaling_factor: float = 0.0
     rope_low_freq_factor: float = 1.0
@@ -53,12 +69,20 @@ class LlamaConfig:
     remat_policy: str = "none"
 
     def __post_init__(self):
-        layers.check_fields(
+        kinds.check_fields(
             self,
             sizes=("vocab_size", "max_len", "emb_dim", "num_heads", "num_layers", "mlp_dim"),
+            counts=("num_experts", "expert_mlp_dim", "shared_expert_mlp_dim"),
             positive=("norm_epsilon", "rope_theta", "init_std"),
             rates=("dropout_rate", "attention_dropout_rate"),
         )
+        if self.moe is not None and self.moe.problems():
+            raise ValueError(
+                "; ".join(
+                    f"config.model.{name}={getattr(self, name)!r}: {why}; set --config.model.{name}={fix}"
+                    for name, why, fix in self.moe.problems()
+                )
+            )
         for name in ("num_kv_heads", "head_dim", "sliding_window"):
             if getattr(self, name) < 0:
                 raise ValueError(f"config.model.{name}={getattr(self, name)} must be >= 0 (0: the default)")
@@ -70,7 +94,26 @@ class LlamaConfig:
         if self.head_size % 2:
             raise ValueError(f"rotary embeddings need an even head size; config.model.head_dim is {self.head_size}")
         if self.rope_scaling_factor:
-            layers.check_rope_scaling(self.rope_scaling)
+            embeddings.check_rope_scaling(self.rope_scaling)
+
+    @property
+    def moe(self) -> mlp.MoeConfig | None:
+        """The MoE fields as `layers.mlp.MoeConfig`; None for a dense model (num_experts 0)."""
+        if not self.num_experts:
+            return None
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(mlp.MoeConfig)}
+        return mlp.MoeConfig(**{**fields, "expert_mlp_dim": self.expert_mlp_dim or self.mlp_dim})
+
+    def check_expert_axis(self) -> None:
+        """Raises unless the expert mesh axis in context (`sharding.logical_axis_size("exp")`) divides num_experts:
+        each device holds whole experts."""
+        shards = sharding.logical_axis_size("exp")
+        if self.num_experts % shards:
+            raise ValueError(
+                f"config.model.num_experts={self.num_experts} must be a multiple of the {shards} devices of the "
+                f"expert mesh axis; set --config.model.num_experts to a multiple of {shards}, or the expert size of "
+                f"config.sharding.mesh_shape (data, fsdp, expert, tensor) to a divisor of {self.num_experts}"
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -97,7 +140,7 @@ class LlamaConfig:
         return 2 * self.num_layers * batch * length * self.kv_heads * self.head_size * jnp.dtype(self.dtype).itemsize
 
 
-class Llama(nn.Module):
+class Llama(kinds.DecoderOutputs, nn.Module):
     """Causal decoder LM with rotary positions.
 
     Attributes:
@@ -105,8 +148,14 @@ class Llama(nn.Module):
     """
 
     kind: ClassVar[str] = kinds.DECODER
+    token_table: ClassVar[str] = "embed"
 
     config: LlamaConfig
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the layers are mixtures of experts, which sow their losses into `layers.mlp.MOE_COLLECTION`."""
+        return self.config.moe is not None
 
     @nn.compact
     def __call__(
@@ -128,15 +177,25 @@ class Llama(nn.Module):
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         if positions is None:  # the layers rotate by 0..T-1 from constant tables
-            layers.check_length(tokens.shape[1], cfg.max_len, what="Llama input")
+            embeddings.check_length(tokens.shape[1], cfg.max_len, what="Llama input")
         init = nn.initializers.normal(cfg.init_std)
-        embed = layers.Embed(
+        embed = embeddings.Embed(
             cfg.vocab_size, cfg.emb_dim, embedding_init=init, dtype=dtype, param_dtype=param_dtype, name="embed"
         )
         x = nn.Dropout(cfg.dropout_rate)(embed(tokens), deterministic=deterministic)
-        block = layers.TransformerBlock(
-            num_heads=cfg.num_heads,
-            head_dim=cfg.head_size,
+        if self.has_experts:
+            cfg.check_expert_axis()
+        block = blocks.TransformerBlock(
+            attention.AttentionConfig(
+                cfg.num_heads,
+                cfg.head_size,
+                num_kv_heads=cfg.kv_heads,
+                use_bias=False,
+                qkv_bias=cfg.qkv_bias,
+                rotary=embeddings.Rotary(cfg.rope_theta, cfg.rope_scaling),
+                sliding_window=cfg.sliding_window or None,
+                dropout_rate=cfg.attention_dropout_rate,
+            ),
             mlp_dim=cfg.mlp_dim,
             causal=True,
             pre_norm=True,
@@ -145,55 +204,20 @@ class Llama(nn.Module):
             use_bias=False,
             layer_norm_epsilon=cfg.norm_epsilon,
             dropout_rate=cfg.dropout_rate,
-            attention_dropout_rate=cfg.attention_dropout_rate,
             init_std=cfg.init_std,
             residual_init_std=cfg.init_std,
-            num_kv_heads=cfg.kv_heads,
-            qkv_bias=cfg.qkv_bias,
-            rotary=layers.Rotary(cfg.rope_theta, cfg.rope_scaling),
-            sliding_window=cfg.sliding_window or None,
+            moe=cfg.moe,
             dtype=dtype,
             param_dtype=param_dtype,
         )
-        x = layers.BlockStack(
+        x = blocks.BlockStack(
             block, cfg.num_layers, scan=cfg.scan_layers, remat_policy=cfg.remat_policy, name="blocks"
         )(x, segment_ids, None, None, None, positions, deterministic=deterministic, decode=decode)
-        x = layers.LayerNorm(
+        x = norms.LayerNorm(
             epsilon=cfg.norm_epsilon, use_bias=False, use_mean=False, dtype=dtype, param_dtype=param_dtype, name="norm"
         )(x)
         x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
-        if cfg.tie_embeddings:
-            logits = embed.attend(x)
-        else:
-            logits = layers.Einsum(
-                (cfg.emb_dim, cfg.vocab_size),
-                ("embed", "vocab"),
-                kernel_init=init,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                name="lm_head",
-            )("BTD,DV->BTV", x)
-        logits = sharding.constrain(logits, ("act_batch", "act_len", "act_vocab"))
-        return (logits, x) if return_hidden else logits
-
-    def output_embedding(self) -> jax.Array:
-        """The output projection as [V, D] (for `lmzoo.objectives.losses.fused_head_loss`)."""
-        params = nn.unbox(self.variables["params"])
-        return params["embed"]["embedding"] if self.config.tie_embeddings else params["lm_head"]["kernel"].T
-
-    def encode(
-        self,
-        tokens: jax.Array,
-        *,
-        segment_ids: jax.Array | None = None,
-        positions: jax.Array | None = None,
-        deterministic: bool = True,
-        token_types: jax.Array | None = None,
-    ) -> tuple[jax.Array, None]:
-        """Final hidden states [B, T, D] (and no pooled output), the interface heads use."""
-        if token_types is not None:
-            raise ValueError("Llama has no token-type embeddings; encode pairs with delimiter tokens instead")
-        _, hidden = self(
-            tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True
+        logits = embeddings.output_logits(
+            x, embed, tied=cfg.tie_embeddings, kernel_init=init, dtype=dtype, param_dtype=param_dtype
         )
-        return hidden, None
+        return (logits, x) if return_hidden else logits

@@ -8,13 +8,15 @@ Every parameter starts uniform in [-init_scale, init_scale], as in the paper.
 
 import dataclasses
 import functools
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lmzoo import decoding, layers, sharding
+from lmzoo import decoding, sharding
+from lmzoo.layers import embeddings, linears
 from lmzoo.models import kinds
 
 Carry = dict[str, jax.Array]
@@ -35,7 +37,7 @@ class LSTMConfig:
     param_dtype: str = "float32"
 
     def __post_init__(self):
-        layers.check_fields(
+        kinds.check_fields(
             self,
             sizes=("vocab_size", "emb_dim", "num_layers"),
             positive=("init_scale",),
@@ -52,8 +54,37 @@ def symmetric_uniform(scale: float):
     return init
 
 
+@dataclasses.dataclass(frozen=True)
+class LSTMParts:
+    """What every LSTM family here builds alike (the LM, ELMo's biLM, the VAE's encoder and decoder): compute and
+    parameter dtypes, the uniform initializer of every weight, the token table [V, D] and a factory of LSTM layers
+    of width D."""
+
+    dtype: Any
+    param_dtype: Any
+    init: Callable
+    embedding: jax.Array
+    layer: Callable[..., "LSTMLayer"]
+
+
+def lstm_parts(module: nn.Module, cfg: Any) -> LSTMParts:
+    """`LSTMParts` of a family config with vocab_size, emb_dim, init_scale, dtype and param_dtype; declares
+    `module`'s "embedding" param (call it in setup or a compact method)."""
+    dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    init = symmetric_uniform(cfg.init_scale)
+    table_init = nn.with_logical_partitioning(init, ("vocab", "embed"))
+    embedding = module.param("embedding", table_init, (cfg.vocab_size, cfg.emb_dim), param_dtype)
+    return LSTMParts(
+        dtype,
+        param_dtype,
+        init,
+        embedding,
+        functools.partial(LSTMLayer, cfg.emb_dim, cfg.init_scale, dtype, param_dtype),
+    )
+
+
 def per_position(dense: nn.Dense, hidden: jax.Array) -> jax.Array:
-    """`dense` at every position, hidden [B, T, D] -> [B, T, F], as one [B*T, D] x [D, F] matmul (see `layers.project`)."""
+    """`dense` at every position, hidden [B, T, D] -> [B, T, F], as one [B*T, D] x [D, F] matmul (see `linears.project`)."""
     return dense(hidden.reshape(-1, hidden.shape[-1])).reshape(hidden.shape[:-1] + (-1,))
 
 
@@ -85,7 +116,7 @@ class LSTMLayer(nn.Module):
         # The input half of every step's gates in one matmul, time-major for the scan: [T, B, 4D].
         x = jnp.swapaxes(x, 0, 1).astype(self.dtype)
         # The bias in dtype too: a float32 bias would turn a bfloat16 scan carry into float32.
-        input_gates = layers.project("TBD,DG->TBG", x, wi.astype(self.dtype)) + bias.astype(self.dtype)
+        input_gates = linears.project("TBD,DG->TBG", x, wi.astype(self.dtype)) + bias.astype(self.dtype)
 
         def cell(carry, step_gates):
             c, h = carry
@@ -123,21 +154,16 @@ class LSTM(nn.Module):
 
         With `return_layers`, also the outputs of the embedding and of every layer, each [B, T, D]."""
         cfg = self.config
-        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        init = symmetric_uniform(cfg.init_scale)
-        param = functools.partial(self.param, dtype=param_dtype)
-        embedding = param(
-            "embedding", nn.with_logical_partitioning(init, ("vocab", "embed")), (cfg.vocab_size, cfg.emb_dim)
-        )
-        x = layers.embed_lookup(embedding, tokens).astype(dtype)
+        parts = lstm_parts(self, cfg)
+        dtype, init = parts.dtype, parts.init
+        param = functools.partial(self.param, dtype=parts.param_dtype)
+        x = embeddings.embed_lookup(parts.embedding, tokens).astype(dtype)
         x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
         layer_outputs = [x]
         cs, hs = [], []
         for layer in range(cfg.num_layers):
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-            x, (c, h) = LSTMLayer(cfg.emb_dim, cfg.init_scale, dtype, param_dtype, name=f"layer_{layer}")(
-                x, (carry["c"][:, layer], carry["h"][:, layer])
-            )
+            x, (c, h) = parts.layer(name=f"layer_{layer}")(x, (carry["c"][:, layer], carry["h"][:, layer]))
             layer_outputs.append(x)
             cs.append(c)
             hs.append(h)
@@ -145,7 +171,7 @@ class LSTM(nn.Module):
         out = param("out", nn.with_logical_partitioning(init, ("embed", "vocab")), (cfg.emb_dim, cfg.vocab_size))
         out_bias = param("out_bias", nn.with_logical_partitioning(init, ("vocab",)), (cfg.vocab_size,))
         # Logits in float32 whatever the dtype (the matmul accumulates in float32).
-        logits = layers.project(
+        logits = linears.project(
             "BTD,DV->BTV", x, out.astype(dtype), preferred_element_type=jnp.promote_types(dtype, jnp.float32)
         )
         logits = logits + out_bias.astype(logits.dtype)

@@ -28,7 +28,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from lmzoo import layers
 from lmzoo.models import kinds
 
 SMOOTHINGS = ("kneser_ney", "add_k")
@@ -46,7 +45,7 @@ class NgramConfig:
     add_k: float = 1.0
 
     def __post_init__(self):
-        layers.check_fields(self, sizes=("order", "vocab_size"), positive=("add_k",))
+        kinds.check_fields(self, sizes=("order", "vocab_size"), positive=("add_k",))
 
 
 def contexts_from_stream(token_ids: np.ndarray, *, order: int, eos_id: int) -> np.ndarray:

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmzoo import layers, sharding
+from lmzoo import sharding
+from lmzoo.layers import attention, blocks, embeddings, linears, mlp, norms
 from lmzoo.models import kinds
 
 POSITIONS = ("relative", "learned", "sinusoidal")
@@ -70,7 +71,7 @@ class Seq2SeqConfig:
     remat_policy: str = "none"
 
     def __post_init__(self):
-        layers.check_fields(
+        kinds.check_fields(
             self,
             sizes=(
                 "vocab_size",
@@ -94,7 +95,7 @@ class Seq2SeqConfig:
         if self.init_scheme not in INIT_SCHEMES:
             raise ValueError(f"unknown init_scheme {self.init_scheme!r}; choose one of {INIT_SCHEMES}")
         for name in self.activations:
-            layers.activation(name)
+            mlp.activation(name)
 
 
 def distance_buckets(num_buckets: int, max_distance: int) -> np.ndarray:
@@ -174,7 +175,7 @@ class Seq2Seq(nn.Module):
     def setup(self):
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        self.embed = layers.Embed(
+        self.embed = embeddings.Embed(
             cfg.vocab_size,
             cfg.emb_dim,
             embedding_init=nn.initializers.normal(cfg.embedding_init_std),
@@ -182,7 +183,7 @@ class Seq2Seq(nn.Module):
             param_dtype=param_dtype,
         )
         norm = functools.partial(
-            layers.LayerNorm,
+            norms.LayerNorm,
             epsilon=cfg.layer_norm_epsilon,
             use_bias=cfg.norm == "layer" and cfg.use_bias,
             use_mean=cfg.norm == "layer",
@@ -190,23 +191,26 @@ class Seq2Seq(nn.Module):
             param_dtype=param_dtype,
         )
         block = functools.partial(
-            layers.TransformerBlock,
-            num_heads=cfg.num_heads,
-            head_dim=cfg.head_dim,
+            blocks.TransformerBlock,
+            attention.AttentionConfig(
+                cfg.num_heads,
+                cfg.head_dim,
+                use_bias=cfg.use_bias,
+                scale=cfg.attention_scale or None,
+                dropout_rate=cfg.attention_dropout_rate,
+            ),
             mlp_dim=cfg.mlp_dim,
             pre_norm=cfg.pre_norm,
             norm=cfg.norm,
             activations=cfg.activations,
             use_bias=cfg.use_bias,
-            attention_scale=cfg.attention_scale or None,
             layer_norm_epsilon=cfg.layer_norm_epsilon,
             dropout_rate=cfg.dropout_rate,
-            attention_dropout_rate=cfg.attention_dropout_rate,
             fan_in_init=cfg.init_scheme == "t5",
             dtype=dtype,
             param_dtype=param_dtype,
         )
-        stack = functools.partial(layers.BlockStack, scan=cfg.scan_layers, remat_policy=cfg.remat_policy)
+        stack = functools.partial(blocks.BlockStack, scan=cfg.scan_layers, remat_policy=cfg.remat_policy)
         self.encoder = stack(block(), cfg.num_encoder_layers)
         self.decoder = stack(block(causal=True, cross_attention=True), cfg.num_decoder_layers)
         if cfg.positions == "relative":
@@ -222,7 +226,12 @@ class Seq2Seq(nn.Module):
             self.decoder_relpos = relpos(bidirectional=False)
         elif cfg.positions == "learned":
             table = functools.partial(
-                layers.Embed, cfg.max_len, cfg.emb_dim, axes=("position", "embed"), dtype=dtype, param_dtype=param_dtype
+                embeddings.Embed,
+                cfg.max_len,
+                cfg.emb_dim,
+                axes=("position", "embed"),
+                dtype=dtype,
+                param_dtype=param_dtype,
             )
             self.encoder_positions, self.decoder_positions = table(), table()
         if cfg.embedding_norm:
@@ -230,7 +239,7 @@ class Seq2Seq(nn.Module):
         if cfg.pre_norm:
             self.encoder_final_norm, self.decoder_final_norm = norm(), norm()
         if not cfg.tie_embeddings:
-            self.lm_head = layers.Einsum(
+            self.lm_head = linears.Einsum(
                 (cfg.emb_dim, cfg.vocab_size),
                 ("embed", "vocab"),
                 kernel_init=nn.initializers.normal(1.0 if cfg.init_scheme == "t5" else 0.02),
@@ -244,7 +253,7 @@ class Seq2Seq(nn.Module):
 
     def _check_length(self, length: int, what: str) -> None:
         if self.config.positions == "learned":
-            layers.check_length(length, self.config.max_len, offset=self.config.position_offset, what=what)
+            embeddings.check_length(length, self.config.max_len, offset=self.config.position_offset, what=what)
 
     def _embed(self, tokens: jax.Array, positions: jax.Array, which: str, *, deterministic: bool) -> jax.Array:
         cfg = self.config
@@ -254,7 +263,7 @@ class Seq2Seq(nn.Module):
         if cfg.positions == "learned":
             x = x + getattr(self, f"{which}_positions")(positions + cfg.position_offset)
         elif cfg.positions == "sinusoidal":
-            x = x + layers.sinusoidal_positions(positions, cfg.emb_dim).astype(x.dtype)
+            x = x + embeddings.sinusoidal_positions(positions, cfg.emb_dim).astype(x.dtype)
         if cfg.embedding_norm:
             x = getattr(self, f"{which}_embed_norm")(x)
         return self.dropout(x, deterministic=deterministic)

@@ -15,9 +15,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lmzoo import decoding, layers
+from lmzoo import decoding
+from lmzoo.layers import embeddings
 from lmzoo.models import kinds
-from lmzoo.models.lstm import LSTMLayer, per_position, symmetric_uniform
+from lmzoo.models.lstm import lstm_parts, per_position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,7 @@ class VAELMConfig:
     param_dtype: str = "float32"
 
     def __post_init__(self):
-        layers.check_fields(
+        kinds.check_fields(
             self,
             sizes=("vocab_size", "emb_dim"),
             counts=("latent_dim",),
@@ -68,16 +69,14 @@ class VAELM(nn.Module):
 
     def setup(self):
         cfg = self.config
-        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        init = symmetric_uniform(cfg.init_scale)
-        table_init = nn.with_logical_partitioning(init, ("vocab", "embed"))
-        self.embedding = self.param("embedding", table_init, (cfg.vocab_size, cfg.emb_dim), param_dtype)
-        lstm = functools.partial(LSTMLayer, cfg.emb_dim, cfg.init_scale, dtype, param_dtype)
-        dense = functools.partial(nn.Dense, dtype=dtype, param_dtype=param_dtype)
-        self.encoder = lstm()
+        parts = lstm_parts(self, cfg)
+        init = parts.init
+        self.embedding = parts.embedding
+        dense = functools.partial(nn.Dense, dtype=parts.dtype, param_dtype=parts.param_dtype)
+        self.encoder = parts.layer()
         self.posterior = dense(2 * cfg.latent_dim, kernel_init=nn.with_logical_partitioning(init, ("embed", None)))
         self.initial_state = dense(2 * cfg.emb_dim, kernel_init=nn.with_logical_partitioning(init, (None, "embed")))
-        self.decoder = lstm()
+        self.decoder = parts.layer()
         self.out = dense(cfg.vocab_size, kernel_init=nn.with_logical_partitioning(init, ("embed", "vocab")))
         self.dropout = nn.Dropout(cfg.dropout_rate)
 
@@ -87,7 +86,7 @@ class VAELM(nn.Module):
         if self.config.latent_dim == 0:  # no latent: no encoder (and no zero-size parameters, which orbax cannot save)
             return jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.float32)
         zeros = jnp.zeros((b, d), jnp.float32)
-        hidden, _ = self.encoder(layers.embed_lookup(self.embedding, tokens), (zeros, zeros))
+        hidden, _ = self.encoder(embeddings.embed_lookup(self.embedding, tokens), (zeros, zeros))
         last = jnp.maximum(jnp.sum(weights, axis=1).astype(jnp.int32) - 1, 0)
         summary = hidden[jnp.arange(b), last]  # [B, D]: the state after the sentence's last real token
         # float32 whatever the dtype: the KL and the importance weights exponentiate logvar.
@@ -106,7 +105,7 @@ class VAELM(nn.Module):
         self, z: jax.Array, inputs: jax.Array, state: tuple[jax.Array, jax.Array], *, deterministic: bool = True
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """z [B, Z], inputs [B, T] (the sentence shifted right), state (c, h) -> logits [B, T, V], state after."""
-        x = layers.embed_lookup(self.embedding, inputs).astype(self.config.dtype)
+        x = embeddings.embed_lookup(self.embedding, inputs).astype(self.config.dtype)
         x = self.dropout(x, deterministic=deterministic)
         x = jnp.concatenate([x, jnp.broadcast_to(z[:, None], x.shape[:2] + z.shape[-1:]).astype(x.dtype)], axis=-1)
         hidden, state = self.decoder(x, state)

@@ -49,6 +49,8 @@ for _objective in (
     sft.SFT,
     reward_model.RewardModel,
     ppo.PPO,
+    ppo.GRPO,
+    ppo.RLOO,
     dpo.DPO,
     recurrent_lm.RecurrentLM,
     ngram_lm.NgramLM,

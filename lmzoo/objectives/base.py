@@ -31,6 +31,21 @@ class NoFields:
     """The config of an objective without settings of its own."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ComparisonSplitConfig:
+    """Attributes:
+    heldout_fraction: share of the prompts of config.data.path held out (by a hash of the prompt) and never trained on.
+    split_seed: seed of that hash; keep it equal across SFT, reward model and PPO.
+    """
+
+    heldout_fraction: float = 0.1
+    split_seed: int = 0
+
+    def __post_init__(self):
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"config.objective.heldout_fraction={self.heldout_fraction} must lie in (0, 1), e.g. 0.1")
+
+
 def int_inputs(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, np.int32)
 
@@ -58,6 +73,7 @@ class Objective:
         """config: the run's whole config, its objective section filled in (`lmzoo.objectives.build`)."""
         self.config = config
         self.fields = self.Config(**{k: v for k, v in config.objective.items() if k != "name"})
+        self._splits: dict[str, Any] | None = None
 
     def check(self) -> None:
         """Checks across config sections (e.g. lengths against the model's positions); raises ValueError."""
@@ -70,8 +86,11 @@ class Objective:
         return []
 
     def read(self) -> dict[str, Any]:
-        """{"train": raw, "validation": raw} from the config, by the objective's reader."""
-        return self.reader.splits(self.config)
+        """{"train": raw, "validation": raw} from the config, by the objective's reader: read once per objective, so
+        the run and the objective's own uses (e.g. PPO's normalisation prompts) share one reading."""
+        if self._splits is None:
+            self._splits = self.reader.splits(self.config)
+        return self._splits
 
     def read_file(self, path: str) -> Any:
         """The raw examples of one file given on the command line (eval.py --data)."""
@@ -140,14 +159,16 @@ class Objective:
             **dataclasses.asdict(shard),
         )
 
-    def load_frozen(self, frozen: Any) -> Any:
-        """Frozen subtrees (host arrays, shaped like `frozen`) read from the paths the config names.
+    def load_frozen(self, frozen: Any, *, trainer: Any) -> Any:
+        """Frozen subtrees (host arrays, shaped like `frozen`) read from the paths the config names; `trainer` is the
+        run's (`self.trainer(model)`), for frozen values computed with it (PPO's reward normalisation).
 
         Frozen parameters are never checkpointed: a resumed run reads them again from their paths."""
         return frozen
 
     def init_params(self, params: Any, frozen: Any) -> Any:
-        """Fresh trainable params (host arrays) adjusted before training starts (e.g. copied from `frozen`)."""
+        """Fresh trainable params adjusted before training starts (e.g. copied from `frozen`): both trees as the
+        state holds them (arrays in their shardings); what this returns is placed in the params' shardings."""
         return params
 
     def real_tokens(self, batch: Batch) -> int:
@@ -205,3 +226,19 @@ def sentence_step_summary(config: ml_collections.ConfigDict, length_multiple: in
     return (
         f"{b} sentences, each batch padded to its longest sentence rounded up to {length_multiple} (at most {t} tokens)"
     )
+
+
+def fixed_tokenizer(config) -> tokenizers.Tokenizer:
+    """The run's tokenizer when it needs no corpus (byte, or a file given by path): the reward model and PPO read
+    its special ids while building their task, before any data is read."""
+    spec = config.data.tokenizer.to_dict()
+    kind = spec.pop("kind")
+    if kind != "byte" and not spec.get("path"):
+        raise ValueError(
+            f"objective {config.objective.name!r} needs a tokenizer fixed before reading data: "
+            "set config.data.tokenizer.kind='byte' or give config.data.tokenizer.path"
+        )
+    tokenizer = tokenizers.build_tokenizer(kind, **spec)
+    if tokenizer.pad_id is None:
+        raise ValueError(f"objective {config.objective.name!r} needs a tokenizer with a <pad> id (e.g. kind='byte')")
+    return tokenizer

@@ -10,35 +10,7 @@ import numpy as np
 
 from lmzoo import tokenizers
 from lmzoo.data import noising, transforms
-from lmzoo.objectives import base, losses
-from lmzoo.trainers.state import Task
-
-
-def seq2seq_task(model) -> Task:
-    """Encoder-decoder next-token loss on the targets (span corruption, denoising, translation)."""
-
-    def init(rng, batch):
-        params = model.init({"params": rng, "dropout": rng}, batch["inputs"], batch["decoder_inputs"])["params"]
-        return params, {}
-
-    def loss(params, frozen, carry, batch, rng, *, step, train):
-        logits = model.apply(
-            {"params": params},
-            batch["inputs"],
-            batch["decoder_inputs"],
-            encoder_segment_ids=batch.get("encoder_segment_ids"),
-            deterministic=not train,
-            rngs={"dropout": rng},
-        )
-        value, metrics = losses.token_loss(logits, batch)
-        return value, (metrics, carry)
-
-    return Task(init=init, loss=loss)
-
-
-def seq2seq_real_tokens(batch: dict[str, np.ndarray]) -> int:
-    """Encoder tokens plus decoder targets that are not padding."""
-    return int(np.count_nonzero(batch["encoder_segment_ids"]) + np.count_nonzero(batch["weights"]))
+from lmzoo.objectives import base, tasks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +45,7 @@ class WindowDenoising(base.Objective):
     evaluators = ("loss", "reconstruction")
 
     def task(self, model):
-        return seq2seq_task(model)
+        return tasks.seq2seq_task(model)
 
     def lengths(self) -> tuple[int, int]:
         """(window of original tokens, targets length)."""
@@ -90,7 +62,7 @@ class WindowDenoising(base.Objective):
         }
 
     def real_tokens(self, batch):
-        return seq2seq_real_tokens(batch)
+        return tasks.seq2seq_real_tokens(batch)
 
     def _transform(self, tokenizer):
         return functools.partial(

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from lmzoo import models, weights
-from lmzoo.objectives import losses, mlm
+from lmzoo.objectives import losses, masking, tasks
 from lmzoo.trainers.state import Task
 
 
@@ -35,7 +35,7 @@ def cosine_loss(
 
 
 @dataclasses.dataclass(frozen=True)
-class DistillationConfig(mlm.MaskedLMConfig):
+class DistillationConfig(masking.MaskedLMConfig):
     """Attributes (besides the MLM masking fields), DistilBERT's defaults:
     teacher: "ckpt:WORKDIR" or "hf:PATH" of the teacher, read at every start (never checkpointed).
     teacher_model: the teacher's model section (`lmzoo.config.model_section("bert", ...)`).
@@ -77,7 +77,7 @@ def distillation_task(student, teacher, fields: DistillationConfig) -> Task:
         return hidden, model.apply({"params": params}, gathered, method=model.mlm_logits)
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
-        positions, gathered = mlm.gather_predictions(batch, fields.mask_rate)
+        positions, gathered = tasks.gather_predictions(batch, fields.mask_rate)
         teacher_hidden, teacher_logits = jax.lax.stop_gradient(
             forward(teacher, frozen["teacher"], batch, positions, rng, False)
         )
@@ -98,7 +98,7 @@ def distillation_task(student, teacher, fields: DistillationConfig) -> Task:
     return Task(init=init, loss=loss)
 
 
-class Distillation(mlm.MaskedLM):
+class Distillation(masking.MaskedWindows):
     """A smaller BERT student trained on MLM windows against a frozen teacher read from `objective.teacher`."""
 
     name = "distill"
@@ -109,7 +109,7 @@ class Distillation(mlm.MaskedLM):
         fields = self.fields
         return distillation_task(model, models.build_model("bert", dict(fields.teacher_model)), fields)
 
-    def load_frozen(self, frozen):
+    def load_frozen(self, frozen, *, trainer):
         return {
             "teacher": weights.merge_pretrained(
                 frozen["teacher"], self.fields.teacher, "bert", self.fields.teacher_model.to_dict()

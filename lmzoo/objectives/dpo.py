@@ -28,15 +28,13 @@ from flax import traverse_util
 from lmzoo import weights
 from lmzoo.data import comparisons, readers, transforms
 from lmzoo.models import kinds
-from lmzoo.objectives import base, sft
-from lmzoo.rl import policy_gradient, reward
-from lmzoo.trainers.state import Metrics, Task
-
-LOSS_TYPES = ("sigmoid", "ipo")
+from lmzoo.objectives import base
+from lmzoo.rl import preference
+from lmzoo.trainers.state import Task
 
 
 @dataclasses.dataclass(frozen=True)
-class DPOConfig(sft.ComparisonSplitConfig):
+class DPOConfig(base.ComparisonSplitConfig):
     """Attributes (besides the held-out split of config.data.path, whose training comparisons are trained on):
     sft: "ckpt:WORKDIR" of the SFT run: the frozen reference and the policy's start.
     beta: β, the strength of the implicit KL to the reference (> 0).
@@ -56,60 +54,12 @@ class DPOConfig(sft.ComparisonSplitConfig):
             problems.append(f"beta={self.beta}: must be > 0, e.g. 0.1")
         if not 0 <= self.label_smoothing < 0.5:
             problems.append(f"label_smoothing={self.label_smoothing}: must lie in [0, 0.5)")
-        if self.loss_type not in LOSS_TYPES:
-            problems.append(f"loss_type={self.loss_type!r}: choose one of {LOSS_TYPES}")
+        if self.loss_type not in preference.LOSS_TYPES:
+            problems.append(f"loss_type={self.loss_type!r}: choose one of {preference.LOSS_TYPES}")
         elif self.loss_type == "ipo" and self.label_smoothing:
             problems.append(f"label_smoothing={self.label_smoothing}: the ipo loss has none, set it to 0")
         if problems:
             raise ValueError("invalid config.objective: " + "; ".join(problems))
-
-
-def reply_logprobs(model, params, tokens: jax.Array, prompt_lengths: jax.Array, *, pad_id: int):
-    """tokens [B, K, L] (prompt ⊕ reply ⊕ EOS, right-padded with pad_id), prompt_lengths [B] ->
-    (log π(reply ⊕ EOS | prompt) summed over its tokens [B, K], the number of those tokens [B, K])."""
-    flat = tokens.reshape(-1, tokens.shape[-1])
-    segment_ids, positions = reward.padding_inputs(flat, pad_id)
-    logits = model.apply({"params": params}, flat, segment_ids=segment_ids, positions=positions)
-    token_logprobs, _ = policy_gradient.response_logprobs(logits[:, :-1], flat[:, 1:])  # [B·K, L − 1]
-    starts = jnp.repeat(prompt_lengths, tokens.shape[1])[:, None]
-    mask = (jnp.arange(1, flat.shape[1])[None] >= starts) & (segment_ids[:, 1:] > 0)  # target t + 1 is a reply token
-    mask = mask.astype(jnp.float32)
-    summed, counts = jnp.sum(token_logprobs * mask, axis=1), jnp.sum(mask, axis=1)
-    return summed.reshape(tokens.shape[:2]), counts.reshape(tokens.shape[:2])
-
-
-def dpo_loss(
-    policy: jax.Array,
-    reference: jax.Array,
-    weights: jax.Array,
-    *,
-    beta: float,
-    label_smoothing: float = 0.0,
-    loss_type: str = "sigmoid",
-) -> tuple[jax.Array, Metrics]:
-    """policy, reference [B, 2]: log-probs of the (chosen, rejected) replies; weights [B] (0 = padding row) ->
-    (mean loss over the weighted comparisons, metrics as (sum, count) pairs: "loss", the implicit rewards'
-    "rewards/accuracy" (ties count as wrong), "rewards/margin", "rewards/chosen", "rewards/rejected")."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown DPO loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
-    rewards = beta * (policy - reference)  # [B, 2]
-    h = (policy[:, 0] - policy[:, 1]) - (reference[:, 0] - reference[:, 1])
-    if loss_type == "sigmoid":
-        losses = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h) - label_smoothing * jax.nn.log_sigmoid(-beta * h)
-    else:
-        losses = jnp.square(h - 1 / (2 * beta))
-    weights = weights.astype(jnp.float32)
-    count = jnp.sum(weights)
-    total = jnp.sum(losses * weights)
-    margin = rewards[:, 0] - rewards[:, 1]
-    metrics = {
-        "loss": (total, count),
-        "rewards/accuracy": (jnp.sum((margin > 0) * weights), count),
-        "rewards/margin": (jnp.sum(margin * weights), count),
-        "rewards/chosen": (jnp.sum(rewards[:, 0] * weights), count),
-        "rewards/rejected": (jnp.sum(rewards[:, 1] * weights), count),
-    }
-    return total / jnp.maximum(count, 1.0), jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
 def dpo_task(model, fields: DPOConfig, *, pad_id: int) -> Task:
@@ -123,12 +73,12 @@ def dpo_task(model, fields: DPOConfig, *, pad_id: int) -> Task:
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
         tokens, prompt_lengths = batch["tokens"], batch["prompt_lengths"]
-        policy, replies = reply_logprobs(model, params, tokens, prompt_lengths, pad_id=pad_id)
-        reference, _ = reply_logprobs(model, frozen["reference"], tokens, prompt_lengths, pad_id=pad_id)
+        policy, replies = preference.reply_logprobs(model, params, tokens, prompt_lengths, pad_id=pad_id)
+        reference, _ = preference.reply_logprobs(model, frozen["reference"], tokens, prompt_lengths, pad_id=pad_id)
         reference = jax.lax.stop_gradient(reference)
         example_weights = batch.get("example_weights", jnp.ones(prompt_lengths.shape, jnp.float32))
         scale = jnp.maximum(replies, 1.0) if fields.loss_type == "ipo" else 1.0  # IPO compares per-token means
-        value, metrics = dpo_loss(
+        value, metrics = preference.dpo_loss(
             policy / scale,
             reference / scale,
             example_weights,
@@ -152,7 +102,7 @@ def dpo_examples(raw: list[comparisons.Comparison], tokenizer, config, where: st
     """ "tokens" [N, 2, seq_len] (chosen, rejected: prompt ⊕ reply ⊕ EOS, right-padded, cut as for the reward model),
     "prompt_lengths" [N] and "lengths" [N, 2] (non-pad tokens). Comparisons whose two rows are identical (equal
     replies, or replies equal up to the cut) teach nothing and are skipped, with a count."""
-    end = sft.end_id(tokenizer)
+    end = comparisons.response_end_id(tokenizer)
     # A third, empty reply changes no cut (`comparisons.reward_model_arrays` cuts the prompt for the longest reply):
     # its row, prompt ⊕ EOS, measures the prompt as kept.
     groups = [comparisons.RankedResponses(c.prompt, (c.chosen, c.rejected, ""), (0, 1, 2)) for c in raw]
@@ -189,11 +139,18 @@ class DPO(base.ExampleObjective):
         sft_spec = self.fields.sft
         if not sft_spec.startswith("ckpt:"):
             raise ValueError(f"config.objective.sft={sft_spec!r}: set it to 'ckpt:WORKDIR' of the SFT run")
+        saved = pathlib.Path(sft_spec.removeprefix("ckpt:")).expanduser() / "config.json"
+        source = json.loads(saved.read_text()).get("objective", {}).get("name") if saved.is_file() else None
+        # ckpt: reads a reward model's backbone, which has the decoder's shapes: nothing later would refuse it.
+        if source == "reward_model":
+            raise ValueError(
+                f"config.objective.sft={sft_spec!r} is a 'reward_model' run; point it at the sft (or causal_lm) run"
+            )
         if kinds.kind_of(self.model()) != kinds.DECODER:
             raise ValueError(f"dpo trains a decoder; config.model_name={self.config.model_name!r} is not one")
 
     def task(self, model):
-        return dpo_task(model, self.fields, pad_id=sft.fixed_tokenizer(self.config).pad_id)
+        return dpo_task(model, self.fields, pad_id=base.fixed_tokenizer(self.config).pad_id)
 
     def step_summary(self):
         b, t = self.config.train.batch_size, self.config.data.seq_len
@@ -211,7 +168,7 @@ class DPO(base.ExampleObjective):
     def real_tokens(self, batch):
         return int(np.sum(batch["lengths"]))
 
-    def load_frozen(self, frozen):
+    def load_frozen(self, frozen, *, trainer):
         """The reference: the SFT run's decoder, which must be of this run's family and tokenizer."""
         workdir = self.fields.sft.removeprefix("ckpt:")
         saved_config = pathlib.Path(workdir).expanduser() / "config.json"

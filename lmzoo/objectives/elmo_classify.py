@@ -19,7 +19,7 @@ import numpy as np
 
 from lmzoo import weights
 from lmzoo.data import readers, transforms
-from lmzoo.layers import embed_lookup
+from lmzoo.layers.embeddings import embed_lookup
 from lmzoo.models import elmo
 from lmzoo.objectives import base, losses
 from lmzoo.trainers.state import Task
@@ -118,7 +118,7 @@ class ELMoClassify(base.ExampleObjective):
             model, elmo.ELMoClassifier(fields.num_classes, fields.head_dropout_rate), fields.features
         )
 
-    def load_frozen(self, frozen):
+    def load_frozen(self, frozen, *, trainer):
         return {"bilm": weights.merge_pretrained(frozen["bilm"], self.fields.bilm, "elmo", self.config.model.to_dict())}
 
     def input_shapes(self, batch_size):

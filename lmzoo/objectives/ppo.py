@@ -1,4 +1,6 @@
 """RLHF policy optimisation against a frozen reward model (InstructGPT's third stage): PPO, REINFORCE, RLOO and GRPO.
+GRPO and RLOO are also registered under their own names (objectives "grpo", "rloo": `ppo`'s recipe with that
+algorithm and its defaults); `ppo` with `algorithm=` selects any of them.
 
 The recipe around the policy trainer (`lmzoo.trainers.rl`: rollout, scoring and updates per step): the policy
 is the SFT decoder with a zero-initialised value head on its trunk (`heads.LMWithValueHead`), or beside a
@@ -16,21 +18,21 @@ import jax
 import numpy as np
 
 from lmzoo import config as config_lib
-from lmzoo import decoding, models, weights
+from lmzoo import models, weights
 from lmzoo.data import comparisons, pipeline, readers, transforms
 from lmzoo.data.loaders import PromptsAndDemonstrations
 from lmzoo.models import heads
-from lmzoo.objectives import base, causal_lm, sft
+from lmzoo.objectives import base, tasks
 from lmzoo.rl import policy_gradient, reward
 from lmzoo.trainers import optim
-from lmzoo.trainers.rl import PTX_PREFIX, PPOTrainer, RLSettings, rollout_inputs
+from lmzoo.trainers.rl import PTX_PREFIX, PPOTrainer, RLSettings
 
 ALGORITHMS = ("ppo", "reinforce", "rloo", "grpo")
 VALUE_MODELS = ("head", "reward", "sft")
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig(sft.ComparisonSplitConfig, RLSettings):
+class PPOConfig(base.ComparisonSplitConfig, RLSettings):
     """The trainer's settings (`RLSettings`), validated here, plus the recipe's. Attributes (besides the held-out
     split of config.data.path, whose training prompts are the rollout prompts):
     sft: "ckpt:WORKDIR" of the SFT run: the frozen reference and the policy's start.
@@ -161,7 +163,7 @@ class PPO(base.Objective):
         return heads.LMWithValueModel(decoder, reward.value_model(backbone))
 
     def trainer(self, model):
-        tokenizer = sft.fixed_tokenizer(self.config)
+        tokenizer = base.fixed_tokenizer(self.config)
         if tokenizer.eos_id is None or tokenizer.eos_id == tokenizer.pad_id:
             raise ValueError(
                 "PPO stops responses at <eos>: config.data.tokenizer needs an <eos> id distinct from <pad> (e.g. kind='byte')"
@@ -171,7 +173,7 @@ class PPO(base.Objective):
             models.build_model(self.config.model_name, self.config.model.to_dict()), self.config.model.emb_dim
         )
         o = self.fields
-        ptx_loss = causal_lm.causal_lm_task(model.decoder).loss if o.ptx_coef > 0 else None
+        ptx_loss = tasks.causal_lm_task(model.decoder).loss if o.ptx_coef > 0 else None
         return PPOTrainer(
             policy=model,
             reward_model=reward_model,
@@ -205,7 +207,7 @@ class PPO(base.Objective):
         return shapes
 
     def _prompts(self, raw, where):
-        tokenizer = sft.fixed_tokenizer(self.config)
+        tokenizer = base.fixed_tokenizer(self.config)
         arrays = comparisons.prompt_arrays(
             _unique_prompts(raw), tokenizer.encode, prompt_len=self.fields.prompt_len, pad_id=tokenizer.pad_id
         )
@@ -224,7 +226,13 @@ class PPO(base.Objective):
         if o.ptx_coef == 0:
             return prompts
         demonstrations = pipeline.ExampleLoader(
-            sft.sft_examples(raw, tokenizer, self.config, "train split"),
+            comparisons.sft_rows(
+                raw,
+                tokenizer,
+                seq_len=self.config.data.seq_len,
+                vocab_size=self.config.model.vocab_size,
+                where="train split",
+            ),
             o.ptx_batch_size,
             seed=self.config.train.seed,
             transform=_as_batch,
@@ -244,7 +252,7 @@ class PPO(base.Objective):
     def real_tokens(self, batch):
         return int(np.sum(batch["prompt_mask"]))
 
-    def load_frozen(self, frozen):
+    def load_frozen(self, frozen, *, trainer):
         """The SFT reference and the reward model from their workdirs, and the reward normalisation (gain, bias) that
         gives `normalize_samples` SFT samples on training prompts mean 0 and std 1 (a fixed key: the same at every start)."""
         o = self.fields
@@ -258,49 +266,15 @@ class PPO(base.Objective):
                 f"the reward model in {o.reward_model} does not fit config.model (a reward_model run on the same "
                 f"backbone config is needed): its parameter shapes {loaded} vs {expected}"
             )
-        gain, bias = self.fit_normalization(reference, reward_params)
+        prompts = self._prompts(self.read()["train"], "train split")
+        normalization_prompts = {k: v[: o.normalize_samples] for k, v in prompts.items()}
+        gain, bias = trainer.reward_normalization(reference, reward_params, normalization_prompts)
         return {
             "reference": reference,
             "reward": reward_params,
             "reward_gain": np.float32(gain),
             "reward_bias": np.float32(bias),
         }
-
-    def fit_normalization(self, reference, reward_params) -> tuple[float, float]:
-        o = self.fields
-        trainer = self.trainer(self.model())
-        prompts = self._prompts(self.read()["train"], "train split")
-        prompts = {k: v[: o.normalize_samples] for k, v in prompts.items()}
-
-        @jax.jit
-        def raw_scores(reference, reward_params, prompts):
-            samples = decoding.sample(
-                trainer.decoder,
-                reference,
-                prompts["prompts"],
-                prompts["prompt_mask"],
-                jax.random.key(1),
-                max_new_tokens=o.response_len,
-                temperature=o.temperature,
-                eos_id=trainer.eos_id,
-                pad_id=trainer.pad_id,
-                vocab_size=trainer.vocab_size,
-            )
-            inputs = rollout_inputs(prompts["prompts"], prompts["prompt_mask"], samples.tokens, samples.mask)
-            return trainer.reward_model.apply(
-                {"params": reward_params},
-                inputs["sequences"],
-                segment_ids=inputs["segment_ids"],
-                positions=inputs["positions"],
-            )[:, 0]
-
-        scores = raw_scores(reference, reward_params, prompts)
-        gain, bias = reward.fit_normalization(scores)
-        print(
-            f"reward normalisation from {len(scores)} SFT samples: raw mean {float(np.mean(scores)):.4f} "
-            f"std {float(np.std(scores)):.4f} -> gain {float(gain):.4f} bias {float(bias):.4f}"
-        )
-        return float(gain), float(bias)
 
     def init_params(self, params, frozen):
         """The policy's decoder starts as the SFT reference. The value head stays at zero; a separate value network
@@ -324,3 +298,42 @@ class PPO(base.Objective):
                 "classifier": jax.tree.map(np.zeros_like, fresh["classifier"]),
             }
         return params
+
+
+def _algorithm_config(algorithm: str, **defaults) -> type[PPOConfig]:
+    """`PPOConfig` with `algorithm` and the defaults it needs (e.g. several samples per prompt), for the objective
+    registered under the algorithm's own name; another algorithm there is refused."""
+    fields = [("algorithm", str, dataclasses.field(default=algorithm))]
+    fields += [(name, type(value), dataclasses.field(default=value)) for name, value in defaults.items()]
+
+    def check_algorithm(self):
+        if self.algorithm != algorithm:
+            raise ValueError(
+                f"config.objective.algorithm={self.algorithm!r}: objective {algorithm!r} runs {algorithm}; to run "
+                f"another algorithm use objective 'ppo' with --config.objective.algorithm"
+            )
+        PPOConfig.__post_init__(self)
+
+    return dataclasses.make_dataclass(
+        f"{algorithm.upper()}Config",
+        fields,
+        bases=(PPOConfig,),
+        frozen=True,
+        namespace={"__post_init__": check_algorithm},
+    )
+
+
+class GRPO(PPO):
+    """GRPO under its own name (`ppo` with algorithm="grpo" runs the same): groups of samples per prompt, scores
+    normalised within each group as advantages, β times the k3 KL to the reference as a loss term, no value loss."""
+
+    name = "grpo"
+    Config = _algorithm_config("grpo", samples_per_prompt=4, epochs=1, minibatches=1, kl_coef=0.04, kl_target=0.0)
+
+
+class RLOO(PPO):
+    """RLOO under its own name (`ppo` with algorithm="rloo" runs the same): several samples per prompt, each
+    response's baseline the mean score of the others, one update per rollout."""
+
+    name = "rloo"
+    Config = _algorithm_config("rloo", samples_per_prompt=4, epochs=1)

@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo.data import comparisons, readers, transforms
-from lmzoo.objectives import base, sft
+from lmzoo.objectives import base
 from lmzoo.rl import reward
 from lmzoo.trainers.state import Task
 
 
 @dataclasses.dataclass(frozen=True)
-class RewardModelConfig(sft.ComparisonSplitConfig):
+class RewardModelConfig(base.ComparisonSplitConfig):
     """Attributes (besides the held-out split):
     max_responses: K, responses per prompt in one batch element (HH-RLHF pairs: 2).
     """
@@ -63,7 +63,7 @@ def reward_examples(raw: list[comparisons.Comparison], tokenizer, config, where:
         max_len=config.data.seq_len,
         max_responses=config.objective.max_responses,
         pad_id=tokenizer.pad_id,
-        eos_id=sft.end_id(tokenizer),
+        eos_id=comparisons.response_end_id(tokenizer),
     )
     transforms.check_token_ids(arrays["tokens"], config.model.vocab_size, where=where)
     return {**arrays, "lengths": np.sum(arrays["tokens"] != tokenizer.pad_id, axis=-1).astype(np.int32)}
@@ -82,7 +82,7 @@ class RewardModel(base.ExampleObjective):
         return reward.reward_model(super().model(), self.config.model.emb_dim)
 
     def task(self, model):
-        return reward_model_task(model, pad_id=sft.fixed_tokenizer(self.config).pad_id)
+        return reward_model_task(model, pad_id=base.fixed_tokenizer(self.config).pad_id)
 
     def input_shapes(self, batch_size):
         k = self.fields.max_responses

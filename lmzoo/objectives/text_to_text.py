@@ -6,7 +6,7 @@ import numpy as np
 
 from lmzoo import tokenizers
 from lmzoo.data import readers, transforms
-from lmzoo.objectives import base, denoising
+from lmzoo.objectives import base, tasks
 
 
 def text_pair_examples(
@@ -69,7 +69,7 @@ class TextToText(base.ExampleObjective):
         ]
 
     def task(self, model):
-        return denoising.seq2seq_task(model)
+        return tasks.seq2seq_task(model)
 
     def input_shapes(self, batch_size):
         return {
@@ -78,7 +78,7 @@ class TextToText(base.ExampleObjective):
         }
 
     def real_tokens(self, batch):
-        return denoising.seq2seq_real_tokens(batch)
+        return tasks.seq2seq_real_tokens(batch)
 
     def examples(self, tokenizer, raw, where):
         examples = text_pair_examples(raw, tokenizer, self.config.data.seq_len, self.config.data.target_seq_len)

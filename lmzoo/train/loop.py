@@ -20,14 +20,16 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from etils import epath
 from tqdm import tqdm
 
-from lmzoo import checkpoint, sharding
+from lmzoo import checkpoint, kernels, sharding, storage
 from lmzoo import config as config_lib
 from lmzoo import metrics as metrics_lib
 from lmzoo import workdir as workdir_lib
 from lmzoo.kernels import host_memory
-from lmzoo.train.run import Run, build, has_checkpoints, restore_or_init
+from lmzoo.objectives.base import Objective
+from lmzoo.train.run import Run, assemble, has_checkpoints, restore_or_init, validated_objective
 
 log = logging.getLogger(__name__)
 
@@ -190,14 +192,18 @@ def start_summary(run: Run, loader: Any, start: int) -> str:
     mesh = ", ".join(f"{name}={size}" for name, size in compiled.mesh.shape.items())
     tokenizer = "the store's" if cfg.data.source == "store" else cfg.data.tokenizer.kind  # a store brings its own
     lines = [
-        f"workdir {run.workdir.absolute()}: {'resuming at step ' + str(start) if start else 'new run'} of {cfg.train.steps} steps",
+        f"workdir {run.workdir}: {'resuming at step ' + str(start) if start else 'new run'} of {cfg.train.steps} steps",
         f"model {cfg.model_name}: {_count(compiled.abstract_state.params):,} trained parameters"
         + (f" (+ {frozen:,} frozen)" if frozen else ""),
         f"data {run.objective.reader.describe(cfg)}: training split of {loader.dataset_size}; "
         f"tokenizer {tokenizer} ({run.tokenizer.vocab_size} ids)",
         f"per step: {run.objective.step_summary()}",
-        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} in {jax.process_count()} process(es); mesh {mesh}",
+        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} (JAX backend {jax.default_backend()}) in "
+        f"{jax.process_count()} process(es); mesh {mesh}",
     ]
+    unused = kernels.unused_accelerator_warning()
+    if unused:
+        lines.append(unused)
     if cfg.optim.decay_steps > cfg.train.steps:
         lines.append(
             f"note: optim.decay_steps={cfg.optim.decay_steps} > train.steps={cfg.train.steps}: the run ends before the "
@@ -214,14 +220,14 @@ def start_summary(run: Run, loader: Any, start: int) -> str:
 
 def end_summary(run: Run, seconds: float, done: int) -> str:
     """Total time, where the outputs are, and how to evaluate and resume, printed when training ends."""
-    workdir = run.workdir.absolute()
+    workdir = run.workdir
     lines = [
         f"trained to step {done} in {seconds / 60:.1f} min",
         f"checkpoints: {run.checkpointer.directory} (steps {run.checkpointer.steps()})",
         f"metrics: {workdir / 'metrics.jsonl'}; TensorBoard events: {workdir / 'tb'} "
         "(view: pip install tensorboard && tensorboard --logdir " + str(workdir / "tb") + ")",
     ]
-    if (workdir / "sample.txt").exists():
+    if storage.exists(workdir / "sample.txt"):
         lines.append(f"sample: {workdir / 'sample.txt'}")
     lines += [
         f"evaluate: python eval.py --workdir={workdir}",
@@ -230,12 +236,12 @@ def end_summary(run: Run, seconds: float, done: int) -> str:
     return "\n".join(lines)
 
 
-def _start(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.StagedRunState | None):
+def _start(objective: Objective, workdir: str, stage: workdir_lib.StagedRunState | None):
     """Everything a training run checks before its first step: build, restore (the config must match the
     checkpoint's), the training data; stages the config to be committed once all passed."""
-    run = build(config, workdir, stage)
+    run = assemble(objective, workdir, stage)
     saved_config = run.workdir / "config.json"
-    resumable = has_checkpoints(run.workdir) and saved_config.exists()
+    resumable = has_checkpoints(run.workdir) and storage.exists(saved_config)
     try:
         state, data_state = restore_or_init(run)
         fingerprint = run.objective.reader.fingerprint(run.config)
@@ -250,6 +256,8 @@ def _start(config: ml_collections.ConfigDict, workdir: str, stage: workdir_lib.S
     except BaseException:
         run.checkpointer.close()
         raise
+    if data_state["step"] > 0 and jax.process_index() == 0:  # said once every check passed, never before a refusal
+        print(f"resumed from {run.checkpointer.directory / str(data_state['step'])}")
     if stage is not None:
         stage.write_text("config.json", run.config.to_json_best_effort(indent=2))
         stage.write_text("data.json", json.dumps({"fingerprint": fingerprint}))
@@ -268,10 +276,10 @@ def _continue_as_last_configured(config: ml_collections.ConfigDict, saved: dict,
         config.train.steps = last
 
 
-def _warn_if_data_changed(saved: pathlib.Path, fingerprint: str, step: int) -> None:
+def _warn_if_data_changed(saved: epath.Path, fingerprint: str, step: int) -> None:
     """Warns when the files config.data names changed since the checkpoints were written (a resume then draws its
     batches from other data)."""
-    if saved.exists() and json.loads(saved.read_text()).get("fingerprint") != fingerprint:
+    if storage.exists(saved) and json.loads(storage.read_text(saved)).get("fingerprint") != fingerprint:
         log.warning(
             "the training data changed since step %d was saved (a file config.data names has another size or "
             "modification time): the resumed run continues on the new data, so it will not repeat the batches an "
@@ -283,13 +291,16 @@ def _warn_if_data_changed(saved: pathlib.Path, fingerprint: str, step: int) -> N
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """Trains to `config.train.steps`; returns the final validation metrics.
 
-    Process 0 holds the workdir's lock for the whole run (a second run on it stops, naming this one).
-    Nothing in the workdir changes until the config, data, tokenizer and checkpoint all passed their
-    checks: config.json and tokenizer/ are staged and committed together before the first step.
+    Process 0 holds the workdir's lock for the whole run (a second run on it stops, naming this one; on a bucket
+    the lock is a lease, checked before each step's writes). Nothing in the workdir changes until the config, data,
+    tokenizer and checkpoint all passed their checks: config.json and tokenizer/ are staged and committed before the
+    first step. An s3:// workdir is refused first (orbax cannot keep checkpoints there).
     Raises TrainingStopped (after saving a checkpoint) on SIGTERM, preemption or Ctrl-C; SIGTERM while starting
     raises it at once, with the workdir as it was.
     """
     began = time.time()
+    checkpoint.check_directory(f"{workdir}/checkpoints")
+    objective = validated_objective(config)  # every config check, before the workdir is touched
     is_main = jax.process_index() == 0
     lock, started = None, False
     try:
@@ -297,15 +308,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             lock = workdir_lib.lock(workdir) if is_main else None
             if is_main:
                 for name in workdir_lib.remove_leftovers(workdir):
-                    log.warning("removed %s, left in %s by a run that crashed while starting", name, workdir)
+                    log.warning("removed %s, left in %s by a run that was killed while writing it", name, workdir)
                 with workdir_lib.StagedRunState(workdir) as stage:
-                    run, state, data_state, loader = _start(config, workdir, stage)
+                    run, state, data_state, loader = _start(objective, workdir, stage)
                     raise_if_stopped()
                     stage.commit()
             else:
-                run, state, data_state, loader = _start(config, workdir, None)
+                run, state, data_state, loader = _start(objective, workdir, None)
         started = True
-        return _train(run, state, data_state, loader, began)
+        return _train(run, state, data_state, loader, began, lock)
+    except storage.BucketUnreachableError as error:
+        raise storage.BucketUnreachableError(
+            f"{error}. Training stopped; what the run saved before is kept: rerun the same command once the bucket "
+            "answers, to resume"
+        ) from None
     finally:
         if lock is not None:
             lock.release(failed_start=not started)
@@ -346,8 +362,16 @@ def _device_calls(compiled, host_batches: list[dict]) -> list[tuple[Any, dict]]:
     return [(compiled.step, sharding.put_batch(b, compiled.batch_sharding)) for b in host_batches]
 
 
-def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) -> dict[str, float]:
-    """The steps from the restored `state` to config.train.steps, then evaluation, a sample and the end summary."""
+def _train(
+    run: Run,
+    state: Any,
+    data_state: dict,
+    loader: Any,
+    began: float,
+    lock: workdir_lib.WorkdirLock | workdir_lib.LeaseLock | None,
+) -> dict[str, float]:
+    """The steps from the restored `state` to config.train.steps, then evaluation, a sample and the end summary.
+    `lock`: the workdir's lock on process 0 (None on the others), checked before each step's writes."""
     from lmzoo.evaluation.generation import sample_text
 
     config, compiled, workdir = run.config, run.compiled, str(run.workdir)
@@ -367,7 +391,8 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
         mininterval=0.5 if sys.stderr.isatty() else 30.0,
     )
     final = None
-    kept_mapped = set()
+    with run.context():  # the platform of the run's mesh
+        step_buffers = host_memory.StepBuffers(kernels.platform())
     try:
         step = start
         while step < config.train.steps:
@@ -380,11 +405,11 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
                         state, step_metrics = run_timed_phases(compiled.phases, state, device_batch)
                     else:
                         state, step_metrics = fn(state, device_batch)
-                        if fn not in kept_mapped:
-                            host_memory.keep_step_buffers_mapped(fn, state, device_batch)
-                            kept_mapped.add(fn)
+                        step_buffers.after_call(fn, state, device_batch)
                     total = metrics_lib.accumulate(total, step_metrics)
             run.checkpointer.check_for_errors()
+            if lock is not None:
+                lock.check()
             done = step + size
             at_log = done % config.train.log_every == 0 or done == config.train.steps
             at_ckpt = done % config.train.checkpoint_every == 0 or done == config.train.steps
@@ -417,7 +442,7 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
                     code,
                 )
             if at_eval:
-                with host_memory.released():  # the step's buffers, kept mapped between steps
+                with step_buffers.released():  # the step's buffers, kept mapped between steps
                     final = evaluate(run, state)
                 writer.write(done, final, "validation")
                 headline = ", ".join(f"{k} {final[k]:.4g}" for k in HEADLINE_METRICS if k in final)
@@ -426,7 +451,7 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
             step = done
         progress.close()
         run.checkpointer.wait()
-        host_memory.release_freed_memory()
+        step_buffers.release()
         if final is None:
             final = evaluate(run, state)
         params = run.compiled.host_params(state) if config.train.sample_tokens > 0 else None
@@ -442,7 +467,7 @@ def _train(run: Run, state: Any, data_state: dict, loader: Any, began: float) ->
                 seed=config.train.seed,
                 note_window=False,
             )
-            (run.workdir / "sample.txt").write_text(config.train.sample_prompt + text)
+            storage.write_text(run.workdir / "sample.txt", config.train.sample_prompt + text)
             print(f"--- sample (step {int(state.step)}) ---\n{config.train.sample_prompt}{text}\n---")
         if is_main:
             print(end_summary(run, time.time() - began, max(start, config.train.steps)))

@@ -5,21 +5,23 @@ and `lmzoo.load`.
 compiled over the mesh, and a checkpointer. It reads no data unless the tokenizer must be trained on it;
 loaders are built on first use, so restoring and scoring a checkpoint needs only its workdir.
 `restore_or_init` gives the latest good checkpoint (frozen parameters read again from the paths the config
-names, never from the checkpoint) or a fresh state; `load(workdir)` gives a trained run's model and params.
+names, never from the checkpoint) or a fresh state; `restore_step` a kept checkpoint to evaluate, its frozen
+parameters read again the same way; `load(workdir)` gives a trained run's model and params.
 """
 
 import contextlib
 import dataclasses
 import json
-import pathlib
+import os
 import sys
 from typing import Any
 
 import flax.linen as nn
 import jax
 import ml_collections
+from etils import epath
 
-from lmzoo import checkpoint, models, objectives, sharding, tokenizers, weights
+from lmzoo import checkpoint, models, objectives, sharding, storage, tokenizers, weights
 from lmzoo import config as config_lib
 from lmzoo import workdir as workdir_lib
 from lmzoo.data import loaders, readers, store
@@ -85,8 +87,8 @@ def validated_objective(config: ml_collections.ConfigDict) -> base.Objective:
 def load_saved(workdir: str) -> ml_collections.ConfigDict:
     """The config a run saved in `<workdir>/config.json`, over today's defaults (so runs saved before
     a field existed still load; of an older flat objective section, only its objective's fields are kept)."""
-    path = pathlib.Path(workdir) / "config.json"
-    if not path.exists():
+    path = storage.path(workdir) / "config.json"
+    if not storage.exists(path):
         raise FileNotFoundError(f"{path} not found: is {workdir!r} the workdir of a train.py run?")
     saved = config_lib.read_saved(path)
     objective = saved.pop("objective", {"name": "causal_lm"})
@@ -104,7 +106,7 @@ class Run:
     """What training and evaluation build from a config and a workdir. Data is read on first use."""
 
     config: ml_collections.ConfigDict
-    workdir: pathlib.Path
+    workdir: epath.Path  # absolute, or a bucket path (lmzoo.storage)
     objective: base.Objective
     tokenizer: tokenizers.Tokenizer
     model: nn.Module
@@ -146,17 +148,20 @@ class Run:
         return self.objective.eval_batches(self.tokenizer, self.raw(split), self.shard)
 
 
-def has_checkpoints(workdir: pathlib.Path) -> bool:
-    """Whether `workdir` holds a saved step (a finished orbax step folder)."""
-    folder = workdir / "checkpoints"
-    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+def has_checkpoints(workdir: epath.Path) -> bool:
+    """Whether `workdir` holds a saved step: a step folder (local: a finished one, orbax renames it into place; bucket:
+    possibly one whose save was cut short, as orbax writes it in place and commits it by a marker file last)."""
+    try:
+        return any(name.isdigit() for name in storage.list_dir(workdir / "checkpoints"))
+    except FileNotFoundError:
+        return False
 
 
 def _tokenizer(
     config: ml_collections.ConfigDict,
     run_splits: dict,
     objective: base.Objective,
-    workdir: pathlib.Path,
+    workdir: epath.Path,
     stage: workdir_lib.StagedRunState | None,
 ) -> tokenizers.Tokenizer:
     """The run's tokenizer: the workdir's when it has checkpoints (so a resumed run keeps its ids); else
@@ -164,8 +169,9 @@ def _tokenizer(
     `stage` is given, staged there.
     A tokenizer left by a run that never saved a checkpoint is rebuilt, never reused."""
     saved = workdir / "tokenizer" / "spec.json"
-    if saved.exists() and has_checkpoints(workdir):
-        return tokenizers.from_spec(json.loads(saved.read_text()), str(saved.parent))
+    if storage.exists(saved) and has_checkpoints(workdir):
+        with storage.local_copy(saved.parent) as folder:  # tokenizer libraries read local files
+            return tokenizers.from_spec(json.loads(storage.read_text(saved)), folder)
     spec = config.data.tokenizer.to_dict()
     kind = spec.pop("kind")
     corpus = None
@@ -184,8 +190,9 @@ def _tokenizer(
 
 
 def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
-    """Devices a batch is split over: the mesh's data x fsdp axes."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    """Devices a batch is split over: the mesh's data x fsdp x expert axes (the "act_batch" rule of
+    `sharding.LOGICAL_AXIS_RULES`)."""
+    return mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
 
 
 def build(
@@ -196,13 +203,25 @@ def build(
     batches: bool = True,
     devices: list | None = None,
 ) -> Run:
-    """Validated config, objective, tokenizer, model, compiled trainer and checkpointer for a workdir.
+    """`assemble` on the objective of `config`, validated (`validated_objective`)."""
+    return assemble(validated_objective(config), workdir, stage, batches=batches, devices=devices)
+
+
+def assemble(
+    objective: base.Objective,
+    workdir: str,
+    stage: workdir_lib.StagedRunState | None = None,
+    *,
+    batches: bool = True,
+    devices: list | None = None,
+) -> Run:
+    """Tokenizer, model, compiled trainer and checkpointer for a workdir, from the run's validated objective
+    (`validated_objective`: the config is validated once per run, before the workdir is touched).
 
     stage: where a training run stages a newly built tokenizer (None: a new tokenizer is not saved).
     batches: check that batch sizes split over the mesh (False for a run opened only to restore params).
     devices: the mesh's devices (default: all).
     """
-    objective = validated_objective(config)
     config = objective.config
     try:
         mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape), devices)
@@ -213,8 +232,7 @@ def build(
     config_lib.check_values(
         config, data_parallel_size=dp, devices=mesh.size, batches=batches, more_problems=tuple(more)
     )
-    workdir_path = pathlib.Path(workdir)
-    workdir_path.mkdir(parents=True, exist_ok=True)
+    workdir_path = storage.path(workdir)
     rules = sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))
     splits: dict[str, Any] = {}
     tokenizer = _tokenizer(config, splits, objective, workdir_path, stage)
@@ -231,7 +249,7 @@ def build(
             "in phases (rollout, scoring, update), one step per call; set --config.train.steps_per_call=1"
         )
     checkpointer = checkpoint.Checkpointer(
-        str(workdir_path / "checkpoints"),
+        os.fspath(workdir_path / "checkpoints"),
         max_to_keep=config.train.keep_checkpoints,
         async_save=config.train.async_checkpoints,
     )
@@ -253,7 +271,8 @@ def load_frozen(run: Run) -> Any:
         return run.compiled.abstract_state.frozen
     with run.context():
         fresh = jax.device_get(run.compiled.init(jax.random.key(run.config.train.seed)).frozen)
-    return jax.device_put(run.objective.load_frozen(fresh), run.compiled.state_shardings.frozen)
+    frozen = run.objective.load_frozen(fresh, trainer=run.compiled.trainer)
+    return jax.device_put(frozen, run.compiled.state_shardings.frozen)
 
 
 def restore_or_init(run: Run) -> tuple[Any, dict]:
@@ -261,16 +280,16 @@ def restore_or_init(run: Run) -> tuple[Any, dict]:
     parameters are read, whose params the objective may adjust, and which takes config.init_from's weights."""
     restored = run.checkpointer.restore_latest(run.abstract_state)
     if restored is not None:
-        step, state, data_state = restored
-        if jax.process_index() == 0:
-            print(f"resumed from {run.checkpointer.directory / str(step)}")
+        _, state, data_state = restored
         return state.replace(frozen=load_frozen(run)), data_state
     cfg = run.config
     with run.context():
         state = run.compiled.init(jax.random.key(cfg.train.seed))
     frozen = load_frozen(run)
-    fresh = jax.device_get(state.params)
-    params = run.objective.init_params(fresh, jax.device_get(frozen))
+    # The params stay on the mesh: `init_from` weights are read tensor by tensor into each parameter's sharding
+    # (`weights.merge_pretrained`), so no host holds the whole model.
+    fresh = state.params
+    params = run.objective.init_params(fresh, frozen)
     if cfg.get("init_from"):
         params = weights.merge_pretrained(
             params, cfg.init_from, cfg.model_name, cfg.model.to_dict(), allow_partial=cfg.init_from_partial
@@ -299,10 +318,10 @@ def load(workdir: str, step: int | None = None, *, mesh_shape: tuple[int, ...] |
     mesh_shape: restore onto this (data, fsdp, tensor) mesh; default: the run's mesh if this machine has
     its devices, else every device data-parallel (checkpoints reshard on restore).
     """
-    workdir = str(pathlib.Path(workdir).expanduser().absolute())
+    workdir = os.fspath(storage.path(workdir))
     run = open_run(workdir, mesh_shape=mesh_shape, batches=False)
     try:
-        step, state = restore_step(run, step)
+        step, state = restore_step(run, step, frozen=False)
         params = run.compiled.host_params(state)
     finally:
         run.checkpointer.close()
@@ -342,22 +361,26 @@ def open_run(
         config.sharding.mesh_shape = tuple(mesh_shape)
     else:
         config.sharding.mesh_shape, devices = evaluation_layout(config, batches=batches)
-    if not (pathlib.Path(workdir) / "tokenizer" / "spec.json").exists():
+    if not storage.exists(storage.path(workdir) / "tokenizer" / "spec.json"):
         raise FileNotFoundError(f"{workdir}/tokenizer is missing: is {workdir!r} the workdir of a train.py run?")
     return build(config, workdir, batches=batches, devices=devices)
 
 
-def restore_step(run, step: int | None = None) -> tuple[int, Any]:
-    """(step, state) of the latest checkpoint that restores, or of `step`; frozen parameters left out."""
+def restore_step(run, step: int | None = None, *, frozen: bool = True) -> tuple[int, Any]:
+    """(step, state) of the latest checkpoint that restores, or of `step`, with the frozen parameters its objective
+    evaluates against (a reference policy, a reward model, a teacher) read again as a resumed run reads them
+    (`load_frozen`); `frozen=False` leaves them out, for callers that want only the trained params."""
     if step is None:
         restored = run.checkpointer.restore_latest(run.abstract_state)
         if restored is None:
             raise FileNotFoundError(
                 f"no checkpoint found in {run.checkpointer.directory}; train first with train.py --workdir={run.workdir}"
             )
-        return restored[0], restored[1]
-    if step not in run.checkpointer.steps():
+        step, state, _ = restored
+    elif step not in run.checkpointer.steps():
         raise FileNotFoundError(
             f"no checkpoint for step {step} in {run.checkpointer.directory}; kept steps: {run.checkpointer.steps()}"
         )
-    return step, run.checkpointer.restore_step(step, run.abstract_state)[0]
+    else:
+        state = run.checkpointer.restore_step(step, run.abstract_state)[0]
+    return step, state.replace(frozen=load_frozen(run)) if frozen else state

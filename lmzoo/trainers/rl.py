@@ -157,6 +157,26 @@ class PPOTrainer:
             "mask": samples.mask.astype(jnp.float32),
         }
 
+    def reward_normalization(self, reference: Any, reward_params: Any, prompts: dict[str, Any]) -> tuple[float, float]:
+        """(gain, bias) of `score`'s normalisation: they give the reward model's raw scores of one reference sample
+        per prompt ("prompts", "prompt_mask" [N, P]) mean 0 and std 1. The key is fixed, so every start of a run
+        computes the same values."""
+
+        @jax.jit
+        def raw_scores(reference, reward_params, prompts):
+            samples = self.generate({"decoder": reference}, prompts, jax.random.key(1), samples_per_prompt=1)
+            inputs = rollout_inputs(samples["prompts"], samples["prompt_mask"], samples["responses"], samples["mask"])
+            forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
+            return self.reward_model.apply({"params": reward_params}, inputs["sequences"], **forward)[:, 0]
+
+        scores = raw_scores(reference, reward_params, prompts)
+        gain, bias = reward.fit_normalization(scores)
+        print(
+            f"reward normalisation from {len(scores)} SFT samples: raw mean {float(jnp.mean(scores)):.4f} "
+            f"std {float(jnp.std(scores)):.4f} -> gain {float(gain):.4f} bias {float(bias):.4f}"
+        )
+        return float(gain), float(bias)
+
     def score(self, params, frozen, kl_coef, samples: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], Metrics]:
         """Scores `generate`'s samples with the frozen reward model, reads the policy's and the reference's log-probs
         and the values, shapes the rewards and runs GAE -> the fixed targets of the updates (every array [B·K, ...])

@@ -12,6 +12,7 @@ import pytest
 import lmzoo
 from lmzoo import config as config_lib
 from lmzoo import testing, tokenizers
+from lmzoo.cli import export as cli_export
 from lmzoo.convert import bert, export, seq2seq
 from lmzoo.models import build_model, heads, make_config
 from lmzoo.objectives import classify
@@ -158,7 +159,7 @@ def test_exported_sequence_classifier_gives_the_same_logits_and_labels(tmp_path,
 
 @pytest.mark.parity
 def test_a_classify_workdir_exports_its_classifier(tmp_path):
-    """train.py's configs/sst2.py:gpt,tiny on a small TSV, then `python -m lmzoo.convert.export --labels=...`."""
+    """train.py's configs/sst2.py:gpt,tiny on a small TSV, then `python -m lmzoo.cli.export --labels=...`."""
     sentences = ["a charming and affecting journey", "bleak and desperate", "the acting is terrible", "great fun"]
     tsv = "sentence\tlabel\n" + "".join(f"{s}\t{i % 3 == 0:d}\n" for i, s in enumerate(sentences * 8))
     for split in ("train", "dev"):
@@ -166,7 +167,7 @@ def test_a_classify_workdir_exports_its_classifier(tmp_path):
     config = config_lib.load_config_file(ROOT / "configs" / "sst2.py", "gpt,tiny")
     config.data.train_path, config.data.validation_path = str(tmp_path / "train.tsv"), str(tmp_path / "dev.tsv")
     loop.train_and_evaluate(config, str(tmp_path / "run"))
-    summary = export.export_workdir(str(tmp_path / "run"), str(tmp_path / "hf"), labels=["negative", "positive"])
+    summary = cli_export.export_workdir(str(tmp_path / "run"), str(tmp_path / "hf"), labels=["negative", "positive"])
     assert summary["architecture"] == "GPT2ForSequenceClassification" and summary["step"] == config.train.steps
 
     loaded = lmzoo.load(str(tmp_path / "run"))

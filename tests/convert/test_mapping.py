@@ -27,7 +27,7 @@ def toy_state_dict() -> dict[str, np.ndarray]:
 
 def test_layouts_round_trip():
     state_dict = toy_state_dict()
-    params = mapping.to_params(*mapping.read_hf(state_dict, LAYOUT, toy_entries()))
+    params = mapping.materialize(mapping.to_sources(*mapping.read_hf(state_dict, LAYOUT, toy_entries())))
     np.testing.assert_array_equal(
         params["attn"]["key"]["kernel"], state_dict["body.qkv.weight"][:, 4:8].reshape(4, 2, 2)
     )
@@ -52,7 +52,7 @@ def test_one_validator_both_directions():
     with pytest.raises(ValueError, match=message):
         mapping.read_hf(broken, LAYOUT, toy_entries())
 
-    params = mapping.to_params(*mapping.read_hf(state_dict, LAYOUT, toy_entries()))
+    params = mapping.materialize(mapping.to_sources(*mapping.read_hf(state_dict, LAYOUT, toy_entries())))
     params["attn"]["query"]["kernel"] = np.zeros((4, 4))
     params["attn"]["key"].pop("bias")
     params["lm_head"] = {"kernel": np.zeros((4, 5))}
@@ -67,7 +67,7 @@ def test_one_validator_both_directions():
 def test_scanned_layout_round_trip():
     per_layer = {"blocks": {f"layer_{i}": {"w": np.full((2,), i, np.float32)} for i in range(3)}, "out": np.ones(1)}
     target = {"blocks": {"layers": {"w": np.zeros((3, 2))}}, "out": np.zeros(1)}
-    stacked = mapping.to_layout(per_layer, target)
+    stacked = mapping.materialize(mapping.to_layout(per_layer, target))
     np.testing.assert_array_equal(stacked["blocks"]["layers"]["w"], [[0, 0], [1, 1], [2, 2]])
     again = mapping.unstack_layers(stacked)
     assert mapping.flatten(again).keys() == mapping.flatten(per_layer).keys()

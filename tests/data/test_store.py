@@ -235,7 +235,8 @@ def test_bad_inputs_refused_before_any_work(tmp_path):
         text=True,
     )
     assert cli.returncode == 2 and cli.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'bad.jsonl'}: line 2 has no field 'text' (it has ['body']); set config.data.text_field"
+        f"error: {tmp_path / 'bad.jsonl'}: line 2 has no field 'text' (it has ['body']); pass --text_field=NAME, the "
+        "field that holds the text"
     ]
 
 

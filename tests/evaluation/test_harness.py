@@ -16,6 +16,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from lmzoo import tokenizers  # noqa: E402
+from lmzoo.cli import harness as cli_harness  # noqa: E402
 from lmzoo.convert import gpt2, llama, mapping  # noqa: E402
 from lmzoo.evaluation import harness  # noqa: E402
 from lmzoo.models import build_model, make_config  # noqa: E402
@@ -110,7 +111,7 @@ def models(hf_folder):
         model=build_model(family, make_config(family, fields)), params=params, tokenizer=tokenizer, config=None, step=0
     )
     reference = HFLM(pretrained=str(hf_folder), tokenizer=str(hf_folder), device="cpu", dtype="float32", batch_size=4)
-    return harness.LmzooLM.from_loaded(loaded, batch_size=4), reference
+    return harness.LmzooLM(loaded, batch_size=4), reference
 
 
 def requests(kind: str, arguments: list[tuple]) -> list[Instance]:
@@ -175,4 +176,4 @@ def test_same_accuracy_on_a_local_task(models, hf_folder, tmp_path):
 def test_registered_next_to_lm_evals_own_models():
     from lm_eval.api.registry import get_model
 
-    assert get_model("lmzoo") is harness.LmzooLM and get_model("hf") is HFLM
+    assert get_model("lmzoo") is cli_harness.WorkdirLM and get_model("hf") is HFLM

@@ -5,7 +5,10 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
+
+from lmzoo.kernels import host_memory
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROGRAM = textwrap.dedent(
@@ -13,7 +16,7 @@ PROGRAM = textwrap.dedent(
     import resource, sys
     import jax, jax.numpy as jnp, numpy as np
     from lmzoo import config as config_lib, models, sharding
-    from lmzoo.objectives import causal_lm
+    from lmzoo.objectives import tasks
     from lmzoo.kernels import host_memory
     from lmzoo.trainers import optim
     from lmzoo.trainers import base as trainer_lib, supervised
@@ -22,7 +25,7 @@ PROGRAM = textwrap.dedent(
     b, t = config.train.batch_size, config.data.seq_len
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (b, t + 1), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((b, t), np.float32)}
-    task = causal_lm.causal_lm_task(models.build_model(config.model_name, config.model.to_dict()))
+    task = tasks.causal_lm_task(models.build_model(config.model_name, config.model.to_dict()))
     tx, schedule = optim.make_optimizer(config.optim)
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
     compiled = trainer_lib.compile_trainer(supervised.SupervisedTrainer(task, tx, schedule, shapes),
@@ -103,3 +106,29 @@ def test_temporaries_beyond_a_thread_heap_kept_only_on_the_calling_thread():
     assert not kept and worker_faults > 90e6 / 4096 / 2
     kept, calling_faults = kept_and_median_faults_per_call("calling_thread")
     assert kept and calling_faults < worker_faults / 10
+
+
+class _StepThatMustNotBeLookedUp:
+    def lower(self, *args):
+        raise AssertionError("the step was lowered off the CPU")
+
+
+def test_step_buffers_do_nothing_off_the_cpu(monkeypatch):
+    """On an accelerator's mesh the loop's hook neither lowers the step nor calls glibc."""
+    calls = []
+    monkeypatch.setattr(host_memory, "release_freed_memory", lambda: calls.append("trim"))
+    hook = host_memory.StepBuffers("gpu")
+    hook.after_call(_StepThatMustNotBeLookedUp(), np.zeros(2))
+    with hook.released():
+        pass
+    hook.release()
+    assert not hook.active and calls == []
+
+
+def test_step_buffers_keep_each_function_once_on_the_cpu(monkeypatch):
+    kept = []
+    monkeypatch.setattr(host_memory, "keep_step_buffers_mapped", lambda step, *args: kept.append(step))
+    hook = host_memory.StepBuffers("cpu")
+    for step in ("step", "steps", "step"):
+        hook.after_call(step, np.zeros(2))
+    assert kept == ["step", "steps"]

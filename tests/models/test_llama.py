@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from lmzoo import decoding, kernels, layers, models, testing
+from lmzoo import decoding, kernels, models, testing
+from lmzoo.layers import embeddings
 
 TINY = dict(vocab_size=61, max_len=32, emb_dim=24, num_heads=6, num_kv_heads=2, head_dim=8, num_layers=2, mlp_dim=40)
 
@@ -45,7 +46,7 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
 
 def test_rotary_is_relative():
     """q.k after rotation depends on the positions' difference only."""
-    rotary = layers.Rotary(10_000.0)
+    rotary = embeddings.Rotary(10_000.0)
     q, k = (jax.random.normal(key, (1, 1, 1, 8)) for key in jax.random.split(jax.random.key(1)))
 
     def score(pq, pk):
@@ -60,7 +61,7 @@ def test_rotary_is_relative():
 def test_default_positions_use_constant_tables_equal_to_computed_ones():
     """On the CPU, without positions the rotation comes from numpy tables that every layer shares; they equal the
     rotation computed from 0..T-1, which is what the accelerators compute."""
-    rotary = layers.Rotary(10_000.0, (8.0, 1.0, 4.0, 16))
+    rotary = embeddings.Rotary(10_000.0, (8.0, 1.0, 4.0, 16))
     positions = jnp.broadcast_to(jnp.arange(20), (3, 20))
     tables = rotary.rotation(None, 16, 20)
     assert rotary.rotation(None, 16, 20)[0] is tables[0]
@@ -81,8 +82,8 @@ def test_default_positions_use_constant_tables_equal_to_computed_ones():
 
 
 def test_llama3_scaling_keeps_high_and_divides_low_frequencies():
-    plain = layers.Rotary(500_000.0).inverse_frequencies(64)
-    scaled = layers.Rotary(500_000.0, (8.0, 1.0, 4.0, 8192)).inverse_frequencies(64)
+    plain = embeddings.Rotary(500_000.0).inverse_frequencies(64)
+    scaled = embeddings.Rotary(500_000.0, (8.0, 1.0, 4.0, 8192)).inverse_frequencies(64)
     np.testing.assert_allclose(scaled[:4], plain[:4])  # short wavelengths untouched
     np.testing.assert_allclose(scaled[-2:], plain[-2:] / 8.0, rtol=1e-6)  # long ones divided by the factor
 

@@ -21,6 +21,7 @@ from lmzoo import metrics as metrics_lib
 from lmzoo import sharding, testing, tokenizers
 from lmzoo.data import comparisons
 from lmzoo.objectives import dpo
+from lmzoo.rl import preference
 from lmzoo.train import loop
 from lmzoo.train import run as run_lib
 
@@ -43,7 +44,7 @@ class DPOLossTest(chex.TestCase):
             return -(1 - smoothing) * math.log(sigmoid) - smoothing * math.log(1 - sigmoid)
 
         for smoothing in (0.0, 0.2):
-            loss = self.variant(functools.partial(dpo.dpo_loss, beta=0.5, label_smoothing=smoothing))
+            loss = self.variant(functools.partial(preference.dpo_loss, beta=0.5, label_smoothing=smoothing))
             value, metrics = loss(self.POLICY, self.REFERENCE, self.WEIGHTS)
             expected = closed_form(1.0, smoothing) + closed_form(-1.0, smoothing)
             np.testing.assert_allclose(value, expected / 2, rtol=1e-6)
@@ -56,12 +57,12 @@ class DPOLossTest(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_ipo_loss_is_the_squared_distance_to_one_over_two_beta(self):
-        loss = self.variant(functools.partial(dpo.dpo_loss, beta=0.25, loss_type="ipo"))
+        loss = self.variant(functools.partial(preference.dpo_loss, beta=0.25, loss_type="ipo"))
         value, _ = loss(self.POLICY, self.REFERENCE, self.WEIGHTS)
         np.testing.assert_allclose(value, ((1.0 - 2.0) ** 2 + (-1.0 - 2.0) ** 2) / 2, rtol=1e-6)
 
     def test_policy_equal_to_reference_gives_log_two_and_no_margin(self):
-        value, metrics = dpo.dpo_loss(self.POLICY, self.POLICY, jnp.ones(3), beta=0.1)
+        value, metrics = preference.dpo_loss(self.POLICY, self.POLICY, jnp.ones(3), beta=0.1)
         np.testing.assert_allclose(value, math.log(2.0), rtol=1e-6)
         assert metrics["rewards/accuracy"][0] == 0.0 and metrics["rewards/margin"][0] == 0.0  # ties count as wrong
 
@@ -88,7 +89,9 @@ def test_reply_logprobs_sum_reply_tokens_only_and_ignore_padding():
         rows[1, 1],
     )
     prompt_lengths = np.array([3, 4], np.int32)
-    summed, counts = dpo.reply_logprobs(model, params, jnp.asarray(tokens), jnp.asarray(prompt_lengths), pad_id=PAD)
+    summed, counts = preference.reply_logprobs(
+        model, params, jnp.asarray(tokens), jnp.asarray(prompt_lengths), pad_id=PAD
+    )
     for b, k in itertools.product(range(2), range(2)):
         row = tokens[b, k][tokens[b, k] != PAD]
         log_probs = jax.nn.log_softmax(jax.jit(model.apply)({"params": params}, row[None])[0])
@@ -266,7 +269,6 @@ def test_dpo_raises_the_implicit_reward_margin_of_the_pairs_it_trained_on(sft_ru
     loop.train_and_evaluate(_dpo_config(sft_run, steps=steps), workdir)
     run = run_lib.open_run(workdir)
     _, trained = run_lib.restore_step(run)
-    trained = trained.replace(frozen=run_lib.load_frozen(run))
     start = run_lib.build(_dpo_config(sft_run, steps=steps), workdir + "_start")
     initial, _ = run_lib.restore_or_init(start)
 
@@ -291,10 +293,12 @@ def test_dpo_raises_the_implicit_reward_margin_of_the_pairs_it_trained_on(sft_ru
     first = [r for r in _rows(workdir) if r["split"] == "train"][0]
     assert first["loss"] == pytest.approx(math.log(2.0), abs=1e-6)  # the first step starts at the reference
     assert "rewards/accuracy" in [r for r in _rows(workdir) if r["split"] == "validation"][-1]
-    # The reference is never checkpointed: a restore has no frozen parameters, and they are read again.
+    # The reference is never checkpointed: the checkpoint holds no frozen parameters, and a restore reads them again.
     restored = run_lib.open_run(workdir)
-    assert jax.tree.leaves(run_lib.restore_step(restored)[1].frozen) == []
+    assert jax.tree.leaves(run_lib.restore_step(restored, frozen=False)[1].frozen) == []
+    reference = jax.device_get(run_lib.restore_step(restored)[1].frozen["reference"])
     restored.checkpointer.close()
+    jax.tree.map(np.testing.assert_array_equal, reference, run_lib.load(sft_run["sft"]).params)
 
 
 def test_resumed_dpo_continues_exactly(sft_run):

@@ -13,8 +13,8 @@ import pytest
 from lmzoo import config as config_lib
 from lmzoo import models, testing
 from lmzoo.models import heads
-from lmzoo.objectives import causal_lm
 from lmzoo.objectives import ppo as ppo_objective
+from lmzoo.objectives import tasks
 from lmzoo.rl import reward
 from lmzoo.train import run as run_lib
 from lmzoo.trainers import rl
@@ -33,7 +33,7 @@ def _trainer(value_model: str = "head", **settings) -> rl.PPOTrainer:
     rm = reward.reward_model(models.build_model("gpt2", testing.TINY_GPT2), testing.TINY_GPT2["emb_dim"])
     settings = dict(prompt_len=6, response_len=4, epochs=1, minibatches=1, missing_eos_penalty=0.0) | settings
     config = ppo_objective.PPOConfig(value_model=value_model, **settings)
-    ptx_loss = causal_lm.causal_lm_task(decoder).loss if config.ptx_coef > 0 else None
+    ptx_loss = tasks.causal_lm_task(decoder).loss if config.ptx_coef > 0 else None
     return rl.PPOTrainer(
         policy=policy,
         reward_model=rm,
@@ -77,7 +77,7 @@ def test_ptx_gradient_is_the_ppo_gradient_plus_coef_times_the_lm_gradient():
     demonstrations = _demonstrations()
     (_, metrics), mixed_grads = jax.value_and_grad(mixed.minibatch_loss, has_aux=True)(params, rollout, demonstrations)
     ppo_grads = jax.grad(lambda p: plain.minibatch_loss(p, rollout)[0])(params)
-    sft_loss = causal_lm.causal_lm_task(plain.decoder).loss
+    sft_loss = tasks.causal_lm_task(plain.decoder).loss
     lm_grads = jax.grad(lambda d: sft_loss(d, {}, {}, demonstrations, jax.random.key(0), step=0, train=False)[0])(
         params["decoder"]
     )

@@ -27,7 +27,7 @@ def main(devices: int, job: dict) -> None:
     config.sharding.mesh_shape = tuple(job["mesh"])
     loop.train_and_evaluate(config, job["workdir"])
     run = run_lib.open_run(job["workdir"], mesh_shape=tuple(job["mesh"]))
-    _, state = run_lib.restore_step(run)
+    _, state = run_lib.restore_step(run, frozen=False)
     run.checkpointer.close()
     np.savez(job["npz"], **state_arrays(state))
 

@@ -155,7 +155,7 @@ def straight_ppo(stages, request):
         ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=3), workdir
     )
     run = run_lib.open_run(workdir)
-    _, state = run_lib.restore_step(run)
+    _, state = run_lib.restore_step(run, frozen=False)
     run.checkpointer.close()
     return {"workdir": workdir, "arrays": state_arrays(state), "objective": objective, "variant": variant}
 
@@ -170,7 +170,7 @@ def test_resumed_ppo_continues_exactly(stages, straight_ppo):
         ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=3), workdir
     )
     run = run_lib.open_run(workdir)
-    _, state = run_lib.restore_step(run)
+    _, state = run_lib.restore_step(run, frozen=False)
     run.checkpointer.close()
     resumed = state_arrays(state)
     assert resumed.keys() == straight_ppo["arrays"].keys()
@@ -199,7 +199,7 @@ def test_grpo_keeps_the_kl_out_of_the_reward_and_resumes_exactly(stages):
     arrays = {}
     for workdir in (straight, resumed):
         run = run_lib.open_run(workdir)
-        arrays[workdir] = state_arrays(run_lib.restore_step(run)[1])
+        arrays[workdir] = state_arrays(run_lib.restore_step(run, frozen=False)[1])
         run.checkpointer.close()
     for key, value in arrays[straight].items():
         np.testing.assert_array_equal(arrays[resumed][key], value, err_msg=key)
@@ -271,7 +271,7 @@ def test_the_ppo_policy_samples_like_its_decoder(straight_ppo):
     from lmzoo.evaluation.generation import sample_text
 
     run = run_lib.open_run(straight_ppo["workdir"])
-    _, state = run_lib.restore_step(run)
+    _, state = run_lib.restore_step(run, frozen=False)
     run.checkpointer.close()
     params = run.compiled.host_params(state)
     text = sample_text(run, params, "Human:", max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=0)

@@ -170,7 +170,18 @@ def test_perplexity_and_bits_only_for_token_nll_losses():
     total = {"loss": (np.float32(6.0), np.float32(3.0))}
     assert metrics_lib.summarize(total)["perplexity"] == pytest.approx(np.exp(2.0))
     assert set(metrics_lib.summarize(total, token_nll=False)) == {"loss"}
-    not_nll = {"classify", "reward_model", "ppo", "distill", "mlm_nsp", "mlm_sop", "elmo_classify"}
+    not_nll = {
+        "classify",
+        "reward_model",
+        "ppo",
+        "grpo",
+        "rloo",
+        "dpo",
+        "distill",
+        "mlm_nsp",
+        "mlm_sop",
+        "elmo_classify",
+    }
     for name in ("causal_lm", "sft", "mlm", "recurrent_lm", "bilm", "text_to_text", *not_nll):
         assert objectives.get(name).loss_is_token_nll == (name not in not_nll), name
 

@@ -24,7 +24,7 @@ from flax import struct
 
 from lmzoo import config as config_lib
 from lmzoo import objectives, sharding, testing
-from lmzoo.objectives import causal_lm, losses
+from lmzoo.objectives import causal_lm, losses, tasks
 from lmzoo.train import loop
 from lmzoo.train import run as run_lib
 from lmzoo.trainers import base as trainer_lib
@@ -137,7 +137,7 @@ class InnerUpdates(causal_lm.CausalLM):
 
 
 def _annealed_task(model) -> Task:
-    base = causal_lm.causal_lm_task(model)
+    base = tasks.causal_lm_task(model)
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
         value, (metrics, carry) = base.loss(params, frozen, carry, batch, rng, step=step, train=train)

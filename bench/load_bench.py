@@ -1,0 +1,230 @@
+"""HF checkpoint loading benchmark (issue 38): peak host RSS and wall time of `init_from=hf:` on a 1 GB checkpoint.
+
+    python bench/load_bench.py [--tiny] [--rounds=2] [--scratch=/tmp] [--keep]
+
+Generates, in a temporary folder under --scratch, a random LlamaForCausalLM (transformers, random weights, no
+download) of 491M parameters saved in bfloat16 as 4 safetensors shards (0.98 GB; --tiny: 2M parameters). Then,
+each in a fresh process with 8 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8),
+--rounds interleaved rounds of:
+  read: every byte of the shard files read once into one reused buffer (as `cat` reads: the floor), and, for
+        reference, each file read whole into fresh memory (`Path.read_bytes`, as the whole-file loader did);
+  load: `lmzoo.weights.merge_pretrained(target, "hf:DIR", "llama", cfg)`, what `init_from=hf:` and the frozen models
+        (PPO reference, distillation teacher) call, into a bfloat16 lmzoo Llama with scanned layers (as
+        configs/llama.py:llama3_8b) whose target parameters are ShapeDtypeStructs sharded over an FSDP mesh
+        (1, 8, 1); timed until every parameter is on its devices.
+Both read the files from the page cache (just written); wall and CPU times (all threads) are printed, as other
+processes sharing the cores inflate wall time. Peak RSS is the load process's VmHWM. The simulated
+devices' buffers are host memory here, so the peak includes the loaded parameters themselves (on an accelerator
+they live in device memory); that share is printed beside it.
+Targets, printed as PASS/MISS (never asserted): peak host RSS <= 1.5 GB + 1.2 x the largest single tensor; load
+time <= 2 x the read time (the reused-buffer read; medians over the rounds).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
+from lmzoo import sharding, weights  # noqa: E402
+from lmzoo.convert import llama as llama_convert  # noqa: E402
+from lmzoo.convert import mapping  # noqa: E402
+from lmzoo.models import build_model, make_config  # noqa: E402
+
+GB = 1e9
+RSS_BASE_GB, RSS_TENSOR_FACTOR, TIME_FACTOR = 1.5, 1.2, 2.0
+DEVICES = 8
+MESH = (1, DEVICES, 1)  # (data, fsdp, tensor)
+# A Llama of 491M parameters: 8 layers of hidden 2048, MLP 5632, 16 heads, 4 kv heads; untied 32000-token embeddings.
+FULL = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+)
+TINY = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+SHARD_SIZE = {"full": "300MB", "tiny": "2MB"}
+READ_CHUNK = 64 << 20
+
+
+def generate_checkpoint(folder: pathlib.Path, shape: dict, shard_size: str) -> None:
+    """A random LlamaForCausalLM of `shape` made in bfloat16 and saved as safetensors shards of `shard_size`."""
+    import torch  # here only: the measured processes do not import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**shape, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size=shard_size)
+
+
+def shard_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def read_bytes(folder: pathlib.Path) -> dict:
+    """(Child process.) Reads every shard file's bytes once into one reused buffer (as `cat` does: the floor), then
+    each file whole into fresh memory (`Path.read_bytes`, as the whole-file loader did), freeing it after."""
+    buffer = memoryview(bytearray(READ_CHUNK))
+    start, cpu_start, total = time.perf_counter(), time.process_time(), 0
+    for file in shard_files(folder):
+        with open(file, "rb", buffering=0) as f:
+            while got := f.readinto(buffer):
+                total += got
+    read_s, read_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for file in shard_files(folder):
+        file.read_bytes()
+    whole_s, whole_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    return {"read_s": read_s, "read_cpu_s": read_cpu_s, "whole_s": whole_s, "whole_cpu_s": whole_cpu_s, "bytes": total}
+
+
+def rss_bytes(field: str) -> int:
+    """VmRSS (now) or VmHWM (peak) of this process, from /proc (not getrusage's ru_maxrss, which keeps the peak of
+    the process that forked this one, here the one holding the generated model, across exec)."""
+    line = next(line for line in pathlib.Path("/proc/self/status").read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1]) * 1024
+
+
+def load(folder: pathlib.Path) -> dict:
+    """(Child process, 8 devices.) Loads the checkpoint as `init_from=hf:` does into sharded bfloat16 targets."""
+    fields = llama_convert.config_from_hf(json.loads((folder / "config.json").read_text()))
+    cfg = make_config("llama", fields | {"scan_layers": True, "param_dtype": "bfloat16", "dtype": "bfloat16"})
+    model = build_model("llama", cfg)
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    shardings = sharding.logical_to_sharding(boxed, sharding.make_mesh(MESH), sharding.axis_rules())
+    target = jax.tree.map(
+        lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where), nn.unbox(boxed), shardings
+    )
+    before = rss_bytes("VmRSS")
+    start, cpu_start = time.perf_counter(), time.process_time()
+    params = jax.block_until_ready(weights.merge_pretrained(target, f"hf:{folder}", "llama", cfg))
+    load_s, load_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    leaves = jax.tree.leaves(params)
+    assert all(leaf.sharding == where for leaf, where in zip(leaves, jax.tree.leaves(shardings), strict=True))
+    return {
+        "load_s": load_s,
+        "load_cpu_s": load_cpu_s,
+        "rss_before": before,
+        "peak_rss": rss_bytes("VmHWM"),
+        "param_bytes": sum(leaf.nbytes for leaf in leaves),
+        "params": sum(leaf.size for leaf in leaves),
+        "devices": jax.device_count(),
+    }
+
+
+def run_child(mode: str, folder: pathlib.Path) -> dict:
+    """Runs `mode` (read or load) in a fresh Python process with 8 simulated devices; its result."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
+    child = subprocess.run(
+        [sys.executable, __file__, f"--child={mode}", str(folder)], env=env, capture_output=True, text=True
+    )
+    if child.returncode:
+        raise RuntimeError(f"the {mode} process failed:\n{child.stdout[-2000:]}\n{child.stderr[-4000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def largest_tensor_bytes(folder: pathlib.Path) -> int:
+    _, tensors = mapping.read_safetensors_dir(folder)
+    return max(int(np.prod(t.shape)) * t.dtype.itemsize for t in tensors.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a 2M-parameter checkpoint: a quick smoke run")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved read/load rounds (medians reported)")
+    parser.add_argument("--scratch", default=tempfile.gettempdir(), help="where the checkpoint is generated")
+    parser.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
+    parser.add_argument("--child", choices=("read", "load"), help=argparse.SUPPRESS)
+    parser.add_argument("folder", nargs="?", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        result = {"read": read_bytes, "load": load}[args.child](pathlib.Path(args.folder))
+        print(json.dumps(result))
+        return
+
+    size = "tiny" if args.tiny else "full"
+    model, isa = common.cpu_model_and_isa()
+    print(f"load bench ({size}): CPU {model} ({isa}), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="lmzoo-load-bench-", dir=args.scratch))
+    try:
+        start = time.perf_counter()
+        generate_checkpoint(folder, TINY if args.tiny else FULL, SHARD_SIZE[size])
+        files = shard_files(folder)
+        on_disk = sum(f.stat().st_size for f in files)
+        largest = largest_tensor_bytes(folder)
+        print(
+            f"checkpoint: {folder}, {len(files)} bfloat16 shards, {on_disk / GB:.3f} GB, largest tensor "
+            f"{largest / GB:.3f} GB (generated in {time.perf_counter() - start:.1f} s)"
+        )
+        reads, loads = [], []
+        for round_index in range(args.rounds):
+            for mode in common.round_order(["read", "load"], round_index):
+                result = run_child(mode, folder)
+                (reads if mode == "read" else loads).append(result)
+                shown = {
+                    key: round(value / GB, 3) if key in ("rss_before", "peak_rss", "param_bytes") else round(value, 3)
+                    for key, value in result.items()
+                }
+                print(f"  round {round_index + 1} {mode}: {shown}", flush=True)
+        read_s, read_cpu_s, whole_s, whole_cpu_s = (
+            common.median([r[key] for r in reads]) for key in ("read_s", "read_cpu_s", "whole_s", "whole_cpu_s")
+        )
+        load_s, load_cpu_s = (common.median([r[key] for r in loads]) for key in ("load_s", "load_cpu_s"))
+        peak = max(r["peak_rss"] for r in loads)
+        last = loads[-1]
+        rss_target = RSS_BASE_GB * GB + RSS_TENSOR_FACTOR * largest
+        print(
+            f"loaded {last['params'] / 1e6:.0f}M parameters ({last['param_bytes'] / GB:.3f} GB bfloat16) onto "
+            f"{last['devices']} devices, mesh {MESH} (data, fsdp, tensor)"
+        )
+        print(
+            f"read bytes: {read_s:.2f} s ({on_disk / GB / read_s:.2f} GB/s, CPU {read_cpu_s:.2f} s); whole files into "
+            f"fresh memory: {whole_s:.2f} s (CPU {whole_cpu_s:.2f} s); load: {load_s:.2f} s (CPU {load_cpu_s:.2f} s) "
+            f"(medians; load / whole-file read {load_s / whole_s:.1f}x)"
+        )
+        print(
+            f"peak host RSS {peak / GB:.3f} GB (before loading {last['rss_before'] / GB:.3f} GB; of the peak, the "
+            f"loaded parameters on the simulated devices: {last['param_bytes'] / GB:.3f} GB, beyond them "
+            f"{(peak - last['param_bytes']) / GB:.3f} GB)"
+        )
+        print(
+            f"{common.verdict(peak <= rss_target)} peak host RSS {peak / GB:.3f} GB <= 1.5 GB + 1.2 x largest tensor "
+            f"= {rss_target / GB:.3f} GB"
+        )
+        print(
+            f"{common.verdict(load_s <= TIME_FACTOR * read_s)} load time {load_s:.2f} s <= 2 x read time "
+            f"= {TIME_FACTOR * read_s:.2f} s ({load_s / read_s:.1f}x)"
+        )
+    finally:
+        if args.keep:
+            print(f"kept {folder}")
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Multi-head attention: masks, the attention function chosen by the platform seam, and `Attention`."""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lmzoo import kernels, sharding
+from lmzoo.kernels import explicit
+from lmzoo.layers.embeddings import Rotary
+from lmzoo.layers.linears import Einsum, Initializer
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """The fields of one multi-head attention, declared once: `Attention` and the blocks that build it take this.
+
+    Attributes:
+        num_heads: N.
+        head_dim: H.
+        num_kv_heads: K key/value heads (None: N); K < N is grouped-query attention (K = 1: multi-query), and the
+            KV cache holds K heads. Their kernels' heads axis is "kv_heads", a sharding rule of its own.
+        use_bias: biases on the q/k/v/out projections.
+        qkv_bias: biases on q/k/v only (None: use_bias), e.g. Qwen2's q/k/v biases without an output bias.
+        rotary: rotate queries and keys by their positions (Llama); None for families with other positions.
+        sliding_window: each query attends to its last `sliding_window` positions (Mistral); None: all.
+        scale: logit scale; None means H ** -0.5 (T5 uses 1.0).
+        dropout_rate: dropout on the attention probabilities.
+    """
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int | None = None
+    use_bias: bool = True
+    qkv_bias: bool | None = None
+    rotary: Rotary | None = None
+    sliding_window: int | None = None
+    scale: float | None = None
+    dropout_rate: float = 0.0
+
+    def for_cross_attention(self) -> "AttentionConfig":
+        """The same heads attending to a context: no grouped heads, rotation or window (encoder-decoder models)."""
+        return dataclasses.replace(self, num_kv_heads=None, qkv_bias=None, rotary=None, sliding_window=None)
+
+
+def sliding_window_mask(query_positions: jax.Array, key_positions: jax.Array, window: int) -> jax.Array:
+    """[B, 1, T, S]: key within the last `window` positions of its query (itself included), as HF's Mistral."""
+    return (key_positions[:, None, :] > query_positions[:, :, None] - window)[:, None]
+
+
+def attention_mask(
+    query_segment_ids: jax.Array | None,
+    key_segment_ids: jax.Array | None,
+    *,
+    causal: bool,
+    query_positions: jax.Array | None = None,
+    key_positions: jax.Array | None = None,
+) -> jax.Array | None:
+    """Boolean mask [B, 1, T, S]: keys in the same non-zero segment (and not in the future if causal).
+
+    Segment id 0 marks padding. A padding query attends to every non-padding key of its row, as HF's
+    models do (they mask keys only), so its output is the same as theirs. Returns None when there is
+    nothing to mask beyond a plain causal mask, which the attention kernel then applies without
+    materialising it.
+    """
+    if query_segment_ids is None and key_segment_ids is None and query_positions is None:
+        return None
+    mask = None
+    if query_segment_ids is not None:
+        same_segment = (query_segment_ids[:, :, None] == key_segment_ids[:, None, :]) | (
+            query_segment_ids[:, :, None] == 0
+        )
+        mask = same_segment & (key_segment_ids[:, None, :] != 0)
+    elif key_segment_ids is not None:
+        mask = jnp.broadcast_to(
+            key_segment_ids[:, None, :] != 0, key_segment_ids.shape[:1] + (1,) + key_segment_ids.shape[1:]
+        )
+    if causal and query_positions is not None:
+        future = key_positions[:, None, :] <= query_positions[:, :, None]
+        mask = future if mask is None else mask & future
+    return mask[:, None]
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    is_causal: bool,
+    scale: float | None,
+    dropout_rate: float,
+    dropout_rng: jax.Array | None,
+) -> jax.Array:
+    """q [B, T, N, H], k/v [B, S, K, H] (K divides N: grouped-query attention when K < N) -> [B, T, N, H].
+
+    `jax.nn.dot_product_attention`, in the form `kernels.attention_form` chooses for the platform and the call:
+    cuDNN's fused kernel on GPUs where it applies (JAX's default, `implementation=None`, is its XLA form, which
+    materialises the [B, N, T, S] scores), XLA's form elsewhere, and `kernels.explicit.dot_product_attention` where
+    the probabilities are needed (attention dropout) or XLA:CPU is faster with it.
+    """
+    form = kernels.attention_form(
+        query, key, mask=mask, bias=bias, dropout=dropout_rng is not None and dropout_rate > 0
+    )
+    if form == "explicit":
+        return explicit.dot_product_attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            scale=scale,
+            dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng,
+        )
+    return jax.nn.dot_product_attention(
+        query,
+        key,
+        value,
+        bias=bias,
+        mask=mask,
+        scale=scale,
+        is_causal=is_causal,
+        implementation="cudnn" if form == "cudnn" else None,
+    )
+
+
+class Attention(nn.Module):
+    """Multi-head attention: self or cross, causal or bidirectional, optional additive bias, KV cache.
+
+    Attributes:
+        config: the heads, biases, positions and dropout (`AttentionConfig`).
+        cross: attend to a `context` (encoder output) instead of x.
+        causal: mask future keys (decoder self-attention).
+        query_init: initializer of the query projection (None: kernel_init).
+        out_init: initializer of the output projection (GPT-2 scales it by 1/sqrt(2 L)).
+    """
+
+    config: AttentionConfig
+    cross: bool = False
+    causal: bool = False
+    kernel_init: Initializer = nn.initializers.normal(0.02)
+    query_init: Initializer | None = None
+    out_init: Initializer = nn.initializers.normal(0.02)
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        context: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        context_segment_ids: jax.Array | None = None,
+        bias: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        deterministic: bool,
+        decode: bool = False,
+    ) -> jax.Array:
+        """x: [B, T, D]; context: [B, S, D] for cross-attention -> [B, T, D].
+
+        segment_ids [B, T] / context_segment_ids [B, S]: document ids, 0 = padding. positions [B, T]: of the
+        queries (and self-attention keys), for rotary embeddings and the sliding window (default 0..T-1). In
+        decode mode x is the next chunk of the sequence and self-attention keys/values accumulate in the "cache"
+        collection; cross-attention projects the context once (the call that passes it) and later
+        calls, with context None, read its keys/values from the cache.
+        """
+        cfg = self.config
+        d = x.shape[-1]
+        kv_heads = cfg.num_kv_heads or cfg.num_heads
+        if cfg.num_heads % kv_heads:
+            raise ValueError(f"num_heads={cfg.num_heads} must be a multiple of num_kv_heads={kv_heads}")
+        qkv_bias = cfg.use_bias if cfg.qkv_bias is None else cfg.qkv_bias
+        proj = functools.partial(
+            Einsum, use_bias=qkv_bias, kernel_init=self.kernel_init, dtype=self.dtype, param_dtype=self.param_dtype
+        )
+        query = proj(
+            (d, cfg.num_heads, cfg.head_dim),
+            ("embed", "heads", "kv"),
+            kernel_init=self.query_init or self.kernel_init,
+            name="query",
+        )("BTD,DNH->BTNH", x)
+        query = sharding.constrain(query, ("act_batch", "act_len", "act_heads", "act_kv"))
+        rotation = None if cfg.rotary is None else cfg.rotary.rotation(positions, cfg.head_dim, x.shape[1])
+        if positions is None and cfg.sliding_window:
+            positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        if rotation is not None:
+            query = cfg.rotary(query, rotation)
+        grouped = kv_heads < cfg.num_heads  # fewer kv heads than the tensor axis: they get a rule of their own
+        kv_axes = ("embed", "kv_heads" if grouped else "heads", "kv")
+        kv_act_axes = ("act_batch", "act_len", "act_kv_heads" if grouped else "act_heads", "act_kv")
+
+        def project_keys_values(source, rotate):
+            key = proj((d, kv_heads, cfg.head_dim), kv_axes, name="key")("BSD,DNH->BSNH", source)
+            value = proj((d, kv_heads, cfg.head_dim), kv_axes, name="value")("BSD,DNH->BSNH", source)
+            if rotate and rotation is not None:
+                key = cfg.rotary(key, rotation)
+            return sharding.constrain(key, kv_act_axes), sharding.constrain(value, kv_act_axes)
+
+        is_causal = self.causal
+        if self.cross:
+            project_context = functools.partial(project_keys_values, rotate=False)
+            key, value = self._context_keys_values(context, project_context) if decode else project_context(context)
+            mask = attention_mask(segment_ids, context_segment_ids, causal=False)
+        elif decode:
+            update = self._update_rolling_cache if cfg.sliding_window else self._update_cache
+            key, value, mask = update(*project_keys_values(x, rotate=True), segment_ids, positions)
+            is_causal = False
+        else:
+            key, value = project_keys_values(x, rotate=True)
+            mask = attention_mask(segment_ids, segment_ids, causal=False)
+            if cfg.sliding_window:
+                window = sliding_window_mask(positions, positions, cfg.sliding_window)
+                mask = window if mask is None else mask & window
+
+        dropout_rng = None if deterministic or cfg.dropout_rate == 0.0 else self.make_rng("dropout")
+        out = dot_product_attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            scale=cfg.scale,
+            dropout_rate=cfg.dropout_rate,
+            dropout_rng=dropout_rng,
+        )
+        out = sharding.constrain(out, ("act_batch", "act_len", "act_heads", "act_kv"))
+        return Einsum(
+            (cfg.num_heads, cfg.head_dim, d),
+            ("heads", "kv", "embed"),
+            use_bias=cfg.use_bias,
+            kernel_init=self.out_init,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="out",
+        )("BTNH,NHD->BTD", out)
+
+    def _context_keys_values(self, context: jax.Array | None, project: Callable) -> tuple[jax.Array, jax.Array]:
+        """Cross-attention keys/values [B, S, N, H] while decoding: projected from `context` [B, S, D] when it
+        is given (init, first step) and stored in the cache; read from the cache when context is None."""
+        if context is not None:
+            key, value = project(context)
+            if self.is_mutable_collection("cache"):
+                self.put_variable("cache", "cached_context_key", key)
+                self.put_variable("cache", "cached_context_value", value)
+            return key, value
+        if not self.has_variable("cache", "cached_context_key"):
+            raise ValueError(
+                "cross-attention decoding without a context needs a cache filled by an earlier step with the context"
+            )
+        return self.get_variable("cache", "cached_context_key"), self.get_variable("cache", "cached_context_value")
+
+    def _update_cache(
+        self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None
+    ):
+        """Writes a [B, T] chunk at the cache index; returns full-length keys, values [B, S, K, H] and the mask.
+
+        The first call (at init) sizes the cache from the chunk it sees: call `init` with a
+        [B, max_decode_len] batch. Later chunks attend to every earlier valid key and causally
+        within themselves.
+        """
+        del positions  # the cache index orders the keys
+        batch, chunk = key.shape[:2]
+        initialized = self.has_variable("cache", "cached_key")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        cached_valid = self.variable("cache", "cached_valid", jnp.zeros, key.shape[:2], jnp.bool_)
+        cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        valid = jnp.ones((batch, chunk), jnp.bool_) if segment_ids is None else segment_ids != 0
+        if not initialized:
+            return key, value, attention_mask(None, None, causal=False)
+        index = cache_index.value
+        length = cached_key.value.shape[1]
+        cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, (0, index, 0, 0))
+        cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, (0, index, 0, 0))
+        cached_valid.value = jax.lax.dynamic_update_slice(cached_valid.value, valid, (0, index))
+        cache_index.value = index + chunk
+        query_pos = index + jnp.arange(chunk)
+        causal = jnp.arange(length)[None, :] <= query_pos[:, None]
+        mask = causal[None, None] & cached_valid.value[:, None, None, :]
+        return cached_key.value, cached_value.value, mask
+
+    def _update_rolling_cache(
+        self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, positions: jax.Array
+    ):
+        """Sliding-window decoding: the cache holds only the last W = sliding_window keys/values [B, W, K, H] (with
+        their positions and validity), W positions of memory rather than max_decode_len. A [B, T] chunk attends to
+        the cached keys and itself, by positions: causal and within the window; the newest W then stay cached."""
+        batch, chunk = key.shape[:2]
+        initialized = self.has_variable("cache", "cached_key")
+        window = min(self.config.sliding_window, chunk)  # at init the chunk is [B, max_decode_len]
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, (batch, window) + key.shape[2:], key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, (batch, window) + key.shape[2:], value.dtype)
+        cached_valid = self.variable("cache", "cached_valid", jnp.zeros, (batch, window), jnp.bool_)
+        cached_positions = self.variable("cache", "cached_positions", jnp.zeros, (batch, window), jnp.int32)
+        valid = jnp.ones((batch, chunk), jnp.bool_) if segment_ids is None else segment_ids != 0
+        if not initialized:
+            return key, value, attention_mask(None, None, causal=False)
+        keys = jnp.concatenate([cached_key.value, key], axis=1)
+        values = jnp.concatenate([cached_value.value, value], axis=1)
+        key_valid = jnp.concatenate([cached_valid.value, valid], axis=1)
+        key_positions = jnp.concatenate([cached_positions.value, positions.astype(jnp.int32)], axis=1)
+        kept = cached_key.value.shape[1]
+        cached_key.value, cached_value.value = keys[:, -kept:], values[:, -kept:]
+        cached_valid.value, cached_positions.value = key_valid[:, -kept:], key_positions[:, -kept:]
+        causal = (key_positions[:, None, :] <= positions[:, :, None])[:, None]
+        in_window = sliding_window_mask(positions, key_positions, self.config.sliding_window)
+        return keys, values, causal & in_window & key_valid[:, None, None, :]

@@ -1,0 +1,221 @@
+"""Transformer blocks and how they are stacked: `TransformerBlock` and `BlockStack`."""
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lmzoo import sharding
+from lmzoo.layers.attention import Attention, AttentionConfig
+from lmzoo.layers.mlp import MOE_COLLECTION, MlpBlock, MoeBlock, MoeConfig
+from lmzoo.layers.norms import LayerNorm
+
+
+class TransformerBlock(nn.Module):
+    """Self-attention (+ cross-attention) + MLP with residuals; pre-norm (GPT-2, T5) or post-norm (GPT,
+    BERT, BART). [B, T, D] -> [B, T, D].
+
+    Attributes:
+        causal: decoder self-attention.
+        cross_attention: attend to `context` (encoder-decoder decoders).
+        pre_norm: x + f(N(x)) if True, else N(x + f(x)).
+        norm: "layer" (LayerNorm) or "rms" (T5: no mean, no bias).
+        activations: of the MLP; two give a gated unit (T5 v1.1 gated GELU).
+        use_bias: biases of the MLP and the norms (the attention's are in `attention`).
+        residual_init_std: std of the output projections (GPT-2 scales it by 1/sqrt(2 L)).
+        fan_in_init: T5's initialisation instead of init_std / residual_init_std: every kernel normal with
+            std fan_in ** -0.5, queries (D H) ** -0.5 (T5 leaves the 1/sqrt(H) logit scale to the init).
+        attention: the self-attention's fields; cross-attention uses the same heads
+            (`AttentionConfig.for_cross_attention`).
+        moe: with it, the MLP is a mixture of experts (`MoeBlock`, gated SiLU experts; `mlp_dim` and `activations`
+            are then unused); None: an `MlpBlock`, with the parameter tree of every dense model.
+    """
+
+    attention: AttentionConfig
+    mlp_dim: int
+    causal: bool = False
+    cross_attention: bool = False
+    pre_norm: bool = True
+    norm: str = "layer"
+    activations: Sequence[str] = ("gelu",)
+    use_bias: bool = True
+    layer_norm_epsilon: float = 1e-5
+    dropout_rate: float = 0.0
+    init_std: float = 0.02
+    residual_init_std: float = 0.02
+    fan_in_init: bool = False
+    moe: MoeConfig | None = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        segment_ids: jax.Array | None = None,
+        bias: jax.Array | None = None,
+        context: jax.Array | None = None,
+        context_segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        *,
+        deterministic: bool,
+        decode: bool = False,
+    ) -> jax.Array:
+        """x [B, T, D]; bias [1|B, N, T, T] added to self-attention logits (T5 relative positions);
+        context [B, S, D] with context_segment_ids [B, S] for cross-attention (decode steps after the first
+        may pass context None: its keys/values are cached); positions [B, T] for rotary embeddings and the
+        sliding window."""
+        if self.norm not in ("layer", "rms"):
+            raise ValueError(f"unknown norm {self.norm!r}; choose 'layer' or 'rms'")
+        rms = self.norm == "rms"
+        norm = functools.partial(
+            LayerNorm,
+            epsilon=self.layer_norm_epsilon,
+            use_bias=self.use_bias and not rms,
+            use_mean=not rms,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
+        head_dim = self.attention.head_dim
+        d, heads_width = x.shape[-1], self.attention.num_heads * head_dim
+        if self.fan_in_init:
+            std = {
+                "kernel": d**-0.5,
+                "query": (d * head_dim) ** -0.5,
+                "attn_out": heads_width**-0.5,
+                "mlp_out": (self.mlp_dim if self.moe is None else self.moe.expert_mlp_dim) ** -0.5,
+            }
+        else:
+            std = {
+                "kernel": self.init_std,
+                "query": self.init_std,
+                "attn_out": self.residual_init_std,
+                "mlp_out": self.residual_init_std,
+            }
+        normal = nn.initializers.normal
+        make_attention = functools.partial(
+            Attention,
+            kernel_init=normal(std["kernel"]),
+            query_init=normal(std["query"]),
+            out_init=normal(std["attn_out"]),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
+        if self.moe is None:
+            mlp = MlpBlock(
+                mlp_dim=self.mlp_dim,
+                activations=tuple(self.activations),
+                use_bias=self.use_bias,
+                kernel_init=normal(std["kernel"]),
+                out_init=normal(std["mlp_out"]),
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name="mlp",
+            )
+        else:
+            mlp = MoeBlock(
+                self.moe,
+                kernel_init=normal(std["kernel"]),
+                out_init=normal(std["mlp_out"]),
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name="mlp",
+            )
+        dropout = nn.Dropout(self.dropout_rate)
+
+        def residual(x, norm_name, fn):
+            if self.pre_norm:
+                return x + dropout(fn(norm(name=norm_name)(x)), deterministic=deterministic)
+            return norm(name=norm_name)(x + dropout(fn(x), deterministic=deterministic))
+
+        x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
+        self_attention = make_attention(self.attention, causal=self.causal, name="attn")
+        x = residual(
+            x,
+            "ln_attn",
+            lambda h: self_attention(
+                h, segment_ids=segment_ids, bias=bias, positions=positions, deterministic=deterministic, decode=decode
+            ),
+        )
+        if self.cross_attention:
+            cross = make_attention(self.attention.for_cross_attention(), cross=True, name="cross_attn")
+            x = residual(
+                x,
+                "ln_cross",
+                lambda h: cross(
+                    h,
+                    context,
+                    segment_ids=segment_ids,
+                    context_segment_ids=context_segment_ids,
+                    deterministic=deterministic,
+                    decode=decode,
+                ),
+            )
+        return residual(x, "ln_mlp", lambda h: mlp(h, deterministic=deterministic))
+
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class BlockStack(nn.Module):
+    """`num_layers` copies of `block`, looped in Python or with `nn.scan`, optionally rematerialised.
+
+    The block is called as `block(x, *args, deterministic=..., decode=...)` and returns x. With
+    `scan`, parameters gain a leading "layers" axis and compile time no longer grows with depth, and so do the
+    KV cache and what the blocks sow into `MOE_COLLECTION`.
+    With `share_params` (ALBERT) one block's parameters are applied num_layers times.
+
+    Attributes:
+        block: a module instance used as a template (cloned per layer).
+        remat_policy: one of REMAT_POLICIES ("none" keeps every activation).
+    """
+
+    block: nn.Module
+    num_layers: int
+    scan: bool = False
+    remat_policy: str = "none"
+    share_params: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *args: Any, deterministic: bool, decode: bool = False) -> jax.Array:
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat_policy {self.remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}")
+        block_cls = type(self.block)
+        attrs = {f.name: getattr(self.block, f.name) for f in self.block.__dataclass_fields__.values() if f.init}
+        attrs.pop("parent", None)
+        attrs.pop("name", None)
+
+        def apply(module, carry, *call_args):
+            return module(carry, *call_args, deterministic=deterministic, decode=decode)
+
+        body = nn.remat(apply, policy=REMAT_POLICIES[self.remat_policy]) if self.remat_policy != "none" else apply
+        if self.share_params:
+            shared = block_cls(**attrs, name="shared")
+            for _ in range(self.num_layers):
+                x = body(shared, x, *args)
+            return x
+        if not self.scan:
+            for i in range(self.num_layers):
+                x = body(block_cls(**attrs, name=f"layer_{i}"), x, *args)
+            return x
+
+        def scan_body(module, carry, _):
+            return body(module, carry, *args), None
+
+        scanned = nn.scan(
+            scan_body,
+            variable_axes={"params": 0, "cache": 0, MOE_COLLECTION: 0},
+            split_rngs={"params": True, "dropout": True},
+            length=self.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, _ = scanned(block_cls(**attrs, name="layers"), x, None)
+        return x

@@ -1,0 +1,323 @@
+"""Activations, the position-wise feed-forward block (`MlpBlock`) and the mixture-of-experts feed-forward
+(`MoeConfig`, `MoeBlock`) with the same call: [B, T, D] -> [B, T, D].
+
+Einsum letters besides the shared ones: E experts, R a token's routed choices (the router's top-k), C an expert's
+capacity per sequence.
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lmzoo import kernels, sharding
+from lmzoo.kernels import cpu
+from lmzoo.layers.linears import Einsum, Initializer
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """Exact GELU, x * Phi(x) (`kernels.cpu.gelu` on the CPU)."""
+    if kernels.on_cpu():
+        return cpu.gelu(x)
+    return jax.nn.gelu(x, approximate=False)
+
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu": gelu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "linear": lambda x: x,
+}
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; choose one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class MlpBlock(nn.Module):
+    """Position-wise feed-forward, D -> F -> D. Several activations give a gated unit (T5 v1.1).
+
+    Attributes:
+        mlp_dim: F.
+        activations: one name per input projection, multiplied together (("gelu", "linear") = GeGLU).
+    """
+
+    mlp_dim: int
+    activations: Sequence[str] = ("gelu",)
+    use_bias: bool = True
+    dropout_rate: float = 0.0
+    kernel_init: Initializer = nn.initializers.normal(0.02)
+    out_init: Initializer = nn.initializers.normal(0.02)
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+        """x: [B, T, D] -> [B, T, D]."""
+        d = x.shape[-1]
+        proj = functools.partial(Einsum, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        h = None
+        for i, name in enumerate(self.activations):
+            wi_name = "wi" if len(self.activations) == 1 else f"wi_{i}"
+            a = activation(name)(
+                proj((d, self.mlp_dim), ("embed", "mlp"), kernel_init=self.kernel_init, name=wi_name)("BTD,DF->BTF", x)
+            )
+            h = a if h is None else h * a
+        h = sharding.constrain(h, ("act_batch", "act_len", "act_mlp"))
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        return proj((self.mlp_dim, d), ("mlp", "embed"), kernel_init=self.out_init, name="wo")("BTF,FD->BTD", h)
+
+
+MOE_COLLECTION = "moe"  # the Flax collection `MoeBlock` sows its auxiliary losses and statistics into
+MOE_FORMS = ("dropless", "capacity")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The fields of one mixture-of-experts feed-forward, declared once: `MoeBlock` and the blocks that build it take
+    this, and a family's config exposes the same names as `config.model` keys.
+
+    Attributes:
+        num_experts: E.
+        expert_mlp_dim: F of each expert.
+        experts_per_token: R, the router's top-k (Mixtral 2).
+        shared_expert_mlp_dim: F of a shared expert every token goes through, scaled by a sigmoid gate (Qwen2-MoE);
+            0 = none.
+        moe_form: "dropless" or "capacity" (`MoeBlock`).
+        capacity_factor: the capacity form's slack: each expert takes ceil(capacity_factor * T * R / E) assignments
+            of a sequence of T tokens (`capacity`).
+        router_z_loss_coef: weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE).
+        load_balance_coef: weight of the load-balancing loss E * sum_e f_e P_e (Switch, Mixtral).
+        renormalize_expert_weights: divide the top-R probabilities by their sum (Mixtral; Qwen2-MoE's
+            norm_topk_prob), else use them as they are.
+    """
+
+    num_experts: int
+    expert_mlp_dim: int
+    experts_per_token: int = 2
+    shared_expert_mlp_dim: int = 0
+    moe_form: str = "dropless"
+    capacity_factor: float = 1.25
+    router_z_loss_coef: float = 1e-3
+    load_balance_coef: float = 1e-2
+    renormalize_expert_weights: bool = True
+
+    def problems(self) -> list[tuple[str, str, str]]:
+        """(field, what is wrong, a valid value) for every out-of-range field; empty when the config is valid."""
+        e = self.num_experts
+        checks = (
+            ("num_experts", e >= 1, "must be >= 1", "8"),
+            (
+                "experts_per_token",
+                1 <= self.experts_per_token <= e,
+                f"the router's top-k must be in [1, num_experts={e}]",
+                str(min(2, max(e, 1))),
+            ),
+            ("expert_mlp_dim", self.expert_mlp_dim >= 1, "must be >= 1", "N"),
+            ("shared_expert_mlp_dim", self.shared_expert_mlp_dim >= 0, "must be >= 0 (0: no shared expert)", "0"),
+            ("moe_form", self.moe_form in MOE_FORMS, f"choose one of {MOE_FORMS}", "dropless"),
+            (
+                "capacity_factor",
+                self.capacity_factor > 0,
+                "must be > 0 (each expert takes ceil(capacity_factor * T * R / E) tokens of a sequence)",
+                "1.25",
+            ),
+            ("router_z_loss_coef", self.router_z_loss_coef >= 0, "must be >= 0 (0 turns the z-loss off)", "0.001"),
+            ("load_balance_coef", self.load_balance_coef >= 0, "must be >= 0 (0 turns the loss off)", "0.01"),
+        )
+        return [(name, why, fix) for name, ok, why, fix in checks if not ok]
+
+    def capacity(self, length: int) -> int:
+        """C, the assignments each expert takes from one sequence of `length` tokens in the capacity form."""
+        return math.ceil(self.capacity_factor * length * self.experts_per_token / self.num_experts)
+
+
+def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x [M, D] with rows sorted by group, kernel [E, D, F], group_sizes [E] summing to M -> [M, F]: each row times
+    its group's kernel (`jax.lax.ragged_dot`; `kernels.cpu.grouped_matmul` on the CPU, where XLA computes ragged_dot
+    as E masked dense products)."""
+    if kernels.on_cpu():
+        return cpu.grouped_matmul(x, kernel, group_sizes)
+    return jax.lax.ragged_dot(x, kernel, group_sizes)
+
+
+def gated_experts(x: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """silu(x wi_0) * (x wi_1) wo with each row's group's kernels: x [M, D] sorted by expert, wi_0 / wi_1 [E, D, F],
+    wo [E, F, D], group_sizes [E] -> [M, D]."""
+    h = jax.nn.silu(grouped_matmul(x, wi_0, group_sizes)) * grouped_matmul(x, wi_1, group_sizes)
+    return grouped_matmul(h, wo, group_sizes)
+
+
+def dropless_experts(x: jax.Array, experts: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array) -> jax.Array:
+    """Every assignment through its expert: x [B, T, D], experts [B, T, R] -> [B, T, R, D].
+
+    The B*T*R assignments are sorted by expert, so each expert's rows are contiguous (`gated_experts`), and put back
+    in token order."""
+    b, t, d = x.shape
+    flat = experts.reshape(-1)  # [B*T*R], a token's R assignments next to each other
+    order = jnp.argsort(flat, stable=True)
+    rows = jnp.take(x.reshape(-1, d), order // experts.shape[-1], axis=0)  # [B*T*R, D] sorted by expert
+    group_sizes = jnp.bincount(flat, length=wi_0.shape[0]).astype(jnp.int32)
+    out = gated_experts(rows, wi_0, wi_1, wo, group_sizes)
+    unsort = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return jnp.take(out, unsort, axis=0).reshape(experts.shape + (d,))
+
+
+def capacity_slots(experts: jax.Array, num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Where each assignment goes in its expert's buffer of `capacity` places per sequence: experts [B, T, R] ->
+    (slot [B, T, R] in [0, E*C): expert * C + its rank among the expert's assignments, kept [B, T, R] bool: rank < C).
+
+    Ranks follow GShard's priority: the first choices of the whole sequence, then the second choices, each in token
+    order, so overflow drops a token's later choices first."""
+    b, t, r = experts.shape
+    choice_major = jnp.swapaxes(experts, 1, 2).reshape(b, r * t)  # [B, R*T]
+    one_hot = jax.nn.one_hot(choice_major, num_experts, dtype=jnp.int32)  # [B, R*T, E]
+    rank = jnp.sum((jnp.cumsum(one_hot, axis=1) - 1) * one_hot, axis=-1)  # [B, R*T]
+    rank = jnp.swapaxes(rank.reshape(b, r, t), 1, 2)  # [B, T, R]
+    return experts * capacity + rank, rank < capacity
+
+
+def capacity_experts(
+    x: jax.Array, experts: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array, capacity: int
+) -> tuple[jax.Array, jax.Array]:
+    """The assignments that fit their expert's capacity through it: x [B, T, D], experts [B, T, R] ->
+    (outputs [B, T, R, D], zero where dropped; kept [B, T, R] bool).
+
+    Each sequence's tokens are gathered into a buffer [B, E, C, D] (zeros in the places left empty). On a mesh, the
+    buffer's batch axis leaves the expert mesh axis and its experts axis takes it, so XLA moves the tokens to their
+    experts' devices with an all-to-all, and back the same way."""
+    b, t, d = x.shape
+    e = wi_0.shape[0]
+    slot, kept = capacity_slots(experts, e, capacity)
+    slot = jnp.where(kept, slot, e * capacity)  # dropped: past the buffer, out of bounds of the gathers below
+    token = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], experts.shape)
+    rows = jnp.arange(b)[:, None, None]
+    source = jnp.full((b, e * capacity), t, jnp.int32).at[rows, slot].set(token, mode="drop")  # [B, E*C]; t: empty
+    buffer = jnp.take_along_axis(x, source[..., None], axis=1, mode="fill", fill_value=0)
+    buffer = sharding.constrain(buffer.reshape(b, e, capacity, d), ("act_batch_no_exp", "act_exp", None, "act_embed"))
+    h = jax.nn.silu(jnp.einsum("BECD,EDF->BECF", buffer, wi_0)) * jnp.einsum("BECD,EDF->BECF", buffer, wi_1)
+    h = sharding.constrain(h, ("act_batch_no_exp", "act_exp", None, "act_mlp"))
+    out = jnp.einsum("BECF,EFD->BECD", h, wo)
+    out = sharding.constrain(out, ("act_batch_no_exp", "act_exp", None, "act_embed"))
+    out = sharding.constrain(out.reshape(b, e * capacity, d), ("act_batch", None, "act_embed"))
+    out = jnp.take_along_axis(out, slot.reshape(b, -1, 1), axis=1, mode="fill", fill_value=0)
+    return out.reshape(experts.shape + (d,)), kept
+
+
+class MoeBlock(nn.Module):
+    """Mixture-of-experts feed-forward with `MlpBlock`'s call: [B, T, D] -> [B, T, D].
+
+    A router (kernel [D, E], in float32) gives each token softmax probabilities over the E experts; the token goes
+    to its top R, weighted by their probabilities (divided by their sum with `renormalize_expert_weights`, as
+    Mixtral). An expert is a gated SiLU unit as Llama's MLP, silu(x wi_0) * (x wi_1) wo; the experts' kernels are
+    stacked on a leading experts axis, logical name "exp" (wi_0, wi_1 [E, D, F]; wo [E, F, D]), which the expert
+    mesh axis shards. With `shared_expert_mlp_dim`, every token also goes through a shared expert (an `MlpBlock`,
+    "shared") scaled by sigmoid(x w) ("shared_gate" [D]), as Qwen2-MoE.
+
+    Forms (`MoeConfig.moe_form`), equal where nothing is dropped:
+    - "dropless": the assignments of the whole batch sorted by expert and multiplied group by group
+      (`dropless_experts`, `grouped_matmul`); every assignment is computed.
+    - "capacity": each expert takes at most C = `MoeConfig.capacity(T)` assignments of each sequence, in GShard's
+      priority; the rest are dropped (they add nothing; the residual carries the token) and counted
+      (`capacity_experts`: tokens gathered into an [B, E, C, D] buffer, moved to the experts' devices by an
+      all-to-all).
+
+    Sown into the `MOE_COLLECTION` collection as "stats" when it is mutable (`objectives.tasks` makes it so for
+    models with experts; under `nn.scan` each value gains a leading layers axis), over every token of the batch:
+    aux_loss (load_balance_coef * load_balance + router_z_loss_coef * router_z, what the objective adds to its
+    loss), load_balance (E * sum_e f_e P_e, f_e the fraction of tokens routed to expert e, P_e its mean router
+    probability: R at perfect balance, as HF's Mixtral computes it per layer), router_z (mean logsumexp(logits)^2),
+    dropped (the fraction of assignments dropped; 0 in the dropless form) and expert_load [E] (the fraction of
+    assignments each expert received, summing to 1).
+
+    Attributes:
+        config: MoeConfig.
+    """
+
+    config: MoeConfig
+    kernel_init: Initializer = nn.initializers.normal(0.02)
+    out_init: Initializer = nn.initializers.normal(0.02)
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, deterministic: bool) -> jax.Array:
+        """x: [B, T, D] -> [B, T, D]. `deterministic` is taken for `MlpBlock`'s call: there is no dropout inside."""
+        cfg = self.config
+        problems = cfg.problems()
+        if problems:
+            raise ValueError("; ".join(f"MoeConfig.{name}={getattr(cfg, name)!r}: {why}" for name, why, _ in problems))
+        b, t, d = x.shape
+        e, f = cfg.num_experts, cfg.expert_mlp_dim
+        # The router runs in float32: its softmax and top-k decide where each token goes.
+        logits = Einsum(
+            (d, e),
+            ("embed", "exp"),
+            kernel_init=self.kernel_init,
+            dtype=jnp.float32,
+            param_dtype=self.param_dtype,
+            name="router",
+        )("BTD,DE->BTE", x)
+        logits = sharding.constrain(logits, ("act_batch", "act_len", None))
+        probs = jax.nn.softmax(logits)
+        weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)  # [B, T, R]
+        if cfg.renormalize_expert_weights:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+
+        def kernel(name, init, shape, axes):
+            boxed_init = nn.with_logical_partitioning(init, axes)
+            return self.param(name, boxed_init, shape, self.param_dtype).astype(self.dtype)
+
+        wi_0 = kernel("wi_0", self.kernel_init, (e, d, f), ("exp", "embed", "mlp"))
+        wi_1 = kernel("wi_1", self.kernel_init, (e, d, f), ("exp", "embed", "mlp"))
+        wo = kernel("wo", self.out_init, (e, f, d), ("exp", "mlp", "embed"))
+        x = x.astype(self.dtype)
+        if cfg.moe_form == "dropless":
+            out, dropped = dropless_experts(x, experts, wi_0, wi_1, wo), jnp.zeros((), jnp.float32)
+        else:
+            out, kept = capacity_experts(x, experts, wi_0, wi_1, wo, cfg.capacity(t))
+            dropped = 1.0 - jnp.mean(kept.astype(jnp.float32))
+        y = jnp.einsum("BTRD,BTR->BTD", out, weights.astype(self.dtype))
+        if cfg.shared_expert_mlp_dim:
+            shared = MlpBlock(
+                cfg.shared_expert_mlp_dim,
+                activations=("silu", "linear"),
+                use_bias=False,
+                kernel_init=self.kernel_init,
+                out_init=self.out_init,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name="shared",
+            )(x, deterministic=deterministic)
+            gate = Einsum(
+                (d,),
+                ("embed",),
+                kernel_init=self.kernel_init,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name="shared_gate",
+            )("BTD,D->BT", x)
+            y = y + jax.nn.sigmoid(gate)[..., None] * shared
+        assigned = jnp.mean(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=(0, 1))  # [R, E]: f_e per choice
+        load_balance = e * jnp.sum(jnp.sum(assigned, axis=0) * jnp.mean(probs, axis=(0, 1)))
+        router_z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+        self.sow(
+            MOE_COLLECTION,
+            "stats",
+            {
+                "aux_loss": cfg.load_balance_coef * load_balance + cfg.router_z_loss_coef * router_z,
+                "load_balance": load_balance,
+                "router_z": router_z,
+                "dropped": dropped,
+                "expert_load": jnp.mean(assigned, axis=0),
+            },
+        )
+        return sharding.constrain(y, ("act_batch", "act_len", "act_embed"))

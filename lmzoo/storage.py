@@ -1,0 +1,515 @@
+"""One path layer for every path a user gives lmzoo: local paths, `gs://` (Google Cloud Storage) and `s3://`
+(Amazon S3 and S3-compatible stores).
+
+`path(user_path)` turns what the user typed into an `etils.epath.Path`, the path type orbax takes, so the same object
+can go into a checkpoint manager. The functions below read and write through it with the guarantees lmzoo relies on:
+- `write_bytes` / `write_text` replace a file or object whole: a reader sees the old content or the new, never a part
+  (local: a temporary file in the same folder, then `os.replace`; bucket: one upload, which the store makes visible
+  only once it is complete);
+- `create_if_absent` creates a file or object only where there is none, atomically against every other writer
+  (local: `O_CREAT | O_EXCL`; GCS: an upload with the precondition `ifGenerationMatch=0`; S3: a conditional put,
+  `If-None-Match: *`) and says whether this call created it: the primitive of a one-writer lock;
+- `read_range` reads `length` bytes at `offset` (one ranged GET on a bucket) without fetching the whole object;
+- `append_bytes` adds to the end of a file or object (GCS: a temporary object composed onto it; S3 has no append);
+- on a bucket, `read_versioned`, `replace_if_version` and `delete_if_version` read an object with its version (GCS: its
+  generation; S3: its ETag) and replace or delete it only while it still has that version (GCS: `ifGenerationMatch`;
+  S3: `If-Match`): with `create_if_absent`, the primitives of a lease (lmzoo.workdir's lock on a bucket).
+
+A bucket whose server does not answer (connection refused or dropped, a timeout, a server error after the client's own
+retries) raises BucketUnreachableError, an OSError naming the path, from every function.
+
+Endpoints come from the environment variables the stores' own tools read, so one configuration serves real buckets
+and emulators alike: STORAGE_EMULATOR_HOST for GCS; AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, with the usual AWS
+credential and region variables (or ~/.aws files), for S3. Bucket operations go through fsspec (gcsfs, s3fs), the
+backend etils.epath itself uses for these schemes when TensorFlow is not installed. docs/notes/object-storage.md
+says why, and what each client needs.
+"""
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import re
+import secrets
+import sys
+import tempfile
+import urllib.parse
+from collections.abc import Iterator
+
+from etils import epath
+
+REMOTE_SCHEMES = ("gs://", "s3://")
+
+# Temporary files and objects of `write_bytes` and `append_bytes` (".NAME.<12 hex digits>.tmp"): being written, or
+# left by a killed writer.
+_TEMPORARY_NAME = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
+
+
+class BucketUnreachableError(OSError):
+    """A bucket's server did not answer: the connection was refused or dropped, timed out, or the server failed."""
+
+
+def is_remote(user_path: str | os.PathLike) -> bool:
+    """Whether `user_path` names an object in a bucket (gs:// or s3://) rather than a local file."""
+    return os.fspath(user_path).startswith(REMOTE_SCHEMES)
+
+
+def path(user_path: str | os.PathLike) -> epath.Path:
+    """The path a user typed: a bucket path as it is, a local one with `~` expanded and made absolute.
+
+    Raises ValueError for a scheme other than gs:// and s3://, and for a bucket path that names no bucket.
+    """
+    text = os.fspath(user_path)
+    if is_remote(text):
+        scheme, rest = text.split("://", 1)
+        if not rest.split("/", 1)[0]:
+            raise ValueError(f"{text!r} names no bucket: write {scheme}://BUCKET/PATH")
+        if scheme == "gs":
+            _share_gcs_emulator()
+        return epath.Path(text)
+    if "://" in text:
+        raise ValueError(f"{text!r}: lmzoo reads and writes local paths, gs://BUCKET/PATH and s3://BUCKET/PATH only")
+    return epath.Path(os.path.abspath(os.path.expanduser(text)))
+
+
+def read_bytes(user_path: str | os.PathLike) -> bytes:
+    """The whole content of a file or object; FileNotFoundError if there is none."""
+    location = os.fspath(path(user_path))
+    if is_remote(location):
+        with _unreachable_named(location):
+            return _filesystem(location).cat_file(location)
+    with open(location, "rb") as file:
+        return file.read()
+
+
+def read_text(user_path: str | os.PathLike) -> str:
+    """`read_bytes` decoded as UTF-8."""
+    return read_bytes(user_path).decode("utf-8")
+
+
+def read_range(user_path: str | os.PathLike, offset: int, length: int) -> bytes:
+    """Exactly `length` bytes starting at byte `offset` (a length of 0 returns b"" without touching storage).
+
+    Raises EOFError when the file or object ends before `offset + length`, FileNotFoundError when there is none.
+    """
+    if offset < 0 or length < 0:
+        raise ValueError(f"offset and length must be >= 0, got offset={offset}, length={length}")
+    if length == 0:
+        return b""
+    location = os.fspath(path(user_path))
+    if is_remote(location):
+        filesystem = _filesystem(location)
+        with _unreachable_named(location):
+            try:
+                data = filesystem.cat_file(location, start=offset, end=offset + length)
+            except FileNotFoundError:
+                raise
+            except Exception:
+                # A range that starts past the end is refused by the server ("416 Range Not Satisfiable"), which gcsfs
+                # and s3fs raise as different errors; the size tells that case apart from a real failure.
+                if offset >= filesystem.size(location):
+                    data = b""
+                else:
+                    raise
+    else:
+        with open(location, "rb") as file:
+            file.seek(offset)
+            data = file.read(length)
+    if len(data) != length:
+        raise EOFError(
+            f"{location}: {length} bytes at offset {offset} were asked for, but it ends after {offset + len(data)}"
+        )
+    return data
+
+
+def write_bytes(user_path: str | os.PathLike, data: bytes) -> None:
+    """Writes `data` as the whole content of a file or object, replacing any previous one at once: a reader, or a
+    process that reads after this one was killed, finds the old content or the new, never part of either.
+
+    Local folders are created as needed. On a bucket this is one upload: a single request up to gcsfs's and s3fs's
+    multipart thresholds (50 MiB, 100 MiB), a resumable or multipart upload above them, which the store also makes
+    visible only when it completes.
+    """
+    location = os.fspath(path(user_path))
+    if is_remote(location):
+        with _unreachable_named(location):
+            _filesystem(location).pipe_file(location, data)
+        return
+    folder, name = os.path.split(location)
+    os.makedirs(folder, exist_ok=True)
+    temporary = _temporary_name(location)
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+            file.flush()
+            # On disk before the name points at it: after a crash the name holds the old content or all of the new.
+            os.fsync(file.fileno())
+        os.replace(temporary, location)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
+
+
+def write_text(user_path: str | os.PathLike, text: str) -> None:
+    """`write_bytes` of `text` encoded as UTF-8."""
+    write_bytes(user_path, text.encode("utf-8"))
+
+
+def create_if_absent(user_path: str | os.PathLike, data: bytes) -> bool:
+    """Creates a file or object holding `data` if there is none at `user_path`; returns True if this call created it,
+    or if what is there already holds exactly `data`.
+
+    Of any number of processes or hosts calling this at once on the same path with different `data`, exactly one gets
+    True. `data` should therefore be unique to the caller (a holder id and a random token): then True also covers a
+    bucket client that retried an upload whose first attempt succeeded but whose answer was lost, and was refused by
+    its own object. A local file's content is written just after it is created, so a reader may briefly find it empty
+    (which is why `data` must not be empty: a loser would take that for its own).
+    """
+    if not data:
+        raise ValueError("create_if_absent needs non-empty data, unique to the caller")
+    location = os.fspath(path(user_path))
+    try:
+        if is_remote(location):
+            with _unreachable_named(location):
+                _filesystem(location).pipe_file(location, data, mode="create")
+        else:
+            _create_local_file(location, data)
+    except FileExistsError:
+        try:
+            return read_bytes(location) == data
+        except FileNotFoundError:  # another writer created it and has removed it already
+            return False
+    return True
+
+
+def _create_local_file(location: str, data: bytes) -> None:
+    """Writes `data` to a new file; FileExistsError, atomically, if one is there (O_EXCL)."""
+    os.makedirs(os.path.dirname(location), exist_ok=True)
+    descriptor = os.open(location, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException:
+        os.remove(location)  # a file this call could not fill must not stand as anyone's claim
+        raise
+
+
+def exists(user_path: str | os.PathLike) -> bool:
+    """Whether a file, a folder, or (on a bucket) an object or a prefix of objects is at `user_path`."""
+    location = os.fspath(path(user_path))
+    if is_remote(location):
+        with _unreachable_named(location):
+            return _filesystem(location).exists(location)
+    return os.path.exists(location)
+
+
+def list_dir(user_path: str | os.PathLike) -> list[str]:
+    """The sorted names of the files and folders directly in a folder (on a bucket: the objects and prefixes one level
+    below it). Temporary files of unfinished writes are left out. FileNotFoundError if there is nothing there."""
+    location = os.fspath(path(user_path))
+    if is_remote(location):
+        folder = location.split("://", 1)[1].rstrip("/")
+        with _unreachable_named(location):
+            entries = [entry.rstrip("/") for entry in _filesystem(location).ls(location, detail=False)]
+        # A listing can include the folder itself: a placeholder object "folder/" some tools write, or the one object.
+        names = [entry.rsplit("/", 1)[-1] for entry in entries if entry != folder]
+    else:
+        names = os.listdir(location)
+    return sorted(name for name in names if not _TEMPORARY_NAME.match(name))
+
+
+def delete(user_path: str | os.PathLike) -> None:
+    """Deletes the file or object at `user_path`; one that is not there is no error (S3 itself does not tell)."""
+    location = os.fspath(path(user_path))
+    with contextlib.suppress(FileNotFoundError):
+        if is_remote(location):
+            with _unreachable_named(location):
+                _filesystem(location).rm_file(location)
+        else:
+            os.remove(location)
+
+
+def append_bytes(user_path: str | os.PathLike, data: bytes) -> None:
+    """Adds `data` at the end of an existing file or object (`write_bytes` creates one); FileNotFoundError if there is
+    none (fake-gcs-server answers that compose with 500, which gcsfs retries for 30 s: create the object first).
+
+    On GCS a reader, or a process that reads after this one was killed, finds the content as it was or followed by all
+    of `data`: `data` is uploaded as a temporary object beside it and composed onto it, one server-side request (the
+    temporary object is deleted then, or by `remove_unfinished` where the writer was killed before). A local file is
+    one append write, which a kill can cut short: readers of line files drop an unfinished last line. S3 has no append
+    (its compose takes parts of 5 MiB and more), so an s3:// path raises ValueError.
+    """
+    location = os.fspath(path(user_path))
+    if location.startswith("s3://"):
+        raise ValueError(f"{location}: S3 objects cannot be appended to; write the whole object with write_bytes")
+    if not is_remote(location):
+        descriptor = os.open(location, os.O_WRONLY | os.O_APPEND)
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+        return
+    if not data:
+        return
+    filesystem, part = _filesystem(location), _temporary_name(location)
+    with _unreachable_named(location):
+        filesystem.pipe_file(part, data)
+        filesystem.merge(location, [location, part])
+        filesystem.rm_file(part)
+
+
+def read_versioned(user_path: str | os.PathLike) -> tuple[bytes, str]:
+    """The content of a bucket object and its version (GCS: its generation; S3: its ETag), to name in
+    `replace_if_version` and `delete_if_version`; FileNotFoundError if there is none.
+
+    The version is read first, then the content: the content is that version's or a newer one's, and a conditional
+    call naming the version then fails, the safe way round. Bucket objects only (a local file has no version).
+    """
+    location = _bucket_location(user_path, "read_versioned")
+    filesystem = _filesystem(location)
+    with _unreachable_named(location):
+        info = filesystem.info(location)
+        return filesystem.cat_file(location), _version(info)
+
+
+def replace_if_version(user_path: str | os.PathLike, data: bytes, version: str) -> str | None:
+    """Replaces a bucket object's content with `data` only if the object still has `version` (GCS: an upload with
+    `ifGenerationMatch`; S3: a PUT with `If-Match` on the ETag); returns the new version, or None, writing nothing, if
+    the object was replaced or deleted since. Of any number of callers naming the same version, at most one succeeds.
+    `data` should differ from the content it replaces (an S3 ETag is the content's MD5: the same bytes, the same ETag).
+    """
+    location = _bucket_location(user_path, "replace_if_version")
+    filesystem = _filesystem(location)
+    with _unreachable_named(location):
+        try:
+            if location.startswith("gs://"):
+                return str(_gcs_upload_if_generation(filesystem, location, data, version)["generation"])
+            return filesystem.pipe_file(location, data, IfMatch=version)["ETag"]
+        except (FileExistsError, FileNotFoundError):  # GCS: 412 Precondition Failed; S3: no such object
+            return None
+        except OSError as error:
+            if _s3_lost_precondition(error):
+                return None
+            raise
+
+
+def delete_if_version(user_path: str | os.PathLike, version: str) -> bool:
+    """Deletes a bucket object only if it still has `version` (GCS: `ifGenerationMatch`; S3: `If-Match`); returns
+    whether it did. fake-gcs-server ignores this precondition (GCS itself enforces it)."""
+    location = _bucket_location(user_path, "delete_if_version")
+    filesystem = _filesystem(location)
+    bucket, key, _ = filesystem.split_path(location)
+    with _unreachable_named(location):
+        try:
+            if location.startswith("gs://"):
+                filesystem.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=version)
+            else:
+                filesystem.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
+        except (FileExistsError, FileNotFoundError):
+            return False
+        except OSError as error:
+            if _s3_lost_precondition(error):
+                return False
+            raise
+    return True
+
+
+def remove_unfinished(user_path: str | os.PathLike) -> list[str]:
+    """Deletes the temporary files or objects that writers killed mid-write (`write_bytes`, `append_bytes`) left
+    directly in a folder; returns their names. Call it only where no other process writes there."""
+    location = os.fspath(path(user_path))
+    if is_remote(location):
+        with _unreachable_named(location):
+            try:
+                entries = _filesystem(location).ls(location, detail=False)
+            except FileNotFoundError:
+                return []
+        names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+    else:
+        names = os.listdir(location) if os.path.isdir(location) else []
+    unfinished = sorted(name for name in names if _TEMPORARY_NAME.match(name))
+    for name in unfinished:
+        delete(f"{location}/{name}")
+    return unfinished
+
+
+@contextlib.contextmanager
+def local_copy(user_path: str | os.PathLike) -> Iterator[str]:
+    """A local folder holding what is under `user_path`, for libraries that read local files only (tokenizers): the
+    folder itself when it is local; for a bucket, a temporary folder with every object below the prefix (subfolders
+    kept), removed when the block ends. FileNotFoundError if there is nothing there."""
+    location = os.fspath(path(user_path))
+    if not is_remote(location):
+        if not os.path.isdir(location):
+            raise FileNotFoundError(f"{location}: no such folder")
+        yield location
+        return
+    filesystem = _filesystem(location)
+    prefix = location.split("://", 1)[1].rstrip("/") + "/"
+    with _unreachable_named(location):
+        keys = [key for key in filesystem.find(location) if key.startswith(prefix)]
+    if not keys:
+        raise FileNotFoundError(f"{location}: no objects there")
+    with tempfile.TemporaryDirectory(prefix="lmzoo-copy-") as scratch:
+        for key in keys:
+            relative = key[len(prefix) :]
+            if _TEMPORARY_NAME.match(os.path.basename(relative)):
+                continue
+            target = os.path.join(scratch, relative)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with _unreachable_named(location):
+                data = filesystem.cat_file(f"{location.split('://', 1)[0]}://{key}")
+            with open(target, "wb") as file:
+                file.write(data)
+        yield scratch
+
+
+def _temporary_name(location: str) -> str:
+    """A new temporary sibling of `location` (".NAME.<12 hex digits>.tmp"), which `list_dir` leaves out."""
+    folder, name = location.rsplit("/", 1)
+    return f"{folder}/.{name}.{secrets.token_hex(6)}.tmp"
+
+
+def _bucket_location(user_path: str | os.PathLike, operation: str) -> str:
+    location = os.fspath(path(user_path))
+    if not is_remote(location):
+        raise ValueError(f"{operation} works on bucket objects (gs://, s3://); {location} is a local path")
+    return location
+
+
+def _version(info: dict) -> str:
+    """An object's version in gcsfs's or s3fs's `info`: its GCS generation or its S3 ETag."""
+    return str(info["generation"]) if "generation" in info else info["ETag"]
+
+
+def _gcs_upload_if_generation(filesystem, location: str, data: bytes, generation: str) -> dict:
+    """Uploads `data` with the precondition ifGenerationMatch=`generation`; returns the new object's resource.
+
+    The multipart form gcsfs itself uploads with (gcsfs offers no other precondition than "absent"); fake-gcs-server
+    enforces preconditions on this form, not on a plain media upload. 412 raises FileExistsError (gcsfs's mapping).
+    """
+    bucket, key, _ = filesystem.split_path(location)
+    boundary = f"lmzoo-{secrets.token_hex(8)}"
+    body = (
+        (
+            f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{json.dumps({'name': key})}\r\n"
+            f"--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + data
+        + f"\r\n--{boundary}--".encode()
+    )
+    return filesystem.call(
+        "POST",
+        f"{filesystem._location}/upload/storage/v1/b/{urllib.parse.quote(bucket)}/o",
+        uploadType="multipart",
+        ifGenerationMatch=generation,
+        headers={"Content-Type": f'multipart/related; boundary="{boundary}"'},
+        data=body,
+        json_out=True,
+    )
+
+
+def _s3_lost_precondition(error: OSError) -> bool:
+    """Whether s3fs's `error` is S3 refusing a conditional request: 412 PreconditionFailed, or 409
+    ConditionalRequestConflict (another conditional write to the object in flight, which S3 may answer so)."""
+    response = getattr(error.__cause__, "response", None) or {}
+    return response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict")
+
+
+@contextlib.contextmanager
+def _unreachable_named(location: str) -> Iterator[None]:
+    """Turns an error that says the server did not answer into BucketUnreachableError naming `location`."""
+    try:
+        yield
+    except BucketUnreachableError:
+        raise
+    except Exception as error:
+        if not _did_not_answer(error):
+            raise
+        cause = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        raise BucketUnreachableError(f"{location}: the bucket's server did not answer ({cause})") from error
+
+
+def _did_not_answer(error: BaseException) -> bool:
+    """Whether an error of gcsfs, s3fs or the HTTP clients below them says that the server did not answer (refused
+    or dropped connections, timeouts, server errors left after the client's own retries), not what it answered."""
+    if isinstance(error, ConnectionError | TimeoutError):
+        return True
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None and isinstance(error, aiohttp.ClientConnectionError):
+        return True
+    botocore_errors = sys.modules.get("botocore.exceptions")
+    if botocore_errors is not None and isinstance(
+        error, botocore_errors.ConnectionError | botocore_errors.HTTPClientError
+    ):
+        return True
+    gcsfs_retry = sys.modules.get("gcsfs.retry")
+    if gcsfs_retry is not None and isinstance(error, gcsfs_retry.HttpError):
+        return error.code in gcsfs_retry.errs  # 5xx, 408 and 429: what gcsfs retries
+    response = getattr(error.__cause__, "response", None) or {}
+    return response.get("Error", {}).get("Code") in ("InternalError", "ServiceUnavailable", "SlowDown")
+
+
+def _gcs_emulator_url() -> str | None:
+    """The GCS emulator's URL from STORAGE_EMULATOR_HOST (a bare host:port means http), or None for real GCS."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if host in ("", "default"):  # gcsfs and google-cloud-storage read "default" as unset too
+        return None
+    return host if host.startswith(("http://", "https://")) else f"http://{host}"
+
+
+def _share_gcs_emulator() -> str | None:
+    """Points the other GCS clients of this process and its children at the emulator STORAGE_EMULATOR_HOST names, if
+    any (variables the user set already are kept); returns its URL.
+
+    - tensorstore, which orbax writes arrays through, reads only TENSORSTORE_GCS_HTTP_URL.
+    - gcsfs's default class (ExtendedGcsFileSystem) asks GCS's Storage Control API, over gRPC with TLS, whether a
+      bucket is hierarchical or zonal before it opens, writes or lists there. Emulators serve the JSON API only, so
+      each lookup fails after 60 s of retries and, its UNKNOWN answer not being cached, is made again on the next
+      call. GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false makes gcsfs offer its JSON-API-only class instead; gcsfs reads it
+      once, when first imported (fsspec imports it at the first gs:// filesystem, e.g. orbax's through etils.epath).
+    """
+    url = _gcs_emulator_url()
+    if url is not None:
+        os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    return url
+
+
+def _filesystem(location: str):
+    """The fsspec filesystem for a gs:// or s3:// location, configured from the environment as it is now."""
+    if location.startswith("gs://"):
+        return _gcs_filesystem(_share_gcs_emulator())
+    return _s3_filesystem(os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL"))
+
+
+class _DropGcsfsRetryReports(logging.Filter):
+    """Drops gcsfs's report of an error its retries end on: it logs it with its traceback and then raises it, and the
+    caller reports the raised error itself (storage.py as BucketUnreachableError, in one line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.funcName != "retry_request" or record.levelno < logging.ERROR
+
+
+@functools.cache
+def _gcs_filesystem(emulator_url: str | None):
+    if emulator_url is None:
+        from gcsfs import GCSFileSystem
+    else:
+        # The JSON-API-only class by name, also where gcsfs was imported before the switch above could take effect.
+        from gcsfs.core import GCSFileSystem
+    logging.getLogger("gcsfs").addFilter(_DropGcsfsRetryReports())
+    # No cached listings: another process or host may have written since (a lock, a checkpoint, a shard).
+    return GCSFileSystem(endpoint_url=emulator_url, use_listings_cache=False, skip_instance_cache=True)
+
+
+@functools.cache
+def _s3_filesystem(s3_endpoint_url: str | None, endpoint_url: str | None):
+    """Keyed by the endpoint variables only so that a changed environment gets a new client: botocore reads them
+    itself (AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL, then the ~/.aws config), as the aws command does."""
+    import s3fs
+
+    return s3fs.S3FileSystem(use_listings_cache=False, skip_instance_cache=True)

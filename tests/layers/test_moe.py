@@ -1,0 +1,192 @@
+"""The mixture-of-experts feed-forward (`layers.mlp.MoeBlock`): its two forms equal each other and a per-token dense
+reference, in values and gradients, on the CPU forms and the accelerator forms; capacity drops in GShard's order;
+the CPU grouped matmul equals `jax.lax.ragged_dot`; the sown losses are what their formulas say."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from lmzoo import kernels, sharding
+from lmzoo.kernels import cpu
+from lmzoo.layers import mlp
+
+D, E = 16, 4
+
+
+def moe_block(**fields) -> mlp.MoeBlock:
+    return mlp.MoeBlock(mlp.MoeConfig(**{"num_experts": E, "expert_mlp_dim": 12, **fields}))
+
+
+def dense_reference(params, x, config: mlp.MoeConfig) -> jax.Array:
+    """Every token through every expert, weighted by its renormalised top-k probabilities (zero elsewhere)."""
+    probs = jax.nn.softmax(jnp.einsum("BTD,DE->BTE", x, params["router"]["kernel"]))
+    top, _ = jax.lax.top_k(probs, config.experts_per_token)
+    gates = jnp.where(probs >= top[..., -1:], probs, 0.0)
+    if config.renormalize_expert_weights:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    h = jax.nn.silu(jnp.einsum("BTD,EDF->BTEF", x, params["wi_0"])) * jnp.einsum("BTD,EDF->BTEF", x, params["wi_1"])
+    y = jnp.einsum("BTEF,EFD,BTE->BTD", h, params["wo"], gates)
+    if config.shared_expert_mlp_dim:
+        shared = params["shared"]
+        h = jax.nn.silu(x @ shared["wi_0"]["kernel"]) * (x @ shared["wi_1"]["kernel"])
+        y = y + jax.nn.sigmoid(x @ params["shared_gate"]["kernel"])[..., None] * (h @ shared["wo"]["kernel"])
+    return y
+
+
+def init(block: mlp.MoeBlock, x: jax.Array):
+    return nn.unbox(block.init(jax.random.key(0), x, deterministic=True)["params"])
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"experts_per_token": 1},
+        {"experts_per_token": 3, "renormalize_expert_weights": False},
+        {"shared_expert_mlp_dim": 8},
+    ],
+)
+def test_dropless_and_capacity_equal_the_dense_reference_in_values_and_gradients(platform, fields):
+    """With a capacity of every assignment (capacity_factor E / R: C = T), nothing drops and both forms compute the
+    reference's sum; the accelerator forms (`jax.lax.ragged_dot`) are traced on the CPU here."""
+    x = jax.random.normal(jax.random.key(1), (3, 10, D))
+    dropless = moe_block(**fields)
+    k = dropless.config.experts_per_token
+    capacity = moe_block(moe_form="capacity", capacity_factor=E / k, **fields)
+    params = init(dropless, x)
+
+    def loss(apply, params, x):
+        return jnp.sum(jnp.sin(apply(params, x)))
+
+    with kernels.use_platform(platform):
+        results = [
+            jax.value_and_grad(loss, argnums=(1, 2))(apply, params, x)
+            for apply in (
+                lambda p, x: dropless.apply({"params": p}, x, deterministic=True),
+                lambda p, x: capacity.apply({"params": p}, x, deterministic=True),
+                lambda p, x: dense_reference(p, x, dropless.config),
+            )
+        ]
+    for value, grads in results[:2]:
+        np.testing.assert_allclose(value, results[2][0], rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), grads, results[2][1])
+
+
+def test_capacity_drops_later_choices_first_and_counts_them():
+    """GShard's priority: every first choice of the sequence, then the second choices, each in token order."""
+    experts = jnp.array([[[0, 1], [0, 2], [0, 1], [1, 0]]])  # [1, T=4, R=2]
+    slot, kept = mlp.capacity_slots(experts, 3, capacity=2)
+    # expert 0 takes tokens 0 and 1 (first choices); token 2's first choice and token 3's second one overflow.
+    # expert 1 takes token 3 (first choice), then token 0's second choice; token 2's second choice overflows.
+    np.testing.assert_array_equal(kept[0], [[True, True], [True, True], [False, False], [True, False]])
+    np.testing.assert_array_equal(slot[0][kept[0]], [0, 3, 1, 4, 2])
+
+    x = jax.random.normal(jax.random.key(1), (2, 16, D))
+    block = moe_block(moe_form="capacity", capacity_factor=0.5)  # C = ceil(0.5 * 16 * 2 / 4) = 4 of 8 on average
+    params = init(block, x)
+    y, sown = block.apply({"params": params}, x, deterministic=True, mutable=[mlp.MOE_COLLECTION])
+    stats = sown[mlp.MOE_COLLECTION]["stats"][0]
+    probs = jax.nn.softmax(x @ params["router"]["kernel"])
+    weights, chosen = jax.lax.top_k(probs, 2)
+    _, kept = mlp.capacity_slots(chosen, E, block.config.capacity(16))
+    assert block.config.capacity(16) == 4 and 0 < float(stats["dropped"]) < 1
+    np.testing.assert_allclose(stats["dropped"], 1 - np.mean(kept))
+    # The kept assignments alone, through the dense reference with the dropped ones' weights zeroed.
+    reference = dense_reference(params, x, block.config)
+    full = jax.nn.one_hot(chosen, E) * (weights / weights.sum(-1, keepdims=True))[..., None]
+    lost = jnp.einsum("BTRE,BTR->BTE", full, (~kept).astype(jnp.float32))
+    h = jax.nn.silu(jnp.einsum("BTD,EDF->BTEF", x, params["wi_0"])) * jnp.einsum("BTD,EDF->BTEF", x, params["wi_1"])
+    np.testing.assert_allclose(y, reference - jnp.einsum("BTEF,EFD,BTE->BTD", h, params["wo"], lost), atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [[0, 130, 1, 125], [256, 0, 0, 0], [3, 5, 0, 0]])
+def test_cpu_grouped_matmul_equals_ragged_dot(sizes):
+    """Empty groups, a group longer than a block, groups that end mid-block."""
+    m = sum(sizes)
+    x = jax.random.normal(jax.random.key(0), (m, 8))
+    kernel = jax.random.normal(jax.random.key(1), (len(sizes), 8, 6))
+    group_sizes = jnp.array(sizes, jnp.int32)
+
+    def loss(fn, x, kernel):
+        return jnp.sum(jnp.sin(fn(x, kernel, group_sizes)))
+
+    expected = jax.value_and_grad(loss, argnums=(1, 2))(jax.lax.ragged_dot, x, kernel)
+    actual = jax.jit(jax.value_and_grad(loss, argnums=(1, 2)), static_argnums=0)(cpu.grouped_matmul, x, kernel)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), actual, expected)
+
+
+def test_sown_losses_follow_their_formulas():
+    """A zero router gives every expert probability 1/E: load balance E * sum_e f_e / E = R whatever the top-k's
+    ties pick, and z-loss log(E)^2; a random router's values are recomputed from its probabilities."""
+    x = jax.random.normal(jax.random.key(1), (2, 6, D))
+    block = moe_block(router_z_loss_coef=0.1, load_balance_coef=0.5)
+    params = init(block, x)
+    zero = {**params, "router": {"kernel": jnp.zeros_like(params["router"]["kernel"])}}
+    _, sown = block.apply({"params": zero}, x, deterministic=True, mutable=[mlp.MOE_COLLECTION])
+    stats = sown[mlp.MOE_COLLECTION]["stats"][0]
+    np.testing.assert_allclose(stats["load_balance"], 2.0, rtol=1e-6)
+    np.testing.assert_allclose(stats["router_z"], np.log(E) ** 2, rtol=1e-6)
+
+    _, sown = block.apply({"params": params}, x, deterministic=True, mutable=[mlp.MOE_COLLECTION])
+    stats = sown[mlp.MOE_COLLECTION]["stats"][0]
+    logits = x @ params["router"]["kernel"]
+    probs = jax.nn.softmax(logits).reshape(-1, E)
+    chosen = jax.lax.top_k(probs, 2)[1]
+    routed = np.array([np.sum(chosen == e) for e in range(E)]) / probs.shape[0]  # f_e, summing to R
+    np.testing.assert_allclose(stats["load_balance"], E * np.sum(routed * probs.mean(0)), rtol=1e-5)
+    np.testing.assert_allclose(stats["router_z"], np.mean(jax.nn.logsumexp(logits, -1) ** 2), rtol=1e-5)
+    np.testing.assert_allclose(stats["expert_load"], routed / 2, rtol=1e-6)
+    np.testing.assert_allclose(stats["aux_loss"], 0.5 * stats["load_balance"] + 0.1 * stats["router_z"], rtol=1e-6)
+    assert float(stats["dropped"]) == 0.0
+
+
+def test_bad_fields_are_named():
+    x = jnp.zeros((1, 4, D))
+    for fields, message in (
+        ({"experts_per_token": 0}, "MoeConfig.experts_per_token=0: the router's top-k must be in [1, num_experts=4]"),
+        ({"experts_per_token": 5}, "MoeConfig.experts_per_token=5"),
+        ({"capacity_factor": 0.0}, "MoeConfig.capacity_factor=0.0: must be > 0"),
+        ({"moe_form": "sparse"}, "MoeConfig.moe_form='sparse': choose one of ('dropless', 'capacity')"),
+    ):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            moe_block(**fields).init(jax.random.key(0), x, deterministic=True)
+
+
+@pytest.mark.parity
+def test_dropless_equals_hf_mixtral_sparse_moe_block():
+    """HF's MixtralSparseMoeBlock on the same weights: router weight [E, D] is the kernel transposed, the stacked
+    gate_up_proj [E, 2F, D] holds wi_0 and wi_1 transposed, down_proj [E, D, F] holds wo transposed."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral import modeling_mixtral
+
+    config = transformers.MixtralConfig(
+        hidden_size=D, intermediate_size=12, num_local_experts=E, num_experts_per_tok=2, router_jitter_noise=0.0
+    )
+    hf = modeling_mixtral.MixtralSparseMoeBlock(config).eval()
+    x = jax.random.normal(jax.random.key(1), (2, 7, D))
+    block = moe_block()
+    params = jax.tree.map(np.asarray, init(block, x))
+    with torch.no_grad():
+        hf.gate.weight.copy_(torch.from_numpy(np.ascontiguousarray(params["router"]["kernel"].T)))
+        gate_up = np.concatenate([params["wi_0"], params["wi_1"]], axis=-1).transpose(0, 2, 1)
+        hf.experts.gate_up_proj.copy_(torch.from_numpy(np.ascontiguousarray(gate_up)))
+        hf.experts.down_proj.copy_(torch.from_numpy(np.ascontiguousarray(params["wo"].transpose(0, 2, 1))))
+        expected = hf(torch.from_numpy(np.array(x)))
+    expected = (expected[0] if isinstance(expected, tuple) else expected).numpy()
+    np.testing.assert_allclose(block.apply({"params": params}, x, deterministic=True), expected, atol=1e-5)
+
+
+def test_a_mesh_shape_of_three_sizes_has_expert_one():
+    """Configs and runs saved before the expert axis name (data, fsdp, tensor)."""
+    assert sharding.mesh_shape((2, 1, 4)) == (2, 1, 1, 4) and sharding.mesh_shape((1, 2, 2, 2)) == (1, 2, 2, 2)
+    mesh = sharding.make_mesh((-1, 1, 1))
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor") and mesh.shape["expert"] == 1
+    assert sharding.logical_axis_size("exp") == 1  # outside a mesh
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.axis_rules()):
+        assert sharding.logical_axis_size("exp") == sharding.logical_axis_size("act_batch") == 1
+    with pytest.raises(ValueError, match="must have one size per axis"):
+        sharding.mesh_shape((1, 1))

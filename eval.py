@@ -16,7 +16,11 @@ exact match and teacher-forced target token accuracy of the reconstructions of N
 (greedy decoding; beam search with --beam_size=K) and prints a few of them; see lmzoo/evaluation/reconstruction.py.
 
 Other modes (each instead of scoring the split):
-  --generate="prompt"   sample a continuation with the KV cache.
+  --generate="prompt"   sample a continuation with the KV cache (--num_samples of them); the prompt reads the
+                        escapes \\n (newline), \\t (tab) and \\\\ (a backslash), so --generate="ROMEO:\\n" ends
+                        in a newline. --prompt_file=FILE instead takes the prompt from a UTF-8 file, as it is
+                        (nanoGPT's --start=FILE:). Past the model's positions a decoder slides its window
+                        (`lmzoo.decoding.generate`), and a note says so.
   --fewshot=TASK.jsonl  in-context multiple choice for each k of --fewshot_k, demonstrations drawn from
                         --fewshot_train (lmzoo/evaluation/fewshot.py), next to a majority-class baseline;
                         --dump_prompts=FILE writes the prompts used. Result: DIR/eval_fewshot_<task>.json.
@@ -30,8 +34,8 @@ anything is evaluated or written); 1 an unexpected failure.
 
 import codecs
 import json
-import os
 import pathlib
+import re
 
 from absl import app, flags, logging
 
@@ -52,7 +56,10 @@ flags.DEFINE_integer(
     "at most config.model.max_len for neural models).",
 )
 flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest that restores).")
-flags.DEFINE_string("generate", None, "Prompt to continue.")
+flags.DEFINE_string(
+    "generate", None, "Prompt to continue; \\n, \\t and \\\\ in it are a newline, a tab and a backslash."
+)
+flags.DEFINE_string("prompt_file", None, "Continue the text of this UTF-8 file, as it is (instead of --generate).")
 flags.DEFINE_integer("max_new_tokens", 200, f"Tokens to sample (at most {MAX_NEW_TOKENS:,}).")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
@@ -146,33 +153,59 @@ def run_fewshot(loaded) -> None:
         storage.path(FLAGS.workdir) / f"eval_fewshot_{pathlib.Path(FLAGS.fewshot).stem}.json", line + "\n"
     )
     if FLAGS.dump_prompts:
-        pathlib.Path(FLAGS.dump_prompts).write_text("".join(json.dumps(d) + "\n" for d in dumped))
+        storage.write_text(FLAGS.dump_prompts, "".join(json.dumps(d) + "\n" for d in dumped))
 
 
 def check_text_file(path: str, flag: str) -> None:
-    """Raises unless `path` is a non-empty UTF-8 text file (no NUL bytes), naming the flag that gave it."""
-    file = pathlib.Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"{flag}={path}: {'is a directory' if file.is_dir() else 'no such file'}")
-    if file.stat().st_size == 0:
+    """Raises unless `path` (local or in a bucket) is a non-empty UTF-8 text file (no NUL bytes), naming the flag that
+    gave it."""
+    try:
+        with storage.open_read(path) as file:
+            size = _check_utf8(file, path, flag)
+    except IsADirectoryError:
+        raise FileNotFoundError(f"{flag}={path}: is a directory") from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{flag}={path}: no such file") from None
+    if size == 0:
         raise ValueError(f"{flag}={path}: the file is empty")
+
+
+def _check_utf8(file, path: str, flag: str) -> int:
+    """The size of an open binary `file`; ValueError at its first byte that is NUL or not UTF-8."""
     decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
-    with file.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            bad = chunk.find(b"\0")  # NUL is valid UTF-8 but marks a binary file
-            try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError as e:
-                bad = e.start if bad < 0 else min(bad, e.start)
-            if bad >= 0:
-                raise ValueError(
-                    f"{flag}={path}: not UTF-8 text (byte {offset + bad}); pass a text file, not a binary one"
-                )
-            offset += len(chunk)
+    while chunk := file.read(1 << 20):
+        bad = chunk.find(b"\0")  # NUL is valid UTF-8 but marks a binary file
+        try:
+            decoder.decode(chunk)
+        except UnicodeDecodeError as e:
+            bad = e.start if bad < 0 else min(bad, e.start)
+        if bad >= 0:
+            raise ValueError(f"{flag}={path}: not UTF-8 text (byte {offset + bad}); pass a text file, not a binary one")
+        offset += len(chunk)
     try:
         decoder.decode(b"", final=True)
     except UnicodeDecodeError:
         raise ValueError(f"{flag}={path}: not UTF-8 text (it ends inside a character)") from None
+    return offset
+
+
+PROMPT_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def read_escapes(text: str) -> str:
+    """`text` with the escapes \\n, \\t and \\\\ replaced by a newline, a tab and a backslash (a shell passes them
+    to --generate as two characters); any other backslash is kept."""
+    return re.sub(r"\\([nt\\])", lambda m: PROMPT_ESCAPES[m.group(1)], text)
+
+
+def generation_prompt() -> str | None:
+    """The prompt to continue: --prompt_file's text, or --generate's with its escapes read; None when neither."""
+    if FLAGS.prompt_file is not None:
+        if FLAGS.generate is not None:
+            raise ValueError("--generate and --prompt_file both give the prompt; pass one of them")
+        check_text_file(FLAGS.prompt_file, "--prompt_file")
+        return storage.read_text(FLAGS.prompt_file)
+    return None if FLAGS.generate is None else read_escapes(FLAGS.generate)
 
 
 def check_flags() -> None:
@@ -183,7 +216,7 @@ def check_flags() -> None:
         raise ValueError(f"--seq_len={FLAGS.seq_len}: must be >= 1 (omit it to use the run's config.data.seq_len)")
     if FLAGS.max_batches is not None and FLAGS.max_batches < 1:
         raise ValueError(f"--max_batches={FLAGS.max_batches}: must be >= 1 (omit it to evaluate the whole split)")
-    if FLAGS.generate is not None:
+    if FLAGS.generate is not None or FLAGS.prompt_file is not None:
         if not 1 <= FLAGS.max_new_tokens <= MAX_NEW_TOKENS:
             raise ValueError(
                 f"--max_new_tokens={FLAGS.max_new_tokens}: ask for 1 to {MAX_NEW_TOKENS:,} new tokens (eval.py's bound, "
@@ -208,7 +241,7 @@ def check_flags() -> None:
     if FLAGS.reconstruct < 0 or FLAGS.beam_size < 1:
         raise ValueError(f"--reconstruct={FLAGS.reconstruct} must be >= 0 and --beam_size={FLAGS.beam_size} >= 1")
     workdir = storage.path(FLAGS.workdir)
-    if not storage.is_remote(workdir) and workdir.is_dir() and not os.access(workdir, os.W_OK):
+    if storage.read_only(workdir):
         raise PermissionError(
             f"--workdir={workdir} is read-only and eval.py writes its result there (eval_*.json); "
             "make it writable or evaluate a copy"
@@ -241,6 +274,7 @@ def evaluate() -> None:
         print("\n".join(str(p) for p in plots.plot_metrics(FLAGS.workdir)))
         return
     check_flags()
+    prompt = generation_prompt()
     mesh_shape = tuple(int(x) for x in FLAGS.mesh_shape.strip("()").split(",")) if FLAGS.mesh_shape else None
     objective = objectives.get(run_lib.load_saved(FLAGS.workdir).objective.name)
     evaluation.check_scorable(objective)
@@ -253,26 +287,26 @@ def evaluate() -> None:
     if FLAGS.data:
         split = "data"
         run.add_split(split, FLAGS.data)
-    elif FLAGS.generate is None:
+    elif prompt is None:
         try:
             run.raw(split)
         except FileNotFoundError as e:
             raise FileNotFoundError(
                 f"the run's {split} data cannot be read ({e}); score a file with --data=FILE instead"
             ) from None
-    if FLAGS.generate is not None and FLAGS.top_k > run.tokenizer.vocab_size:
+    if prompt is not None and FLAGS.top_k > run.tokenizer.vocab_size:
         raise ValueError(
             f"--top_k={FLAGS.top_k}: the run's vocabulary has {run.tokenizer.vocab_size} tokens; pass at most "
             f"{run.tokenizer.vocab_size} (0 keeps every token)"
         )
-    step, state = run_lib.restore_step(run, FLAGS.step, frozen=FLAGS.generate is None)  # sampling needs only params
-    if FLAGS.generate is not None:
+    step, state = run_lib.restore_step(run, FLAGS.step, frozen=prompt is None)  # sampling needs only params
+    if prompt is not None:
         params = run.compiled.host_params(state)
         for index in range(FLAGS.num_samples):
             text = sample_text(
                 run,
                 params,
-                FLAGS.generate,
+                prompt,
                 max_new_tokens=FLAGS.max_new_tokens,
                 temperature=FLAGS.temperature,
                 top_k=FLAGS.top_k,
@@ -282,7 +316,7 @@ def evaluate() -> None:
             )
             if FLAGS.num_samples > 1:
                 print(f"--- sample {index + 1} (seed {FLAGS.seed + index}) ---")
-            print(FLAGS.generate + text)
+            print(prompt + text)
         run.checkpointer.close()
         return
     result = {"step": step, "split": split, **({"data": FLAGS.data} if FLAGS.data else {})}
@@ -303,7 +337,8 @@ def evaluate() -> None:
         )
         result.update(scores)
     if FLAGS.data:
-        result["unk_fraction"] = run.tokenizer.unknown_fraction(pathlib.Path(FLAGS.data).read_text(encoding="utf-8"))
+        with storage.open_read(FLAGS.data, text=True) as text:
+            result["unk_fraction"] = run.tokenizer.unknown_fraction(text.read())
     line = json.dumps(result)
     print(line)
     print(format_table(result))

@@ -3,7 +3,9 @@
 The workdir defaults to runs/NAME[_ARG] (runs/default for the default config). Restarting with the same workdir
 resumes from its latest checkpoint. `python train.py --objectives` lists
 every objective (config.objective.name) with its fields and defaults. A config path that does not exist
-where train.py runs is looked up in the repository (so `configs/NAME.py` works from any folder).
+where train.py runs is looked up in the repository (so `configs/NAME.py` works from any folder). `--dry_run`
+parses the flags and checks the config as a run does before its first write (`dry_run`), then exits: no data is
+read and the workdir is not touched.
 
 Exit status: 0 trained to config.train.steps; 2 a user error (a bad flag, config value, file or checkpoint, a
 full disk: one line `error: ...`, refused before work that would be lost); 1 an unexpected failure; 75
@@ -20,16 +22,46 @@ from ml_collections import config_flags
 REPO = pathlib.Path(__file__).resolve().parent
 
 
-def define_flags() -> None:
-    """--config and --workdir. config_flags applies --config.* overrides when the flag is defined, so this
-    runs after check_overrides has turned a misspelled key into a one-line error."""
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS, argv: list[str] | None = None) -> None:
+    """--config, --workdir and --dry_run, on `flag_values` for the command line `argv` (default sys.argv).
+    config_flags applies --config.* overrides when the flag is defined, so this runs after check_overrides has
+    turned a misspelled key into a one-line error."""
     config_flags.DEFINE_config_file(
-        "config", str(REPO / "configs" / "default.py"), "Experiment config file (configs/*.py).", lock_config=True
+        "config",
+        str(REPO / "configs" / "default.py"),
+        "Experiment config file (configs/*.py).",
+        flag_values=flag_values,
+        lock_config=True,
+        sys_argv=argv,
     )
     flags.DEFINE_string(
         "workdir",
         None,
         "Directory for checkpoints, logs and samples (default runs/CONFIG[_VARIANT], e.g. runs/shakespeare_char_tiny).",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_bool(
+        "dry_run",
+        False,
+        "Parse the flags, check the config as a run does before touching the workdir, and exit (0 if it passes).",
+        flag_values=flag_values,
+    )
+
+
+def dry_run(config, workdir: str) -> str:
+    """The config checks a run makes before its first write (the objective's and every value that needs no devices:
+    batch splits over the mesh are checked when the run starts); raises ValueError. Returns a one-line summary."""
+    from lmzoo import checkpoint
+    from lmzoo import config as config_lib
+    from lmzoo.train import run as run_lib
+
+    checkpoint.check_directory(f"{workdir}/checkpoints")
+    objective = run_lib.validated_objective(config)
+    problems = objective.value_problems(data_parallel_size=1, batches=False)
+    config_lib.check_values(config, data_parallel_size=1, batches=False, more_problems=tuple(problems))
+    return (
+        f"dry run: config ok (model {config.model_name}, objective {objective.name}, {config.train.steps} steps, "
+        f"workdir {workdir}); no data was read and the workdir was not touched"
     )
 
 
@@ -44,11 +76,13 @@ def default_workdir(argv: list[str]) -> str:
 
 def resolve_config_path(argv: list[str]) -> list[str]:
     """argv with a relative `--config=PATH[:arg]` that is missing here but present in the repository made absolute."""
+    from lmzoo import storage
+
     resolved = []
     for arg in argv:
         if arg.startswith("--config="):
             path, sep, variant = arg[len("--config=") :].partition(":")
-            if not pathlib.Path(path).exists() and (REPO / path).exists():
+            if not storage.exists(path) and storage.exists(REPO / path):
                 arg = f"--config={REPO / path}{sep}{variant}"
         resolved.append(arg)
     return resolved
@@ -63,6 +97,10 @@ def main(argv):
     from lmzoo.train import run as run_lib
 
     logging.set_verbosity(logging.WARNING)
+    if flags.FLAGS.dry_run:
+        with run_lib.user_errors():
+            print(dry_run(flags.FLAGS.config, flags.FLAGS.workdir or default_workdir(sys.argv)))
+        return
     host_memory.run_on_calling_thread()  # before JAX's CPU client exists: one-device steps keep their buffers
     try:
         with run_lib.user_errors():
@@ -82,7 +120,11 @@ def main(argv):
     scored = {k: v for k, v in final.items() if k not in ("tokens", "examples")}
     amount = f"{int(final['tokens']):,} tokens" if "tokens" in final else f"{int(final.get('examples', 0)):,} examples"
     limit = config.eval.max_batches
-    scope = f"the first {batches} batches (config.eval.max_batches={limit})" if limit else f"all {batches} batches"
+    scope = (
+        f"the first {batches} batches (config.eval.max_batches={limit})"
+        if limit and batches >= limit
+        else f"the whole split, {batches} batches"
+    )
     print(f"final validation over {scope}, {amount}: " + ", ".join(f"{k} {v:.4f}" for k, v in scored.items()))
 
 

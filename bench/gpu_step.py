@@ -12,6 +12,7 @@ datasheet peak, and PASS/MISS for MFU >= 40% of the datasheet (nanoGPT's `train.
 the 15 costliest kernels. `--attention`: one layer's attention forward + backward at the step's shape with packed
 documents, in each form JAX offers (XLA's, cuDNN's with the mask, Pallas' Triton kernel with segment ids) against
 cuDNN's causal kernel without a mask. The last line is one JSON record. `--tiny` checks the pieces on the CPU.
+`StepRunner` (any task's step, one or several steps a call) is what bench/device_suite.py times its models with.
 """
 
 import argparse
@@ -19,6 +20,7 @@ import collections
 import json
 import pathlib
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench import common, step_profile  # noqa: E402
 from bench.gpu_recipe import (  # noqa: E402
-    DATASHEET_BF16_TFLOPS,
+    device_peaks,
     flops_per_token,
     gpt2_non_embedding_params,
-    matmul_peak_tflops,
 )
 from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import models, sharding  # noqa: E402
@@ -49,6 +50,80 @@ KERNEL_KINDS = [  # (kind, substrings of the kernel's name), first match wins
     ("scatter / gather", ("scatter", "gather")),
     ("copy / transpose", ("copy", "transpose", "memcpy", "memset", "concatenate")),
 ]
+
+
+class StepRunner:
+    """A task's production train step (`SupervisedTrainer` through `compile_trainer`, as train.py runs it) on one
+    host batch, `accum` microbatches a step, with its state on the mesh. `steps_per_call` > 1 runs that many steps
+    in one compiled call (`compiled.steps` on the batch stacked k times, as train.py's
+    `--config.train.steps_per_call` does). `call()` runs one call and waits for it; `tokens_per_call` counts
+    `tokens_per_step` (default: the batch's inputs) times the steps of a call; `loss` is the last call's."""
+
+    def __init__(
+        self,
+        task,
+        optim_config,
+        batch: dict[str, np.ndarray],
+        *,
+        accum: int = 1,
+        steps_per_call: int = 1,
+        tokens_per_step: int | None = None,
+    ):
+        tx, schedule = optim.make_optimizer(optim_config)
+        shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+        self.compiled = trainer_lib.compile_trainer(
+            supervised.SupervisedTrainer(task, tx, schedule, shapes, grad_accum_steps=accum),
+            mesh=sharding.make_mesh(),
+            rules=sharding.axis_rules(),
+            seed=0,
+        )
+        self.steps_per_call = steps_per_call
+        self.tokens_per_call = (tokens_per_step or batch["inputs"].size) * steps_per_call
+        if steps_per_call > 1:
+            self.host_batch = {k: np.stack([v] * steps_per_call) for k, v in batch.items()}
+            self.function, self.sharding = self.compiled.steps, self.compiled.stacked_batch_sharding
+        else:
+            self.host_batch, self.function, self.sharding = batch, self.compiled.step, self.compiled.batch_sharding
+        with self.compiled.context():
+            self.state = self.compiled.init(jax.random.key(0))
+            self.batch = sharding.put_batch(self.host_batch, self.sharding)
+        self.metrics = None
+
+    def call(self) -> None:
+        with self.compiled.context():
+            self.state, self.metrics = jax.block_until_ready(self.function(self.state, self.batch))
+
+    def throughput(self, calls: int) -> float:
+        """Tokens/s of `calls` calls dispatched as train.py's loop dispatches them: the host batch put on the devices
+        for each call, no wait between calls, one wait at the end."""
+        with self.compiled.context():
+            start = time.perf_counter()
+            for _ in range(calls):
+                self.state, self.metrics = self.function(self.state, sharding.put_batch(self.host_batch, self.sharding))
+            jax.block_until_ready((self.state, self.metrics))
+        return calls * self.tokens_per_call / (time.perf_counter() - start)
+
+    @property
+    def loss(self) -> float | None:
+        """The mean training loss of the last call (None before the first)."""
+        if self.metrics is None:
+            return None
+        loss_sum, count = jax.device_get(self.metrics["loss"])
+        return float(loss_sum / count)
+
+    def time(self, calls: int) -> dict:
+        """The first call (compilation included), then `calls` more: compile_and_first_call_s, each call's ms,
+        tokens/s of the best one and the loss after the last."""
+        first = common.timed(self.call)
+        call_ms = [common.timed(self.call) * 1e3 for _ in range(calls)]
+        return {
+            "compile_and_first_call_s": first,
+            "call_ms": call_ms,
+            "steps_per_call": self.steps_per_call,
+            "tokens_per_call": self.tokens_per_call,
+            "tokens_per_s": self.tokens_per_call / (min(call_ms) / 1e3),
+            "loss": self.loss,
+        }
 
 
 def packed_documents(batch: int, length: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -136,11 +211,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU: checks the pieces, measures nothing")
     args = parser.parse_args()
 
-    device = jax.devices()[0]
-    kind = getattr(device, "device_kind", device.platform)
-    print(f"device: {kind} ({device.platform}), jax {jax.__version__}", flush=True)
-    peak = matmul_peak_tflops(256 if args.tiny else 8192)
-    datasheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in kind), None)
+    peaks = device_peaks(args.tiny)
+    kind, peak, datasheet = peaks["device"], peaks["peak_tflops"], peaks["datasheet_tflops"]
+    print(f"device: {kind} ({peaks['platform']}), jax {jax.__version__}", flush=True)
     print(f"bf16 matmul peak measured: {peak:.1f} TFLOP/s (datasheet dense bf16: {datasheet or 'unknown'})")
 
     config = config_lib.load_config_file(ROOT / "configs" / "gpt2_124m.py", "tiny" if args.tiny else None)
@@ -158,26 +231,12 @@ def main() -> None:
     if args.packed:
         batch["segment_ids"], batch["positions"] = packed_documents(b, t)
     task = tasks.causal_lm_task(models.build_model(config.model_name, config.model.to_dict()))
-    tx, schedule = optim.make_optimizer(config.optim)
-    shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-    compiled = trainer_lib.compile_trainer(
-        supervised.SupervisedTrainer(task, tx, schedule, shapes, grad_accum_steps=args.accum),
-        mesh=sharding.make_mesh(),
-        rules=sharding.axis_rules(),
-        seed=0,
-    )
+    runner = StepRunner(task, config.optim, batch, accum=args.accum)
     record = {"device": kind, "peak_tflops": peak, "datasheet_tflops": datasheet, "packed": args.packed}
-    with compiled.context():
-        state = compiled.init(jax.random.key(0))
-        device_batch = sharding.put_batch(batch, compiled.batch_sharding)
-
-        def one_step():
-            nonlocal state
-            state, _ = jax.block_until_ready(compiled.step(state, device_batch))
-
-        compile_s = common.timed(one_step)
-        step_ms = [common.timed(one_step) * 1e3 for _ in range(args.steps)]
-        tokens_per_s = b * t / (min(step_ms) / 1e3)
+    one_step = runner.call
+    with runner.compiled.context():
+        timing = runner.time(args.steps)
+        compile_s, step_ms, tokens_per_s = timing["compile_and_first_call_s"], timing["call_ms"], timing["tokens_per_s"]
         achieved = tokens_per_s * per_token / 1e12
         mfu = achieved / datasheet if datasheet else None
         record.update(

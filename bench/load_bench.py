@@ -11,7 +11,10 @@ each in a fresh process with 8 simulated CPU devices (XLA_FLAGS=--xla_force_host
   load: `lmzoo.weights.merge_pretrained(target, "hf:DIR", "llama", cfg)`, what `init_from=hf:` and the frozen models
         (PPO reference, distillation teacher) call, into a bfloat16 lmzoo Llama with scanned layers (as
         configs/llama.py:llama3_8b) whose target parameters are ShapeDtypeStructs sharded over an FSDP mesh
-        (1, 8, 1); timed until every parameter is on its devices.
+        (1, 8, 1); timed until every parameter is on its devices;
+  ckpt: the same into the same targets from the checkpoint converted once (as `python -m lmzoo.cli.convert` writes
+        it: the hf: load above, saved by orbax at step 0, not timed), `merge_pretrained(target, "ckpt:DIR", ...)`:
+        orbax restores each parameter straight into its sharding.
 Both read the files from the page cache (just written); wall and CPU times (all threads) are printed, as other
 processes sharing the cores inflate wall time. Peak RSS is the load process's VmHWM. The simulated
 devices' buffers are host memory here, so the peak includes the loaded parameters themselves (on an accelerator
@@ -38,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench import common  # noqa: E402
-from lmzoo import sharding, weights  # noqa: E402
+from lmzoo import checkpoint, sharding, weights  # noqa: E402
 from lmzoo.convert import llama as llama_convert  # noqa: E402
 from lmzoo.convert import mapping  # noqa: E402
 from lmzoo.models import build_model, make_config  # noqa: E402
@@ -109,8 +112,8 @@ def rss_bytes(field: str) -> int:
     return int(line.split()[1]) * 1024
 
 
-def load(folder: pathlib.Path) -> dict:
-    """(Child process, 8 devices.) Loads the checkpoint as `init_from=hf:` does into sharded bfloat16 targets."""
+def targets(folder: pathlib.Path):
+    """(cfg, target ShapeDtypeStructs sharded over the FSDP mesh, their shardings) of the bfloat16 scanned Llama."""
     fields = llama_convert.config_from_hf(json.loads((folder / "config.json").read_text()))
     cfg = make_config("llama", fields | {"scan_layers": True, "param_dtype": "bfloat16", "dtype": "bfloat16"})
     model = build_model("llama", cfg)
@@ -119,9 +122,27 @@ def load(folder: pathlib.Path) -> dict:
     target = jax.tree.map(
         lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where), nn.unbox(boxed), shardings
     )
+    return cfg, target, shardings
+
+
+def convert_once(folder: pathlib.Path) -> dict:
+    """(Child process, 8 devices.) Writes the converted checkpoint at folder/converted, as lmzoo.cli.convert does."""
+    cfg, target, _ = targets(folder)
+    params = weights.merge_pretrained(target, f"hf:{folder}", "llama", cfg)
+    checkpointer = checkpoint.Checkpointer(str(folder / "converted" / "checkpoints"), async_save=False)
+    checkpointer.save(0, {"params": params}, {"step": 0}, force=True)
+    checkpointer.close()
+    return {"converted": True}
+
+
+def load(folder: pathlib.Path, spec: str = "hf") -> dict:
+    """(Child process, 8 devices.) Loads the checkpoint as `init_from=hf:` does (or, spec "ckpt", its converted form
+    as `init_from=ckpt:` does) into sharded bfloat16 targets."""
+    cfg, target, shardings = targets(folder)
+    source = f"hf:{folder}" if spec == "hf" else f"ckpt:{folder / 'converted'}"
     before = rss_bytes("VmRSS")
     start, cpu_start = time.perf_counter(), time.process_time()
-    params = jax.block_until_ready(weights.merge_pretrained(target, f"hf:{folder}", "llama", cfg))
+    params = jax.block_until_ready(weights.merge_pretrained(target, source, "llama", cfg))
     load_s, load_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     leaves = jax.tree.leaves(params)
     assert all(leaf.sharding == where for leaf, where in zip(leaves, jax.tree.leaves(shardings), strict=True))
@@ -158,11 +179,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved read/load rounds (medians reported)")
     parser.add_argument("--scratch", default=tempfile.gettempdir(), help="where the checkpoint is generated")
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
-    parser.add_argument("--child", choices=("read", "load"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("read", "load", "convert", "ckpt"), help=argparse.SUPPRESS)
     parser.add_argument("folder", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        result = {"read": read_bytes, "load": load}[args.child](pathlib.Path(args.folder))
+        children = {"read": read_bytes, "load": load, "convert": convert_once, "ckpt": lambda f: load(f, "ckpt")}
+        result = children[args.child](pathlib.Path(args.folder))
         print(json.dumps(result))
         return
 
@@ -180,11 +202,12 @@ def main() -> None:
             f"checkpoint: {folder}, {len(files)} bfloat16 shards, {on_disk / GB:.3f} GB, largest tensor "
             f"{largest / GB:.3f} GB (generated in {time.perf_counter() - start:.1f} s)"
         )
-        reads, loads = [], []
+        run_child("convert", folder)
+        reads, loads, restores = [], [], []
         for round_index in range(args.rounds):
-            for mode in common.round_order(["read", "load"], round_index):
+            for mode in common.round_order(["read", "load", "ckpt"], round_index):
                 result = run_child(mode, folder)
-                (reads if mode == "read" else loads).append(result)
+                {"read": reads, "load": loads, "ckpt": restores}[mode].append(result)
                 shown = {
                     key: round(value / GB, 3) if key in ("rss_before", "peak_rss", "param_bytes") else round(value, 3)
                     for key, value in result.items()
@@ -194,6 +217,8 @@ def main() -> None:
             common.median([r[key] for r in reads]) for key in ("read_s", "read_cpu_s", "whole_s", "whole_cpu_s")
         )
         load_s, load_cpu_s = (common.median([r[key] for r in loads]) for key in ("load_s", "load_cpu_s"))
+        restore_s, restore_cpu_s = (common.median([r[key] for r in restores]) for key in ("load_s", "load_cpu_s"))
+        restore_peak = max(r["peak_rss"] for r in restores)
         peak = max(r["peak_rss"] for r in loads)
         last = loads[-1]
         rss_target = RSS_BASE_GB * GB + RSS_TENSOR_FACTOR * largest
@@ -218,6 +243,18 @@ def main() -> None:
         print(
             f"{common.verdict(load_s <= TIME_FACTOR * read_s)} load time {load_s:.2f} s <= 2 x read time "
             f"= {TIME_FACTOR * read_s:.2f} s ({load_s / read_s:.1f}x)"
+        )
+        print(
+            f"converted checkpoint (ckpt:): restore {restore_s:.2f} s (CPU {restore_cpu_s:.2f} s), peak host RSS "
+            f"{restore_peak / GB:.3f} GB; {load_s / restore_s:.1f}x faster than hf:"
+        )
+        print(
+            f"{common.verdict(restore_peak <= rss_target)} ckpt: peak host RSS {restore_peak / GB:.3f} GB <= "
+            f"{rss_target / GB:.3f} GB"
+        )
+        print(
+            f"{common.verdict(restore_s <= TIME_FACTOR * read_s)} ckpt: restore time {restore_s:.2f} s <= 2 x read "
+            f"time = {TIME_FACTOR * read_s:.2f} s ({restore_s / read_s:.1f}x)"
         )
     finally:
         if args.keep:

@@ -41,6 +41,7 @@ def get_config(arg: str | None = None):
         c.model.num_layers, c.model.emb_dim, c.model.mlp_dim, c.model.num_heads = 1, 32, 64, 2
         c.data.max_files, c.data.seq_len, c.model.max_len = 5, 32, 32
         c.train.steps, c.train.batch_size, c.train.log_every = 4, 4, 2
+        c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note
         c.train.eval_every = c.train.checkpoint_every = 2
         c.eval.max_batches, c.train.sample_tokens = 2, 8
     return c

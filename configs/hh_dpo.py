@@ -35,5 +35,6 @@ def get_config(arg: str | None = None):
         c.optim.learning_rate, c.optim.min_learning_rate = 1e-3, 1e-3
         c.optim.warmup_steps = 0
         c.train.steps, c.train.batch_size, c.train.log_every = 4, 4, 1
+        c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note
         c.train.eval_every = c.train.checkpoint_every = 2
     return c

@@ -67,6 +67,7 @@ def get_config(arg: str | None = None):
     c.eval.max_batches = 2
     if tiny:
         c.train.steps, c.train.batch_size, c.train.log_every = 3, 4, 1
+        c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note
         c.train.eval_every = c.train.checkpoint_every = 2
         c.eval.batch_size, c.eval.max_batches = 4, 1
     return c

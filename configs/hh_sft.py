@@ -60,6 +60,7 @@ def get_config(arg: str | None = None):
     if tiny:
         c.data.seq_len = 64
         c.train.steps, c.train.batch_size, c.train.log_every = 4, 4, 2
+        c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note
         c.train.eval_every = c.train.checkpoint_every = 2
         c.eval.batch_size, c.eval.max_batches = 8, 2
     return c

@@ -57,5 +57,6 @@ def get_config(arg: str | None = None):
         c.model.emb_dim, c.model.vocab_size = 16, 10000
         c.objective.epoch_steps = 0
         c.train.steps, c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 4, 2, 2, 2
+        c.optim.decay_steps = c.train.steps  # unused (SGD's epoch schedule), set so the run prints no decay_steps note
         c.eval.max_batches = 2
     return c

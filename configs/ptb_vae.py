@@ -53,5 +53,6 @@ def get_config(arg: str | None = None):
         c.data.seq_len, c.train.batch_size, c.eval.batch_size = 16, 8, 8
         c.objective.kl_anneal_steps, c.objective.num_iw_samples = 4, 5
         c.train.steps, c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 4, 1, 4, 4
+        c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note
         c.eval.max_batches = 2
     return c

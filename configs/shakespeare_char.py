@@ -52,5 +52,6 @@ def get_config(arg: str | None = None):
     c.train.sample_tokens = 300
     if "tiny" in check_variants(arg, known=("tiny",)):
         c.train.steps, c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 4, 2, 2, 2
+        c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note
         c.model.num_layers, c.eval.max_batches, c.train.sample_tokens = 1, 2, 8
     return c

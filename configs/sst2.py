@@ -56,6 +56,7 @@ def get_config(arg: str | None = None):
     if "tiny" in variant:
         model.update(emb_dim=32, num_heads=2, num_layers=2, mlp_dim=64, max_len=32)
         c.data.seq_len, c.train.batch_size, c.train.steps, c.train.log_every = 32, 4, 4, 2
+        c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note
         c.train.eval_every = c.train.checkpoint_every = 2
         c.eval.max_batches = 2
     c.model = model_section(c.model_name, **model)

@@ -36,4 +36,5 @@ def get_config(arg: str | None = None):
     if variant == "tiny":
         c.data.seq_len, c.train.batch_size, c.eval.batch_size = 16, 8, 8
         c.train.steps, c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 4, 2, 4, 4
+        c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note
     return c

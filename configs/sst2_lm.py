@@ -43,6 +43,7 @@ def get_config(arg: str | None = None):
     if "tiny" in check_variants(arg, known=("tiny",)):
         model.update(emb_dim=32, num_heads=2, num_layers=1, mlp_dim=64, max_len=64)
         c.data.seq_len, c.train.batch_size, c.train.steps, c.train.log_every = 32, 4, 4, 2
+        c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note
         c.train.eval_every = c.train.checkpoint_every = 2
         c.eval.max_batches, c.train.sample_tokens = 2, 8
     c.model = model_section("gpt2", **model)

@@ -65,6 +65,7 @@ def get_config(arg: str | None = None):
         )
         c.data.tokenizer.vocab_size = 500
         c.data.seq_len, c.train.batch_size, c.train.steps, c.train.log_every = 32, 4, 4, 2
+        c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note
         c.train.eval_every = c.train.checkpoint_every = 2
         c.eval.max_batches = 2
     return c

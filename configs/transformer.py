@@ -85,6 +85,7 @@ def get_config(arg: str | None = None):
         model.update(emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64, vocab_size=500, max_len=32, dropout_rate=0.0)
         c.data.tokenizer.vocab_size = 500
         c.data.seq_len, c.data.target_seq_len, c.train.batch_size, c.train.steps, c.train.log_every = 32, 16, 4, 4, 2
+        c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note
         c.train.eval_every = c.train.checkpoint_every = 2
         c.eval.max_batches = 2
     c.model = model_section("seq2seq", **model)

@@ -29,6 +29,21 @@ from lmzoo import storage
 log = logging.getLogger(__name__)
 
 
+def _flat(tree: Any) -> dict[str, Any]:
+    """{"a/b/c": leaf} of a nested mapping."""
+    return {
+        "/".join(str(getattr(k, "key", k)) for k in path): leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def _unflat(flat: dict[str, Any], like: Any) -> Any:
+    """`like`'s structure with each leaf replaced by flat["a/b/c"] of its path."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: flat["/".join(str(getattr(k, "key", k)) for k in path)], like
+    )
+
+
 def reached_preemption(step: int) -> bool:
     """JAX's multi-host preemption sync point (every process agrees on the step); False without the service."""
     from jax.experimental import multihost_utils
@@ -293,26 +308,39 @@ class Checkpointer:
             ) from None
 
     @_abandoning_futures_on_error()
-    def restore_params(self, step: int) -> Any:
-        """The state's `params` subtree of `step` as host numpy arrays, read from the checkpoint's own metadata
-        (no model or restore target needed; the rest of the state is not read)."""
+    def restore_params(self, step: int, placed: Any = None) -> Any:
+        """The state's `params` subtree of `step`, read from the checkpoint's own metadata (no model needed; the rest
+        of the state is not read): as host numpy arrays, except where `placed` (a params tree of jax.Arrays or
+        ShapeDtypeStructs with shardings; a classifier's backbone matches a saved `backbone` subtree) has a leaf of the
+        same shape: that parameter is restored straight into its sharding and dtype, each process reading only the
+        shards its devices hold."""
         saved = self.manager.item_metadata(step)["state"]
         if not hasattr(saved, "get") or "params" not in saved:
             raise FileNotFoundError(
                 f"{self.directory / str(step) / 'state'}: no params in its metadata (missing or damaged)"
             )
         params = jax.tree.map(lambda m: np.zeros((), m.dtype), dict(saved["params"]))
-        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params)
+        shapes = {key: tuple(m.shape) for key, m in _flat(dict(saved["params"])).items()}
+        targets = _flat(placed) if placed is not None else {}
+
+        def restore_arg(key: str):
+            like = targets.get(key, targets.get(key.removeprefix("backbone/")))
+            where = getattr(like, "sharding", None)
+            if where is None or tuple(like.shape) != shapes[key]:
+                return ocp.RestoreArgs(restore_type=np.ndarray)
+            return ocp.ArrayRestoreArgs(sharding=where, dtype=like.dtype, global_shape=shapes[key])
+
+        restore_args = _unflat({key: restore_arg(key) for key in shapes}, params)
         args = ocp.args.PyTreeRestore(
             item={"params": params}, restore_args={"params": restore_args}, partial_restore=True
         )
         with ocp.PyTreeCheckpointer() as reader:
             return reader.restore(self.directory / str(step) / "state", args=args)["params"]
 
-    def restore_latest_params(self) -> tuple[int, Any] | None:
+    def restore_latest_params(self, placed: Any = None) -> tuple[int, Any] | None:
         """(step, params) of the newest checkpoint whose params restore (see `restore_params`), falling back past
         damaged ones as `restore_latest` does; None if there is no step."""
-        restored = self._newest_readable(lambda step: (self.restore_params(step), None))
+        restored = self._newest_readable(lambda step: (self.restore_params(step, placed), None))
         return None if restored is None else restored[:2]
 
     def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:

@@ -6,11 +6,17 @@ and `validate` checks the model section against the family's dataclass.
 """
 
 import json
+import os
 import pathlib
 
 import ml_collections
 
-from lmzoo import models
+from lmzoo import models, storage, tokenizers
+from lmzoo.models import lora
+
+# data.tokenizer.kind: a tokenizer kind, or "init_from": the tokenizer that comes with config.init_from's weights
+# (an hf: checkpoint's tokenizer.json, a ckpt: run's tokenizer), so that one flag names both.
+TOKENIZER_KINDS = (*tokenizers.KINDS, "init_from")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -19,6 +25,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.init_from = ""  # "hf:PATH": start from HuggingFace weights (a folder with config.json + model.safetensors)
     c.init_from_partial = False  # with hf:, load the parameters that fit and initialise the rest (report printed)
+    # LoRA (docs/lora.md): targets "" trains every parameter; a regular expression over module names
+    # ("query|key|value|out|wi_0|wi_1|wo") trains low-rank adapters of those kernels over the frozen base that init_from
+    # (or the objective's reference: dpo's sft) gives. base_dtype "": the params' own; "bfloat16" halves the base.
+    c.lora = ml_collections.ConfigDict(
+        {"targets": "", "rank": 8, "alpha": 16.0, "dropout": 0.0, "base_dtype": "", "rslora": False}
+    )
 
     c.data = ml_collections.ConfigDict()
     # "local" (path), "python_stdlib", "tfds" (name, data_dir), "tsv" (labelled), "pairs" (path), or "store": a token
@@ -28,6 +40,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.path = ""
     c.data.mixture = ()  # store: ((folder, weight), ...) instead of path; rows drawn by weight from (seed, step)
     c.data.cache_dir = ""
+    # A store in a bucket (gs://, s3://) is read through a local cache under cache_dir/objects, bounded to this size.
+    c.data.read_cache_gb = 20.0
     c.data.document_unit = "file"  # local .txt files: one document per "file", "paragraph" or "line"
     c.data.text_field = "text"  # field of .jsonl lines / TFDS features holding the text
     c.data.max_files = 400  # python_stdlib: how many source files to read
@@ -135,10 +149,10 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
-def read_saved(path: pathlib.Path) -> dict:
-    """The config a run saved as JSON at `path`; a damaged file is a ValueError naming it."""
+def read_saved(path: str | os.PathLike) -> dict:
+    """The config a run saved as JSON at `path` (local or in a bucket); a damaged file is a ValueError naming it."""
     try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
+        saved = json.loads(storage.read_text(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(
             f"{path} is damaged ({e}); put back the run's saved config, or train in a new --workdir"
@@ -146,6 +160,19 @@ def read_saved(path: pathlib.Path) -> dict:
     if not isinstance(saved, dict):
         raise ValueError(f"{path} holds no config (a JSON object expected); put back the run's saved config")
     return saved
+
+
+def lora_config(config: ml_collections.ConfigDict) -> "lora.LoraConfig | None":
+    """config.lora as `lmzoo.models.lora.LoraConfig`; None when LoRA is off (targets ""). Bad values are a ValueError
+    naming the field."""
+    section = config.get("lora")
+    if section is None or not section.targets:
+        return None
+    fields = {**section.to_dict(), "base_dtype": section.base_dtype or None}
+    try:
+        return lora.LoraConfig(**fields)
+    except ValueError as e:
+        raise ValueError(f"config.lora: {e}") from None
 
 
 def check_resume(saved: dict, config: ml_collections.ConfigDict, step: int, workdir) -> None:
@@ -156,7 +183,10 @@ def check_resume(saved: dict, config: ml_collections.ConfigDict, step: int, work
     changes = [
         f"{key}: {before[key]!r} -> {after[key]!r}"
         for key in sorted(after)
-        if key in before and before[key] != after[key] and not key.startswith(RESUMABLE_FIELDS)
+        if key in before
+        and before[key] != after[key]
+        # Under LoRA, init_from is the frozen base the checkpoint's adapters were trained on.
+        and (not key.startswith(RESUMABLE_FIELDS) or (key == "init_from" and lora_config(config) is not None))
     ]
     if config.train.steps < step:
         changes.append(f"train.steps={config.train.steps} is below the checkpoint's step {step}")
@@ -236,8 +266,10 @@ def check_values(
     problems = []
 
     def value(field: str):
-        section, key = field.split(".")
-        return config[section][key]
+        found = config
+        for key in field.split("."):
+            found = found[key]
+        return found
 
     def require(ok: bool, field: str, why: str) -> None:
         if not ok:
@@ -310,8 +342,18 @@ def check_values(
                 f"entry {tuple(entry)!r} must be (store folder, weight > 0)",
             )
         require(data.sampler == "random" or not data.mixture, "data.sampler", "a mixture draws 'random' windows")
+        require(data.read_cache_gb > 0, "data.read_cache_gb", "must be > 0 (the local cache of bucket stores, in GB)")
     else:
         require(not data.mixture, "data.mixture", "mixes token stores: set config.data.source='store'")
+    require(
+        data.tokenizer.kind in TOKENIZER_KINDS, "data.tokenizer.kind", f"choose one of {', '.join(TOKENIZER_KINDS)}"
+    )
+    require(
+        data.tokenizer.kind != "init_from" or bool(config.get("init_from")),
+        "data.tokenizer.kind",
+        "'init_from' reads the tokenizer of config.init_from's checkpoint: set config.init_from (hf:PATH, hf:ORG/NAME or "
+        "ckpt:WORKDIR)",
+    )
     if data.source not in ("local", "pairs", "store"):
         require(
             not data.path,

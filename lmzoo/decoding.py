@@ -3,7 +3,10 @@
 
 `sample` and `sample_seq2seq` are pure jitted functions (settings static, no host syncs), so they run inside an
 outer `jax.jit` and under a mesh; they return `Samples` (tokens, their log-probs, a mask ending at the stop).
-`generate` and `generate_seq2seq` are their host-side wrappers: input checks, numpy in, tokens out.
+`generate` and `generate_seq2seq` are their host-side wrappers: input checks, numpy in, tokens out. `sample` refuses
+a prompt plus new tokens longer than the model's `max_len` positions; `generate` instead continues past them with a
+sliding window (`window_passed` says when it will), silently: a caller that wants to say so checks `window_passed`,
+as `eval.py --generate` does with its note.
 
 Decoder-only prompts are left-padded to a common length P (`prompt_mask` marks real tokens), so
 every row's last prompt token sits at column P-1 and new tokens are written in lockstep. Both samplers
@@ -243,6 +246,13 @@ def sample(
     )
 
 
+def window_passed(model: nn.Module, prompt_len: int, max_new_tokens: int) -> bool:
+    """Whether `generate` of `max_new_tokens` after a prompt of `prompt_len` tokens passes the model's `max_len`
+    positions, so that its later tokens are predicted from a sliding window (False for models without positions)."""
+    max_len = getattr(model.config, "max_len", None)
+    return max_len is not None and prompt_len + max_new_tokens > max_len
+
+
 def generate(
     model: nn.Module,
     params,
@@ -264,7 +274,8 @@ def generate(
 
     Any length: past the model's `max_len` positions each further token is predicted from the last `max_len` tokens
     (a sliding window, nanoGPT's crop), recomputed without the cache since every position shifts; a prompt longer
-    than `max_len` keeps its last tokens."""
+    than `max_len` keeps its last tokens. This is not an error and prints nothing (`window_passed` tells a caller
+    that wants to note it, as eval.py does)."""
     prompts = jnp.asarray(prompts, jnp.int32)
     if prompts.ndim != 2 or prompts.shape[1] == 0:
         raise ValueError(f"prompts must be [batch, length>0] token ids, got shape {prompts.shape}")
@@ -273,7 +284,7 @@ def generate(
     max_len = getattr(model.config, "max_len", None)
     sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), vocab_size=vocab_size)
     settings = dict(eos_id=eos_id, pad_id=int(pad_id), use_cache=use_cache, **sampling)
-    if max_len is None or prompts.shape[1] + max_new_tokens <= max_len:
+    if not window_passed(model, prompts.shape[1], max_new_tokens):
         return sample(model, params, prompts, prompt_mask, rng, max_new_tokens=max_new_tokens, **settings).tokens
     cached = max(max_len - prompts.shape[1], 0)
     new, done = [], jnp.zeros((prompts.shape[0],), bool)

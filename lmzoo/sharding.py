@@ -11,6 +11,7 @@ each expert's tokens to its devices with an all-to-all (`layers.mlp.capacity_exp
 (data, fsdp, tensor), as every config and saved run before the expert axis has, means expert 1 (`mesh_shape`).
 """
 
+import glob
 from collections.abc import Sequence
 from typing import Any
 
@@ -148,3 +149,30 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
     """Host-local numpy batch -> global arrays, each process supplying its rows of the batch."""
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+# Device files an accelerator's driver creates: NVIDIA GPUs; TPU v4+ (accel) and v2/v3 VMs (vfio).
+ACCELERATOR_DEVICE_FILES = {
+    "an NVIDIA GPU": "/dev/nvidia[0-9]*",
+    "a TPU": "/dev/accel[0-9]*",
+    "a TPU (vfio)": "/dev/vfio/[0-9]*",
+}
+INSTALL_FILES = {
+    "an NVIDIA GPU": "requirements-cuda12.txt",
+    "a TPU": "requirements-tpu.txt",
+    "a TPU (vfio)": "requirements-tpu.txt",
+}
+
+
+def unused_accelerator_warning() -> str | None:
+    """A warning when this machine has an accelerator (its driver's device files are present) but JAX runs on the
+    CPU, as it does with the CPU-only jaxlib of requirements.txt; None otherwise."""
+    if jax.default_backend() != "cpu":
+        return None
+    for name, pattern in ACCELERATOR_DEVICE_FILES.items():
+        if glob.glob(pattern):
+            return (
+                f"warning: this machine has {name} ({pattern}) but JAX runs on the CPU: install JAX for it with "
+                f"`pip install -r {INSTALL_FILES[name]}` (README: Install)"
+            )
+    return None

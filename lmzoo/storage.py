@@ -27,11 +27,14 @@ says why, and what each client needs.
 
 import contextlib
 import functools
+import gzip
+import io
 import json
 import logging
 import os
 import re
 import secrets
+import shutil
 import sys
 import tempfile
 import urllib.parse
@@ -40,6 +43,9 @@ from collections.abc import Iterator
 from etils import epath
 
 REMOTE_SCHEMES = ("gs://", "s3://")
+# Requests to a bucket in flight at once, per client: a training step reads hundreds of small ranges (aiohttp's
+# default pool of 100 connections, and aiobotocore's of 10, would make that several round trips).
+CONCURRENT_REQUESTS = 512
 
 # Temporary files and objects of `write_bytes` and `append_bytes` (".NAME.<12 hex digits>.tmp"): being written, or
 # left by a killed writer.
@@ -73,6 +79,55 @@ def path(user_path: str | os.PathLike) -> epath.Path:
     return epath.Path(os.path.abspath(os.path.expanduser(text)))
 
 
+# FUSE file systems that present a bucket as a folder (/proc/mounts type -> scheme): their folder renames are
+# refused or are copies, and a flock there is not shared between hosts, so lmzoo refuses them for what it writes.
+BUCKET_MOUNTS = {"fuse.gcsfuse": "gs", "fuse.s3fs": "s3", "fuse.mountpoint-s3": "s3", "fuse.goofys": "s3"}
+MOUNTS_FILE = "/proc/mounts"
+
+
+def bucket_mount(local_path: str | os.PathLike, mounts: str | None = None) -> str | None:
+    """The gs:// or s3:// form of a local path that lies on a FUSE mount of a bucket (gcsfuse, s3fs, mountpoint-s3,
+    goofys), or None where it does not; `mounts` is /proc/mounts' text (read when not given; none on non-Linux)."""
+    if mounts is None:
+        try:
+            with open(MOUNTS_FILE, encoding="utf-8") as file:
+                mounts = file.read()
+        except OSError:
+            return None
+    location = os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(local_path))))
+    best = None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        # /proc/mounts escapes spaces and other separators in paths as octal (\040).
+        device, point = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), f) for f in fields[:2])
+        if (location + "/").startswith(point.rstrip("/") + "/") and (best is None or len(point) > len(best[1])):
+            best = (device, point, fields[2])
+    if best is None or best[2] not in BUCKET_MOUNTS:
+        return None
+    device, point, kind = best
+    # gcsfuse lists the bucket as the device; s3fs may list "s3fs" or "s3fs:BUCKET", goofys "BUCKET" or "BUCKET:PREFIX".
+    bucket = device.removeprefix("s3fs:").split(":", 1)[0]
+    bucket = "BUCKET" if bucket == "s3fs" else bucket
+    relative = os.path.relpath(location, point)
+    suffix = "" if relative == "." else "/" + relative
+    return f"{BUCKET_MOUNTS[kind]}://{bucket}{suffix}"
+
+
+def refuse_bucket_mount(local_path: str | os.PathLike, flag: str) -> None:
+    """Raises ValueError, naming the gs:// or s3:// form to pass instead, where `local_path` (what `flag` gave) lies on
+    a FUSE mount of a bucket."""
+    if is_remote(local_path):
+        return
+    remote = bucket_mount(local_path)
+    if remote is not None:
+        raise ValueError(
+            f"{flag}={os.fspath(local_path)} is on a FUSE mount of a bucket, which renames folders by copying (or not "
+            f"at all) and shares no lock between hosts; pass {flag}={remote} instead (lmzoo writes buckets directly)"
+        )
+
+
 def read_bytes(user_path: str | os.PathLike) -> bytes:
     """The whole content of a file or object; FileNotFoundError if there is none."""
     location = os.fspath(path(user_path))
@@ -81,6 +136,26 @@ def read_bytes(user_path: str | os.PathLike) -> bytes:
             return _filesystem(location).cat_file(location)
     with open(location, "rb") as file:
         return file.read()
+
+
+@contextlib.contextmanager
+def open_read(user_path: str | os.PathLike, *, text: bool = False) -> Iterator:
+    """A file or object opened to be read as a stream (on a bucket: ranged reads with read-ahead, never the whole
+    object at once), gunzipped when its name ends in .gz; `text`: decoded as UTF-8 (decode errors raise).
+    FileNotFoundError if there is none; IsADirectoryError for a local folder."""
+    location = os.fspath(path(user_path))
+    with contextlib.ExitStack() as stack:
+        if is_remote(location):
+            with _unreachable_named(location):
+                stream = stack.enter_context(_filesystem(location).open(location, "rb"))
+        else:
+            stream = stack.enter_context(open(location, "rb"))
+        if location.endswith(".gz"):
+            stream = stack.enter_context(gzip.GzipFile(fileobj=stream, mode="rb"))
+        if text:
+            stream = stack.enter_context(io.TextIOWrapper(stream, encoding="utf-8"))
+        with _unreachable_named(location):
+            yield stream
 
 
 def read_text(user_path: str | os.PathLike) -> str:
@@ -208,6 +283,15 @@ def exists(user_path: str | os.PathLike) -> bool:
     return os.path.exists(location)
 
 
+def is_file(user_path: str | os.PathLike) -> bool:
+    """Whether a file (on a bucket: an object, not a prefix of objects) is at `user_path`."""
+    location = os.fspath(path(user_path))
+    if is_remote(location):
+        with _unreachable_named(location):
+            return _filesystem(location).isfile(location)
+    return os.path.isfile(location)
+
+
 def list_dir(user_path: str | os.PathLike) -> list[str]:
     """The sorted names of the files and folders directly in a folder (on a bucket: the objects and prefixes one level
     below it). Temporary files of unfinished writes are left out. FileNotFoundError if there is nothing there."""
@@ -223,6 +307,178 @@ def list_dir(user_path: str | os.PathLike) -> list[str]:
     return sorted(name for name in names if not _TEMPORARY_NAME.match(name))
 
 
+def stat(user_path: str | os.PathLike) -> tuple[int, int | str]:
+    """(size in bytes, version) of a file or object: the version changes whenever the content is replaced (local: the
+    modification time in ns; GCS: the generation; S3: the ETag). FileNotFoundError if there is none."""
+    location = os.fspath(path(user_path))
+    if is_remote(location):
+        with _unreachable_named(location):
+            info = _filesystem(location).info(location)
+        if info.get("type") != "file":
+            raise FileNotFoundError(f"{location}: no such object (a folder of objects)")
+        return int(info["size"]), _version(info)
+    status = os.stat(location)
+    return status.st_size, status.st_mtime_ns
+
+
+def find_files(user_path: str | os.PathLike) -> list[epath.Path]:
+    """`user_path` itself when it is a file or object, else every file below the folder (on a bucket: every object
+    below the prefix), sorted; temporary files of unfinished writes left out. FileNotFoundError if there is nothing
+    there (an empty local folder gives [])."""
+    location = os.fspath(path(user_path))
+    if is_remote(location):
+        filesystem, scheme = _filesystem(location), location.split("://", 1)[0]
+        with _unreachable_named(location):
+            if filesystem.isfile(location):
+                return [epath.Path(location)]
+            keys = filesystem.find(location)
+        if not keys:
+            raise FileNotFoundError(f"{location}: no such object or prefix")
+        found = [epath.Path(f"{scheme}://{key}") for key in keys]
+    elif os.path.isfile(location):
+        return [epath.Path(location)]
+    elif os.path.isdir(location):
+        found = [epath.Path(os.path.join(folder, name)) for folder, _, names in os.walk(location) for name in names]
+    else:
+        raise FileNotFoundError(f"{location}: no such file or folder")
+    return sorted((file for file in found if not _TEMPORARY_NAME.match(file.name)), key=os.fspath)
+
+
+def read_only(user_path: str | os.PathLike) -> bool:
+    """Whether `user_path` is a local folder this process may not write in (a bucket's permissions show only when
+    written to: False)."""
+    location = os.fspath(path(user_path))
+    return not is_remote(location) and os.path.isdir(location) and not os.access(location, os.W_OK)
+
+
+def file_sizes(user_path: str | os.PathLike) -> dict[str, tuple[int, str]]:
+    """{name: (size in bytes, version)} of the files directly in a folder (on a bucket: the objects one level below
+    it), in one listing; the version changes whenever the content is replaced (GCS: the generation; S3: the ETag;
+    local: the modification time and inode). Temporary files of unfinished writes are left out; {} if there is
+    nothing there."""
+    location = os.fspath(path(user_path))
+    found = {}
+    if is_remote(location):
+        with _unreachable_named(location):
+            try:
+                entries = _filesystem(location).ls(location, detail=True)
+            except FileNotFoundError:
+                return {}
+        for info in entries:
+            if info.get("type") == "file":
+                found[info["name"].rstrip("/").rsplit("/", 1)[-1]] = (int(info["size"]), _version(info))
+    elif os.path.isdir(location):
+        for entry in os.scandir(location):
+            if entry.is_file():
+                status = entry.stat()
+                found[entry.name] = (status.st_size, f"{status.st_mtime_ns}-{status.st_ino}")
+    return {name: value for name, value in found.items() if not _TEMPORARY_NAME.match(name)}
+
+
+def upload(local_file: str | os.PathLike, user_path: str | os.PathLike) -> None:
+    """Copies a local file to `user_path` as a whole: on a bucket one upload (streamed from the file, made visible
+    by the store only when complete); locally a `write_bytes`-style replace through a temporary file."""
+    location = os.fspath(path(user_path))
+    if is_remote(location):
+        with _unreachable_named(location):
+            _filesystem(location).put_file(os.fspath(local_file), location)
+        return
+    os.makedirs(os.path.dirname(location), exist_ok=True)
+    temporary = _temporary_name(location)
+    try:
+        shutil.copyfile(local_file, temporary)
+        with open(temporary, "rb+") as file:
+            os.fsync(file.fileno())
+        os.replace(temporary, location)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
+
+
+def read_ranges(user_path: str | os.PathLike, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """The bytes of each (offset, length) range of one file or object (`read_ranges_of`)."""
+    return read_ranges_of([(user_path, offset, length) for offset, length in ranges])
+
+
+def read_ranges_of(requests: list[tuple[str | os.PathLike, int, int]]) -> list[bytes]:
+    """The bytes of each (path, offset, length) request, of one or several files or objects; on a bucket the ranged
+    GETs go out together (fsspec's concurrent `cat_ranges`, up to CONCURRENT_REQUESTS at once), so many small reads,
+    of many objects, cost about one round trip. EOFError where a file or object ends before its range does."""
+    locations = [os.fspath(path(where)) for where, _, _ in requests]
+    parts: list[bytes] = [b""] * len(requests)
+    remote = [i for i, location in enumerate(locations) if is_remote(location)]
+    for scheme in {locations[i].split("://", 1)[0] for i in remote}:
+        mine = [i for i in remote if locations[i].startswith(scheme + "://")]
+        if scheme == "gs":
+            fetched = _gcs_ranges([(locations[i], requests[i][1], requests[i][2]) for i in mine])
+        else:
+            with _unreachable_named(locations[mine[0]] if len(mine) == 1 else f"{scheme}:// ({len(mine)} ranges)"):
+                fetched = _filesystem(locations[mine[0]]).cat_ranges(
+                    [locations[i] for i in mine],
+                    [requests[i][1] for i in mine],
+                    [requests[i][1] + requests[i][2] for i in mine],
+                    on_error="raise",
+                    batch_size=CONCURRENT_REQUESTS,
+                )
+        for i, part in zip(mine, fetched, strict=True):
+            parts[i] = part
+    for i, location in enumerate(locations):
+        if not is_remote(location):
+            with open(location, "rb") as file:
+                parts[i] = os.pread(file.fileno(), requests[i][2], requests[i][1])
+    for location, (_, offset, length), part in zip(locations, requests, parts, strict=True):
+        if len(part) != length:
+            raise EOFError(f"{location}: {length} bytes at offset {offset} were asked for, it ends before that")
+    return parts
+
+
+def _gcs_ranges(requests: list[tuple[str, int, int]]) -> list[bytes]:
+    """Ranged reads of GCS objects through tensorstore's GCS kvstore (what orbax writes arrays with): its C++ client
+    costs about half of gcsfs's CPU a request, and a training step reads hundreds of small ranges."""
+    futures = []
+    for location, offset, length in requests:
+        bucket, key = location.removeprefix("gs://").split("/", 1)
+        futures.append(_gcs_kvstore(bucket, _gcs_emulator_url()).read(key, byte_range=slice(offset, offset + length)))
+    parts = []
+    for (location, offset, length), future in zip(requests, futures, strict=True):
+        try:
+            result = future.result()
+        except ValueError as error:  # tensorstore's status errors
+            if "OUT_OF_RANGE" in str(error):
+                raise EOFError(
+                    f"{location}: {length} bytes at offset {offset} were asked for, it ends before that"
+                ) from None
+            raise BucketUnreachableError(
+                f"{location}: the bucket's server did not answer ({_first_line(error)})"
+            ) from None
+        if result.state == "missing":
+            raise FileNotFoundError(f"{location}: no such object")
+        parts.append(bytes(result.value))
+    return parts
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+
+
+@functools.cache
+def _gcs_kvstore(bucket: str, emulator_url: str | None):
+    """tensorstore's kvstore of a GCS bucket (STORAGE_EMULATOR_HOST's server when set, through
+    TENSORSTORE_GCS_HTTP_URL), with CONCURRENT_REQUESTS requests in flight and gcsfs's patience with a server that
+    does not answer (a few retries, then an error)."""
+    import tensorstore as ts
+
+    _share_gcs_emulator()
+    context = ts.Context(
+        {
+            "gcs_request_concurrency": {"limit": CONCURRENT_REQUESTS},
+            "gcs_request_retries": {"max_retries": 6, "initial_delay": "0.5s", "max_delay": "8s"},
+        }
+    )
+    return ts.KvStore.open({"driver": "gcs", "bucket": bucket}, context=context).result()
+
+
 def delete(user_path: str | os.PathLike) -> None:
     """Deletes the file or object at `user_path`; one that is not there is no error (S3 itself does not tell)."""
     location = os.fspath(path(user_path))
@@ -232,6 +488,23 @@ def delete(user_path: str | os.PathLike) -> None:
                 _filesystem(location).rm_file(location)
         else:
             os.remove(location)
+
+
+def delete_tree(user_path: str | os.PathLike, *, keep_folder: bool = False) -> None:
+    """Deletes a folder and everything under it (on a bucket: every object below the prefix); with `keep_folder`, a
+    local folder itself stays, emptied. Nothing there is no error."""
+    location = os.fspath(path(user_path))
+    if is_remote(location):
+        with _unreachable_named(location), contextlib.suppress(FileNotFoundError):
+            _filesystem(location).rm(location, recursive=True)
+        return
+    if not os.path.isdir(location):
+        return
+    if not keep_folder:
+        shutil.rmtree(location)
+        return
+    for entry in os.scandir(location):
+        shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.remove(entry.path)
 
 
 def append_bytes(user_path: str | os.PathLike, data: bytes) -> None:
@@ -502,8 +775,22 @@ def _gcs_filesystem(emulator_url: str | None):
         # The JSON-API-only class by name, also where gcsfs was imported before the switch above could take effect.
         from gcsfs.core import GCSFileSystem
     logging.getLogger("gcsfs").addFilter(_DropGcsfsRetryReports())
+
+    class PooledGcsFileSystem(GCSFileSystem):
+        """gcsfs with a connection pool of CONCURRENT_REQUESTS (an aiohttp connector is made inside the loop)."""
+
+        async def _set_session(self):
+            if self._session is None and "connector" not in self.session_kwargs and not self._use_client_cert:
+                import aiohttp
+
+                self.session_kwargs = {
+                    **self.session_kwargs,
+                    "connector": aiohttp.TCPConnector(limit=CONCURRENT_REQUESTS),
+                }
+            return await super()._set_session()
+
     # No cached listings: another process or host may have written since (a lock, a checkpoint, a shard).
-    return GCSFileSystem(endpoint_url=emulator_url, use_listings_cache=False, skip_instance_cache=True)
+    return PooledGcsFileSystem(endpoint_url=emulator_url, use_listings_cache=False, skip_instance_cache=True)
 
 
 @functools.cache
@@ -512,4 +799,6 @@ def _s3_filesystem(s3_endpoint_url: str | None, endpoint_url: str | None):
     itself (AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL, then the ~/.aws config), as the aws command does."""
     import s3fs
 
-    return s3fs.S3FileSystem(use_listings_cache=False, skip_instance_cache=True)
+    return s3fs.S3FileSystem(
+        use_listings_cache=False, skip_instance_cache=True, config_kwargs={"max_pool_connections": CONCURRENT_REQUESTS}
+    )

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmzoo import models
+from lmzoo import models, storage
 
 TINY_GPT2 = dict(
     vocab_size=32,
@@ -53,7 +53,7 @@ def tiny_word_corpus_config(
     for name, count in zip(("train", "valid"), lines, strict=True):
         sentences = (" ".join(rng.choice(words, size=rng.integers(*words_per_line))) for _ in range(count))
         texts[name] = "".join(f" {s} \n" if ptb_spacing else f"{s}\n" for s in sentences)
-        (pathlib.Path(folder) / f"ptb.{name}.txt").write_text(texts[name])
+        storage.write_text(f"{folder}/ptb.{name}.txt", texts[name])
     path = pathlib.Path(__file__).resolve().parents[1] / "configs" / f"{config_file}.py"
     config = config_lib.load_config_file(path, "tiny")
     config.data.train_path, config.data.validation_path = (

@@ -12,6 +12,7 @@ import io
 import itertools
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -48,6 +49,36 @@ def _require_files(paths: Sequence[str], expected: str) -> None:
 def _utf8_char_counts(byte_values: np.ndarray) -> np.ndarray:
     """1 for UTF-8 lead/ASCII bytes, 0 for continuation bytes: sums to the character count of valid UTF-8."""
     return ((byte_values & 0xC0) != 0x80).astype(np.int32)
+
+
+# The rules where a text may be cut so that its two parts encode to the ids of the whole (`Tokenizer.safe_split`).
+# Each decides a cut at i from text[i - 1] and text[i] alone, so a text that grows keeps every answer it had.
+
+
+def _split_anywhere(text: str, near: int) -> int | None:
+    """Any index: for tokenizers that encode each character on its own."""
+    i = max(near, 1)
+    return i if i < len(text) else None
+
+
+_WHITESPACE = re.compile(r"\s")  # str.isspace's characters, which str.split separates words at
+
+
+def _split_before_whitespace(text: str, near: int) -> int | None:
+    """Just before a whitespace character: for tokenizers whose tokens are whitespace-separated words."""
+    found = _WHITESPACE.search(text, max(near, 1))
+    return found.start() if found else None
+
+
+_WORD_SPACE = re.compile(r"(?<=\S) ")
+
+
+def _split_before_word_space(text: str, near: int) -> int | None:
+    """Just before a space (U+0020) that follows a character that is not whitespace, as between "abc" and " def": for
+    pre-tokenizers that end a token at the first whitespace after non-whitespace and start none in the middle of a
+    word (GPT-2's byte-level regex; BERT's whitespace-and-punctuation split). See `HFTokenizer.safe_split`."""
+    found = _WORD_SPACE.search(text, max(near, 1))
+    return found.start() if found else None
 
 
 class Tokenizer(abc.ABC):
@@ -102,6 +133,13 @@ class Tokenizer(abc.ABC):
             return 0.0
         ids = self.encode(text)
         return ids.count(self.unk_id) / max(len(ids), 1)
+
+    def safe_split(self, text: str, near: int) -> int | None:
+        """The first index i, max(near, 1) <= i < len(text), at which `text` may be cut without changing its ids:
+        encode_batch([text[:i], text[i:]]) concatenated equals encode(text), decided by text[i - 1] and text[i] alone;
+        None when there is none. This base class proves no such place (SentencePiece, for one, may merge pieces across
+        spaces and does not pre-tokenize), so its texts are encoded whole."""
+        return None
 
     def encode_documents(self, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
         """Documents as a token store holds them: (tokens [N] of `dtype`, every document followed by EOS when the
@@ -168,6 +206,10 @@ class CharTokenizer(Tokenizer):
         """The share of `text`'s characters the vocabulary lacks."""
         return sum(c not in self._index for c in text) / max(len(text), 1)
 
+    def safe_split(self, text: str, near: int) -> int | None:
+        """Anywhere: each character is an id of its own (or left out)."""
+        return _split_anywhere(text, near)
+
     def _decode(self, ids: Sequence[int]) -> str:
         n = len(self.chars)
         return "".join(self.chars[i] if i < n else self.specials[i - n] for i in ids if i != self.pad_id)
@@ -223,6 +265,10 @@ class WordTokenizer(Tokenizer):
                 ids.append(self.eos_id)
             ids.extend(self._word_id(w) for w in line.split())
         return ids
+
+    def safe_split(self, text: str, near: int) -> int | None:
+        """Just before whitespace: no word runs across it, and a newline there still encodes as <eos>."""
+        return _split_before_whitespace(text, near)
 
     def _word_id(self, word: str) -> int:
         i = self._index.get(word, self.unk_id)
@@ -280,6 +326,10 @@ class ByteTokenizer(Tokenizer):
         ends = np.cumsum([len(e) for e in encoded], dtype=np.int64)
         tokens = np.insert(np.frombuffer(b"".join(encoded), np.uint8).astype(dtype), ends, self.eos_id)
         return tokens, np.diff(ends, prepend=0) + 1
+
+    def safe_split(self, text: str, near: int) -> int | None:
+        """Anywhere in the text: a str index is a character boundary, so both parts are whole UTF-8 characters."""
+        return _split_anywhere(text, near)
 
     def _decode(self, ids: Sequence[int]) -> str:
         parts = []
@@ -475,6 +525,21 @@ def tiktoken_encoding(tokenizer: hf.Tokenizer) -> tiktoken.Encoding | None:
     )
 
 
+def _cuts_before_word_space(tokenizer: hf.Tokenizer) -> bool:
+    """Whether `tokenizer` encodes a text cut just before a space that follows non-whitespace to the ids of the whole
+    (`HFTokenizer.safe_split`): GPT-2's byte-level pre-tokenizer (its regex, no prefix space, no normalizer) or BERT's
+    (BertPreTokenizer, after BertNormalizer or none), with no added token that holds whitespace or strips it."""
+    for added in tokenizer.get_added_tokens_decoder().values():
+        if added.lstrip or added.rstrip or any(c.isspace() for c in added.content):
+            return False
+    pre, normalizer = tokenizer.pre_tokenizer, tokenizer.normalizer
+    if isinstance(pre, hf.pre_tokenizers.ByteLevel):
+        return normalizer is None and pre.use_regex and not pre.add_prefix_space
+    return isinstance(pre, hf.pre_tokenizers.BertPreTokenizer) and (
+        normalizer is None or isinstance(normalizer, hf.normalizers.BertNormalizer)
+    )
+
+
 class HFTokenizer(Tokenizer):
     """A HuggingFace `tokenizers.Tokenizer`; padding and truncation are switched off on the wrapped object.
 
@@ -488,6 +553,7 @@ class HFTokenizer(Tokenizer):
         self.tokenizer = tokenizer
         self._char_lengths: np.ndarray | None = None
         self._tiktoken = tiktoken_encoding(tokenizer)
+        self._cuts_before_word_space = _cuts_before_word_space(tokenizer)
         self._set_specials(_discover_specials(tokenizer.token_to_id) if special_ids is None else special_ids)
 
     @classmethod
@@ -545,6 +611,24 @@ class HFTokenizer(Tokenizer):
         if eos:
             tokens[np.cumsum(lengths) - 1] = self.eos_id
         return tokens, lengths
+
+    def safe_split(self, text: str, near: int) -> int | None:
+        """Just before a space that follows non-whitespace (`_split_before_word_space`) for the two pipelines where
+        that is proven (`_cuts_before_word_space`); any other pipeline (a SentencePiece-style Metaspace, a custom
+        regex, a normalizer) gets no cut, and its texts are encoded whole.
+
+        - Byte-level BPE with GPT-2's regex (`gpt2`, and what tiktoken runs): every alternative of GPT2_SPLIT_PATTERN
+          holds no whitespace (the contractions), whitespace only as an optional first character (` ?\\p{L}+`,
+          ` ?\\p{N}+`, ` ?[^\\s\\p{L}\\p{N}]+`), or whitespace only (`\\s+(?!\\S)`, `\\s+`). So the pre-token holding
+          the non-whitespace text[i - 1] cannot take in the space text[i]: a pre-token ends at i whatever follows
+          (digits, apostrophes, more spaces, newlines), the ones after it are text[i:]'s (the pattern only looks
+          ahead, and matching restarts at i), and the ones before it are text[:i]'s (none reaches past text[i - 1]).
+        - BERT (`wordpiece`): BertNormalizer maps characters one by one (NFD's reordering of accents never crosses
+          the space, a starter), and BertPreTokenizer splits at every whitespace: no word spans i.
+
+        In both, the model (BPE merges, WordPiece) works inside one pre-token, and added tokens, matched before the
+        pipeline, hold no whitespace and strip none (checked), so none spans or takes in the space."""
+        return _split_before_word_space(text, near) if self._cuts_before_word_space else None
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i != self.pad_id], skip_special_tokens=False)

@@ -6,25 +6,31 @@ fresh one's sharding. An HF folder is streamed tensor by tensor straight into th
 a checkpoint's params are read from its own metadata (no config, model or trainer is built), on the host.
 """
 
-import pathlib
+import json
+import tempfile
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from lmzoo import checkpoint
+from lmzoo import checkpoint, storage, tokenizers
+from lmzoo import config as config_lib
 from lmzoo.convert import hf, mapping
+from lmzoo.models import lora
 
 
-def checkpoint_params(workdir: str) -> Any:
-    """The params (host numpy arrays) of the latest checkpoint of a train.py run that restores."""
-    folder = pathlib.Path(workdir).expanduser() / "checkpoints"
-    if not folder.is_dir():
+def checkpoint_params(workdir: str, placed: Any = None) -> Any:
+    """The params of the latest checkpoint of a train.py run (or of `python -m lmzoo.cli.convert`) that restores, its
+    workdir local or in a bucket: host numpy arrays, or straight in the sharding and dtype of `placed`'s leaf of the
+    same path and shape (`checkpoint.Checkpointer.restore_params`)."""
+    folder = storage.path(workdir) / "checkpoints"
+    if not storage.exists(folder):
         raise FileNotFoundError(f"{folder} not found: is {workdir!r} the workdir of a train.py run with checkpoints?")
     checkpointer = checkpoint.Checkpointer(str(folder), async_save=False)
     try:
-        restored = checkpointer.restore_latest_params()
+        restored = checkpointer.restore_latest_params(placed)
     finally:
         checkpointer.close()
     if restored is None:
@@ -32,17 +38,69 @@ def checkpoint_params(workdir: str) -> Any:
     return restored[1]
 
 
+def saved_config(workdir: str) -> dict | None:
+    """The config a train.py run at `workdir` (local or in a bucket) saved; None where there is none (the run's
+    checkpoints are then refused when read)."""
+    saved = storage.path(workdir) / "config.json"
+    return config_lib.read_saved(saved) if storage.exists(saved) else None
+
+
+def saved_objective(workdir: str) -> str | None:
+    """The objective a train.py run at `workdir` trained (`saved_config`), or None."""
+    return (saved_config(workdir) or {}).get("objective", {}).get("name")
+
+
+def pretrained_tokenizer(spec: str) -> tokenizers.Tokenizer:
+    """The tokenizer that comes with pretrained weights (config.data.tokenizer.kind "init_from"): the tokenizer.json of
+    an "hf:" checkpoint (a folder, a bucket prefix or a cached Hub id), or the saved tokenizer of a "ckpt:" run."""
+    if spec.startswith("hf:"):
+        folder = hf.resolve_folder(spec.removeprefix("hf:"))
+        if not storage.exists(f"{folder}/tokenizer.json"):
+            raise FileNotFoundError(
+                f"{folder} has no tokenizer.json, which config.data.tokenizer.kind='init_from' reads; set "
+                "config.data.tokenizer to the checkpoint's tokenizer (kind and path)"
+            )
+        if not storage.is_remote(folder):
+            return tokenizers.build_tokenizer("hf_json", path=f"{folder}/tokenizer.json")
+        with tempfile.TemporaryDirectory(prefix="lmzoo-tokenizer-") as local:  # tokenizers read local files, eagerly
+            storage.write_bytes(f"{local}/tokenizer.json", storage.read_bytes(f"{folder}/tokenizer.json"))
+            return tokenizers.build_tokenizer("hf_json", path=f"{local}/tokenizer.json")
+    if spec.startswith("ckpt:"):
+        saved = storage.path(spec.removeprefix("ckpt:")) / "tokenizer"
+        if not storage.exists(saved / "spec.json"):
+            raise FileNotFoundError(f"{saved}/spec.json not found: {spec} saved no tokenizer")
+        with storage.local_copy(saved) as folder:
+            return tokenizers.from_spec(json.loads(storage.read_text(saved / "spec.json")), folder)
+    raise ValueError(
+        f"config.data.tokenizer.kind='init_from' reads the tokenizer of config.init_from, which is {spec!r}: set it to "
+        "'hf:PATH' (or a Hub id, 'hf:ORG/NAME') or 'ckpt:WORKDIR'"
+    )
+
+
 def read_params(spec: str, model_name: str, model_config, target, *, allow_partial: bool = False):
     """Params from "hf:PATH" (HuggingFace safetensors folder, converted to `model_config`'s layout and to the dtypes
     and placement of `target`'s leaves: see `lmzoo.convert.hf.convert_pretrained`) or "ckpt:WORKDIR" (another lmzoo
-    run's latest checkpoint, host numpy; a classifier run gives its backbone).
+    run's latest checkpoint: in the sharding and dtype of `target`'s leaves where it gives them, else host numpy; a
+    classifier run gives its backbone).
 
     allow_partial: an HF checkpoint that fits only in part gives the parameters that fit instead of an error."""
     if spec.startswith("hf:"):
         return hf.convert_pretrained(spec, model_name, model_config, target, allow_partial=allow_partial)[0]
     if spec.startswith("ckpt:"):
-        source = checkpoint_params(spec.removeprefix("ckpt:"))
-        return source.get("backbone", source)
+        workdir = spec.removeprefix("ckpt:")
+        source = checkpoint_params(workdir, target)
+        source = source.get("backbone", source)
+        saved = saved_config(workdir) or {}
+        adapted = (
+            config_lib.lora_config(ml_collections.ConfigDict({"lora": saved["lora"]})) if "lora" in saved else None
+        )
+        if adapted is None:
+            return source
+        # A LoRA run keeps its adapters alone: its model is them merged into the base it adapted, read again (its
+        # init_from, or the SFT reference a DPO run adapts).
+        base_spec = saved.get("init_from") or saved.get("objective", {}).get("sft", "")
+        base = read_params(base_spec, saved["model_name"], saved["model"], target)
+        return lora.merge(base, source, adapted)
     raise ValueError(f"pretrained weights spec {spec!r} must be 'hf:PATH' or 'ckpt:WORKDIR'")
 
 

@@ -139,6 +139,7 @@ class WorkdirLock:
     """An exclusive lock on a local workdir, held until `release()` or the process ends."""
 
     def __init__(self, workdir: str | os.PathLike):
+        storage.refuse_bucket_mount(workdir, "--workdir")
         self.workdir = pathlib.Path(workdir)
         self.path = self.workdir / LOCK_NAME
         self.created_workdir = not self.workdir.exists()
@@ -393,6 +394,12 @@ class StagedRunState:
 
     def write_text(self, name: str, text: str) -> None:
         self.path(name).write_text(text, encoding="utf-8")
+
+    def write_folder(self, name: str, write) -> None:
+        """Stages the folder `<workdir>/<name>`: `write(local_folder)` fills a new, empty local folder."""
+        folder = self.path(name)
+        folder.mkdir()
+        write(str(folder))
 
     def commit(self) -> list[str]:
         """Puts every staged entry in place of its workdir counterpart; returns the names committed."""

@@ -356,7 +356,7 @@ def test_start_summary_reports_a_decay_past_the_last_step(trained):
         summary = loop.start_summary(run, run.train_loader(), 0)
     finally:
         run.checkpointer.close()
-    assert "note: optim.decay_steps=600 > train.steps=3: the run ends before the learning rate decays" in summary
+    assert "note: optim.decay_steps=4 > train.steps=3: the run ends before the learning rate decays" in summary
     assert "pass --config.optim.decay_steps=3 to decay fully" in summary
 
 

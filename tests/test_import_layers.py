@@ -179,3 +179,85 @@ def test_the_contract_reads_relative_imports(tmp_path, monkeypatch):
     assert imports_of("lmzoo.layers.attention") == {"lmzoo.models.gpt2", "lmzoo.layers.linears"}
     with pytest.raises(AssertionError, match="imports lmzoo.models.gpt2"):
         test_imports_point_down("lmzoo.layers.attention")
+
+
+# File input and output happens in these layers only (through lmzoo.storage where the path is a user's); every other
+# layer, and train.py and eval.py, reads and writes through them, so a user path works wherever it is (local, gs://,
+# s3://). docs/ARCHITECTURE.md, "One path layer".
+FILE_LAYERS = ("foundation", "data", "conversion and rl maths", "weights and config")
+_OS_FILE_CALLS = {
+    "listdir", "scandir", "makedirs", "mkdir", "remove", "unlink", "rename", "replace", "stat", "rmdir", "walk",
+    "access", "chmod", "open", "fdopen",
+}  # fmt: skip
+_PATH_QUERIES = {"exists", "isfile", "isdir", "getsize", "getmtime"}
+# pathlib's and epath's input and output methods (building a path is fine; reading or writing through it is not).
+_PATH_METHODS = {
+    "read_text", "read_bytes", "write_text", "write_bytes", "open", "exists", "is_file", "is_dir", "iterdir", "glob",
+    "rglob", "mkdir", "unlink", "rmdir", "touch", "stat", "rename", "chmod",
+}  # fmt: skip
+
+
+def _file_call(call: ast.Call) -> str | None:
+    """The name of a file-system call (open, os and os.path file functions, shutil, np.memmap/load, gzip.open, glob, a
+    path object's input and output methods), or None."""
+    function = call.func
+    if isinstance(function, ast.Name):
+        return "open" if function.id == "open" else None
+    if not isinstance(function, ast.Attribute):
+        return None
+    owner = ast.unparse(function.value)
+    if (owner, function.attr) in (("gzip", "open"), ("np", "memmap"), ("np", "load"), ("io", "open")):
+        return f"{owner}.{function.attr}"
+    if owner in ("shutil", "glob") or (owner == "os" and function.attr in _OS_FILE_CALLS):
+        return f"{owner}.{function.attr}"
+    if owner == "os.path":
+        return f"os.path.{function.attr}" if function.attr in _PATH_QUERIES else None
+    if function.attr in _PATH_METHODS and _is_path(function.value):
+        return f".{function.attr}()"
+    return None
+
+
+_PATH_CONSTRUCTORS = ("pathlib.Path", "Path", "epath.Path", "storage.path", "pathlib.PurePath")
+_PATH_NAMES = ("path", "file", "folder", "directory", "dir", "out", "root", "workdir")
+
+
+def _is_path(node: ast.expr) -> bool:
+    """Whether an expression is a path object: made by a path constructor, joined with `/`, or a name that says so."""
+    if isinstance(node, ast.Call):
+        return ast.unparse(node.func) in _PATH_CONSTRUCTORS
+    if isinstance(node, ast.BinOp):
+        return isinstance(node.op, ast.Div)
+    if isinstance(node, ast.Name | ast.Attribute):
+        name = node.id if isinstance(node, ast.Name) else node.attr
+        return name.lower().endswith(_PATH_NAMES)
+    return False
+
+
+def _file_calls(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+    calls = [
+        (node.lineno, name)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and (name := _file_call(node))
+    ]
+    return [f"{path.relative_to(root)}:{line}: {name}" for line, name in sorted(calls)]
+
+
+def test_only_the_storage_data_and_conversion_layers_touch_files():
+    allowed = {index for index, (name, _) in enumerate(LAYERS) if name in FILE_LAYERS}
+    outside = [MODULES[m] for m in MODULES if layer_of(m) not in allowed] + [ROOT / "train.py", ROOT / "eval.py"]
+    found = [call for path in outside for call in _file_calls(path)]
+    assert not found, "file calls outside the file layers (read and write through lmzoo.storage):\n" + "\n".join(found)
+
+
+def test_the_file_call_check_sees_each_form(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import os, pathlib, shutil\nopen('x')\npathlib.Path('x').read_text()\nos.path.exists('x')\n"
+        "shutil.copy('a', 'b')\nos.replace('a', 'b')\nnp.memmap('x')\nos.getpid()\nos.path.join('a', 'b')\n"
+        "pathlib.Path('a') / 'b'\nstorage.exists('x')\nstate.replace(x=1)\nstage.write_text('a', 'b')\n"
+        "folder.mkdir()\n(out / 'x').write_bytes(b'')\n"
+    )
+    names = [line.split(": ", 1)[1] for line in _file_calls(planted, tmp_path)]
+    assert names == [
+        "open", ".read_text()", "os.path.exists", "shutil.copy", "os.replace", "np.memmap", ".mkdir()", ".write_bytes()"
+    ]  # fmt: skip

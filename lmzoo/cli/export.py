@@ -2,6 +2,8 @@
 
     python -m lmzoo.cli.export --workdir=runs/gpt2 --out=exported/gpt2 [--step=N]
     python -m lmzoo.cli.export --workdir=runs/sst2 --out=exported/sst2 --labels=negative,positive
+    python -m lmzoo.cli.export --workdir=gs://BUCKET/runs/llama --out=gs://BUCKET/exported/llama
+    python -m lmzoo.cli.export --workdir=runs/llama_lora --out=exported/adapter --adapters_only   # PEFT's format
 
 What is exported, and how, is `lmzoo.convert.export`'s; this reads the run. --out must be a new or empty folder;
 `--overwrite` replaces a folder's whole contents. A user error exits with status 2 and one `error:` line.
@@ -9,11 +11,15 @@ What is exported, and how, is `lmzoo.convert.export`'s; this reads the run. --ou
 
 import argparse
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
+from lmzoo import config as config_lib
 from lmzoo import storage
-from lmzoo.convert import export
+from lmzoo.convert import export, peft
 from lmzoo.models import heads
 from lmzoo.train import run as run_lib
 
@@ -28,12 +34,10 @@ def export_workdir(
 ) -> dict[str, Any]:
     """Exports a train.py run's latest (or `step`'s) checkpoint with its tokenizer; adds "step" to the summary.
     A run whose model is a SequenceClassifier exports as one (labels: its class names). `out_dir` is checked
-    (`export.check_out_dir`) before the checkpoint is read; a bucket --workdir is read where it is, --out is local."""
-    if storage.is_remote(out_dir):
-        raise ValueError(
-            f"--out={out_dir}: export writes a local folder; export to one, then copy it (gcloud storage cp -r)"
-        )
-    export.check_out_dir(out_dir, overwrite=overwrite, keep=None if storage.is_remote(workdir) else workdir)
+    (`export.check_out_dir`) before the checkpoint is read. Either may be local or in a bucket (gs://, s3://)."""
+    export.check_out_dir(
+        out_dir, overwrite=overwrite, keep=os.fspath(storage.path(workdir)) if storage.is_remote(workdir) else workdir
+    )
     loaded = run_lib.load(workdir, step)
     params, classifier = export.exported_part(loaded.model, loaded.params)
     summary = export.export_hf(
@@ -51,6 +55,28 @@ def export_workdir(
     return {**summary, "step": loaded.step}
 
 
+def export_adapters(workdir: str, out_dir: str, step: int | None = None, *, overwrite: bool = False) -> dict[str, Any]:
+    """Writes a LoRA run's adapters alone (config.lora; the latest or `step`'s checkpoint) as a PEFT adapter folder,
+    which `peft.PeftModel.from_pretrained` loads onto the HF export of the run's base (`config.init_from`)."""
+    export.check_out_dir(out_dir, overwrite=overwrite)
+    run = run_lib.open_run(os.fspath(storage.path(workdir)), batches=False)
+    try:
+        adapted = config_lib.lora_config(run.config)
+        if adapted is None:
+            raise ValueError(
+                f"--adapters_only: {workdir} is not a LoRA run (config.lora.targets is empty); export the model whole"
+            )
+        step, state = run_lib.restore_step(run, step, frozen=False)
+        adapters = jax.device_get(state.params)
+    finally:
+        run.checkpointer.close()
+    base = run.config.init_from.removeprefix("hf:") if run.config.init_from.startswith("hf:") else None
+    summary = peft.save_peft(
+        out_dir, adapters, adapted, run.config.model_name, run.config.model.to_dict(), base_model_name_or_path=base
+    )
+    return {**summary, "step": step}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Export a train.py run's checkpoint to an HF folder.")
     parser.add_argument("--workdir", required=True, help="Workdir of a train.py run.")
@@ -58,7 +84,16 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=None, help="Checkpoint step (default: the latest).")
     parser.add_argument("--labels", default=None, help="A classifier's class names, comma-separated (id2label).")
     parser.add_argument("--overwrite", action="store_true", help="Replace the contents of a non-empty --out folder.")
+    parser.add_argument(
+        "--adapters_only",
+        action="store_true",
+        help="A LoRA run's adapters alone, in PEFT's format (adapter_config.json).",
+    )
     args = parser.parse_args()
+    if args.adapters_only:
+        with run_lib.user_errors():
+            print(json.dumps(export_adapters(args.workdir, args.out, args.step, overwrite=args.overwrite)))
+        return
     with run_lib.user_errors():
         summary = export_workdir(
             args.workdir,

@@ -5,7 +5,8 @@ The command line, which reads a train.py run's checkpoint, is `python -m lmzoo.c
 The families with an HF counterpart: gpt2 (GPT2LMHeadModel), bert (BERT / RoBERTa / ALBERT / DistilBERT
 *ForMaskedLM, or *ForPreTraining with a sentence head; the model type follows from the config, see
 `hf_model_type`), seq2seq (T5 with relative positions, BART with learned ones; *ForConditionalGeneration) and
-llama (LlamaForCausalLM; MistralForCausalLM with a sliding window; Qwen2ForCausalLM with q/k/v biases).
+llama (LlamaForCausalLM; MistralForCausalLM with a sliding window; Qwen2ForCausalLM with q/k/v biases; with experts,
+Qwen2MoeForCausalLM with a shared expert, else MixtralForCausalLM).
 Sequence classifiers (`classify` runs, reward models) export to *ForSequenceClassification when their head
 is the one HF builds: BERT/ALBERT "pooler", RoBERTa "dense_tanh" and DistilBERT "dense_relu" on the first
 token, GPT-2 "linear" on the last real token (`pad_token_id` from the tokenizer); num_labels and
@@ -26,12 +27,13 @@ import json
 import os
 import pathlib
 import shutil
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from lmzoo import tokenizers
+from lmzoo import storage, tokenizers
 from lmzoo.convert import bert, gpt2, llama, seq2seq
 from lmzoo.models import heads, make_config
 
@@ -40,7 +42,7 @@ EXPORTABLE = ("gpt2", "bert", "seq2seq", "llama")
 
 def hf_model_type(model_name: str, cfg: Any) -> str:
     """The HF model_type of a family config: gpt2; bert, roberta, albert or distilbert; t5 or bart; llama,
-    mistral or qwen2."""
+    mistral, qwen2, mixtral or qwen2_moe."""
     if model_name == "gpt2":
         return "gpt2"
     if model_name == "llama":
@@ -96,9 +98,24 @@ def to_hf(
     return bert.config_to_hf(cfg, model_type=model_type), bert.to_hf(params, cfg, model_type=model_type)
 
 
-def check_out_dir(out_dir: str, *, overwrite: bool = False, keep: str | None = None) -> pathlib.Path:
-    """The absolute --out folder; raises unless it is new or empty (any folder with `overwrite`), its parent
-    writable, and it does not hold `keep` (the run being exported), which replacing it would delete."""
+def check_out_dir(out_dir: str, *, overwrite: bool = False, keep: str | None = None) -> pathlib.Path | str:
+    """The absolute --out folder (a bucket prefix as it is); raises unless it is new or empty (any folder with
+    `overwrite`), its parent writable, and it does not hold `keep` (the run being exported), which replacing it would
+    delete."""
+    if storage.is_remote(out_dir):
+        out = os.fspath(storage.path(out_dir)).rstrip("/")
+        try:
+            entries = storage.list_dir(out)
+        except FileNotFoundError:
+            entries = []
+        if entries and not overwrite:
+            raise FileExistsError(
+                f"--out={out_dir} is not empty ({len(entries)} entries: {', '.join(entries[:3])}"
+                f"{', ...' if len(entries) > 3 else ''}); pass --overwrite to replace its contents, or a new prefix"
+            )
+        if keep is not None and (os.fspath(keep).rstrip("/") + "/").startswith(out + "/"):
+            raise ValueError(f"--out={out_dir} holds the run's workdir {keep}; export to a prefix outside it")
+        return out
     out = pathlib.Path(out_dir).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"--out={out_dir} is a file, not a folder; pass a new folder")
@@ -114,6 +131,20 @@ def check_out_dir(out_dir: str, *, overwrite: bool = False, keep: str | None = N
     if not os.access(parent, os.W_OK) or (out.is_dir() and not os.access(out, os.W_OK)):
         raise PermissionError(f"--out={out_dir}: {parent if not os.access(parent, os.W_OK) else out} is read-only")
     return out
+
+
+def _replace_prefix(out: str, write) -> None:
+    """Calls `write(folder)` on a local staging folder, then uploads its files below the bucket prefix `out`, the
+    weights first and config.json last (a reader that finds config.json finds the rest), and deletes what `out` held
+    besides them. A bucket has no folder rename: a reader during an --overwrite may see old and new files together."""
+    with tempfile.TemporaryDirectory(prefix="lmzoo-export-") as local:
+        write(pathlib.Path(local))
+        names = sorted(os.listdir(local), key=lambda name: (name == "config.json", name))
+        for name in names:
+            storage.upload(os.path.join(local, name), f"{out}/{name}")
+    files = storage.file_sizes(out)
+    for name in set(storage.list_dir(out)) - set(names):
+        storage.delete(f"{out}/{name}") if name in files else storage.delete_tree(f"{out}/{name}")
 
 
 def _replace_folder(out: pathlib.Path, write) -> None:
@@ -207,7 +238,7 @@ def export_hf(
         weights.chmod(_file_mode())  # safetensors creates it 0600
         wrote_tokenizer = tokenizer is not None and save_tokenizer(tokenizer, folder)
 
-    _replace_folder(out, write)
+    _replace_prefix(out, write) if isinstance(out, str) else _replace_folder(out, write)
     summary = {
         "path": str(out),
         "model_type": hf_config["model_type"],

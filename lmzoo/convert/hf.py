@@ -13,6 +13,7 @@ The per-family tables live in gpt2.py, bert.py, seq2seq.py and llama.py; the mec
 """
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from lmzoo import storage
 from lmzoo.convert import bert, gpt2, llama, mapping, seq2seq
 from lmzoo.convert.mapping import Params
 from lmzoo.convert.seq2seq import t5_config_to_hf, t5_from_hf  # noqa: F401  (used by bench/seq2seq_bench.py)
@@ -27,8 +29,9 @@ from lmzoo.models import make_config
 
 # model_name -> converter module with checkpoint_sources(hf_config, state_dict) -> (config.model fields, lazy params).
 FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "bert": bert, "seq2seq": seq2seq, "llama": llama}
-# Fields a checkpoint does not fix: regularisation and initialisation do not change a loaded model's function,
-# and head presence (pooler, sentence_head) is checked tensor by tensor (a missing head is newly initialised).
+# Fields a checkpoint does not fix: regularisation and initialisation (and the weight of an MoE's load-balancing loss)
+# do not change a loaded model's function, and head presence (pooler, sentence_head) is checked tensor by tensor (a
+# missing head is newly initialised).
 UNCOMPARED_FIELDS = frozenset(
     {
         "dropout_rate",
@@ -38,6 +41,7 @@ UNCOMPARED_FIELDS = frozenset(
         "init_scheme",
         "pooler",
         "sentence_head",
+        "load_balance_coef",
     }
 )
 
@@ -81,6 +85,31 @@ def differing_fields(fields: Mapping[str, Any], target_config: Any) -> list[str]
     ]
 
 
+# A Hugging Face Hub repository id, ORG/NAME, with an optional @revision (a branch, tag or commit).
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
+
+
+def resolve_folder(name: str) -> str:
+    """The checkpoint folder that `hf:NAME` names: a local folder or bucket prefix as it is; else, for a Hub id
+    ORG/NAME[@revision], its snapshot in the local Hugging Face cache (HF_HOME / HF_HUB_CACHE), which is never
+    downloaded here. FileNotFoundError, saying how to fetch it, when the id is not cached."""
+    if storage.is_remote(name) or storage.exists(name) or not HUB_NAME.fullmatch(name):
+        return name
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo, _, revision = name.partition("@")
+    try:
+        return snapshot_download(repo, revision=revision or None, local_files_only=True)
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        fetch = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
+        raise FileNotFoundError(
+            f"hf:{name} is neither a folder nor in the Hugging Face cache ({constants.HF_HUB_CACHE}); lmzoo does not "
+            f"download: fetch it once where there is network (`{fetch} --include '*.json' '*.safetensors'`, then copy "
+            "the cache here or set HF_HOME), or pass a folder"
+        ) from None
+
+
 def _read(spec: str, model_name: str) -> tuple[dict[str, Any], Params]:
     if not spec.startswith("hf:") or spec == "hf:":
         raise ValueError(
@@ -88,10 +117,12 @@ def _read(spec: str, model_name: str) -> tuple[dict[str, Any], Params]:
         )
     if model_name not in FAMILIES:
         raise ValueError(f"no HF converter for model_name {model_name!r}; available: {sorted(FAMILIES)}")
-    folder = spec.removeprefix("hf:")
+    folder = resolve_folder(spec.removeprefix("hf:"))
     hf_config, tensors = mapping.read_safetensors_dir(folder)
     model_type = str(hf_config.get("model_type", ""))
-    disagreeing = [a for a in hf_config.get("architectures") or () if not a.lower().startswith(model_type.lower())]
+    # The architecture names the model type without its underscores (qwen2_moe: Qwen2MoeForCausalLM).
+    stem = model_type.lower().replace("_", "")
+    disagreeing = [a for a in hf_config.get("architectures") or () if not a.lower().startswith(stem)]
     if model_type and disagreeing:
         raise ValueError(
             f"{folder}/config.json: architectures {disagreeing} disagree with model_type "

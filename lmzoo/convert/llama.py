@@ -1,8 +1,17 @@
-"""HF Llama / Mistral / Qwen2 (*ForCausalLM) <-> lmzoo "llama": config translation and tensor table.
+"""HF Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE (*ForCausalLM) <-> lmzoo "llama": config translation and
+tensor tables.
 
-All three are the same decoder to lmzoo: Mistral adds a sliding window, Qwen2 q/k/v biases. HF's nn.Linear
-weights are [out, in] and are transposed: q_proj [N*H, D] -> query (D, N, H), k_proj / v_proj [K*H, D] ->
-(D, K, H), o_proj [D, N*H] -> out (N, H, D); gate_proj, up_proj, down_proj -> wi_0, wi_1, wo.
+All five are the same decoder to lmzoo: Mistral adds a sliding window, Qwen2 q/k/v biases; Mixtral (a window too) and
+Qwen2-MoE (q/k/v biases) make every layer's SwiGLU a mixture of experts (`num_experts` > 0, `layers.mlp.MoeBlock`).
+HF's nn.Linear weights are [out, in] and are transposed: q_proj [N*H, D] -> query (D, N, H), k_proj / v_proj
+[K*H, D] -> (D, K, H), o_proj [D, N*H] -> out (N, H, D); gate_proj, up_proj, down_proj -> wi_0, wi_1, wo.
+
+Experts are read and written one HF tensor per expert, as safetensors files hold them (transformers 5 fuses them in
+memory into experts.gate_up_proj [E, 2F, D] and experts.down_proj [E, D, F], and splits them again in
+save_pretrained): Mixtral's block_sparse_moe.experts.e.{w1, w3, w2} and Qwen2-MoE's mlp.experts.e.{gate_proj,
+up_proj, down_proj}, each [F, D] or [D, F], become slice e of wi_0, wi_1 [E, D, F] and wo [E, F, D]; the router
+(gate [E, D]) becomes router/kernel [D, E]; Qwen2-MoE's shared expert is a SwiGLU "shared" and its sigmoid gate
+shared_expert_gate [1, D] the kernel [D] of "shared_gate".
 """
 
 import re
@@ -15,10 +24,26 @@ from lmzoo.convert import mapping
 from lmzoo.convert.mapping import Entry, Params
 from lmzoo.models.llama import LlamaConfig
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
 # Switches lmzoo's llama does not implement, with the only supported value. Llama's attention_bias also biases
 # o_proj, which lmzoo's attention has no parameter for; Qwen2's q/k/v biases are implied by its model_type.
-_FIXED_HF_OPTIONS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+# Mixtral's router jitter (training only) multiplies the router's input by noise; lmzoo's router has none.
+_FIXED_HF_OPTIONS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "router_jitter_noise": 0.0}
+# The HF config.json keys of each mixture-of-experts layout: (number of experts, experts' F), and the names of the
+# experts' tensors of wi_0, wi_1, wo under its feed-forward module.
+_MOE_KEYS = {
+    "mixtral": ("num_local_experts", "intermediate_size"),
+    "qwen2_moe": ("num_experts", "moe_intermediate_size"),
+}
+_FEED_FORWARD = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp"}
+_EXPERT_TENSORS = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
+_EXPERT_KERNELS = ("wi_0", "wi_1", "wo")
 # Rotary inverse frequencies that checkpoints converted by older transformers versions saved with the weights.
 _BUFFER = re.compile(r"layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -54,10 +79,21 @@ def _rope(hf_config: Mapping[str, Any]) -> dict[str, Any]:
 def _sliding_window(hf_config: Mapping[str, Any], model_type: str, num_layers: int) -> int:
     """The window every layer uses (0: none); Qwen2 models whose layers differ are refused."""
     window = hf_config.get("sliding_window")
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return int(window or 0)
     if model_type == "llama" or not hf_config.get("use_sliding_window", False) or not window:
         return 0
+    if model_type == "qwen2_moe":  # transformers' default: layers 0, 2, 4, ... below max_window_layers slide
+        limit = int(hf_config.get("max_window_layers", 28))
+        default = ["sliding_attention" if i % 2 == 0 and i < limit else "full_attention" for i in range(num_layers)]
+        kinds = hf_config.get("layer_types") or default
+        if len(set(kinds)) > 1:
+            raise mapping.ConfigError(
+                f"HF qwen2_moe config has use_sliding_window=True with max_window_layers={limit}: only some layers "
+                f"slide (layer_types {kinds}); lmzoo's llama applies one sliding_window to every layer or none "
+                "(use_sliding_window False)"
+            )
+        return int(window) if set(kinds) == {"sliding_attention"} else 0
     first_sliding = int(hf_config.get("max_window_layers", num_layers))
     kinds = hf_config.get("layer_types") or [
         "sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)
@@ -73,8 +109,57 @@ def _sliding_window(hf_config: Mapping[str, Any], model_type: str, num_layers: i
     return int(window)
 
 
+def _moe_fields(hf_config: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of an HF Mixtral or Qwen2-MoE config (num_experts 0 for the dense models).
+
+    Every layer must be sparse: Qwen2-MoE's dense layers among sparse ones (`decoder_sparse_step` > 1,
+    `mlp_only_layers`) have no lmzoo form, and neither has a Qwen2-MoE without a shared expert."""
+    if model_type not in _MOE_KEYS:
+        return {"num_experts": 0}
+    count_key, size_key = _MOE_KEYS[model_type]
+    size_keys = [size_key, "shared_expert_intermediate_size"] if model_type == "qwen2_moe" else [size_key]
+    missing = [key for key in (count_key, "num_experts_per_tok", *size_keys) if key not in hf_config]
+    if missing:
+        raise mapping.ConfigError(f"HF {model_type} config lacks {missing}")
+    num_experts, top_k = int(hf_config[count_key]), int(hf_config["num_experts_per_tok"])
+    if num_experts < 1:
+        raise mapping.ConfigError(f"HF {model_type} config has {count_key}={num_experts}; it must be >= 1")
+    if not 1 <= top_k <= num_experts:
+        raise mapping.ConfigError(
+            f"HF {model_type} config has num_experts_per_tok={top_k} with {count_key}={num_experts}; the router "
+            f"picks each token's top num_experts_per_tok of the experts, so it must be in [1, {num_experts}]"
+        )
+    sizes = {key: int(hf_config[key]) for key in size_keys}
+    bad = {key: size for key, size in sizes.items() if size < 1}
+    if bad:
+        raise mapping.ConfigError(
+            f"HF {model_type} config has {bad}; lmzoo's experts need sizes >= 1"
+            + (" (lmzoo reads Qwen2-MoE with a shared expert only)" if "shared_expert_intermediate_size" in bad else "")
+        )
+    fields = {
+        "num_experts": num_experts,
+        "experts_per_token": top_k,
+        # Mixtral's experts are intermediate_size wide, which is mlp_dim: expert_mlp_dim 0 says so.
+        "expert_mlp_dim": 0 if model_type == "mixtral" else sizes[size_key],
+        "shared_expert_mlp_dim": sizes.get("shared_expert_intermediate_size", 0),
+        "renormalize_expert_weights": model_type == "mixtral" or bool(hf_config.get("norm_topk_prob", False)),
+        "load_balance_coef": float(hf_config.get("router_aux_loss_coef", 0.001)),
+    }
+    if model_type == "qwen2_moe":
+        step, only = int(hf_config.get("decoder_sparse_step", 1)), list(hf_config.get("mlp_only_layers") or [])
+        dense = [i for i in range(num_layers) if i in only or step < 1 or (i + 1) % step]
+        if dense:
+            raise mapping.ConfigError(
+                f"HF qwen2_moe config has decoder_sparse_step={step} and mlp_only_layers={only}: layers {dense} are "
+                "dense MLPs among the mixture-of-experts layers; lmzoo's llama makes every layer sparse "
+                "(decoder_sparse_step 1, mlp_only_layers [])"
+            )
+    return fields
+
+
 def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """config.model fields of the "llama" family from an HF Llama, Mistral or Qwen2 config.json dict."""
+    """config.model fields of the "llama" family from an HF Llama, Mistral, Qwen2, Mixtral or Qwen2-MoE config.json
+    dict."""
     model_type = hf_config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise mapping.ConfigError(
@@ -120,9 +205,11 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         "head_dim": 0 if head_dim in (None, emb_dim // num_heads) else int(head_dim),
         "num_layers": num_layers,
         "mlp_dim": int(hf_config["intermediate_size"]),
+        **_moe_fields(hf_config, model_type, num_layers),
         **_rope(hf_config),
         "sliding_window": _sliding_window(hf_config, model_type, num_layers),
-        "qkv_bias": model_type == "qwen2",
+        # Qwen2-MoE's config.json says qkv_bias since transformers 5; earlier ones always had the biases.
+        "qkv_bias": model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf_config.get("qkv_bias", True))),
         "tie_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
         "norm_epsilon": float(hf_config.get("rms_norm_eps", 1e-6)),
         "init_std": float(hf_config.get("initializer_range", 0.02)),
@@ -132,16 +219,30 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def hf_model_type(cfg: LlamaConfig) -> str:
-    """qwen2 for q/k/v biases, else mistral for a sliding window, else llama."""
+    """With experts: qwen2_moe for a shared expert, else mixtral. Without: qwen2 for q/k/v biases, else mistral for a
+    sliding window, else llama. Raises for experts HF has no model for (no shared expert, with q/k/v biases or
+    top-k weights not renormalised)."""
+    if cfg.num_experts:
+        if cfg.shared_expert_mlp_dim:
+            return "qwen2_moe"
+        if cfg.qkv_bias or not cfg.renormalize_expert_weights:
+            raise ValueError(
+                f"a llama with experts, qkv_bias={cfg.qkv_bias} and renormalize_expert_weights="
+                f"{cfg.renormalize_expert_weights} has no HF counterpart: MixtralForCausalLM (no shared expert) has no "
+                "q/k/v biases and renormalises the top-k weights, and Qwen2MoeForCausalLM needs a shared expert "
+                "(config.model.shared_expert_mlp_dim > 0)"
+            )
+        return "mixtral"
     if cfg.qkv_bias:
         return "qwen2"
     return "mistral" if cfg.sliding_window else "llama"
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    """An HF config.json dict (Llama, Mistral or Qwen2: `hf_model_type`) for a "llama" config.
+    """An HF config.json dict (Llama, Mistral, Qwen2, Mixtral or Qwen2-MoE: `hf_model_type`) for a "llama" config.
 
     Residual dropout has no HF field (HF's decoders have none); it does not change the exported model's function.
+    Nor have the MoE form, its capacity and the router z-loss: HF computes every assignment (the dropless form).
     """
     model_type = hf_model_type(cfg)
     rope = {"rope_theta": cfg.rope_theta}
@@ -179,18 +280,75 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         return hf_config | {"attention_bias": False, "mlp_bias": False}
     if model_type == "mistral":
         return hf_config | {"sliding_window": cfg.sliding_window}
+    if model_type == "mixtral":
+        moe = cfg.moe
+        return hf_config | {
+            "intermediate_size": moe.expert_mlp_dim,
+            "num_local_experts": moe.num_experts,
+            "num_experts_per_tok": moe.experts_per_token,
+            "router_aux_loss_coef": moe.load_balance_coef,
+            "router_jitter_noise": 0.0,
+            "sliding_window": cfg.sliding_window or None,
+        }
     window = cfg.sliding_window or None
-    return hf_config | {
+    hf_config |= {
         "use_sliding_window": window is not None,
         "sliding_window": window,
         "max_window_layers": 0 if window else cfg.num_layers,
         "layer_types": ["sliding_attention" if window else "full_attention"] * cfg.num_layers,
     }
+    if model_type == "qwen2":
+        return hf_config
+    moe = cfg.moe
+    return hf_config | {
+        "qkv_bias": cfg.qkv_bias,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.experts_per_token,
+        "moe_intermediate_size": moe.expert_mlp_dim,
+        "shared_expert_intermediate_size": moe.shared_expert_mlp_dim,
+        "norm_topk_prob": moe.renormalize_expert_weights,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": moe.load_balance_coef,
+    }
+
+
+def _swiglu(module: str, path: tuple[str, ...], d: int, f: int) -> list[Entry]:
+    """An HF gated MLP's gate_proj, up_proj, down_proj -> wi_0, wi_1, wo kernels (Llama's MLP, Qwen2-MoE's shared
+    expert)."""
+    return [
+        *mapping.linear(f"{module}.gate_proj", (*path, "wi_0"), d, f, bias=False),
+        *mapping.linear(f"{module}.up_proj", (*path, "wi_1"), d, f, bias=False),
+        *mapping.linear(f"{module}.down_proj", (*path, "wo"), f, d, bias=False),
+    ]
+
+
+def _feed_forward(prefix: str, path: tuple[str, ...], cfg: LlamaConfig, model_type: str) -> list[Entry]:
+    """One layer's feed-forward: Llama's MLP, or the router, the experts (one HF tensor per expert, which
+    `_stack_experts` gathers into the stacked kernel: leaf path (..., "wi_0", "e")) and Qwen2-MoE's shared expert."""
+    d, moe = cfg.emb_dim, cfg.moe
+    if moe is None:
+        return _swiglu(prefix + "mlp", path, d, cfg.mlp_dim)
+    module, f = prefix + _FEED_FORWARD[model_type], moe.expert_mlp_dim
+    table = mapping.linear(f"{module}.gate", (*path, "router"), d, moe.num_experts, bias=False)
+    kernels = zip(_EXPERT_KERNELS, _EXPERT_TENSORS[model_type], ((d, f), (d, f), (f, d)), strict=True)
+    for kernel, name, (n_in, n_out) in kernels:
+        # HF [out, in] -> [in, out], as mapping.linear, one leaf per expert
+        for e in range(moe.num_experts):
+            hf_name = f"{module}.experts.{e}.{name}.weight"
+            table.append(Entry(hf_name, (*path, kernel, str(e)), (n_out, n_in), (n_in, n_out), transpose=True))
+    if moe.shared_expert_mlp_dim:
+        table += _swiglu(f"{module}.shared_expert", (*path, "shared"), d, moe.shared_expert_mlp_dim)
+        # nn.Linear(D, 1) [1, D] -> Einsum kernel [D]
+        table.append(Entry(f"{module}.shared_expert_gate.weight", (*path, "shared_gate", "kernel"), (1, d), (d,), True))
+    return table
 
 
 def entries(cfg: LlamaConfig) -> list[Entry]:
-    """Every tensor of HF *ForCausalLM for `cfg` in state-dict order (without "model."), tied copy excluded."""
-    d, f, v, h = cfg.emb_dim, cfg.mlp_dim, cfg.vocab_size, cfg.head_size
+    """Every tensor of HF *ForCausalLM for `cfg` in state-dict order (without "model."), tied copy excluded; each
+    expert's kernels as their own leaves (`_stack_experts`)."""
+    d, v, h = cfg.emb_dim, cfg.vocab_size, cfg.head_size
+    model_type = hf_model_type(cfg)
     n, k = cfg.num_heads, cfg.kv_heads
     table = mapping.table("embed_tokens", ("embed",), v, d)
     for i in range(cfg.num_layers):
@@ -206,9 +364,7 @@ def entries(cfg: LlamaConfig) -> list[Entry]:
             prefix + "self_attn.v_proj", (*attn, "value"), d, k * h, out_shape=(k, h), bias=cfg.qkv_bias
         )
         table += mapping.linear(prefix + "self_attn.o_proj", (*attn, "out"), n * h, d, in_shape=(n, h), bias=False)
-        table += mapping.linear(prefix + "mlp.gate_proj", (*path, "mlp", "wi_0"), d, f, bias=False)
-        table += mapping.linear(prefix + "mlp.up_proj", (*path, "mlp", "wi_1"), d, f, bias=False)
-        table += mapping.linear(prefix + "mlp.down_proj", (*path, "mlp", "wo"), f, d, bias=False)
+        table += _feed_forward(prefix, (*path, "mlp"), cfg, model_type)
         table += mapping.norm(prefix + "input_layernorm", (*path, "ln_attn"), d, bias=False)
         table += mapping.norm(prefix + "post_attention_layernorm", (*path, "ln_mlp"), d, bias=False)
     table += mapping.norm("norm", ("norm",), d, bias=False)
@@ -226,16 +382,49 @@ def layout(cfg: LlamaConfig) -> mapping.Layout:
         tied={"lm_head.weight": "embed_tokens.weight"} if cfg.tie_embeddings else {},
         skip=_BUFFER,
         tie_hint="; set tie_embeddings: False",
-        note=" (names shown without the 'model.' prefix)",
+        note=" (names shown without the 'model.' prefix)" + _EXPERTS_NOTE * bool(cfg.num_experts),
     )
 
 
+_EXPERTS_NOTE = (
+    "; experts are read one tensor per expert, as save_pretrained writes them (transformers 5's in-memory "
+    "state_dict() fuses them into experts.gate_up_proj / experts.down_proj: save the model and read the folder)"
+)
+
+
+def _stack_experts(params: Params, cfg: LlamaConfig) -> Params:
+    """`params` (per-layer, as `entries` names them) with each layer's per-expert kernels {"0": [D, F], ...} stacked
+    into one leaf [E, D, F] (lazily: `mapping.Stacked`, which reads expert by expert)."""
+    if cfg.moe is not None:
+        for i in range(cfg.num_layers):
+            layer = params["blocks"][f"layer_{i}"]["mlp"]
+            for kernel in _EXPERT_KERNELS:
+                layer[kernel] = mapping.Stacked([layer[kernel][str(e)] for e in range(cfg.num_experts)])
+    return params
+
+
+def _split_experts(params: Params, cfg: LlamaConfig) -> Params:
+    """The reverse of `_stack_experts` for lmzoo params in any layer layout: per-layer, each expert's kernels a leaf of
+    their own (a leaf that is not [E, ...] is left for `mapping.to_hf` to report)."""
+    if cfg.moe is None:
+        return params
+    params = mapping.unstack_layers(params)  # new dicts down to the leaves: editing them leaves the caller's alone
+    for layer in params.get("blocks", {}).values():
+        ffn = layer.get("mlp", {}) if isinstance(layer, Mapping) else {}
+        for kernel in _EXPERT_KERNELS:
+            if kernel in ffn and np.ndim(ffn[kernel]) == 3 and np.shape(ffn[kernel])[0] == cfg.num_experts:
+                stacked = np.asarray(ffn[kernel])
+                ffn[kernel] = {str(e): stacked[e] for e in range(cfg.num_experts)}
+    return params
+
+
 def _sources(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
-    return mapping.to_sources(*mapping.read_hf(state_dict, layout(cfg), entries(cfg)))
+    return _stack_experts(mapping.to_sources(*mapping.read_hf(state_dict, layout(cfg), entries(cfg))), cfg)
 
 
 def from_hf(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
-    """HF Llama / Mistral / Qwen2 *ForCausalLM state dict -> lmzoo "llama" params (per-layer, float32 numpy).
+    """HF Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE *ForCausalLM state dict (experts one tensor each, as in
+    safetensors files) -> lmzoo "llama" params (per-layer, float32 numpy).
 
     With tied embeddings an `lm_head.weight` is accepted only if it equals `embed_tokens.weight`.
     """
@@ -243,18 +432,20 @@ def from_hf(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
 
 
 def to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:
-    """lmzoo "llama" params (per-layer or scanned) -> HF *ForCausalLM state dict of float32 numpy arrays."""
-    return mapping.to_hf(params, layout(cfg), entries(cfg))
+    """lmzoo "llama" params (per-layer or scanned) -> HF *ForCausalLM state dict of float32 numpy arrays (experts
+    one tensor each, the layout safetensors files hold)."""
+    return mapping.to_hf(_split_experts(params, cfg), layout(cfg), entries(cfg))
 
 
 def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params as lazy `mapping` leaves, read only when placed) of an HF Llama, Mistral or
-    Qwen2 checkpoint."""
+    """(config.model fields, params as lazy `mapping` leaves, read only when placed) of an HF Llama, Mistral,
+    Qwen2, Mixtral or Qwen2-MoE checkpoint."""
     fields = config_from_hf(hf_config)
     return fields, _sources(state_dict, mapping.checkpoint_config("llama", fields))
 
 
 def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params: per-layer float32 numpy) of an HF Llama, Mistral or Qwen2 checkpoint."""
+    """(config.model fields, params: per-layer float32 numpy) of an HF Llama, Mistral, Qwen2, Mixtral or Qwen2-MoE
+    checkpoint."""
     fields, sources = checkpoint_sources(hf_config, state_dict)
     return fields, mapping.materialize(sources)

@@ -24,19 +24,20 @@ Weights are read only from safetensors files (float32, float16 or bfloat16): pic
 checkpoints are refused, because unpickling can run arbitrary code.
 """
 
+import fnmatch
 import itertools
 import json
 import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import ml_dtypes
 import numpy as np
 
+from lmzoo import storage
 from lmzoo.models import make_config
 
 Params = dict[str, Any]
@@ -492,7 +493,7 @@ class StoredTensor(LazyLeaf):
     the file is closed.
     """
 
-    def __init__(self, file: Path, name: str, dtype: np.dtype, shape: tuple[int, ...], offset: int):
+    def __init__(self, file: str, name: str, dtype: np.dtype, shape: tuple[int, ...], offset: int):
         self.file, self.name, self.dtype, self.shape, self.offset = file, name, dtype, shape, offset
 
     def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
@@ -504,7 +505,18 @@ class StoredTensor(LazyLeaf):
         return rows[(slice(None), *_slices(box[1:]))]
 
     def _read(self, first: int, count: int) -> np.ndarray:
-        """`count` elements from element `first` on, read from the file into a new array."""
+        """`count` elements from element `first` on, read from the file (one ranged read of an object in a bucket)
+        into a new array."""
+        if storage.is_remote(self.file):
+            try:
+                data = storage.read_range(
+                    self.file, self.offset + first * self.dtype.itemsize, count * self.dtype.itemsize
+                )
+            except EOFError:
+                raise ValueError(
+                    f"{self.file} ends inside tensor {self.name}: truncated; download or export it again"
+                ) from None
+            return np.frombuffer(bytearray(data), self.dtype)
         out = np.empty(count, self.dtype)
         buffer, done = memoryview(out.view(np.uint8)), 0
         with open(self.file, "rb", buffering=0) as f:
@@ -519,9 +531,9 @@ class StoredTensor(LazyLeaf):
         return out
 
 
-def _read_header(file: Path) -> dict[str, StoredTensor]:
-    """The tensors of one safetensors file (8-byte little-endian header length, JSON header, data), from its header
-    alone; a truncated or foreign file is a ValueError naming it."""
+def _read_header(file: str, size: int) -> dict[str, StoredTensor]:
+    """The tensors of one safetensors file or object of `size` bytes (8-byte little-endian header length, JSON header,
+    data), from its header alone; a truncated or foreign file is a ValueError naming it."""
 
     def unreadable(why: str) -> ValueError:
         return ValueError(
@@ -529,15 +541,13 @@ def _read_header(file: Path) -> dict[str, StoredTensor]:
             "download or export it again"
         )
 
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        length = int.from_bytes(f.read(8), "little") if size >= 8 else 0
-        if not 0 < length <= size - 8:
-            raise unreadable(f"a header of {length} bytes in a file of {size}")
-        try:
-            header = json.loads(f.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise unreadable(f"its header is not JSON: {e}") from None
+    length = int.from_bytes(storage.read_range(file, 0, 8), "little") if size >= 8 else 0
+    if not 0 < length <= size - 8:
+        raise unreadable(f"a header of {length} bytes in a file of {size}")
+    try:
+        header = json.loads(storage.read_range(file, 8, length))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise unreadable(f"its header is not JSON: {e}") from None
     if not isinstance(header, dict):
         raise unreadable("its header is not a JSON object")
     header.pop("__metadata__", None)
@@ -557,41 +567,40 @@ def _read_header(file: Path) -> dict[str, StoredTensor]:
     return tensors
 
 
-def _read_json(file: Path) -> Any:
+def _read_json(file: str) -> Any:
     try:
-        return json.loads(file.read_text())
+        return json.loads(storage.read_text(file))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file} is not valid JSON ({e}); download or export it again") from None
 
 
 def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, StoredTensor]]:
-    """(config.json dict, state dict of lazy `StoredTensor`s) of an HF checkpoint folder with single or sharded
-    safetensors weights; only the files' headers are read."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
+    """(config.json dict, state dict of lazy `StoredTensor`s) of an HF checkpoint folder (local, or a bucket prefix:
+    gs://, s3://) with single or sharded safetensors weights; only the files' headers are read."""
+    folder = os.fspath(storage.path(path))
+    files = storage.file_sizes(folder)
+    if not files:
         raise FileNotFoundError(f"HF checkpoint folder {folder} does not exist")
-    config_file = folder / "config.json"
-    if not config_file.is_file():
+    if "config.json" not in files:
         raise FileNotFoundError(
-            f"{config_file} not found; an HF checkpoint folder needs config.json next to the weights"
+            f"{folder}/config.json not found; an HF checkpoint folder needs config.json next to the weights"
         )
-    hf_config = _read_json(config_file)
-    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if single.is_file():
-        return hf_config, _read_header(single)
-    if index.is_file():
+    hf_config = _read_json(f"{folder}/config.json")
+    if "model.safetensors" in files:
+        return hf_config, _read_header(f"{folder}/model.safetensors", files["model.safetensors"][0])
+    if "model.safetensors.index.json" in files:
+        index = f"{folder}/model.safetensors.index.json"
         weight_map = _read_json(index)["weight_map"]
         state_dict = {}
         for shard in sorted(set(weight_map.values())):
-            shard_file = folder / shard
-            if not shard_file.is_file():
-                raise FileNotFoundError(f"shard {shard_file} listed in {index} not found")
-            state_dict |= _read_header(shard_file)
+            if shard not in files:
+                raise FileNotFoundError(f"shard {folder}/{shard} listed in {index} not found")
+            state_dict |= _read_header(f"{folder}/{shard}", files[shard][0])
         absent = sorted(set(weight_map) - set(state_dict))
         if absent:
             raise ValueError(f"tensors {absent} listed in {index} are not in their shards")
         return hf_config, state_dict
-    pickled = sorted(p.name for p in folder.glob("pytorch_model*.bin"))
+    pickled = sorted(name for name in files if fnmatch.fnmatch(name, "pytorch_model*.bin"))
     if pickled:
         raise ValueError(
             f"{folder} holds only pickled PyTorch weights ({', '.join(pickled)}); lmzoo refuses pickled checkpoints "

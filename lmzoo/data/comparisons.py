@@ -10,16 +10,16 @@ other is long. The EOS closes every sequence, so the reward model reads its scor
 does on policy samples stopped at EOS.
 """
 
-import gzip
 import hashlib
 import json
 import logging
-import pathlib
+import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
+from lmzoo import storage
 from lmzoo.data import transforms
 
 ASSISTANT_TURN = "\n\nAssistant:"
@@ -65,12 +65,11 @@ def read_comparisons(path: str, marker: str = ASSISTANT_TURN) -> list[Comparison
     Malformed lines raise ValueError naming the file and line. Pairs whose dialogues differ before
     the last `marker` (no shared prompt) are skipped with a warning listing their lines.
     """
-    file = pathlib.Path(path).expanduser()
-    if not file.exists():
-        raise FileNotFoundError(f"comparisons file {str(file)!r} does not exist")
-    opener = gzip.open if file.name.endswith(".gz") else open
+    file = os.fspath(storage.path(path))
+    if not storage.exists(file):
+        raise FileNotFoundError(f"comparisons file {file!r} does not exist")
     comparisons, unshared = [], []
-    with opener(file, "rt", encoding="utf-8") as f:
+    with storage.open_read(file, text=True) as f:
         for line_number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -98,11 +97,14 @@ def split_heldout(
 ) -> tuple[list[Comparison], list[Comparison]]:
     """(train, held out): a comparison is held out when a hash of (seed, prompt) falls below `fraction`.
 
-    Deterministic and independent of file order; comparisons sharing a prompt land on the same side.
+    Deterministic and independent of file order; comparisons sharing a prompt land on the same side. A prompt of chat
+    messages (`lmzoo.data.chat.Conversation`) is hashed as its JSON with sorted keys.
     """
     train, heldout = [], []
     for comparison in comparisons:
-        digest = hashlib.sha256(f"{seed}\0{comparison.prompt}".encode()).digest()
+        prompt = comparison.prompt
+        key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+        digest = hashlib.sha256(f"{seed}\0{key}".encode()).digest()
         (heldout if int.from_bytes(digest[:8], "big") / 2**64 < fraction else train).append(comparison)
     return train, heldout
 
@@ -176,9 +178,12 @@ def sft_arrays(
     return out
 
 
-def read_splits(path: str, heldout_fraction: float, seed: int = 0) -> dict[str, list[Comparison]]:
-    """{"train", "validation"}: the comparisons of `path` split by `split_heldout` (every stage splits alike)."""
-    train, heldout = split_heldout(read_comparisons(path), heldout_fraction, seed)
+def read_splits(
+    path: str, heldout_fraction: float, seed: int = 0, read: Callable[[str], list] = read_comparisons
+) -> dict[str, list[Comparison]]:
+    """{"train", "validation"}: the comparisons of `path` (as `read` reads them) split by `split_heldout` (every stage
+    splits alike)."""
+    train, heldout = split_heldout(read(path), heldout_fraction, seed)
     if not train or not heldout:
         raise ValueError(
             f"{path}: {len(train)} training and {len(heldout)} held-out comparisons with heldout_fraction="

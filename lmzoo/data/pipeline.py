@@ -5,6 +5,7 @@ is one integer saved in every checkpoint, and a resumed run sees exactly the bat
 uninterrupted run would have seen. Each process materialises only its rows of the global batch.
 """
 
+import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,6 +37,9 @@ class LMLoader:
     sampler "random": uniform window starts drawn from (seed, step) (nanoGPT); with several splits each row first
     draws its split by `weights` from the same generator. "sequential": non-overlapping windows of one split,
     reshuffled every epoch from (seed, epoch).
+
+    Where a split is a store in a bucket, `batch(step)` also starts fetching the windows of the next `prefetch_steps`
+    steps into the local cache in a background thread; what a batch holds does not depend on it.
     """
 
     splits: Sequence[TokenSplit]
@@ -48,8 +52,14 @@ class LMLoader:
     transform: Callable[..., dict[str, np.ndarray]] | None = None  # (batch, example_ids [b], epochs [b]) -> batch
     weights: Sequence[float] = (1.0,)
     names: Sequence[str] = ()  # of the mixture's splits, for the start summary
+    prefetch_steps: int = 8
 
     def __post_init__(self):
+        remote = any(split.pages is not None for split in self.splits) and self.prefetch_steps > 0
+        # The steps ahead are fetched concurrently, each in one round trip (`TokenSplit.fetch`).
+        prefetcher = concurrent.futures.ThreadPoolExecutor(self.prefetch_steps, "lmzoo-prefetch") if remote else None
+        object.__setattr__(self, "_prefetcher", prefetcher)
+        object.__setattr__(self, "_prefetched", {})  # step -> its fetch in flight
         if self.sampler not in ("random", "sequential"):
             raise ValueError(f"unknown sampler {self.sampler!r}; choose 'random' or 'sequential'")
         if len(self.weights) != len(self.splits) or min(self.weights) <= 0:
@@ -108,10 +118,29 @@ class LMLoader:
         epochs, order = epoch_permutation(flat, (self.splits[0].num_tokens - 1) // self.seq_len, self.seed)
         return np.zeros(self.batch_size, np.int64), order * self.seq_len, epochs
 
+    def _rows(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Split index, window start and epoch [local_batch] of this process's rows of global batch `step`."""
+        rows = slice(self.process_index * self.local_batch_size, (self.process_index + 1) * self.local_batch_size)
+        return tuple(x[rows] for x in self._starts(step))
+
+    def _fetch(self, step: int) -> None:
+        which, starts, _ = self._rows(step)
+        for k in np.unique(which):
+            mine = starts[which == k]
+            self.splits[k].fetch(mine, mine + self.seq_len + 1)
+
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows [local_batch, ...] of global batch `step`."""
-        rows = slice(self.process_index * self.local_batch_size, (self.process_index + 1) * self.local_batch_size)
-        which, starts, epochs = (x[rows] for x in self._starts(step))
+        if self._prefetcher is not None:
+            for ahead in range(step + 1, step + 1 + self.prefetch_steps):
+                if ahead not in self._prefetched:
+                    self._prefetched[ahead] = self._prefetcher.submit(self._fetch, ahead)
+            in_flight = self._prefetched.pop(step, None)
+            if in_flight is not None:  # wait for it rather than fetch the same pages twice; a failure is fetched again
+                concurrent.futures.wait([in_flight])
+            for done in [s for s in self._prefetched if s < step]:
+                del self._prefetched[done]
+        which, starts, epochs = self._rows(step)
         window = np.zeros((len(starts), self.seq_len + 1), np.int32)
         documents = np.zeros((len(starts), self.seq_len + 1), np.int64)
         for k in np.unique(which):

@@ -16,38 +16,113 @@ import argparse
 import collections
 import fcntl
 import hashlib
+import logging
 import multiprocessing
 import os
 import pathlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
 
-from lmzoo import tokenizers
+from lmzoo import storage, tokenizers
 from lmzoo.data import sources, store, transforms
 
 CHUNK_DOCUMENTS = 1024  # documents per chunk of work, at most
-CHUNK_BYTES = 1 << 20  # text per chunk of work, at most (a longer document is a chunk of its own)
+CHUNK_BYTES = 1 << 20  # text per chunk of work, at most (a longer document goes over several, `chunks`)
 SHARD_TOKENS = 100_000_000  # a shard is closed at the first chunk end past this many tokens (llm.c's size)
 PARALLEL_BYTES = 64 << 20  # a config's corpus larger than this is cached by one worker per CPU (spawning costs ~2 s)
 
 
-def chunks(source: sources.DocumentSource, documents: int = CHUNK_DOCUMENTS) -> Iterator[tuple[int, str, list[str]]]:
-    """(index, split, texts): the source's documents in order, cut into chunks of one split, at most `documents`
-    documents and about CHUNK_BYTES of text each."""
-    index, split, texts, size = 0, None, [], 0
-    for document_split, text in source.documents():
-        if texts and (document_split != split or len(texts) >= documents or size >= CHUNK_BYTES):
-            yield index, split, texts
+WHOLE_WARNING_CHARS = 16 * CHUNK_BYTES  # a document held whole past this size is reported
+
+
+class Chunk(NamedTuple):
+    """A unit of work: `texts` of one split, each a document or a piece of one. continues: texts[0] goes on with the
+    previous chunk's last document; unfinished: texts[-1]'s document goes on in the next chunk (no EOS here)."""
+
+    index: int
+    split: str
+    texts: list[str]
+    continues: bool = False
+    unfinished: bool = False
+
+
+def _tail(parts: list[str], length: int) -> str:
+    """The last `length` characters of the text `parts` hold, joining only the parts it needs."""
+    taken, count = [], 0
+    for part in reversed(parts):
+        taken.append(part)
+        count += len(part)
+        if count >= length:
+            break
+    text = "".join(reversed(taken))
+    return text[len(text) - length :]
+
+
+def _safe_pieces(
+    source: sources.DocumentSource, cut: Callable[[str, int], int | None] | None
+) -> Iterator[tuple[str, str, bool]]:
+    """(split, text, continues): the source's documents, read in pieces (`DocumentSource.pieces`); one longer than
+    CHUNK_BYTES characters handed on in pieces of at least CHUNK_BYTES, each cut at the first place from there where
+    `cut` (a tokenizer's `safe_split`) allows, so that the pieces' ids are the whole's. Without such a place (`cut`
+    None, or it finds none) the document is held whole, and one over WHOLE_WARNING_CHARS is reported."""
+    split, parts, held, continues, searched, warned = None, [], 0, False, CHUNK_BYTES, False
+    # read in quarters of a chunk, so that a cut comes when a quarter more than a chunk is held, not twice a chunk
+    for piece_split, text, piece_continues in source.pieces(max(CHUNK_BYTES // 4, 1)):
+        if not piece_continues:
+            if split is not None:
+                yield split, "".join(parts), continues
+            split, parts, held, continues, searched, warned = piece_split, [], 0, False, CHUNK_BYTES, False
+        parts.append(text)
+        held += len(text)
+        while cut is not None and held > searched:
+            # A rule decides a cut at i from the characters at i - 1 and i alone: the search reads the text from
+            # `searched` on and the character before it, and one that finds nothing starts the next search at `held`.
+            window = _tail(parts, held - searched + 1)
+            at = cut(window, 1)
+            if at is None:
+                searched = held
+                break
+            pending, at = "".join(parts), searched - 1 + at
+            yield split, pending[:at], continues
+            parts, held, continues, searched = [pending[at:]], held - at, True, CHUNK_BYTES
+        if held > WHOLE_WARNING_CHARS and not warned:
+            warned = True
+            logging.warning(
+                "a %s document goes on past %s characters with no place to cut it where its tokenizer's ids stay "
+                "those of the whole (SentencePiece and --sentences never cut): it is held and tokenized whole, by one "
+                "worker, and memory grows with it",
+                split,
+                f"{held:,}",
+            )
+    if split is not None:
+        yield split, "".join(parts), continues
+
+
+def chunks(
+    source: sources.DocumentSource,
+    documents: int = CHUNK_DOCUMENTS,
+    cut: Callable[[str, int], int | None] | None = None,
+) -> Iterator[Chunk]:
+    """The source's documents in order, cut into chunks of one split, at most `documents` texts and about CHUNK_BYTES
+    of text each. A document longer than CHUNK_BYTES goes over several chunks as pieces cut where `cut` (a tokenizer's
+    `safe_split`) allows (`_safe_pieces`), each piece after the first opening a chunk; without `cut` it is whole."""
+    index, split, texts, size, continues = 0, None, [], 0, False
+    for piece_split, text, piece_continues in _safe_pieces(source, cut):
+        if texts and (piece_continues or piece_split != split or len(texts) >= documents or size >= CHUNK_BYTES):
+            yield Chunk(index, split, texts, continues, unfinished=piece_continues)
             index, texts, size = index + 1, [], 0
-        split = document_split
+        if not texts:
+            continues = piece_continues
+        split = piece_split
         texts.append(text)
         size += len(text)
     if texts:
-        yield index, split, texts
+        yield Chunk(index, split, texts, continues)
 
 
 def encode_sentence_documents(
@@ -71,12 +146,16 @@ def encode_sentence_documents(
 
 
 def encode_chunk(
-    tokenizer: tokenizers.Tokenizer, dtype: np.dtype, sentences: bool, texts: list[str]
+    tokenizer: tokenizers.Tokenizer, dtype: np.dtype, sentences: bool, texts: list[str], unfinished: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(tokens [N], document lengths [d], sentence starts [s] or None) of one chunk of documents."""
+    """(tokens [N], document lengths [d], sentence starts [s] or None) of one chunk of documents, the last of them
+    without its EOS when `unfinished` (it goes on in the next chunk, which ends it; never with `sentences`)."""
     if sentences:
         return encode_sentence_documents(tokenizer, texts, dtype)
-    return *tokenizer.encode_documents(texts, dtype), None
+    tokens, lengths = tokenizer.encode_documents(texts, dtype)
+    if unfinished and tokenizer.eos_id is not None:
+        tokens, lengths[-1] = tokens[:-1], lengths[-1] - 1
+    return tokens, lengths, None
 
 
 _worker_encoding: tuple[tokenizers.Tokenizer, np.dtype, bool] | None = None
@@ -87,17 +166,19 @@ def _init_worker(tokenizer: tokenizers.Tokenizer, dtype: np.dtype, sentences: bo
     _worker_encoding = (tokenizer, dtype, sentences)
 
 
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    return encode_chunk(*_worker_encoding, texts)
+def _encode_in_worker(texts: list[str], unfinished: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    return encode_chunk(*_worker_encoding, texts, unfinished)
 
 
-def _encoded(work, tokenizer: tokenizers.Tokenizer, dtype: np.dtype, sentences: bool, workers: int):
-    """(index, split, texts, tokens, lengths, sentence starts) of every chunk of `work`, in order, tokenized by
-    `workers` processes."""
+def _encoded(
+    work: Iterator[Chunk], tokenizer: tokenizers.Tokenizer, dtype: np.dtype, sentences: bool, workers: int
+) -> Iterator[tuple[Chunk, np.ndarray, np.ndarray, np.ndarray | None]]:
+    """(chunk, tokens, lengths, sentence starts) of every chunk of `work`, in order, tokenized by `workers`
+    processes."""
     global _worker_encoding
     if workers <= 1:
-        for index, split, texts in work:
-            yield index, split, texts, *encode_chunk(tokenizer, dtype, sentences, texts)
+        for chunk in work:
+            yield chunk, *encode_chunk(tokenizer, dtype, sentences, chunk.texts, chunk.unfinished)
         return
     # fork shares the tokenizer with the workers at no cost (spawning them and sending it takes seconds); a process
     # that has started JAX's threads must not fork, so there the workers are spawned and get it pickled.
@@ -109,14 +190,14 @@ def _encoded(work, tokenizer: tokenizers.Tokenizer, dtype: np.dtype, sentences: 
         _worker_encoding = (tokenizer, dtype, sentences)
     with context.Pool(workers, initializer=initializer, initargs=initargs) as pool:
         pending = collections.deque()
-        for index, split, texts in work:
-            pending.append((index, split, texts, pool.apply_async(_encode_in_worker, (texts,))))
+        for chunk in work:
+            pending.append((chunk, pool.apply_async(_encode_in_worker, (chunk.texts, chunk.unfinished))))
             if len(pending) >= 2 * workers:
-                index, split, texts, result = pending.popleft()
-                yield index, split, texts, *result.get()
+                chunk, result = pending.popleft()
+                yield chunk, *result.get()
         while pending:
-            index, split, texts, result = pending.popleft()
-            yield index, split, texts, *result.get()
+            chunk, result = pending.popleft()
+            yield chunk, *result.get()
 
 
 def header(
@@ -165,11 +246,11 @@ def prepare(
     """Tokenizes `source` into the store at `folder` (resuming a killed build there) and opens it. The chunking
     (`chunk_documents`) and `shard_tokens` decide the bytes written, so a resumed build must keep them. `sentences`:
     documents as sentences, with the sentence index (`encode_sentence_documents`)."""
-    root = pathlib.Path(folder).expanduser()
-    if (root / store.MANIFEST).is_file():
+    root = storage.path(folder)
+    if storage.exists(root / store.MANIFEST):
         raise store.StoreError(f"{root} already holds a complete store; choose another output folder or remove it")
     settings = {"shard_tokens": shard_tokens, "chunk_documents": chunk_documents, "chunk_bytes": CHUNK_BYTES}
-    existed = root.exists()
+    existed = storage.exists(root)
     writer = store.StoreWriter(
         root, {**header(source, tokenizer, dtype, sentences), "settings": settings}, shard_tokens
     )
@@ -196,22 +277,28 @@ def _write(
     progress: bool,
 ) -> store.Store:
     """`prepare`'s build into `writer`'s folder, from its first unfinished chunk."""
-    tokenizer_folder = writer.folder / "tokenizer"
-    if not tokenizer_folder.is_dir():
-        tokenizer.save(str(tokenizer_folder))
+    writer.save_tokenizer(tokenizer)
     start, last = writer.resume_chunk, -1
-    work = ((i, split, texts) for i, split, texts in chunks(source, chunk_documents) if i >= start)
+    # A long document is cut where the tokenizer's ids stay the whole's; documents as sentences are kept whole.
+    cut = None if sentences else tokenizer.safe_split
+    work = (chunk for chunk in chunks(source, chunk_documents, cut) if chunk.index >= start)
     # disable=None: the bar shows on a terminal only, so logs and pipes get the final summary line alone.
     bar = tqdm(total=source.size_bytes(), unit="B", unit_scale=True, disable=None if progress else True)
     bar.set_description(f"prepare {writer.folder.name}")
     tokens, began = 0, time.monotonic()
     try:
-        for index, split, texts, chunk_tokens, lengths, starts in _encoded(
-            work, tokenizer, writer.dtype, sentences, workers
-        ):
-            writer.add(split, chunk_tokens, lengths, index, starts)
-            last, tokens = index, tokens + len(chunk_tokens)
-            bar.update(sum(len(t.encode("utf-8", "replace")) for t in texts))
+        for chunk, chunk_tokens, lengths, starts in _encoded(work, tokenizer, writer.dtype, sentences, workers):
+            writer.add(
+                chunk.split,
+                chunk_tokens,
+                lengths,
+                chunk.index,
+                starts,
+                continues=chunk.continues,
+                unfinished=chunk.unfinished,
+            )
+            last, tokens = chunk.index, tokens + len(chunk_tokens)
+            bar.update(sum(len(t.encode("utf-8", "replace")) for t in chunk.texts))
             bar.set_postfix_str(f"{tokens / max(time.monotonic() - began, 1e-9) / 1e6:.2f}M tokens/s")
     finally:
         bar.close()
@@ -222,7 +309,7 @@ def _write(
 
 def cache_root(configured: str = "") -> pathlib.Path:
     """Where stores of configs that name raw text are cached: `configured`, else $LMZOO_CACHE, else ~/.cache/lmzoo."""
-    return pathlib.Path(configured or os.environ.get("LMZOO_CACHE") or "~/.cache/lmzoo").expanduser() / "stores"
+    return pathlib.Path(store.cache_base(configured)) / "stores"
 
 
 def cached_store(

@@ -5,16 +5,16 @@ a file given on the command line (`eval.py --data`) with `file`, and trains a to
 """
 
 import dataclasses
+import functools
 import os
-import pathlib
 from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 import numpy as np
 
-from lmzoo import tokenizers
-from lmzoo.data import comparisons, prepare, sources, store, transforms
+from lmzoo import storage, tokenizers
+from lmzoo.data import chat, comparisons, prepare, sources, store, transforms
 
 Config = ml_collections.ConfigDict
 
@@ -23,7 +23,7 @@ def named_files_fingerprint(config: Config) -> str:
     """sha256 of the paths, sizes and modification times of the files config.data names (path, train_path,
     validation_path; a folder's text files)."""
     named = [config.data[field] for field in ("path", "train_path", "validation_path") if config.data[field]]
-    files = [f for path in named if pathlib.Path(path).exists() for f in sources.text_files(path)]
+    files = [f for path in named if storage.exists(path) for f in sources.text_files(path)]
     return sources.fingerprint_files(files)
 
 
@@ -48,6 +48,13 @@ def store_paths(config: Config) -> list[tuple[str, float]]:
     return [(str(path), float(weight)) for path, weight in data.mixture] if data.mixture else [(data.path, 1.0)]
 
 
+def open_stores(config: Config) -> list[store.Store]:
+    """The stores config.data names (local folders or bucket prefixes, mixed as the mixture says), bucket stores read
+    through the local cache config.data.cache_dir and read_cache_gb bound."""
+    cache = store.read_cache(config.data.cache_dir, config.data.read_cache_gb)
+    return [store.open_store(path, cache) for path, _ in store_paths(config)]
+
+
 @dataclasses.dataclass
 class CorpusSplit:
     """One split of the run's documents, tokenized on first use: a raw-text `source` prepared once into a cached
@@ -69,7 +76,7 @@ class CorpusSplit:
     def stores(self, tokenizer: tokenizers.Tokenizer) -> list[store.Store]:
         if self._stores is None:
             if self.source is None:
-                opened = [store.open_store(path) for path, _ in store_paths(self.config)]
+                opened = open_stores(self.config)
                 for each in opened:
                     each.check_tokenizer(tokenizer)
             else:
@@ -89,7 +96,7 @@ class CorpusSplit:
                     f"objective {self.config.objective.name!r} reads sentence pairs from one store; config.data.mixture "
                     "names several (prepare their sources into one store with --sentences)"
                 )
-            opened = store.open_store(paths[0][0])
+            opened = open_stores(self.config)[0]
             opened.check_tokenizer(tokenizer)
         else:
             root = prepare.cache_root(self.config.data.cache_dir)
@@ -126,7 +133,7 @@ def _document_file(config: Config, path: str) -> CorpusSplit:
 def _documents_fingerprint(config: Config) -> str:
     if config.data.source != "store":
         return sources.source_from_config(config.data).fingerprint()
-    manifests = [store.open_store(path).manifest for path, _ in store_paths(config)]
+    manifests = [opened.manifest for opened in open_stores(config)]
     return sources.digest([[m["source"]["fingerprint"], m["tokenizer"]["sha256"], m["splits"]] for m in manifests])
 
 
@@ -154,7 +161,7 @@ def _split_paths(config: Config, read_file: Callable[[Config, str], Any]) -> dic
 def _check_split_files(config: Config) -> None:
     for field in ("train_path", "validation_path"):
         path = config.data[field]
-        if not path or not pathlib.Path(path).is_file():
+        if not path or not storage.is_file(path):
             raise ValueError(
                 f"config.data.{field}={path!r} is not a file; objective {config.objective.name!r} reads "
                 "one text file per split (e.g. ptb.train.txt and ptb.valid.txt)"
@@ -162,7 +169,7 @@ def _check_split_files(config: Config) -> None:
 
 
 def _text_file(config: Config, path: str) -> list[str]:
-    return [pathlib.Path(path).read_text(encoding="utf-8")]
+    return [storage.read_text(path)]
 
 
 # Whole text files, one per split: config.data.{train,validation}_path (Mikolov's PTB files).
@@ -204,6 +211,30 @@ COMPARISONS = Reader(
     splits=_comparison_splits,
     file=lambda config, path: comparisons.read_comparisons(path),
     texts=lambda raw: [c.prompt + c.chosen for c in raw] + [c.rejected for c in raw],
+)
+
+
+def _conversation_file(config: Config, path: str) -> list:
+    return chat.read_conversations(path) if chat.is_chat_file(path) else comparisons.read_comparisons(path)
+
+
+def _conversation_splits(config: Config) -> dict[str, list]:
+    if not config.data.path:
+        raise ValueError(
+            f"objective {config.objective.name!r} reads comparisons or conversations: set --config.data.path="
+            "FILE.jsonl(.gz) (HH-RLHF format) or a chat file (.jsonl(.gz) or .parquet of `messages` rows or pairs)"
+        )
+    o = config.objective
+    read = functools.partial(_conversation_file, config)
+    return comparisons.read_splits(config.data.path, o.heldout_fraction, o.split_seed, read=read)
+
+
+# COMPARISONS, or chat rows (`lmzoo.data.chat`: `messages` conversations and conversational preference pairs, read
+# from .jsonl(.gz) or parquet) when config.data.path holds them, split alike by a hash of the prompt.
+CONVERSATIONS = Reader(
+    splits=_conversation_splits,
+    file=_conversation_file,
+    texts=lambda raw: chat.texts(raw) if chat.holds_conversations(raw) else COMPARISONS.texts(raw),
 )
 
 

@@ -5,6 +5,7 @@ with each document's split, which `lmzoo.data.prepare` tokenizes into a store.
 Every reader names the file (and line or row) of a bad input and the config field that fixes it.
 """
 
+import codecs
 import dataclasses
 import gzip
 import hashlib
@@ -17,6 +18,9 @@ from collections.abc import Callable, Iterator
 
 import ml_collections
 import numpy as np
+from etils import epath
+
+from lmzoo import storage
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet", ".py", ".md")
 
@@ -35,32 +39,100 @@ def _split_units(text: str, unit: str) -> list[str]:
 
 
 MAX_UNDECODABLE_FRACTION = 0.01  # above this share of invalid UTF-8, a file is not text
+PIECE_CHARS = 1 << 20  # default piece size: a larger text file is streamed, a longer document handed on in pieces
+_REPLACEMENT = "\ufffd".encode()
+
+
+def _refuse_nul(path: pathlib.Path, offset: int) -> None:
+    if offset >= 0:
+        raise ValueError(
+            f"{path}: NUL byte at offset {offset}; this is a binary file, not text. Remove it from config.data.path"
+        )
+
+
+def _refuse_undecodable(path: pathlib.Path, undecodable: int, characters: int) -> None:
+    if undecodable > MAX_UNDECODABLE_FRACTION * max(characters, 1):
+        raise ValueError(
+            f"{path}: {undecodable} of {characters} characters are not valid UTF-8; it is not UTF-8 text "
+            "(convert it, e.g. iconv -f latin1 -t utf-8, or remove it from config.data.path)"
+        )
 
 
 def read_text(path: pathlib.Path) -> str:
     """A UTF-8 text file (gunzipped if it ends in .gz). NUL bytes, or more than MAX_UNDECODABLE_FRACTION
     of characters that are not UTF-8, mean the file is not text: an error naming it, not training data."""
-    raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
-    nul = raw.find(b"\0")
-    if nul >= 0:
-        raise ValueError(
-            f"{path}: NUL byte at offset {nul}; this is a binary file, not text. Remove it from config.data.path"
-        )
+    raw = storage.read_bytes(path)
+    raw = gzip.decompress(raw) if path.name.endswith(".gz") else raw
+    _refuse_nul(path, raw.find(b"\0"))
     text = raw.decode("utf-8", errors="replace")
-    undecodable = text.count("\ufffd") - raw.count("\ufffd".encode())
-    if undecodable > MAX_UNDECODABLE_FRACTION * max(len(text), 1):
-        raise ValueError(
-            f"{path}: {undecodable} of {len(text)} characters are not valid UTF-8; it is not UTF-8 text "
-            "(convert it, e.g. iconv -f latin1 -t utf-8, or remove it from config.data.path)"
-        )
+    _refuse_undecodable(path, text.count("\ufffd") - raw.count(_REPLACEMENT), len(text))
     return text
+
+
+def _decoded_blocks(path: pathlib.Path, size: int) -> Iterator[tuple[bytes, str]]:
+    """(bytes, their text) of `path` (gunzipped if .gz), `size` bytes at a time, decoded as `read_text` decodes the
+    whole; the last pair, with no bytes, holds what the decoder kept back for the end."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with storage.open_read(path) as f:
+        while raw := f.read(size):
+            yield raw, decoder.decode(raw)
+    yield b"", decoder.decode(b"", final=True)
+
+
+def _checked_characters(path: pathlib.Path, size: int) -> int:
+    """`read_text`'s checks, streamed: the characters of `path`, or the error `read_text` raises."""
+    offset, characters, undecodable, tail = 0, 0, 0, b""
+    for raw, text in _decoded_blocks(path, size):
+        nul = raw.find(b"\0")
+        _refuse_nul(path, offset + nul if nul >= 0 else -1)
+        # a replacement character's 3 bytes may straddle two blocks: counted in the block where they end
+        undecodable += text.count("\ufffd") - (tail + raw).count(_REPLACEMENT)
+        offset, characters, tail = offset + len(raw), characters + len(text), (tail + raw)[-2:]
+    _refuse_undecodable(path, undecodable, characters)
+    return characters
+
+
+_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+
+
+def _streamed_units(path: pathlib.Path, unit: str, size: int) -> Iterator[tuple[str, bool]]:
+    """`file_records` of a text file as (piece, continues), never holding the file: checked as `read_text` checks it,
+    then decoded `size` bytes at a time; a record that spans blocks comes as a piece from each, the later ones
+    continuing it. Line and paragraph boundaries are whitespace (line breaks, blank lines), so text cut just after a
+    non-whitespace character splits into the units it splits into inside the whole; the whitespace after that
+    character waits for the next block."""
+    if unit not in DOCUMENT_UNITS:
+        _split_units("", unit)  # its error names the units
+    _checked_characters(path, size)
+    carry, open_unit = "", False
+    for raw, block in _decoded_blocks(path, size):
+        final, text = not raw, carry + block
+        if unit == "file":
+            if text or (final and not open_unit):
+                yield text, open_unit
+                open_unit = True
+            carry = ""
+            continue
+        cut = len(text) if final else len(text.rstrip())
+        segment, carry = text[:cut], text[cut:]
+        if not segment and not final:
+            continue
+        parts = segment.splitlines() if unit == "line" else _PARAGRAPH_BREAK.split(segment)
+        for k, part in enumerate(parts):
+            continues = open_unit and k == 0
+            if unit == "paragraph":  # `_split_units` strips line breaks off a paragraph's two ends
+                part = part if continues else part.lstrip("\n")
+                part = part.rstrip("\n") if final or k < len(parts) - 1 else part
+            if part if continues else part.strip():
+                yield part, continues
+        # the last part ends with the segment's last character, not whitespace: that unit goes on in the next block
+        open_unit = not final
 
 
 def iter_jsonl(path: pathlib.Path, fields: tuple[str, ...], fix: str) -> Iterator[dict]:
     """The JSON objects of a .jsonl(.gz) file, streamed line by line (blank lines skipped), each with string
     `fields`. Errors name the file and line; `fix` says which config setting to change for a missing field."""
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as f:
+    with storage.open_read(path) as f:
         for number, raw in enumerate(f, start=1):
             if not raw.strip():  # as `count_records` decides, without decoding
                 continue
@@ -93,22 +165,28 @@ def read_jsonl(path: pathlib.Path, fields: tuple[str, ...], fix: str) -> list[di
 
 def iter_parquet(path: pathlib.Path, field: str, fix: str) -> Iterator[str]:
     """The strings of column `field` of a parquet file (the on-disk form of HF datasets), streamed by record batch."""
+    with storage.open_read(path) as file:
+        table = _parquet(path, file)
+        names = table.schema_arrow.names
+        if field not in names:
+            raise ValueError(f"{path}: no column {field!r} (it has {names}); {fix}")
+        row = 0
+        for batch in table.iter_batches(columns=[field], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                if not isinstance(value, str):
+                    raise ValueError(f"{path}: row {row} column {field!r} is {type(value).__name__}, not a string")
+                yield value
+
+
+def _parquet(path, file):
+    """A pyarrow ParquetFile over the open `file`; ValueError naming `path` if it is not one."""
     import pyarrow.parquet as pq
 
     try:
-        table = pq.ParquetFile(path)
+        return pq.ParquetFile(file)
     except Exception as e:
         raise ValueError(f"{path}: not a readable parquet file ({e})") from None
-    names = table.schema_arrow.names
-    if field not in names:
-        raise ValueError(f"{path}: no column {field!r} (it has {names}); {fix}")
-    row = 0
-    for batch in table.iter_batches(columns=[field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            if not isinstance(value, str):
-                raise ValueError(f"{path}: row {row} column {field!r} is {type(value).__name__}, not a string")
-            yield value
 
 
 def read_tsv(path: pathlib.Path, columns: tuple[str, ...], fix: str) -> list[dict[str, str]]:
@@ -145,21 +223,37 @@ def file_records(
     return iter(_split_units(read_text(path), unit))
 
 
+def file_record_pieces(
+    path: pathlib.Path,
+    text_field: str,
+    unit: str,
+    size: int = PIECE_CHARS,
+    text_field_fix: str = "set config.data.text_field",
+) -> Iterator[tuple[str, bool]]:
+    """`file_records` as (piece, continues): a record longer than `size` characters comes as consecutive pieces, each
+    after the first continuing it. A text file above `size` bytes is streamed (`_streamed_units`), never held whole;
+    a .jsonl or parquet record is read whole and handed on in pieces."""
+    if not path.name.endswith((".jsonl", ".jsonl.gz", ".parquet")) and storage.stat(path)[0] > size:
+        yield from _streamed_units(path, unit, size)
+        return
+    for text in file_records(path, text_field, unit, text_field_fix):
+        for start in range(0, max(len(text), 1), size):
+            yield text[start : start + size], start > 0
+
+
 def count_records(path: pathlib.Path, unit: str) -> int:
     """How many records `file_records` streams from `path`, without parsing them where the format allows: the
     non-blank lines of a .jsonl(.gz), a parquet file's row count, one for a whole-file document."""
     if path.name.endswith((".jsonl", ".jsonl.gz")):
-        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+        with storage.open_read(path) as f:
             return sum(1 for line in f if line.strip())
     if path.name.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.ParquetFile(path).metadata.num_rows
-        except Exception as e:
-            raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+        with storage.open_read(path) as file:
+            return _parquet(path, file).metadata.num_rows
     if unit == "file":
         return 1
+    if storage.stat(path)[0] > PIECE_CHARS:
+        return sum(not continues for _, continues in _streamed_units(path, unit, PIECE_CHARS))
     return len(_split_units(read_text(path), unit))
 
 
@@ -168,18 +262,20 @@ def file_documents(path: pathlib.Path, text_field: str, unit: str) -> Iterator[s
     return (text for text in file_records(path, text_field, unit) if text)
 
 
-def text_files(path: str) -> list[pathlib.Path]:
-    """`path` itself, or the text files under the folder `path` (recursively, sorted)."""
+def text_files(path: str) -> list[epath.Path]:
+    """`path` itself, or the text files under the folder `path` (recursively, sorted); local or in a bucket."""
     if not path:
         raise ValueError("config.data.path is empty; set it to a text file or folder (data.source='local')")
-    root = pathlib.Path(path).expanduser()
-    if not root.exists():
+    root = os.fspath(storage.path(path))
+    try:
+        found = storage.find_files(root)
+    except FileNotFoundError:
         raise FileNotFoundError(
-            f"data path {str(root)!r} does not exist; set config.data.path to a text file or folder"
-        )
-    if root.is_file():
-        return [root]
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES))
+            f"data path {root!r} does not exist; set config.data.path to a text file or folder"
+        ) from None
+    if len(found) == 1 and os.fspath(found[0]) == root:
+        return found
+    files = [p for p in found if p.name.endswith(TEXT_SUFFIXES)]
     if not files:
         raise ValueError(
             f"no text found in {str(root)!r} (looked for {', '.join(TEXT_SUFFIXES)}); check config.data.path"
@@ -238,8 +334,8 @@ def read_text_pairs(path: str, text_fields: tuple[str, ...], split_marker: str =
     at the marker's last occurrence, the marker ending the source: HH-RLHF's "...\n\nAssistant:" prompt
     and the final response.
     """
-    file = pathlib.Path(path).expanduser()
-    if not file.exists():
+    file = storage.path(path)
+    if not storage.exists(file):
         raise FileNotFoundError(f"pairs file {path!r} does not exist; set config.data.path")
     if file.name.endswith((".jsonl", ".jsonl.gz")):
         rows = read_jsonl(file, text_fields, "set config.data.text_fields")
@@ -271,8 +367,8 @@ def read_labelled_tsv(
     path: str, text_fields: tuple[str, ...], label_field: str
 ) -> tuple[list[tuple[str, ...]], np.ndarray]:
     """(texts, labels) from a TSV with a header row (GLUE format)."""
-    file = pathlib.Path(path)
-    if not file.exists():
+    file = storage.path(path)
+    if not storage.exists(file):
         raise FileNotFoundError(
             f"labelled data file {path!r} does not exist; check config.data.{{train,validation}}_path"
         )
@@ -298,6 +394,14 @@ class DocumentSource:
     def documents(self) -> Iterator[tuple[str, str]]:
         raise NotImplementedError
 
+    def pieces(self, size: int = PIECE_CHARS) -> Iterator[tuple[str, str, bool]]:
+        """(split, text, continues): the documents, one longer than `size` characters handed on as consecutive
+        pieces, each after the first continuing it. Here they are cut from `documents()`; a source reading files
+        streams them instead (`FileCorpus`), never holding such a document whole."""
+        for split, text in self.documents():
+            for start in range(0, max(len(text), 1), size):
+                yield split, text[start : start + size], start > 0
+
     def fingerprint(self) -> str:
         raise NotImplementedError
 
@@ -306,8 +410,27 @@ class DocumentSource:
         return None
 
 
-def _file_stats(files: list[pathlib.Path]) -> list:
-    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+def joined_documents(pieces: Iterator[tuple[str, str, bool]]) -> Iterator[tuple[str, str]]:
+    """(split, text) of every whole document of `pieces` (`DocumentSource.pieces`)."""
+    split, parts = None, []
+    for piece_split, text, continues in pieces:
+        if parts and not continues:
+            yield split, "".join(parts)
+            parts = []
+        split = piece_split
+        parts.append(text)
+    if parts:
+        yield split, "".join(parts)
+
+
+def _file_stats(files: list) -> list:
+    """[path, size, version] of each file (local: the resolved path and the modification time in ns)."""
+    stats = []
+    for file in files:
+        location = os.fspath(file)
+        name = location if storage.is_remote(location) else os.path.realpath(location)
+        stats.append([name, *storage.stat(location)])
+    return stats
 
 
 def digest(value) -> str:
@@ -324,35 +447,52 @@ def fingerprint_files(files: list[pathlib.Path]) -> str:
 class FileCorpus(DocumentSource):
     """Documents of text files (`file_records`, empty ones skipped), the last `validation_fraction` of the records
     held out (at least one); a corpus of one record is cut by characters instead. The records are counted without
-    parsing them (`count_records`): jsonl lines, parquet metadata, files; only line and paragraph units read the text."""
+    parsing them (`count_records`): jsonl lines, parquet metadata, files; only line and paragraph units read the text.
+    `pieces(size)` streams a text file of more than `size` bytes (`file_record_pieces`), never holding it whole."""
 
-    files: tuple[pathlib.Path, ...]
+    files: tuple[os.PathLike, ...]  # local or bucket paths (pathlib or epath)
     text_field: str = "text"
     unit: str = "file"
     validation_fraction: float = 0.0
     description: str = ""
     text_field_fix: str = "set config.data.text_field"  # the setting that names text_field where the corpus comes from
 
-    def _records(self) -> Iterator[str]:
+    def _record_pieces(self, size: int) -> Iterator[tuple[str, bool]]:
         for path in self.files:
-            yield from file_records(path, self.text_field, self.unit, self.text_field_fix)
+            yield from file_record_pieces(path, self.text_field, self.unit, size, self.text_field_fix)
 
     def documents(self) -> Iterator[tuple[str, str]]:
+        return joined_documents(self.pieces())
+
+    def pieces(self, size: int = PIECE_CHARS) -> Iterator[tuple[str, str, bool]]:
         if not self.validation_fraction:
-            yield from (("train", text) for text in self._records() if text)
+            yield from (("train", text, continues) for text, continues in self._record_pieces(size) if text)
             return
         count = sum(count_records(path, self.unit) for path in self.files)
-        text = next(self._records(), "") if count == 1 else None
-        if count == 0 or text == "":
+        length = sum(len(text) for text, _ in self._record_pieces(size)) if count == 1 else None
+        if count == 0 or length == 0:
             raise ValueError(f"no text found in {self.description}; check config.data.path")
-        if text is not None:
-            cut = int(len(text) * (1.0 - self.validation_fraction))
-            yield from (("train", text[:cut]), ("validation", text[cut:]))
+        if length is not None:  # one record: its first characters train (a document even when empty), the rest not
+            cut = int(length * (1.0 - self.validation_fraction))
+            if cut == 0:
+                yield "train", "", False
+            position, train, validation = 0, False, False
+            for text, _ in self._record_pieces(size):
+                head = max(min(cut - position, len(text)), 0)
+                if head:
+                    yield "train", text[:head], train
+                    train = True
+                if head < len(text):
+                    yield "validation", text[head:], validation
+                    validation = True
+                position += len(text)
             return
         cut = training_documents(count, self.validation_fraction)
-        for index, text in enumerate(self._records()):
+        index = -1
+        for text, continues in self._record_pieces(size):
+            index += not continues
             if text:
-                yield ("train" if index < cut else "validation"), text
+                yield ("train" if index < cut else "validation"), text, continues
 
     def fingerprint(self) -> str:
         split = "last records"  # the validation split's rule is part of what decides the documents of each split
@@ -361,7 +501,7 @@ class FileCorpus(DocumentSource):
         )
 
     def size_bytes(self) -> int:
-        return sum(f.stat().st_size for f in self.files)
+        return sum(storage.stat(f)[0] for f in self.files)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,7 +557,7 @@ def source_from_config(data: ml_collections.ConfigDict) -> DocumentSource:
                 (split, lambda p=path: iter(" ".join(t) for t in read_labelled_tsv(p, fields, label)[0]))
                 for split, path in paths.items()
             ),
-            ("tsv", fields, label, _file_stats([pathlib.Path(p) for p in paths.values()])),
+            ("tsv", fields, label, _file_stats(list(paths.values()))),
             f"tsv {paths['train']}",
         )
     if data.source == "pairs":
@@ -429,7 +569,7 @@ def source_from_config(data: ml_collections.ConfigDict) -> DocumentSource:
 
         return SplitCorpus(
             (("train", lambda: split_pairs(0)), ("validation", lambda: split_pairs(1))),
-            ("pairs", fields, marker, fraction, _file_stats([pathlib.Path(data.path)])),
+            ("pairs", fields, marker, fraction, _file_stats([data.path])),
             data.path,
         )
     raise ValueError(

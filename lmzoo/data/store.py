@@ -14,6 +14,11 @@ A store folder holds
 
 Shards end at document boundaries, so a document is whole in one shard. Opening a store reads the manifest and
 maps the shards: start-up time and memory do not grow with the corpus.
+
+A store may be a local folder or a bucket prefix (gs://, s3://; `lmzoo.storage`). In a bucket every file above is an
+object: a shard's objects are uploaded once the shard is complete (its token ids last), the progress ledger after
+them, the manifest after everything. Its token shards are read by ranged reads through a bounded local read-through
+cache (`lmzoo.data.object_pages`), its document and sentence offsets whole when the store is opened.
 """
 
 import contextlib
@@ -24,18 +29,19 @@ import json
 import os
 import pathlib
 import resource
-import shutil
 import tempfile
 from collections.abc import Sequence
 
 import numpy as np
 
-from lmzoo import tokenizers
+from lmzoo import storage, tokenizers
+from lmzoo.data import object_pages
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
 SPLITS = ("train", "validation")
+READ_CACHE_GB = 20.0  # the default bound of the local cache of bucket stores (config.data.read_cache_gb)
 
 
 class StoreError(ValueError):
@@ -76,21 +82,27 @@ def tokenizer_fingerprint(tokenizer: tokenizers.Tokenizer) -> tuple[dict, str]:
     return spec, digest.hexdigest()
 
 
-def write_json_atomic(path: pathlib.Path, value: dict) -> None:
-    """Writes `value` to a temporary file beside `path`, syncs and renames it: readers see the old or new file whole."""
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+def write_json(path: str | os.PathLike, value: dict) -> None:
+    """Writes `value` as a file or object replaced whole (`storage.write_text`): readers see the old or new one."""
+    storage.write_text(path, json.dumps(value, indent=1))
+
+
+def cache_base(configured: str = "") -> str:
+    """lmzoo's local cache folder: `configured`, else $LMZOO_CACHE, else ~/.cache/lmzoo."""
+    return os.path.expanduser(configured or os.environ.get("LMZOO_CACHE") or "~/.cache/lmzoo")
+
+
+def read_cache(configured: str = "", size_gb: float = READ_CACHE_GB) -> object_pages.PageCache:
+    """The bounded local cache that bucket stores are read through: `objects/` under `cache_base(configured)`."""
+    return object_pages.PageCache(os.path.join(cache_base(configured), "objects"), int(size_gb * 2**30))
 
 
 class TokenSplit:
     """One split's tokens [N] across shards (memory maps or arrays) and the start of each document.
 
     shards[k]: [n_k] ids of shard k; starts[k]: [d_k] int64 offsets (in the split) of the documents beginning in
-    shard k, the first being the shard's own offset.
+    shard k, the first being the shard's own offset. pages[k], for a store in a bucket: shard k's cached object, whose
+    missing pages every read fetches first (shards[k] maps its local file).
     """
 
     def __init__(
@@ -100,8 +112,9 @@ class TokenSplit:
         name: str = "",
         sentence_starts: Sequence[np.ndarray] | None = None,
         eos_appended: bool = False,
+        pages: Sequence[object_pages.CachedObject] | None = None,
     ):
-        self.shards, self.starts, self.name = list(shards), list(starts), name
+        self.shards, self.starts, self.name, self.pages = list(shards), list(starts), name, pages
         self.sentence_starts, self.eos_appended = sentence_starts, eos_appended
         self.offsets = np.concatenate([[0], np.cumsum([len(s) for s in self.shards])]).astype(np.int64)
         self.first_document = np.concatenate([[0], np.cumsum([len(s) for s in self.starts])]).astype(np.int64)
@@ -145,8 +158,27 @@ class TokenSplit:
             )
         return SentenceIndex(self)
 
+    def fetch(self, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Makes split positions [starts[i], ends[i]) readable: for a store in a bucket, fetches what the local cache
+        lacks of them (all ranges together); nothing for a local store. Reads call it; a prefetch may call it early."""
+        if self.pages is None:
+            return
+        starts, ends = np.asarray(starts, np.int64), np.minimum(np.asarray(ends, np.int64), self.num_tokens)
+        itemsize = self.shards[0].dtype.itemsize if self.shards else 1
+        first = np.searchsorted(self.offsets, starts, side="right") - 1
+        last = np.searchsorted(self.offsets, np.maximum(ends - 1, starts), side="right") - 1
+        requests = []
+        for k in range(int(first.min(initial=0)), int(last.max(initial=-1)) + 1):
+            mine = (first <= k) & (last >= k) & (ends > starts)
+            if mine.any():
+                begin = np.maximum(starts[mine], self.offsets[k]) - self.offsets[k]
+                end = np.minimum(ends[mine], self.offsets[k + 1]) - self.offsets[k]
+                requests.append((self.pages[k], begin * itemsize, end * itemsize))
+        object_pages.ensure_all(requests)  # every shard's pages in one round trip
+
     def tokens_between(self, start: int, end: int) -> np.ndarray:
         """Tokens [end - start] int32 of split positions [start, end), inside one shard (as a document is)."""
+        self.fetch(np.array([start]), np.array([end]))
         k = int(np.searchsorted(self.offsets, start, side="right")) - 1
         return np.asarray(self.shards[k][start - self.offsets[k] : end - self.offsets[k]], np.int32)
 
@@ -154,6 +186,7 @@ class TokenSplit:
         """Tokens [B, length] int32 from each start and the document index of each token [B, length] int64;
         positions past the end of the split are token 0 with document -1."""
         starts = np.asarray(starts, np.int64)
+        self.fetch(starts, starts + length)
         tokens = np.zeros((len(starts), length), np.int32)
         documents = np.full((len(starts), length), -1, np.int64)
         ends = np.minimum(starts + length, self.num_tokens)
@@ -237,17 +270,27 @@ class SentenceIndex:
 
 @dataclasses.dataclass(frozen=True)
 class Store:
-    """A complete store folder, opened: its manifest and memory-mapped splits."""
+    """A complete store, opened: its folder (local or in a bucket), manifest, the size and version of each shard
+    file, and (in a bucket) the local cache its shards are read through."""
 
-    folder: pathlib.Path
+    folder: storage.epath.Path
     manifest: dict
+    files: dict[str, tuple[int, str]] = dataclasses.field(
+        default_factory=dict
+    )  # "SPLIT/NAME.suffix" -> (size, version)
+    cache: object_pages.PageCache | None = None
 
     @property
     def tokenizer_hash(self) -> str:
         return self.manifest["tokenizer"]["sha256"]
 
     def tokenizer(self) -> tokenizers.Tokenizer:
-        return tokenizers.from_spec(self.manifest["tokenizer"]["spec"], str(self.folder / "tokenizer"))
+        spec, folder = self.manifest["tokenizer"]["spec"], self.folder / "tokenizer"
+        if not storage.is_remote(folder) or not storage.exists(folder):  # a fixed tokenizer (byte) saves no files
+            return tokenizers.from_spec(spec, os.fspath(folder))
+        # Tokenizers read local files, all of them when built: a bucket's tokenizer folder is copied for the build.
+        with storage.local_copy(folder) as local:
+            return tokenizers.from_spec(spec, local)
 
     def split(self, name: str) -> TokenSplit:
         info = self.manifest["splits"].get(name)
@@ -257,20 +300,40 @@ class Store:
                 "validation fraction above 0 or choose another store"
             )
         dtype = np.dtype(self.manifest["dtype"])
-        shards, starts, sentences = [], [], []
+        with_sentences = bool(self.manifest.get("sentences"))
+        shards, starts, sentences, pages = [], [], [], []
         for shard in info["shards"]:
-            base = self.folder / name / shard["name"]
-            shards.append(np.memmap(f"{base}.tokens", dtype=dtype, mode="r", shape=(shard["tokens"],)))
-            starts.append(np.memmap(f"{base}.starts", dtype="<i8", mode="r", shape=(shard["documents"],)))
-            if self.manifest.get("sentences"):
-                sentences.append(np.memmap(f"{base}.sentences", dtype="<i8", mode="r", shape=(shard["sentences"],)))
+            base = f"{name}/{shard['name']}"
+            if self.cache is None:
+                shards.append(np.memmap(self.folder / f"{base}.tokens", dtype, "r", shape=(shard["tokens"],)))
+                starts.append(np.memmap(self.folder / f"{base}.starts", "<i8", "r", shape=(shard["documents"],)))
+                if with_sentences:
+                    sentences.append(
+                        np.memmap(self.folder / f"{base}.sentences", "<i8", "r", shape=(shard["sentences"],))
+                    )
+                continue
+            pages.append(self._cached(f"{base}.tokens"))
+            shards.append(pages[-1].array(dtype))
+            starts.append(self._cached(f"{base}.starts"))
+            if with_sentences:
+                sentences.append(self._cached(f"{base}.sentences"))
+        if self.cache is not None:  # every shard's offsets fetched whole, together
+            indexes = [*starts, *sentences]
+            object_pages.ensure_all([(cached, np.array([0]), np.array([cached.size])) for cached in indexes])
+            starts = [np.frombuffer(cached.read(), "<i8") for cached in starts]
+            sentences = [np.frombuffer(cached.read(), "<i8") for cached in sentences]
         return TokenSplit(
             shards,
             starts,
             f"{self.folder.name}/{name}",
-            sentence_starts=sentences if self.manifest.get("sentences") else None,
+            sentence_starts=sentences if with_sentences else None,
             eos_appended=self.manifest["eos"] == "appended",
+            pages=pages if self.cache is not None else None,
         )
+
+    def _cached(self, relative: str) -> object_pages.CachedObject:
+        size, version = self.files[relative]
+        return self.cache.object(os.fspath(self.folder / relative), size, version)
 
     def summary(self) -> str:
         return ", ".join(
@@ -292,45 +355,58 @@ class Store:
             )
 
 
-def open_store(folder: str | os.PathLike) -> Store:
-    """The complete store at `folder`, every shard checked for presence and size; StoreError otherwise."""
-    root = pathlib.Path(folder).expanduser()
-    manifest_path = root / MANIFEST
-    if not manifest_path.is_file():
-        if (root / PROGRESS).is_file():
+def open_store(folder: str | os.PathLike, cache: object_pages.PageCache | None = None) -> Store:
+    """The complete store at `folder` (a local folder or a bucket prefix), every shard file checked for presence and
+    size; StoreError otherwise. A store in a bucket is read through `cache` (default: `read_cache()`)."""
+    root = storage.path(folder)
+    try:
+        text = storage.read_text(root / MANIFEST)
+    except FileNotFoundError:
+        if storage.exists(root / PROGRESS):
             raise StoreError(
                 f"store {root} is incomplete (its prepare was interrupted); run the same prepare command again to "
                 "finish it (finished shards are kept)"
-            )
-        if not root.exists():
-            raise StoreError(f"store {root} does not exist; prepare it first: python -m lmzoo.data.prepare --help")
-        raise StoreError(f"{root} is not a token store (no {MANIFEST}); prepare one: python -m lmzoo.data.prepare")
+            ) from None
+        if not storage.exists(root):
+            raise StoreError(
+                f"store {root} does not exist; prepare it first: python -m lmzoo.data.prepare --help"
+            ) from None
+        raise StoreError(
+            f"{root} is not a token store (no {MANIFEST}); prepare one: python -m lmzoo.data.prepare"
+        ) from None
+    except IsADirectoryError:
+        raise StoreError(f"{root / MANIFEST} is a folder, not a store manifest; prepare the store again") from None
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads(text)
         version = int(manifest["format_version"])
     except (ValueError, KeyError, TypeError) as e:
-        raise StoreError(f"{manifest_path} is not a valid store manifest ({e}); prepare the store again") from None
+        raise StoreError(f"{root / MANIFEST} is not a valid store manifest ({e}); prepare the store again") from None
     if version > FORMAT_VERSION:
         raise StoreError(
-            f"{manifest_path} has store format {version}, newer than this lmzoo reads ({FORMAT_VERSION}); "
+            f"{root / MANIFEST} has store format {version}, newer than this lmzoo reads ({FORMAT_VERSION}); "
             "upgrade lmzoo or prepare the store again with this version"
         )
     itemsize = np.dtype(manifest["dtype"]).itemsize
+    files = {}
     for name, info in manifest["splits"].items():
+        found = storage.file_sizes(root / name) if info["shards"] else {}
         for shard in info["shards"]:
-            files = [(".tokens", shard["tokens"] * itemsize), (".starts", shard["documents"] * 8)]
+            expected = [(".tokens", shard["tokens"] * itemsize), (".starts", shard["documents"] * 8)]
             if manifest.get("sentences"):
-                files.append((".sentences", shard["sentences"] * 8))
-            for suffix, size in files:
-                path = root / name / f"{shard['name']}{suffix}"
-                if not path.is_file():
-                    raise StoreError(f"{path} is missing from store {root}; prepare the store again")
-                if path.stat().st_size != size:
+                expected.append((".sentences", shard["sentences"] * 8))
+            for suffix, size in expected:
+                file = f"{shard['name']}{suffix}"
+                if file not in found:
+                    raise StoreError(f"{root / name / file} is missing from store {root}; prepare the store again")
+                if found[file][0] != size:
                     raise StoreError(
-                        f"{path} has {path.stat().st_size} bytes, the manifest says {size}: the shard is truncated "
-                        "or damaged; prepare the store again"
+                        f"{root / name / file} has {found[file][0]} bytes, the manifest says {size}: the shard is "
+                        "truncated or damaged; prepare the store again"
                     )
-    return Store(root, manifest)
+                files[f"{name}/{file}"] = found[file]
+    if storage.is_remote(root) and cache is None:
+        cache = read_cache()
+    return Store(root, manifest, files, cache if storage.is_remote(root) else None)
 
 
 @dataclasses.dataclass
@@ -349,26 +425,37 @@ class StoreWriter:
 
     header: everything that defines the store's content (tokenizer, source fingerprint, settings); a folder
     holding a partial build of another header is refused, never mixed.
+
+    `folder` may be a bucket prefix: a shard is then written into a local staging folder and uploaded once finished
+    (its offsets first, its token ids last), and the local copy removed, so local disk holds one shard at a time.
     """
 
-    def __init__(self, folder: pathlib.Path, header: dict, shard_tokens: int):
-        self.folder, self.header, self.shard_tokens = folder, header, shard_tokens
+    def __init__(self, folder: str | os.PathLike, header: dict, shard_tokens: int):
+        storage.refuse_bucket_mount(folder, "--out")
+        self.folder, self.header, self.shard_tokens = storage.path(folder), header, shard_tokens
         self.dtype = np.dtype(header["dtype"])
-        folder.mkdir(parents=True, exist_ok=True)
-        progress = folder / PROGRESS
+        self._staging = tempfile.TemporaryDirectory(prefix="lmzoo-prepare-") if storage.is_remote(folder) else None
+        self.local = pathlib.Path(self._staging.name if self._staging else self.folder)
+        self.local.mkdir(parents=True, exist_ok=True)
+        progress = self.folder / PROGRESS
         self.finished: list[dict] = []
-        if progress.is_file():
-            saved = json.loads(progress.read_text())
+        try:
+            saved = json.loads(storage.read_text(progress))
+        except FileNotFoundError:
+            saved = None
+        if saved is not None:
             if saved["header"] != header:
                 raise StoreError(
-                    f"{folder} holds a partial store of another source, tokenizer or settings; remove it or choose "
-                    "another output folder"
+                    f"{self.folder} holds a partial store of another source, tokenizer or settings; remove it or "
+                    "choose another output folder"
                 )
             self.finished = saved["shards"]
-        elif any(folder.iterdir()):
-            raise StoreError(f"{folder} is not empty and holds no store being built; choose an empty output folder")
+        elif storage.exists(self.folder) and storage.list_dir(self.folder):
+            raise StoreError(
+                f"{self.folder} is not empty and holds no store being built; choose an empty output folder"
+            )
         else:
-            write_json_atomic(progress, {"header": header, "shards": []})
+            write_json(progress, {"header": header, "shards": []})
         self._discard_unfinished()
         self.split_offsets = {name: 0 for name in SPLITS}
         self.split_documents = {name: 0 for name in SPLITS}
@@ -388,18 +475,42 @@ class StoreWriter:
         suffixes = (".tokens", ".starts", ".sentences")
         listed = {f"{s['split']}/{s['name']}{suffix}" for s in self.finished for suffix in suffixes}
         for split in SPLITS:
-            for path in (self.folder / split).glob("*"):
-                if f"{split}/{path.name}" not in listed:
-                    path.unlink()
+            for name in storage.file_sizes(self.folder / split):
+                if f"{split}/{name}" not in listed:
+                    storage.delete(self.folder / split / name)
+
+    def save_tokenizer(self, tokenizer: tokenizers.Tokenizer) -> None:
+        """Writes the tokenizer's files into `tokenizer/` (once: a resumed build finds them there)."""
+        target = self.folder / "tokenizer"
+        if storage.file_sizes(target):
+            return
+        if self._staging is None:
+            tokenizer.save(os.fspath(target))
+            return
+        with tempfile.TemporaryDirectory(prefix="lmzoo-tokenizer-") as local:
+            tokenizer.save(local)
+            for file in sorted(pathlib.Path(local).rglob("*")):
+                if file.is_file():
+                    storage.upload(file, target / file.relative_to(local).as_posix())
 
     def _shard_path(self, shard: _OpenShard, suffix: str) -> pathlib.Path:
-        return self.folder / shard.split / f"{shard.name}{suffix}"
+        return self.local / shard.split / f"{shard.name}{suffix}"
 
     def add(
-        self, split: str, tokens: np.ndarray, lengths: np.ndarray, chunk: int, sentence_starts: np.ndarray | None = None
+        self,
+        split: str,
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+        chunk: int,
+        sentence_starts: np.ndarray | None = None,
+        *,
+        continues: bool = False,
+        unfinished: bool = False,
     ) -> None:
         """Appends chunk `chunk`: documents of `split` with `lengths` [d] whose tokens [sum(lengths)] are concatenated;
-        sentence_starts [s]: offsets in `tokens` of their sentences (a store with a sentence index)."""
+        sentence_starts [s]: offsets in `tokens` of their sentences (a store with a sentence index). A document may
+        span chunks: `continues`, the first length goes on with the previous chunk's last document (no start of its
+        own); `unfinished`, the last document goes on in the next chunk, so no shard closes after this one."""
         if (sentence_starts is not None) != bool(self.header.get("sentences")):
             raise ValueError("sentence starts are given exactly when the store has a sentence index")
         if split not in SPLITS:
@@ -410,17 +521,18 @@ class StoreWriter:
             if self.current is None:
                 number = sum(s["split"] == split for s in self.finished)
                 self.current = _OpenShard(split, f"{number:05d}")
-                (self.folder / split).mkdir(exist_ok=True)
+                (self.local / split).mkdir(exist_ok=True)
                 self._file = open(self._shard_path(self.current, ".partial"), "wb")
             shard = self.current
             offset = self.split_offsets[split] + shard.tokens
-            shard.starts.append(offset + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64))
+            starts = offset + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+            shard.starts.append(starts[1:] if continues else starts)
             if sentence_starts is not None:
                 shard.sentence_starts.append(offset + np.asarray(sentence_starts, np.int64))
             self._file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
             shard.tokens += int(len(tokens))
-            shard.documents += int(len(lengths))
-            if shard.tokens >= self.shard_tokens:
+            shard.documents += int(len(lengths)) - continues
+            if shard.tokens >= self.shard_tokens and not unfinished:
                 self._finish_shard(chunk + 1)
         except OSError as e:
             self._abandon_shard()
@@ -440,11 +552,7 @@ class StoreWriter:
         """Closes the shard being written and removes what the folder holds (and the folder, with `remove_folder`):
         for a build that failed before finishing a shard, which leaves nothing to resume."""
         self._abandon_shard()
-        if remove_folder:
-            shutil.rmtree(self.folder)
-            return
-        for child in self.folder.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
+        storage.delete_tree(self.folder, keep_folder=not remove_folder)
 
     def _abandon_shard(self) -> None:
         if self._file is not None:
@@ -477,11 +585,18 @@ class StoreWriter:
                 os.fsync(f.fileno())
             entry["sentences"] = len(sentences)
         os.replace(self._shard_path(shard, ".partial"), self._shard_path(shard, ".tokens"))
+        if self._staging is not None:
+            # The token ids last: a shard whose .tokens object is there has all its objects.
+            for suffix in (".starts", ".sentences", ".tokens"):
+                local = self._shard_path(shard, suffix)
+                if local.exists():
+                    storage.upload(local, self.folder / shard.split / local.name)
+                    local.unlink()
         self.finished.append({**entry, "chunk_end": chunk_end})
         self.split_offsets[shard.split] += shard.tokens
         self.split_documents[shard.split] += shard.documents
         self.current = None
-        write_json_atomic(self.folder / PROGRESS, {"header": self.header, "shards": self.finished})
+        write_json(self.folder / PROGRESS, {"header": self.header, "shards": self.finished})
 
     def finish(self, chunks: int) -> Store:
         """Closes the last shard, writes the manifest (the store is complete) and removes the ledger."""
@@ -500,7 +615,7 @@ class StoreWriter:
                 }
                 for name in SPLITS
             }
-            write_json_atomic(self.folder / MANIFEST, {**self.header, "splits": splits})
+            write_json(self.folder / MANIFEST, {**self.header, "splits": splits})
         except OSError as e:
             self._abandon_shard()
             if e.errno == errno.ENOSPC:
@@ -512,5 +627,7 @@ class StoreWriter:
                     f"{_file_size_limit()} stopped finishing store {self.folder}: {_FILE_SIZE_LIMIT_FIX}"
                 ) from None
             raise
-        (self.folder / PROGRESS).unlink()
+        storage.delete(self.folder / PROGRESS)
+        if self._staging is not None:
+            self._staging.cleanup()
         return open_store(self.folder)

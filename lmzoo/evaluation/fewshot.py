@@ -14,12 +14,11 @@ a 95% Wilson score interval. Prompts longer than the model's positions lose thei
 
 import dataclasses
 import json
-import pathlib
 from collections.abc import Sequence
 
 import numpy as np
 
-from lmzoo import tokenizers
+from lmzoo import storage, tokenizers
 from lmzoo.evaluation import scoring
 from lmzoo.models import kinds
 
@@ -34,7 +33,7 @@ class Example:
 def read_task(path: str) -> list[Example]:
     """The examples of a JSONL task file; a malformed line is an error naming the file and line."""
     examples = []
-    with pathlib.Path(path).open(encoding="utf-8") as f:
+    with storage.open_read(path, text=True) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -99,7 +98,16 @@ def evaluate_fewshot(
     seed: int = 0,
     batch_size: int = 16,
 ) -> tuple[dict, list[str]]:
-    """({k, examples, accuracy, accuracy_ci95, accuracy_norm, accuracy_norm_ci95, truncated_prompts}, the prompts)."""
+    """({k, examples, accuracy, accuracy_ci95, accuracy_norm, accuracy_norm_ci95, truncated_prompts}, the prompts).
+
+    A PPO policy is scored by its decoder (`kinds.generative`); a model that cannot score continuations (an encoder,
+    a classifier, a recurrent or counted model) is refused before any prompt is built."""
+    model, params = kinds.generative(model, params)
+    if kinds.kind_of(model) not in (kinds.DECODER, kinds.ENCODER_DECODER):
+        raise ValueError(
+            f"{type(model).__name__} cannot score continuations; few-shot evaluation needs a decoder (gpt2, llama) "
+            "or an encoder-decoder (seq2seq)"
+        )
     prompts = [
         build_prompt(
             e, [train[j] for j in draw_demonstrations(len(train), k, i, seed)], template=template, separator=separator

@@ -29,11 +29,12 @@ class LmzooLM(LM):
 
     def __init__(self, loaded, batch_size: int | str | None = 16, max_gen_toks: int = 256):
         super().__init__()
-        if kinds.kind_of(loaded.model) not in (kinds.DECODER, kinds.ENCODER_DECODER):
+        model, params = kinds.generative(loaded.model, loaded.params)  # a PPO policy: its decoder
+        if kinds.kind_of(model) not in (kinds.DECODER, kinds.ENCODER_DECODER):
             raise ValueError(
-                f"lm-eval needs a decoder (gpt2, llama) or an encoder-decoder (seq2seq); this run is {type(loaded.model).__name__}"
+                f"lm-eval needs a decoder (gpt2, llama) or an encoder-decoder (seq2seq); this run is {type(model).__name__}"
             )
-        self.model, self.params, self.tokenizer = loaded.model, loaded.params, loaded.tokenizer
+        self.model, self.params, self.tokenizer = model, params, loaded.tokenizer
         self.batch_size = 16 if batch_size in (None, "auto") else int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
         self.is_seq2seq = kinds.kind_of(self.model) == kinds.ENCODER_DECODER

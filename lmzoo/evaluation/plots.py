@@ -8,7 +8,8 @@ with its train and validation series.
 """
 
 import collections
-import pathlib
+import io
+import os
 import re
 import struct
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from absl import logging
 
 from lmzoo import metrics as metrics_lib
+from lmzoo import storage
 
 SPLIT_COLORS = {"train": "C0", "validation": "C1"}  # the same in every panel
 # Sizes of what an evaluation read, not curves.
@@ -44,7 +46,7 @@ GROUPS = (
 Series = dict[str, dict[str, list[tuple[int, float]]]]  # metric -> split -> [(step, value), ...] by step
 
 
-def read_records(path: pathlib.Path) -> Iterator[bytes]:
+def read_records(path: str | os.PathLike) -> Iterator[bytes]:
     """The data of each whole record of a TFRecord file, in order.
 
     A truncated last record (a run killed mid-write) ends the file with a warning naming it; a record
@@ -53,7 +55,7 @@ def read_records(path: pathlib.Path) -> Iterator[bytes]:
     with metrics_lib.tensorboardx_without_torch():
         from tensorboardX.record_writer import masked_crc32c
 
-    data = path.read_bytes()
+    data = storage.read_bytes(path)
     offset = 0
     while offset < len(data):
         header = data[offset : offset + 12]
@@ -92,8 +94,10 @@ def read_events(workdir: str) -> Series:
     with metrics_lib.tensorboardx_without_torch():
         from tensorboardX.proto.event_pb2 import Event, SessionLog
 
-    directory = pathlib.Path(workdir) / "tb"
-    files = sorted(directory.glob("events.out.tfevents.*"))
+    directory = storage.path(workdir) / "tb"
+    files = [
+        directory / name for name in sorted(storage.file_sizes(directory)) if name.startswith("events.out.tfevents.")
+    ]
     if not files:
         raise FileNotFoundError(
             f"no TensorBoard event files in {directory}: --plot reads the events a train.py run writes there"
@@ -132,9 +136,9 @@ def metric_group(name: str) -> str:
     return next((group for group, pattern in GROUPS if pattern.fullmatch(name)), name)
 
 
-def plot_metrics(workdir: str, out_dir: str | None = None) -> list[pathlib.Path]:
+def plot_metrics(workdir: str, out_dir: str | None = None) -> list[str]:
     """Writes `<out_dir or workdir/plots>/<group>.png` for every metric group of the run's event files
-    (one panel per metric, its splits together); returns the paths written."""
+    (one panel per metric, its splits together; either folder local or in a bucket); returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,8 +147,7 @@ def plot_metrics(workdir: str, out_dir: str | None = None) -> list[pathlib.Path]
     groups: dict[str, Series] = collections.defaultdict(dict)
     for name, splits in read_events(workdir).items():
         groups[metric_group(name)][name] = splits
-    out = pathlib.Path(out_dir) if out_dir else pathlib.Path(workdir) / "plots"
-    out.mkdir(parents=True, exist_ok=True)
+    out = storage.path(out_dir) if out_dir else storage.path(workdir) / "plots"
     written = []
     for group, metrics in sorted(groups.items()):
         columns = min(len(metrics), 3)
@@ -165,10 +168,11 @@ def plot_metrics(workdir: str, out_dir: str | None = None) -> list[pathlib.Path]
             panel.legend()
         for panel in axes.flat[len(metrics) :]:
             panel.set_visible(False)
-        figure.suptitle(f"{pathlib.Path(workdir).name}: {group}")
+        figure.suptitle(f"{storage.path(workdir).name}: {group}")
         figure.tight_layout()
-        path = out / f"{group}.png"
-        figure.savefig(path, dpi=100)
+        image = io.BytesIO()
+        figure.savefig(image, format="png", dpi=100)
         plt.close(figure)
-        written.append(path)
+        storage.write_bytes(out / f"{group}.png", image.getvalue())
+        written.append(os.fspath(out / f"{group}.png"))
     return written

@@ -8,7 +8,6 @@ default backend; `use_platform` overrides it (tests run the accelerator forms on
 """
 
 import contextlib
-import glob
 import threading
 
 import jax
@@ -72,30 +71,3 @@ def attention_form(
         and query.shape[-1] <= 128
     )
     return "cudnn" if fused else "xla"
-
-
-# Device files an accelerator's driver creates: NVIDIA GPUs; TPU v4+ (accel) and v2/v3 VMs (vfio).
-ACCELERATOR_DEVICE_FILES = {
-    "an NVIDIA GPU": "/dev/nvidia[0-9]*",
-    "a TPU": "/dev/accel[0-9]*",
-    "a TPU (vfio)": "/dev/vfio/[0-9]*",
-}
-INSTALL_FILES = {
-    "an NVIDIA GPU": "requirements-cuda12.txt",
-    "a TPU": "requirements-tpu.txt",
-    "a TPU (vfio)": "requirements-tpu.txt",
-}
-
-
-def unused_accelerator_warning() -> str | None:
-    """A warning when this machine has an accelerator (its driver's device files are present) but JAX runs on the
-    CPU, as it does with the CPU-only jaxlib of requirements.txt; None otherwise."""
-    if jax.default_backend() != "cpu":
-        return None
-    for name, pattern in ACCELERATOR_DEVICE_FILES.items():
-        if glob.glob(pattern):
-            return (
-                f"warning: this machine has {name} ({pattern}) but JAX runs on the CPU: install JAX for it with "
-                f"`pip install -r {INSTALL_FILES[name]}` (README: Install)"
-            )
-    return None

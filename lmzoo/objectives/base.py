@@ -17,9 +17,12 @@ import jax
 import ml_collections
 import numpy as np
 
-from lmzoo import models, tokenizers
+from lmzoo import config as config_lib
+from lmzoo import models, tokenizers, weights
 from lmzoo.data import pipeline, readers
 from lmzoo.data.loaders import Shard
+from lmzoo.models import lora
+from lmzoo.trainers import lora as trainers_lora
 from lmzoo.trainers import optim, supervised
 from lmzoo.trainers.state import Task
 
@@ -68,6 +71,9 @@ class Objective:
     reader: readers.Reader = readers.DOCUMENTS  # how raw splits are read (lmzoo.data.readers)
     evaluators: tuple[str, ...] = ("loss",)  # names in lmzoo.evaluation.EVALUATORS
     loss_is_token_nll: bool = True  # "loss" is a mean token NLL: metrics add perplexity and bits per token/char/byte
+    lora_base: str = (
+        trainers_lora.BASE
+    )  # the frozen entry LoRA adapts (`trainers.lora`): init_from's weights by default
 
     def __init__(self, config: ml_collections.ConfigDict):
         """config: the run's whole config, its objective section filled in (`lmzoo.objectives.build`)."""
@@ -79,6 +85,24 @@ class Objective:
         """Checks across config sections (e.g. lengths against the model's positions); raises ValueError."""
         self.reader.check(self.config)
         check_length(self.config, "seq_len", self.config.data.seq_len)
+        self.check_lora()
+
+    def check_lora(self) -> None:
+        """config.lora's values, and that this objective can train adapters over a base it reads again at resume."""
+        adapted = config_lib.lora_config(self.config)
+        if adapted is None:
+            return
+        lora.lora_loss(lambda params: params, adapted)  # refuses dropout > 0, naming why
+        if type(self).trainer is not Objective.trainer:
+            raise ValueError(
+                f"config.lora.targets={adapted.targets!r}: objective {self.name!r} runs a trainer of its own, which "
+                "does not train LoRA adapters; set --config.lora.targets=''"
+            )
+        if self.lora_base == trainers_lora.BASE and not self.config.get("init_from"):
+            raise ValueError(
+                f"config.lora.targets={adapted.targets!r} adapts a frozen base, read again when the run resumes: set "
+                "config.init_from to it ('hf:PATH' or 'ckpt:WORKDIR')"
+            )
 
     def value_problems(self, *, data_parallel_size: int, batches: bool) -> list[str]:
         """Out-of-range values this objective reads, each naming its field and the fix (listed with the config's
@@ -107,10 +131,14 @@ class Objective:
         raise NotImplementedError
 
     def trainer(self, model: nn.Module):
-        """The trainer (`lmzoo.trainers`) the loop runs: supervised on `task` by default."""
+        """The trainer (`lmzoo.trainers`) the loop runs: supervised on `task` by default (through LoRA adapters with
+        config.lora.targets set: `trainers.lora.lora_task`)."""
         tx, schedule = optim.make_optimizer(self.config.optim)
+        task, adapted = self.task(model), config_lib.lora_config(self.config)
+        if adapted is not None:
+            task = trainers_lora.lora_task(task, adapted, base=self.lora_base)
         return supervised.SupervisedTrainer(
-            self.task(model),
+            task,
             tx,
             schedule,
             self.input_shapes(self.config.train.batch_size),
@@ -233,12 +261,15 @@ def fixed_tokenizer(config) -> tokenizers.Tokenizer:
     its special ids while building their task, before any data is read."""
     spec = config.data.tokenizer.to_dict()
     kind = spec.pop("kind")
-    if kind != "byte" and not spec.get("path"):
+    if kind == "init_from":
+        tokenizer = weights.pretrained_tokenizer(config.init_from)
+    elif kind != "byte" and not spec.get("path"):
         raise ValueError(
             f"objective {config.objective.name!r} needs a tokenizer fixed before reading data: "
             "set config.data.tokenizer.kind='byte' or give config.data.tokenizer.path"
         )
-    tokenizer = tokenizers.build_tokenizer(kind, **spec)
+    else:
+        tokenizer = tokenizers.build_tokenizer(kind, **spec)
     if tokenizer.pad_id is None:
         raise ValueError(f"objective {config.objective.name!r} needs a tokenizer with a <pad> id (e.g. kind='byte')")
     return tokenizer

@@ -13,12 +13,14 @@ never checkpointed, its log-probs under stop_gradient), and the policy starts as
 both (trl's default), so the two agree at the start. The implicit rewards β·(log π − log π_ref) of the two
 replies give the accuracy and margin metrics. Any decoder family (`model(tokens, positions=, segment_ids=) ->
 logits`) trains through the supervised trainer.
+
+Conversational pairs (`lmzoo.data.chat`: {"chosen": [messages], "rejected": [messages]}, with an optional "prompt")
+are rendered through the checkpoint's chat template into the prompt and reply strings trl's DPO builds, then read as
+the comparisons are.
 """
 
 import dataclasses
-import json
 import logging
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,8 @@ import numpy as np
 from flax import traverse_util
 
 from lmzoo import weights
-from lmzoo.data import comparisons, readers, transforms
+from lmzoo.convert import hf
+from lmzoo.data import chat, comparisons, readers, transforms
 from lmzoo.models import kinds
 from lmzoo.objectives import base
 from lmzoo.rl import preference
@@ -40,12 +43,16 @@ class DPOConfig(base.ComparisonSplitConfig):
     beta: β, the strength of the implicit KL to the reference (> 0).
     label_smoothing: ε in [0, 0.5), the assumed share of flipped labels (conservative DPO; sigmoid loss only).
     loss_type: "sigmoid" (DPO) or "ipo".
+    chat_template: the template chat pairs are rendered with: a tokenizer_config.json, a chat_template.jinja or the
+      folder holding one; "" reads the one beside the run's tokenizer.json (data.tokenizer.path of kind hf_json, or
+      init_from's hf: folder with kind init_from). HH-RLHF files use none.
     """
 
     sft: str = ""
     beta: float = 0.1
     label_smoothing: float = 0.0
     loss_type: str = "sigmoid"
+    chat_template: str = ""
 
     def __post_init__(self):
         super().__post_init__()
@@ -131,16 +138,16 @@ class DPO(base.ExampleObjective):
 
     name = "dpo"
     Config = DPOConfig
-    reader = readers.COMPARISONS
+    reader = readers.CONVERSATIONS
     loss_is_token_nll = False  # −log σ of implicit reward margins (or IPO's squares)
+    lora_base = "reference"  # with LoRA the policy is the frozen reference plus adapters: the base is held once
 
     def check(self):
         super().check()
         sft_spec = self.fields.sft
         if not sft_spec.startswith("ckpt:"):
             raise ValueError(f"config.objective.sft={sft_spec!r}: set it to 'ckpt:WORKDIR' of the SFT run")
-        saved = pathlib.Path(sft_spec.removeprefix("ckpt:")).expanduser() / "config.json"
-        source = json.loads(saved.read_text()).get("objective", {}).get("name") if saved.is_file() else None
+        source = weights.saved_objective(sft_spec.removeprefix("ckpt:"))
         # ckpt: reads a reward model's backbone, which has the decoder's shapes: nothing later would refuse it.
         if source == "reward_model":
             raise ValueError(
@@ -148,6 +155,7 @@ class DPO(base.ExampleObjective):
             )
         if kinds.kind_of(self.model()) != kinds.DECODER:
             raise ValueError(f"dpo trains a decoder; config.model_name={self.config.model_name!r} is not one")
+        chat.check_template(self.config, hf.resolve_folder)
 
     def task(self, model):
         return dpo_task(model, self.fields, pad_id=base.fixed_tokenizer(self.config).pad_id)
@@ -163,6 +171,8 @@ class DPO(base.ExampleObjective):
         }
 
     def examples(self, tokenizer, raw, where):
+        if chat.holds_conversations(raw):
+            raw = chat.rendered_comparisons(raw, chat.template_for(self.config, hf.resolve_folder))
         return dpo_examples(raw, tokenizer, self.config, where)
 
     def real_tokens(self, batch):
@@ -171,9 +181,8 @@ class DPO(base.ExampleObjective):
     def load_frozen(self, frozen, *, trainer):
         """The reference: the SFT run's decoder, which must be of this run's family and tokenizer."""
         workdir = self.fields.sft.removeprefix("ckpt:")
-        saved_config = pathlib.Path(workdir).expanduser() / "config.json"
-        if saved_config.exists():
-            saved = json.loads(saved_config.read_text())
+        saved = weights.saved_config(workdir)
+        if saved is not None:
             ours = {"model_name": self.config.model_name, "tokenizer": self.config.data.tokenizer.to_dict()}
             theirs = {"model_name": saved.get("model_name"), "tokenizer": saved.get("data", {}).get("tokenizer")}
             differing = [k for k in ours if ours[k] != theirs[k]]

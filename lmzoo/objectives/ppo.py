@@ -12,12 +12,10 @@ and PPO-ptx demonstrations) is the step, so a resumed run continues exactly.
 """
 
 import dataclasses
-import pathlib
 
 import jax
 import numpy as np
 
-from lmzoo import config as config_lib
 from lmzoo import models, weights
 from lmzoo.data import comparisons, pipeline, readers, transforms
 from lmzoo.data.loaders import PromptsAndDemonstrations
@@ -122,8 +120,7 @@ class PPO(base.Objective):
                 raise ValueError(
                     f"config.objective.{field}={getattr(o, field)!r}: set it to 'ckpt:WORKDIR' of the {field} run"
                 )
-            saved = pathlib.Path(getattr(o, field).removeprefix("ckpt:")).expanduser() / "config.json"
-            source = config_lib.read_saved(saved).get("objective", {}).get("name") if saved.is_file() else None
+            source = weights.saved_objective(getattr(o, field).removeprefix("ckpt:"))
             if source is not None and (source == "reward_model") != (field == "reward_model"):
                 raise ValueError(
                     f"config.objective.{field}={getattr(o, field)!r} is a {source!r} run; point it at the "

@@ -6,20 +6,42 @@ and the examples are packed into rows of `data.seq_len` (attention and positions
 example). The loss is the decoder's own causal-LM path (`tasks.causal_lm_task`). Every
 alignment stage splits the file the same way (`heldout_fraction`, `split_seed`), so no stage
 trains on the held-out prompts.
+
+A chat file (`messages` rows, or conversational pairs whose prompt ⊕ chosen reply is trained on: `lmzoo.data.chat`)
+is rendered through the checkpoint's chat template and weighted on the tokens of every assistant turn.
 """
+
+import dataclasses
 
 import numpy as np
 
-from lmzoo.data import comparisons, readers
+from lmzoo.convert import hf
+from lmzoo.data import chat, comparisons, readers
 from lmzoo.objectives import base, tasks
 
 
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(base.ComparisonSplitConfig):
+    """Attributes (besides the held-out split of config.data.path):
+    chat_template: the template chat rows are rendered with: a tokenizer_config.json, a chat_template.jinja or the
+      folder holding one; "" reads the one beside the run's tokenizer.json (data.tokenizer.path of kind hf_json, or
+      init_from's hf: folder with kind init_from). HH-RLHF files use none.
+    """
+
+    chat_template: str = ""
+
+
 class SFT(base.ExampleObjective):
-    """A decoder fine-tuned on prompt -> chosen reply, packed, with the loss on reply tokens only."""
+    """A decoder fine-tuned on prompt -> chosen reply (or on a conversation's assistant turns), packed, with the loss on
+    reply tokens only."""
 
     name = "sft"
-    Config = base.ComparisonSplitConfig
-    reader = readers.COMPARISONS
+    Config = SFTConfig
+    reader = readers.CONVERSATIONS
+
+    def check(self):
+        super().check()
+        chat.check_template(self.config, hf.resolve_folder)
 
     def task(self, model):
         return tasks.causal_lm_task(model)
@@ -33,6 +55,16 @@ class SFT(base.ExampleObjective):
         }
 
     def examples(self, tokenizer, raw, where):
+        if chat.holds_conversations(raw):
+            template = chat.template_for(self.config, hf.resolve_folder)
+            return chat.sft_rows(
+                raw,
+                template,
+                tokenizer,
+                seq_len=self.config.data.seq_len,
+                vocab_size=self.config.model.vocab_size,
+                where=where,
+            )
         return comparisons.sft_rows(
             raw, tokenizer, seq_len=self.config.data.seq_len, vocab_size=self.config.model.vocab_size, where=where
         )

@@ -10,7 +10,6 @@ import errno
 import json
 import logging
 import os
-import pathlib
 import signal
 import sys
 import threading
@@ -169,7 +168,9 @@ def _full_disk_named(workdir: str):
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
-        partial = sorted(str(p) for p in (pathlib.Path(workdir) / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+        checkpoints = storage.path(workdir) / "checkpoints"
+        names = storage.list_dir(checkpoints) if storage.exists(checkpoints) else []
+        partial = [os.fspath(checkpoints / name) for name in names if ".orbax-checkpoint-tmp" in name]
         held = (
             f"; unfinished checkpoints of a failed save hold space there and can be deleted: {partial}"
             if partial
@@ -201,7 +202,7 @@ def start_summary(run: Run, loader: Any, start: int) -> str:
         f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} (JAX backend {jax.default_backend()}) in "
         f"{jax.process_count()} process(es); mesh {mesh}",
     ]
-    unused = kernels.unused_accelerator_warning()
+    unused = sharding.unused_accelerator_warning()
     if unused:
         lines.append(unused)
     if cfg.optim.decay_steps > cfg.train.steps:

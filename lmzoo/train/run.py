@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 import flax.linen as nn
+import flax.traverse_util
 import jax
 import ml_collections
 from etils import epath
@@ -24,9 +25,11 @@ from etils import epath
 from lmzoo import checkpoint, models, objectives, sharding, storage, tokenizers, weights
 from lmzoo import config as config_lib
 from lmzoo import workdir as workdir_lib
-from lmzoo.data import loaders, readers, store
+from lmzoo.data import loaders, readers
+from lmzoo.models import lora
 from lmzoo.objectives import base
 from lmzoo.trainers import base as trainers_base
+from lmzoo.trainers import lora as trainers_lora
 
 # What train.py, eval.py and the exporter report as one line: bad flags, config values, files and checkpoints,
 # a locked workdir, a full disk, a diverged loss. Each is raised before work that would be lost.
@@ -175,17 +178,19 @@ def _tokenizer(
     spec = config.data.tokenizer.to_dict()
     kind = spec.pop("kind")
     corpus = None
-    if config.data.source == "store":
-        tokenizer = store.open_store(readers.store_paths(config)[0][0]).tokenizer()
+    if kind == "init_from":  # the tokenizer that comes with config.init_from's weights
+        tokenizer = weights.pretrained_tokenizer(config.init_from)
+    elif config.data.source == "store":
+        tokenizer = readers.open_stores(config)[0].tokenizer()
     else:
         if kind in ("char", "word", "sentencepiece") and not spec.get("path"):
             run_splits.update(objective.read())
             corpus = objective.corpus(run_splits["train"]) + objective.corpus(run_splits["validation"])
         tokenizer = tokenizers.build_tokenizer(kind, corpus=corpus, **spec)
     if stage is not None:
-        folder = stage.path("tokenizer")
-        folder.mkdir()
-        (folder / "spec.json").write_text(json.dumps(tokenizer.save(str(folder))))
+        stage.write_folder(
+            "tokenizer", lambda folder: storage.write_text(f"{folder}/spec.json", json.dumps(tokenizer.save(folder)))
+        )
     return tokenizer
 
 
@@ -272,6 +277,29 @@ def load_frozen(run: Run) -> Any:
     with run.context():
         fresh = jax.device_get(run.compiled.init(jax.random.key(run.config.train.seed)).frozen)
     frozen = run.objective.load_frozen(fresh, trainer=run.compiled.trainer)
+    adapted = config_lib.lora_config(run.config)
+    if adapted is not None:  # the base LoRA adapts: init_from's weights, or a frozen tree the objective read
+        cfg, key = run.config, run.objective.lora_base
+        if key == trainers_lora.BASE:
+            target = frozen[key].get("backbone", frozen[key])
+            source = weights.read_params(
+                cfg.init_from, cfg.model_name, cfg.model.to_dict(), target, allow_partial=cfg.init_from_partial
+            )
+            fresh = sorted(
+                set(flax.traverse_util.flatten_dict(target, sep="/"))
+                - set(flax.traverse_util.flatten_dict(source, sep="/"))
+            )
+            if fresh or "backbone" in frozen[key]:
+                raise ValueError(
+                    f"config.lora.targets={adapted.targets!r} trains adapters over a frozen base, but config.init_from="
+                    f"{cfg.init_from!r} leaves parameters that would stay as initialised "
+                    f"({', '.join((fresh or ['the new head'])[:4])}): train this run without LoRA "
+                    "(--config.lora.targets='')"
+                )
+            base_params = weights.merge_pretrained(frozen[key], source, cfg.model_name, cfg.model.to_dict())
+        else:
+            base_params = frozen[key]
+        frozen = {**frozen, key: lora.freeze(base_params, adapted)}
     return jax.device_put(frozen, run.compiled.state_shardings.frozen)
 
 
@@ -289,8 +317,9 @@ def restore_or_init(run: Run) -> tuple[Any, dict]:
     # The params stay on the mesh: `init_from` weights are read tensor by tensor into each parameter's sharding
     # (`weights.merge_pretrained`), so no host holds the whole model.
     fresh = state.params
-    params = run.objective.init_params(fresh, frozen)
-    if cfg.get("init_from"):
+    adapted = config_lib.lora_config(cfg) is not None  # adapters start as they are (B = 0: the base's function)
+    params = fresh if adapted else run.objective.init_params(fresh, frozen)
+    if cfg.get("init_from") and not adapted:
         params = weights.merge_pretrained(
             params, cfg.init_from, cfg.model_name, cfg.model.to_dict(), allow_partial=cfg.init_from_partial
         )
@@ -321,7 +350,8 @@ def load(workdir: str, step: int | None = None, *, mesh_shape: tuple[int, ...] |
     workdir = os.fspath(storage.path(workdir))
     run = open_run(workdir, mesh_shape=mesh_shape, batches=False)
     try:
-        step, state = restore_step(run, step, frozen=False)
+        # LoRA's params are adapters: the model's params are them merged into the frozen base, read again
+        step, state = restore_step(run, step, frozen=config_lib.lora_config(run.config) is not None)
         params = run.compiled.host_params(state)
     finally:
         run.checkpointer.close()

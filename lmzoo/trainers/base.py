@@ -111,9 +111,11 @@ class CompiledTrainer:
             return jax.jit(lambda: nn.unbox(self.trainer.initial_carry(batch_size)), out_shardings=shardings)()
 
     def host_params(self, state: Any) -> Any:
-        """`state.params` as host numpy arrays; every process must call this (it gathers across hosts)."""
+        """The params the model runs on (`state.params`, or the trainer's `model_params(state)`: LoRA adapters merged
+        into their frozen base) as host numpy arrays; every process must call this (it gathers across hosts)."""
+        model_params = getattr(self.trainer, "model_params", lambda state: state.params)
         with self.context():
-            gathered = jax.jit(lambda p: p, out_shardings=sharding.replicated(self.mesh))(state.params)
+            gathered = jax.jit(model_params, out_shardings=sharding.replicated(self.mesh))(state)
         return jax.device_get(gathered)
 
 

@@ -25,14 +25,20 @@ def no_carry(batch_size: int) -> dict:
     return {}
 
 
+def own_params(params: PyTree, frozen: PyTree) -> PyTree:
+    return params
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     """init(rng, batch) -> (params, frozen); loss(params, frozen, carry, batch, rng, *, step, train);
-    initial_carry(batch_size) -> carry ({} for models without recurrent state)."""
+    initial_carry(batch_size) -> carry ({} for models without recurrent state); model_params(params, frozen) -> the
+    model's params where the trained ones are not (LoRA adapters over a frozen base: `trainers.lora.lora_task`)."""
 
     init: InitFn
     loss: LossFn
     initial_carry: Callable[[int], PyTree] = no_carry
+    model_params: Callable[[PyTree, PyTree], PyTree] = own_params
 
 
 @struct.dataclass

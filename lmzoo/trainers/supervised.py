@@ -57,6 +57,10 @@ class SupervisedTrainer:
     def initial_carry(self, batch_size: int) -> Any:
         return self.task.initial_carry(batch_size)
 
+    def model_params(self, state: TrainState) -> Any:
+        """The params the model runs on (evaluation, generation, export): `task.model_params`."""
+        return self.task.model_params(state.params, state.frozen)
+
     def with_params(self, state: TrainState, params: Any) -> TrainState:
         """`state` with other (e.g. pretrained) params and a fresh optimizer state for them."""
         return state.replace(params=params, opt_state=self.tx.init(params))

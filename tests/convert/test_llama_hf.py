@@ -107,6 +107,29 @@ def lmzoo_logits(cfg, params, tokens, mask, positions) -> np.ndarray:
     )
 
 
+def assert_greedy_tokens_equal(model, cfg, params, tokens, mask, new_tokens: int, case: str) -> None:
+    """lmzoo's greedy `generate` and HF's `generate` give the same `new_tokens` tokens after tokens[:, 4:10] (rows with
+    0, 0 and 3 left pads)."""
+    prompts, prompt_mask = tokens[:, 4:10], mask[:, 4:10]
+    ours = generate(
+        build_model("llama", cfg),
+        params,
+        prompts,
+        prompt_mask=prompt_mask,
+        rng=jax.random.key(0),
+        max_new_tokens=new_tokens,
+        temperature=0.0,
+    )
+    with torch.no_grad():
+        out = model.generate(
+            torch.from_numpy(prompts),
+            attention_mask=torch.from_numpy(prompt_mask),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+        )
+    np.testing.assert_array_equal(np.asarray(ours), out[:, prompts.shape[1] :].numpy(), err_msg=case)
+
+
 def max_diff(ours, theirs, mask) -> float:
     """Max |ours - theirs| over the real (unpadded) positions."""
     return float(np.max(np.abs(ours - theirs)[mask.astype(bool)]))
@@ -124,21 +147,7 @@ def test_logits_generation_and_export_match_hf(tmp_path, case):
     print(f"{case}: max |lmzoo - HF| logits {diff:.2e}")
     assert diff <= TOL, f"max |lmzoo - HF| logits = {diff:.3e} ({case}, logit std {ref.std():.2f})"
 
-    prompts, prompt_mask = tokens[:, 4:10], mask[:, 4:10]  # rows with 0, 0 and 3 left pads
-    ours = generate(
-        build_model("llama", cfg),
-        params,
-        prompts,
-        prompt_mask=prompt_mask,
-        rng=jax.random.key(0),
-        max_new_tokens=10,
-        temperature=0.0,
-    )
-    with torch.no_grad():
-        out = model.generate(
-            torch.from_numpy(prompts), attention_mask=torch.from_numpy(prompt_mask), max_new_tokens=10, do_sample=False
-        )
-    np.testing.assert_array_equal(np.asarray(ours), out[:, prompts.shape[1] :].numpy(), err_msg=case)
+    assert_greedy_tokens_equal(model, cfg, params, tokens, mask, 10, case)
 
     summary = export.export_hf("llama", cfg, params, str(tmp_path))
     assert summary["model_type"] == CASES[case][0]

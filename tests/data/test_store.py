@@ -41,7 +41,8 @@ def _corpus(folder: pathlib.Path) -> pathlib.Path:
     return folder
 
 
-def _file_digests(folder: pathlib.Path) -> dict[str, str]:
+def _file_digests(folder: os.PathLike) -> dict[str, str]:
+    folder = pathlib.Path(folder)
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))

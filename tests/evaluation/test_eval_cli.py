@@ -1,9 +1,10 @@
-"""eval.py on a tiny trained run, in process: partial results in their own file, --generate without scoring,
---fewshot with its prompts dumped, --plot, and the error for an objective it cannot score."""
+"""eval.py on a tiny trained run, in process: partial results in their own file, --generate without scoring, its
+escapes and --prompt_file, --fewshot with its prompts dumped, --plot, and the error for an objective it cannot score."""
 
 import importlib.util
 import json
 import pathlib
+import sys
 
 import pytest
 from absl import flags
@@ -13,7 +14,7 @@ from lmzoo.objectives import base
 from lmzoo.train import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TEXT = "the quick brown fox jumps over the lazy dog. " * 60
+TEXT = "the quick brown fox jumps over the lazy dog.\n" * 60  # a newline in the vocabulary, for --generate's \n
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +37,13 @@ def run_eval(capsys, *args: str) -> str:
     return capsys.readouterr().out
 
 
-_spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
-EVAL = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(EVAL)
+# eval.py defines its flags on absl's FLAGS when loaded, so it is loaded once per process, as the module "eval_cli"
+# (tests/test_docs.py parses the documented eval.py commands with it).
+EVAL = sys.modules.get("eval_cli")
+if EVAL is None:
+    _spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
+    EVAL = sys.modules["eval_cli"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(EVAL)
 
 
 def test_partial_evaluation_writes_its_own_file_and_says_how_much(workdir, capsys):
@@ -53,6 +58,19 @@ def test_partial_evaluation_writes_its_own_file_and_says_how_much(workdir, capsy
 def test_generate_does_not_score_the_split(workdir, capsys):
     out = run_eval(capsys, f"--workdir={workdir}", "--generate=the ", "--max_new_tokens=5", "--temperature=0")
     assert out.startswith("the ") and not list(workdir.glob("eval_validation.json"))
+
+
+def test_generate_reads_newline_escapes_and_a_prompt_file(workdir, tmp_path, capsys):
+    greedy = ("--max_new_tokens=5", "--temperature=0")
+    escaped = run_eval(capsys, f"--workdir={workdir}", r"--generate=the fox.\nthe ", *greedy)
+    assert escaped.startswith("the fox.\nthe ") and "\\n" not in escaped  # a newline, not backslash-n
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the fox.\nthe ")
+    from_file = run_eval(capsys, f"--workdir={workdir}", f"--prompt_file={prompt}", *greedy)
+    assert from_file == escaped  # the same prompt, the same greedy continuation
+    with pytest.raises(SystemExit):
+        run_eval(capsys, f"--workdir={workdir}", "--generate=the ", f"--prompt_file={prompt}")
+    assert "--generate and --prompt_file both give the prompt" in capsys.readouterr().err
 
 
 def test_fewshot_and_dumped_prompts(workdir, tmp_path, capsys):

@@ -177,3 +177,21 @@ def test_registered_next_to_lm_evals_own_models():
     from lm_eval.api.registry import get_model
 
     assert get_model("lmzoo") is cli_harness.WorkdirLM and get_model("hf") is HFLM
+
+
+def test_a_ppo_policy_is_scored_by_its_decoder(models):
+    """A PPO run's model is its decoder with a value head: lm-eval scores the decoder, as --generate and export do."""
+    from lmzoo.models import heads
+
+    ours, _ = models
+    loaded = run_lib.Loaded(
+        model=heads.LMWithValueHead(ours.model),
+        params={"decoder": ours.params, "value_head": {}},
+        tokenizer=ours.tokenizer,
+        config=None,
+        step=0,
+    )
+    policy = harness.LmzooLM(loaded, batch_size=4)
+    assert policy.model is ours.model and policy.params is ours.params
+    pairs = requests("loglikelihood", [("The movie was", " great")])
+    assert policy.loglikelihood(pairs) == ours.loglikelihood(pairs)

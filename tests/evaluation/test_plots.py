@@ -2,6 +2,7 @@
 a truncated last record is read up to, a damaged one is refused by file name; metric groups."""
 
 import json
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -56,6 +57,7 @@ def test_a_resumed_run_reads_back_the_jsonl_values_each_step_once(resumed_run):
 
 def test_plots_are_one_png_per_group(resumed_run, tmp_path):
     written = plots.plot_metrics(str(resumed_run), str(tmp_path))
+    written = [pathlib.Path(p) for p in written]
     assert {p.name for p in written} == {"accuracy.png", "gradients.png", "loss.png", "schedule.png", "throughput.png"}
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from lmzoo import metrics, storage, testing, workdir
+from lmzoo import metrics, storage, testing, weights, workdir
 from lmzoo.cli import export as export_cli
 from lmzoo.evaluation import plots
 from lmzoo.train import loop
@@ -131,8 +131,27 @@ def test_killed_run_resumes_bit_exactly_and_eval_and_export_read_the_bucket(gcs_
     assert json.loads(storage.read_text(f"{killed}/eval_validation_max2batches.json")) == line
     summary = export_cli.export_workdir(killed, str(tmp_path / "hf"))
     assert summary["step"] == end and (tmp_path / "hf" / "model.safetensors").is_file()
-    with pytest.raises(ValueError, match="export writes a local folder"):
+
+    # Export into the bucket: the same files; refused over a non-empty prefix without --overwrite, or over the run.
+    assert export_cli.export_workdir(killed, f"{gcs_bucket}/hf")["step"] == end
+    for name in os.listdir(tmp_path / "hf"):
+        assert storage.read_bytes(f"{gcs_bucket}/hf/{name}") == (tmp_path / "hf" / name).read_bytes(), name
+    with pytest.raises(FileExistsError, match="is not empty"):
         export_cli.export_workdir(killed, f"{gcs_bucket}/hf")
+    storage.write_text(f"{gcs_bucket}/hf/stale.txt", "from an older export")
+    export_cli.export_workdir(killed, f"{gcs_bucket}/hf", overwrite=True)
+    assert "stale.txt" not in storage.list_dir(f"{gcs_bucket}/hf")
+    with pytest.raises(ValueError, match="holds the run's workdir"):
+        export_cli.export_workdir(killed, gcs_bucket, overwrite=True)
+
+    # Weights read from the bucket: the export as hf:gs://..., the run itself as ckpt:gs://...
+    config = testing.tiny_config()
+    from_bucket = weights.read_params(f"hf:{gcs_bucket}/hf", config.model_name, config.model.to_dict(), state_a.params)
+    from_folder = weights.read_params(
+        f"hf:{tmp_path / 'hf'}", config.model_name, config.model.to_dict(), state_a.params
+    )
+    jax.tree.map(np.testing.assert_array_equal, from_bucket, from_folder)
+    jax.tree.map(np.testing.assert_array_equal, weights.read_params(f"ckpt:{killed}", "", None, None), state_b.params)
 
 
 @pytest.mark.slow  # subprocesses
@@ -264,12 +283,13 @@ class _KilledHere(BaseException):
 
 
 def _killed_after_writing(monkeypatch, name: str) -> None:
-    """Makes storage.write_bytes stop the run just after it wrote an object whose path ends with `name`."""
+    """Makes storage.write_bytes stop the run just after it wrote a bucket object whose path ends with `name` (not
+    the local staging copy it was made from)."""
     write_bytes = storage.write_bytes
 
     def write_then_die(user_path, data):
         write_bytes(user_path, data)
-        if os.fspath(user_path).endswith(name):
+        if storage.is_remote(user_path) and os.fspath(user_path).endswith(name):
             raise _KilledHere(name)
 
     monkeypatch.setattr(storage, "write_bytes", write_then_die)

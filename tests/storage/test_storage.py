@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from etils import epath
 
-from lmzoo import storage
+from lmzoo import storage, workdir
+from lmzoo.data import store
 
 
 def test_path_turns_user_strings_into_paths(monkeypatch, tmp_path):
@@ -288,3 +289,30 @@ def test_an_unreachable_bucket_raises_one_error_naming_the_path(object_storage, 
     with pytest.raises(storage.BucketUnreachableError, match=r"^s3://bucket/run/config.json: the bucket's server did"):
         storage.write_bytes("s3://bucket/run/config.json", b"{}")
     assert issubclass(storage.BucketUnreachableError, OSError)  # an entry point's one-line error (exit status 2)
+
+
+def test_a_bucket_mounted_by_fuse_is_named_and_refused_for_workdirs_and_stores(tmp_path, monkeypatch):
+    mounts = "\n".join(
+        [
+            "/dev/sda1 / ext4 rw,relatime 0 0",
+            f"training-data {tmp_path}/gcs fuse.gcsfuse rw,nosuid,nodev 0 0",
+            f"s3fs:corpora {tmp_path}/s3 fuse.s3fs rw 0 0",
+            f"nfs-server:/export {tmp_path}/nfs nfs4 rw 0 0",
+        ]
+    )
+    assert storage.bucket_mount(f"{tmp_path}/gcs/runs/a", mounts) == "gs://training-data/runs/a"
+    assert storage.bucket_mount(f"{tmp_path}/gcs", mounts) == "gs://training-data"
+    assert storage.bucket_mount(f"{tmp_path}/s3/stores/x", mounts) == "s3://corpora/stores/x"
+    assert storage.bucket_mount(f"{tmp_path}/gcs-other/run", mounts) is None
+    assert storage.bucket_mount(f"{tmp_path}/nfs/run", mounts) is None  # NFS shares flock (NLM): allowed
+
+    table = tmp_path / "mounts"
+    table.write_text(mounts + "\n")
+    monkeypatch.setattr(storage, "MOUNTS_FILE", str(table))
+    with pytest.raises(ValueError, match=r"pass --workdir=gs://training-data/runs/a instead"):
+        workdir.lock(f"{tmp_path}/gcs/runs/a")
+    assert not (tmp_path / "gcs").exists()  # refused before anything was written
+    with pytest.raises(ValueError, match=r"pass --out=s3://corpora/stores/x instead"):
+        store.StoreWriter(f"{tmp_path}/s3/stores/x", {"dtype": "<u2"}, 100)
+    with workdir.lock(f"{tmp_path}/nfs/run"):
+        pass

@@ -1,0 +1,320 @@
+"""LoRA (Hu et al. 2021) for every family, as a transform of the parameter tree: no model code changes.
+
+A targeted kernel W gets two adapter matrices, A (its inputs -> rank r) and B (r -> its outputs), and the model runs
+on W + scale * A B, scale = alpha / r (rsLoRA: alpha / sqrt(r)). A starts uniform in +-1/sqrt(fan_in) and B at zero,
+as PEFT's default, so the adapted model starts as the base. Training differentiates only the adapters (`lora_loss`):
+the optimizer state covers them alone, and the base, frozen, may be held in bfloat16 (`freeze`).
+
+Which axes of a kernel are its inputs: lmzoo kernels are [*inputs, *outputs], after leading per-layer ("layers", a
+scanned stack) and per-expert ("exp") axes, each of which gets adapters of its own. Their logical axes say where the
+inputs end: the model width "embed" stands alone on its side, so query/key/value (embed | heads, kv) take their inputs
+from one axis and the attention output (heads, kv | embed) from two; a 2-D kernel is [in, out]. A kernel without
+logical axes (a plain `nn.Dense`) must be 2-D. The adapters keep that structure, A [*batch, *inputs, r] and
+B [*batch, r, *outputs], boxed with the kernel's logical names (the rank axis replicated), so they shard with it on
+any mesh, and `merge` reads the split back from their shapes.
+
+Targets: a regular expression that must fullmatch a kernel's module name ("query", "wi_0") or a trailing part of its
+'/'-joined path ("attn/(query|value)", "blocks/layer_0/attn/query"). lmzoo's names: attention query, key, value,
+out; feed-forward wi (wi_0, wi_1 gated) and wo; MoE experts' wi_0, wi_1, wo; lm_head, router. A kernel is a leaf
+named "kernel", or an experts' weight (first axis "exp", after "layers"); embedding tables are never targets.
+
+The training form is the merged one: the model is applied to `merge(base, adapters)` inside the loss. It holds for
+any family because it needs no module to know about adapters; its costs are a merged copy of each targeted kernel
+and that kernel's full-size gradient (transient, never in the optimizer state), and LoRA dropout, which acts on the
+adapters' inputs rather than on weights, has no place in it: `lora_loss` refuses dropout > 0.
+
+PEFT's adapter files (adapter_config.json + adapter_model.safetensors) are read and written by
+`lmzoo.convert.peft`.
+"""
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+Params = Any
+BATCH_AXES = ("layers", "exp")  # leading axes whose every slice is a kernel of its own, with adapters of its own
+LORA_A, LORA_B = "lora_a", "lora_b"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """What to adapt and how.
+
+    Attributes:
+        targets: regular expression over module names or trailing paths ("query|key|value|out", "wi_0|wi_1|wo").
+        rank: r, at least 1 and at most min(inputs, outputs) of every targeted kernel.
+        alpha: the adapters' product is scaled by alpha / r (alpha / sqrt(r) with rslora).
+        dropout: PEFT's lora_dropout, kept so that a PEFT adapter's config reads back; training needs 0.0.
+        base_dtype: dtype the frozen base's matrices are held in ("bfloat16"); None keeps theirs.
+        rslora: rank-stabilised scaling, alpha / sqrt(r) (PEFT's use_rslora).
+    """
+
+    targets: str
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    base_dtype: str | None = None
+    rslora: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank={self.rank!r} must be an integer >= 1 (PEFT's r; 8 or 16 are common)")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha={self.alpha!r} must be > 0 (the adapters are scaled by alpha / rank)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout={self.dropout!r} must be in [0, 1)")
+        if self.base_dtype is not None and not jnp.issubdtype(jnp.dtype(self.base_dtype), jnp.floating):
+            raise ValueError(f"LoRA base_dtype={self.base_dtype!r} must be a float dtype (e.g. 'bfloat16') or None")
+        try:
+            re.compile(self.targets)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"LoRA targets={self.targets!r} is not a regular expression: {e}") from None
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+class Kernel(NamedTuple):
+    """One targeted kernel: where its leaf is, and its axes [*batch, *inputs, *outputs] by count."""
+
+    leaf: tuple[str, ...]
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...] | None
+    batch: int
+    inputs: int
+
+    @property
+    def fan_in(self) -> int:
+        return math.prod(self.shape[self.batch : self.batch + self.inputs])
+
+    @property
+    def fan_out(self) -> int:
+        return math.prod(self.shape[self.batch + self.inputs :])
+
+
+def _module(leaf: tuple[str, ...]) -> tuple[str, ...]:
+    """A kernel's module path: its leaf path without the trailing "kernel"."""
+    return leaf[:-1] if leaf[-1] == "kernel" else leaf
+
+
+def _batch_axes(names: tuple | None) -> int:
+    """How many leading axes are per-layer or per-expert ("layers", "exp")."""
+    batch = 0
+    while names is not None and batch < len(names) and names[batch] in BATCH_AXES:
+        batch += 1
+    return batch
+
+
+def _is_kernel(leaf: tuple[str, ...], names: tuple | None, ndim: int) -> bool:
+    """A leaf named "kernel", or an experts' weight (axes "exp", ...), with two or more axes besides the batch ones."""
+    batch = _batch_axes(names)
+    experts = names is not None and "exp" in names[:batch] and leaf[-1] != "embedding"
+    return (leaf[-1] == "kernel" or experts) and ndim - batch >= 2
+
+
+def _split(leaf: tuple[str, ...], shape: tuple[int, ...], names: tuple | None) -> tuple[int, int]:
+    """(batch axes, input axes) of a kernel, from its logical names (module docstring)."""
+    if names is None:
+        if len(shape) != 2:
+            raise ValueError(
+                f"kernel {'/'.join(leaf)} of shape {shape} carries no logical axes, so which of its axes are inputs "
+                "is unknown; pass the boxed params (as model.init returns them, or jax.eval_shape of it)"
+            )
+        return 0, 1
+    batch = _batch_axes(names)
+    rest = names[batch:]
+    if len(rest) == 2 or (len(rest) > 2 and rest[0] == "embed"):
+        return batch, 1
+    if len(rest) > 2 and rest[-1] == "embed":
+        return batch, len(rest) - 1
+    raise ValueError(
+        f"kernel {'/'.join(leaf)} has logical axes {names}: LoRA needs [*inputs, *outputs] with 'embed' alone on one "
+        "side (or two axes after 'layers' / 'exp')"
+    )
+
+
+def _matches(pattern: re.Pattern, module: tuple[str, ...]) -> bool:
+    return any(pattern.fullmatch("/".join(module[i:])) for i in range(len(module)))
+
+
+def find_kernels(params: Params, config: LoraConfig) -> dict[tuple[str, ...], Kernel]:
+    """The kernels `config.targets` selects, by module path; params boxed (names known) or not (2-D kernels only).
+    A pattern that matches no kernel, or a rank above a kernel's min(inputs, outputs), is a ValueError."""
+    pattern = re.compile(config.targets)
+    flat = traverse_util.flatten_dict(params, keep_empty_nodes=False)
+    found, candidates = {}, {}
+    for leaf, value in flat.items():
+        boxed = isinstance(value, nn.Partitioned)
+        names, shape = (tuple(value.names) if boxed else None), tuple((value.value if boxed else value).shape)
+        if not _is_kernel(leaf, names, len(shape)):
+            continue
+        module = _module(leaf)
+        candidates.setdefault(module[-1], None)
+        if _matches(pattern, module):
+            found[module] = Kernel(leaf, shape, names, *_split(leaf, shape, names))
+    if not found:
+        raise ValueError(
+            f"LoRA targets={config.targets!r} match no kernel of these params; a pattern fullmatches a module name "
+            f"or a trailing part of its path (e.g. 'attn/query'); the module names here: {', '.join(candidates)}"
+        )
+    too_large = [
+        f"{'/'.join(module)} ({k.fan_in} -> {k.fan_out})"
+        for module, k in found.items()
+        if config.rank > min(k.fan_in, k.fan_out)
+    ]
+    if too_large:
+        raise ValueError(
+            f"LoRA rank={config.rank} exceeds min(inputs, outputs) of {', '.join(too_large)}; choose a rank of at "
+            "most the smallest of these, or leave those modules out of targets"
+        )
+    return found
+
+
+def _boxed(value: jax.Array, names: tuple | None) -> Any:
+    return value if names is None else nn.LogicallyPartitioned(value, names)
+
+
+def init_adapters(rng: jax.Array, params: Params, config: LoraConfig) -> Params:
+    """Adapters for the kernels `config.targets` selects in `params` (arrays or ShapeDtypeStructs, boxed or not):
+    {module path...: {"lora_a": [*batch, *inputs, r], "lora_b": [*batch, r, *outputs]}} in float32, A uniform in
+    +-1/sqrt(fan_in) (PEFT's kaiming_uniform(a=sqrt(5))), B zero; boxed with logical axes when `params` are."""
+    kernels = find_kernels(params, config)
+    r, adapters = config.rank, {}
+    for i, (module, k) in enumerate(sorted(kernels.items())):
+        batch, ins, outs = k.shape[: k.batch], k.shape[k.batch : k.batch + k.inputs], k.shape[k.batch + k.inputs :]
+        bound = 1.0 / math.sqrt(k.fan_in)
+        a = jax.random.uniform(jax.random.fold_in(rng, i), (*batch, *ins, r), jnp.float32, -bound, bound)
+        b = jnp.zeros((*batch, r, *outs), jnp.float32)
+        names = k.names
+        adapters[(*module, LORA_A)] = _boxed(a, None if names is None else (*names[: k.batch + k.inputs], None))
+        adapters[(*module, LORA_B)] = _boxed(
+            b, None if names is None else (*names[: k.batch], None, *names[k.batch + k.inputs :])
+        )
+    return traverse_util.unflatten_dict(adapters)
+
+
+def adapter_pairs(adapters: Params) -> dict[tuple[str, ...], tuple[Any, Any]]:
+    """{module path: (A, B)} of an adapter tree; a module with only one of the two is a ValueError."""
+    flat = traverse_util.flatten_dict(nn.unbox(adapters), keep_empty_nodes=False)
+    pairs: dict[tuple[str, ...], dict[str, Any]] = {}
+    for path, value in flat.items():
+        if path[-1] not in (LORA_A, LORA_B):
+            raise ValueError(f"adapter leaf {'/'.join(path)} is neither {LORA_A} nor {LORA_B}")
+        pairs.setdefault(path[:-1], {})[path[-1]] = value
+    lone = ["/".join(module) for module, pair in pairs.items() if len(pair) != 2]
+    if lone:
+        raise ValueError(f"adapters of {lone} lack {LORA_A} or {LORA_B}")
+    return {module: (pair[LORA_A], pair[LORA_B]) for module, pair in pairs.items()}
+
+
+def _fit(kernel_shape: tuple[int, ...], a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """(batch axes, input axes) that make A [*batch, *inputs, r] and B [*batch, r, *outputs] fit the kernel
+    [*batch, *inputs, *outputs]; None when they do not."""
+    batch = len(a_shape) + len(b_shape) - len(kernel_shape) - 2
+    inputs = len(a_shape) - batch - 1
+    if batch < 0 or inputs < 1 or len(b_shape) - batch - 1 < 1:
+        return None
+    r = a_shape[-1]
+    fits = (
+        a_shape[:batch] == b_shape[:batch]
+        and b_shape[batch] == r
+        and kernel_shape == (*a_shape[:-1], *b_shape[batch + 1 :])
+    )
+    return (batch, inputs) if fits else None
+
+
+def delta(a: jax.Array, b: jax.Array, batch: int, dtype: Any) -> jax.Array:
+    """A B over the rank axis: [*batch, *inputs, r] x [*batch, r, *outputs] -> [*batch, *inputs, *outputs]."""
+    letters = iter("abcdefghijklmnopqstuvwxyz")  # "r" is the rank
+    lead = "".join(next(letters) for _ in range(batch))
+    ins = "".join(next(letters) for _ in range(a.ndim - batch - 1))
+    outs = "".join(next(letters) for _ in range(b.ndim - batch - 1))
+    return jnp.einsum(
+        f"{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}",
+        a,
+        b,
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=dtype,
+    )
+
+
+def merge(params: Params, adapters: Params, config: LoraConfig) -> Params:
+    """`params` (unboxed: boxed ones are unboxed) with each adapted kernel W replaced by W + scale * A B, in the
+    promoted dtype of W and the adapters (a bfloat16 base with float32 adapters merges to float32): the model
+    under training, and the weights to export. Adapters that do not fit the params (another base model's) are a
+    ValueError naming every module and its shapes."""
+    flat = traverse_util.flatten_dict(nn.unbox(params), keep_empty_nodes=False)
+    problems, merged = [], {}
+    for module, (a, b) in adapter_pairs(adapters).items():
+        leaf = (*module, "kernel") if (*module, "kernel") in flat else module
+        if leaf not in flat:
+            problems.append(f"{'/'.join(module)}: no such kernel in the params")
+            continue
+        w = flat[leaf]
+        fit = _fit(tuple(w.shape), tuple(a.shape), tuple(b.shape))
+        if fit is None:
+            problems.append(
+                f"{'/'.join(module)}: kernel {tuple(w.shape)}, adapters {LORA_A} {tuple(a.shape)} and "
+                f"{LORA_B} {tuple(b.shape)}"
+            )
+            continue
+        dtype = jnp.result_type(w.dtype, a.dtype, b.dtype)
+        merged[leaf] = jnp.asarray(w, dtype) + config.scale * delta(a, b, fit[0], dtype)
+    if problems:
+        raise ValueError(
+            "these adapters do not fit the params (adapters of another base model, or of another config.model?): "
+            + "; ".join(problems)
+        )
+    return traverse_util.unflatten_dict(flat | merged)
+
+
+def freeze(params: Params, config: LoraConfig) -> Params:
+    """The frozen base: `params` (boxed or not) with every float matrix in `config.base_dtype` (None: unchanged).
+    Vectors (norm scales, biases) keep their dtype: they are small, and rounding them gains nothing."""
+    if config.base_dtype is None:
+        return params
+    dtype = jnp.dtype(config.base_dtype)
+
+    def cast(x):
+        return x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(cast, params)
+
+
+def lora_loss(loss_fn: Callable[..., Any], config: LoraConfig) -> Callable[..., Any]:
+    """The training form: `loss_fn(params, *args, **kwargs)` as a function of (adapters, base, *args, **kwargs), the
+    model applied to merge(base, adapters); differentiate its first argument. The base is behind a stop_gradient."""
+    if config.dropout:
+        raise ValueError(
+            f"LoRA dropout={config.dropout} cannot be trained: it drops the adapters' inputs, activations that "
+            "lmzoo's LoRA (the model run on merged weights, W + scale A B) never forms; set dropout 0.0 and "
+            "regularise with weight decay or config.model.dropout_rate (a PEFT adapter trained with dropout loads "
+            "and merges as it is)"
+        )
+
+    def loss(adapters: Params, base: Params, *args: Any, **kwargs: Any) -> Any:
+        return loss_fn(merge(jax.lax.stop_gradient(base), adapters, config), *args, **kwargs)
+
+    return loss
+
+
+def count(adapters: Params) -> int:
+    """The number of adapter parameters."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.unbox(adapters)))
+
+
+def config_from_mapping(fields: Mapping[str, Any]) -> LoraConfig:
+    """A LoraConfig from a mapping (a config section); unknown keys name the valid ones."""
+    valid = [f.name for f in dataclasses.fields(LoraConfig)]
+    unknown = sorted(set(fields) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown LoRA field(s) {unknown}; valid: {valid}")
+    return LoraConfig(**dict(fields))

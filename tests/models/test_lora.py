@@ -1,0 +1,206 @@
+"""LoRA as a transform of the parameter tree (`lmzoo.models.lora`): the merged model equals the unmerged one computed
+at the activations, scanned and per-layer stacks and experts get adapters of their own, only the adapters train, and
+bad input is a clear error."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from lmzoo import sharding
+from lmzoo.convert import mapping
+from lmzoo.layers.linears import Einsum
+from lmzoo.models import build_model, lora
+
+TINY = dict(vocab_size=32, max_len=16, emb_dim=16, num_heads=2, num_kv_heads=1, num_layers=2, mlp_dim=24)
+ALL = "query|key|value|out|wi_0|wi_1|wo"
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 8)), jnp.int32)
+
+
+def boxed_params(**overrides):
+    """(model, params boxed with their logical axes): random numpy values on the shapes of `model.init`, which is
+    never compiled."""
+    model = build_model("llama", {**TINY, **overrides})
+    abstract = jax.eval_shape(model.init, jax.random.key(0), TOKENS)["params"]
+    rng = np.random.default_rng(0)
+
+    def fill(box):
+        value = rng.normal(0.0, 0.2, box.value.shape).astype(np.float32)
+        return box.replace_boxed(value + 1.0 if box.names[-1] == "norm" else value)
+
+    return model, jax.tree.map(fill, abstract, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def forward(model):
+    """params -> logits on TOKENS, jitted (compiled once per model and param dtypes)."""
+    return jax.jit(lambda params: model.apply({"params": params}, TOKENS))
+
+
+def nonzero(adapters, seed=1):
+    """The adapters with B random too (B starts at zero, which would hide a wrong B layout)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: rng.normal(0.0, 0.3, x.shape).astype(np.float32), nn.unbox(adapters))
+
+
+def unmerged_apply(model, params, adapters, config, tokens):
+    """The model with every adapted Einsum computing x W + scale (x A) B at its activations (flax interception): an
+    independent account of which kernel axes are inputs."""
+
+    def apply(params, adapters):
+        pairs = lora.adapter_pairs(adapters)
+
+        def interceptor(next_fn, args, kwargs, context):
+            module = context.module
+            if not isinstance(module, Einsum) or context.method_name != "__call__" or module.path not in pairs:
+                return next_fn(*args, **kwargs)
+            eqn, x = args
+            a, b = pairs[module.path]
+            (x_spec, kernel_spec), y_spec = eqn.split("->")[0].split(","), eqn.split("->")[1]
+            ins, outs = kernel_spec[: a.ndim - 1], kernel_spec[a.ndim - 1 :]
+            low_spec = "".join(letter for letter in x_spec if letter not in ins) + "r"
+            low = jnp.einsum(f"{x_spec},{ins}r->{low_spec}", x, a)
+            return next_fn(*args, **kwargs) + config.scale * jnp.einsum(f"{low_spec},r{outs}->{y_spec}", low, b)
+
+        with nn.intercept_methods(interceptor):
+            return model.apply({"params": params}, tokens)
+
+    return jax.jit(apply)(params, adapters)
+
+
+def test_merge_equals_the_unmerged_forward():
+    model, boxed = boxed_params()
+    config = lora.LoraConfig(ALL, rank=3, alpha=6.0)
+    params, adapters = nn.unbox(boxed), nonzero(lora.init_adapters(jax.random.key(1), boxed, config))
+    logits = forward(model)
+    merged = logits(lora.merge(params, adapters, config))
+    unmerged = unmerged_apply(model, params, adapters, config, TOKENS)
+    base = logits(params)
+    np.testing.assert_allclose(merged, unmerged, atol=1e-5)
+    assert float(jnp.max(jnp.abs(merged - base))) > 1e-2  # the adapters do change the model
+
+
+def test_adapter_shapes_follow_the_kernel_axes_and_start_as_the_base():
+    model, boxed = boxed_params()
+    config = lora.LoraConfig(ALL + "|lm_head", rank=4, alpha=8.0)
+    adapters = lora.init_adapters(jax.random.key(1), boxed, config)
+    layer = nn.unbox(adapters)["blocks"]["layer_0"]
+    shapes = {
+        name: (pair["lora_a"].shape, pair["lora_b"].shape) for name, pair in {**layer["attn"], **layer["mlp"]}.items()
+    }
+    assert shapes == {
+        "query": ((16, 4), (4, 2, 8)),
+        "key": ((16, 4), (4, 1, 8)),
+        "value": ((16, 4), (4, 1, 8)),
+        "out": ((2, 8, 4), (4, 16)),  # the attention output's inputs are (heads, head_dim)
+        "wi_0": ((16, 4), (4, 24)),
+        "wi_1": ((16, 4), (4, 24)),
+        "wo": ((24, 4), (4, 16)),
+    }
+    a = layer["attn"]["query"]["lora_a"]
+    assert float(jnp.max(jnp.abs(a))) <= 16**-0.5 and float(jnp.std(a)) > 0.1  # PEFT's kaiming-uniform bound
+    assert lora.count(adapters) == sum(a.size + b.size for a, b in lora.adapter_pairs(adapters).values())
+    params, logits = nn.unbox(boxed), forward(model)
+    np.testing.assert_array_equal(logits(lora.merge(params, adapters, config)), logits(params))
+
+
+def test_adapters_carry_their_kernels_logical_axes():
+    _, boxed = boxed_params()
+    adapters = lora.init_adapters(jax.random.key(1), boxed, lora.LoraConfig("query|out|wo", rank=2, alpha=2.0))
+    attn = adapters["blocks"]["layer_0"]["attn"]
+    assert attn["query"]["lora_a"].names == ("embed", None)
+    assert attn["query"]["lora_b"].names == (None, "heads", "kv")
+    assert attn["out"]["lora_a"].names == ("heads", "kv", None)
+    mesh = sharding.make_mesh((1, 1, 1, 1))
+    specs = sharding.logical_to_sharding(adapters, mesh, sharding.LOGICAL_AXIS_RULES)
+    assert specs["blocks"]["layer_0"]["attn"]["query"]["lora_a"].spec == jax.sharding.PartitionSpec("fsdp", None)
+    assert specs["blocks"]["layer_0"]["mlp"]["wo"]["lora_b"].spec == jax.sharding.PartitionSpec(None, "fsdp")
+
+
+def test_scanned_layers_and_experts_get_adapters_of_their_own():
+    config = lora.LoraConfig(ALL, rank=2, alpha=4.0)
+    per_layer_model, per_layer = boxed_params()
+    scanned_model, scanned = boxed_params(scan_layers=True)
+    adapters = nonzero(lora.init_adapters(jax.random.key(1), scanned, config))
+    assert adapters["blocks"]["layers"]["attn"]["out"]["lora_a"].shape == (2, 2, 8, 2)  # [L, N, H, r]
+    params = jax.device_get(nn.unbox(per_layer))
+    stacked = mapping.materialize(mapping.to_layout(params, nn.unbox(scanned)))
+    ours = forward(scanned_model)(lora.merge(stacked, adapters, config))
+    theirs = forward(per_layer_model)(lora.merge(params, mapping.unstack_layers(jax.device_get(adapters)), config))
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+    _, moe = boxed_params(num_experts=2, experts_per_token=1)
+    experts = lora.init_adapters(jax.random.key(2), moe, lora.LoraConfig("mlp/(wi_0|wo)", rank=2, alpha=2.0))
+    mlp = experts["blocks"]["layer_1"]["mlp"]
+    assert mlp["wi_0"]["lora_a"].names == ("exp", "embed", None) and mlp["wi_0"]["lora_b"].value.shape == (2, 2, 24)
+    assert mlp["wo"]["lora_a"].value.shape == (2, 24, 2)
+    experts = nonzero(experts)
+    merged = lora.merge(nn.unbox(moe), experts, lora.LoraConfig("mlp/(wi_0|wo)", rank=2, alpha=2.0))
+    a, b = (experts["blocks"]["layer_1"]["mlp"]["wo"][k] for k in ("lora_a", "lora_b"))
+    expected = nn.unbox(moe)["blocks"]["layer_1"]["mlp"]["wo"][1] + a[1] @ b[1]
+    np.testing.assert_allclose(merged["blocks"]["layer_1"]["mlp"]["wo"][1], expected, atol=1e-6)
+
+
+def test_only_the_adapters_train_and_the_base_stays_frozen():
+    model, boxed = boxed_params()
+    config = lora.LoraConfig("query|value|wo", rank=2, alpha=4.0, base_dtype="bfloat16")
+    base = lora.freeze(nn.unbox(boxed), config)
+    assert base["blocks"]["layer_0"]["attn"]["query"]["kernel"].dtype == jnp.bfloat16
+    assert base["blocks"]["layer_0"]["ln_attn"]["scale"].dtype == jnp.float32  # vectors keep their dtype
+    adapters = nn.unbox(lora.init_adapters(jax.random.key(1), boxed, config))
+
+    def loss_fn(params, tokens):
+        logits = model.apply({"params": params}, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    loss = lora.lora_loss(loss_fn, config)
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(adapters)
+    assert sum(x.size for x in jax.tree.leaves(opt_state)) == 2 * lora.count(adapters) + 1  # mu, nu, count
+
+    @jax.jit
+    def step(adapters, opt_state, base):
+        value, grads = jax.value_and_grad(loss)(adapters, base, TOKENS)
+        updates, opt_state = tx.update(grads, opt_state, adapters)
+        return optax.apply_updates(adapters, updates), opt_state, value, grads
+
+    frozen = jax.tree.map(np.array, base)
+    first, opt_state, loss0, grads = step(adapters, opt_state, base)
+    assert jax.tree.structure(grads) == jax.tree.structure(adapters)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    query = lambda tree: tree["blocks"]["layer_0"]["attn"]["query"]  # noqa: E731
+    # B starts at zero, so the first step moves B only; A follows once B is nonzero.
+    assert float(jnp.max(jnp.abs(query(grads)["lora_a"]))) == 0.0
+    assert float(jnp.max(jnp.abs(query(grads)["lora_b"]))) > 0.0
+    second, _, loss1, grads = step(first, opt_state, base)
+    assert float(jnp.max(jnp.abs(query(grads)["lora_a"]))) > 0.0
+    assert float(loss1) < float(loss0)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, base), frozen)
+
+
+def test_bad_input_is_a_clear_error():
+    model, boxed = boxed_params()
+    with pytest.raises(
+        ValueError, match=r"match no kernel.*names here: key, out, query, value, wi_0, wi_1, wo, lm_head"
+    ):
+        lora.init_adapters(jax.random.key(0), boxed, lora.LoraConfig("q|k|v|o", rank=2, alpha=2.0))
+    with pytest.raises(ValueError, match="rank=0 must be an integer >= 1"):
+        lora.LoraConfig(ALL, rank=0, alpha=2.0)
+    with pytest.raises(ValueError, match=r"rank=9 exceeds min\(inputs, outputs\) of .*attn/key \(16 -> 8\)"):
+        lora.init_adapters(jax.random.key(0), boxed, lora.LoraConfig(ALL, rank=9, alpha=2.0))
+    with pytest.raises(ValueError, match="not a regular expression"):
+        lora.LoraConfig("(query", rank=2, alpha=2.0)
+    with pytest.raises(ValueError, match="dropout=0.05 cannot be trained"):
+        lora.lora_loss(lambda params: 0.0, lora.LoraConfig(ALL, rank=2, alpha=2.0, dropout=0.05))
+    with pytest.raises(ValueError, match="carries no logical axes"):
+        lora.init_adapters(jax.random.key(0), nn.unbox(boxed), lora.LoraConfig("query", rank=2, alpha=2.0))
+
+    config = lora.LoraConfig("query|wo", rank=2, alpha=2.0)
+    _, wider = boxed_params(emb_dim=24, num_layers=3)
+    other = lora.init_adapters(jax.random.key(0), wider, config)
+    with pytest.raises(ValueError, match="another base") as error:
+        lora.merge(nn.unbox(boxed), other, config)
+    message = str(error.value)
+    assert "blocks/layer_0/attn/query: kernel (16, 2, 8), adapters lora_a (24, 2) and lora_b (2, 2, 12)" in message
+    assert "blocks/layer_2/mlp/wo: no such kernel" in message

@@ -4,6 +4,7 @@ errors, failed saves, SIGTERM and Ctrl-C. Real processes where the case needs th
 failing disk is an LD_PRELOAD shim that fails open(2) of matching paths."""
 
 import errno
+import gc
 import json
 import logging
 import os
@@ -214,7 +215,9 @@ def test_a_chosen_damaged_step_drops_the_reports_of_abandoned_futures(trained, t
     run_dir = _copy(trained, tmp_path)
     for f in (run_dir / "checkpoints" / "4" / "state" / "d").iterdir():
         f.write_bytes(b"broken")
-    checkpoint._ORBAX_NOISE.futures_abandoned = False  # as in a fresh process; left set, as the failure leaves it
+    # As in a fresh process: futures earlier tests abandoned are collected (and reported) now, not during this test.
+    gc.collect()
+    checkpoint._ORBAX_NOISE.futures_abandoned = False  # left set, as the failure leaves it
     run = run_lib.build(run_lib.load_saved(str(run_dir)), str(run_dir))
     try:
         with pytest.raises(checkpoint.CheckpointReadError, match="checkpoints/4 cannot be read"):

@@ -77,11 +77,7 @@ class _EventFiles:
     def __init__(self, folder: str, *, purge_step: int | None):
         self.folder = folder
         self.uploaded: dict[str, int] = {}  # event file name -> the size uploaded
-        if not storage.is_remote(folder):
-            self.local = folder
-            self.writer = _summary_writer_class()(folder, purge_step=purge_step)
-            return
-        self.local = tempfile.mkdtemp(prefix="lmzoo-tb-")
+        self.local = folder if not storage.is_remote(folder) else tempfile.mkdtemp(prefix="lmzoo-tb-")
         try:
             self.files_begun = len(storage.list_dir(folder))
         except FileNotFoundError:
@@ -89,8 +85,9 @@ class _EventFiles:
         self.writer = self._begin_file(purge_step)
 
     def _begin_file(self, purge_step: int | None = None):
-        """A writer of a new event file, numbered after every file already in the bucket folder: tensorboardX names a
-        file by the second it began, and TensorBoard reads files in name order, so files of one second keep theirs."""
+        """A writer of a new event file, numbered after every file already in the folder: tensorboardX names a file by
+        the second it began, so a run resumed within that second would write into the first run's file; TensorBoard
+        reads files in name order, so files of one second keep theirs."""
         self.files_begun += 1
         return _summary_writer_class()(self.local, purge_step=purge_step, filename_suffix=f".{self.files_begun:06d}")
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tensorboardX import SummaryWriter
 
-from lmzoo import testing
+from lmzoo import metrics, testing
 from lmzoo.evaluation import plots
 from lmzoo.train import loop
 
@@ -95,6 +95,21 @@ def test_a_restart_marker_and_a_rewritten_step_keep_the_latest_values(tmp_path):
     writer.add_scalar("train/loss", 7.0, 4)
     writer.close()
     assert plots.read_events(str(tmp_path)) == {"loss": {"train": [(1, 11.0), (2, 0.5), (4, 7.0)]}}
+
+
+def test_a_run_resumed_within_the_second_its_first_run_began_writes_its_own_event_file(tmp_path):
+    """tensorboardX names an event file by the second it began: without lmzoo's numbered suffix the resumed run
+    would write into the first run's file."""
+    with mock.patch("time.time", return_value=1_800_000_000.0):
+        first = metrics.MetricWriter(str(tmp_path))
+        first.write(1, {"loss": 3.0}, "train")
+        first.write(2, {"loss": 2.0}, "train")
+        first.close()
+        resumed = metrics.MetricWriter(str(tmp_path), resume_step=1)
+        resumed.write(2, {"loss": 1.5}, "train")
+        resumed.close()
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.1800000000.*"))) == 2
+    assert plots.read_events(str(tmp_path)) == {"loss": {"train": [(1, 3.0), (2, 1.5)]}}
 
 
 def test_no_event_files_is_an_error_naming_the_folder(tmp_path):

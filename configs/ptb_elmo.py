@@ -38,7 +38,7 @@ def get_config(arg: str | None = None):
     c.train.sample_tokens = 0
     c.eval.batch_size = 64
     if arg == "tiny":
-        c.model.emb_dim, c.data.seq_len, c.train.batch_size, c.eval.batch_size = 16, 16, 8, 8
+        c.model.emb_dim, c.data.seq_len, c.train.batch_size, c.eval.batch_size = 16, 83, 8, 8
         c.train.steps, c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 4, 2, 4, 4
         c.optim.warmup_steps, c.eval.max_batches = 0, 2
         # the schedule ends with the run (no decay_steps note), at a constant rate as the 4 steps of the full one were

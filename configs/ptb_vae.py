@@ -50,7 +50,7 @@ def get_config(arg: str | None = None):
     c.eval.batch_size = 64
     if variant == "tiny":
         c.model.emb_dim, c.model.latent_dim = 16, 4
-        c.data.seq_len, c.train.batch_size, c.eval.batch_size = 16, 8, 8
+        c.data.seq_len, c.train.batch_size, c.eval.batch_size = 83, 8, 8
         c.objective.kl_anneal_steps, c.objective.num_iw_samples = 4, 5
         c.train.steps, c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 4, 1, 4, 4
         c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note

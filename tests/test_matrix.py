@@ -34,8 +34,7 @@ Commands run in process (eval.py's main as tests/evaluation/test_eval_cli.py run
 shared by its commands; `test_entry_points_refuse_in_one_line` runs eval.py and the exporter as processes once. A
 command runs once per code path (`Command.path`: e.g. `--generate` once per model, HF type and tokenizer; a resume once
 per reader, trainer, frozen models and model), on the first case in CASES that takes it; the others print "as CASE".
-A documented toy run that does not train (TRAINING_BUGS) or a command that fails (KNOWN_BUGS) is an expected failure
-that must keep failing (strict). Run with -s to see each case's table of outcomes and times.
+A command that fails (KNOWN_BUGS) is an expected failure that must keep failing (strict). Run with -s to see each case's table of outcomes and times.
 """
 
 import ast
@@ -62,7 +61,7 @@ from absl import flags
 
 import lmzoo
 from lmzoo import config as config_lib
-from lmzoo import evaluation, models, objectives, testing
+from lmzoo import evaluation, models, objectives
 from lmzoo.cli import export as export_cli
 from lmzoo.convert import export
 from lmzoo.data import readers
@@ -233,17 +232,6 @@ def _provider_case(workdir: str) -> Case:
 
 # --- training the cases, once per process ---------------------------------------------------------------------------
 
-# Documented toy runs that do not train on the documented data: case id -> the bug. Their commands run on a run of
-# the same config trained on `lmzoo.testing.tiny_word_corpus_config`'s random sentences, as the tests of these
-# families train it; the documented run must still fail (strict: a fixed bug fails here until it is removed).
-TRAINING_BUGS = {
-    f"{name}:tiny": (
-        f"configs/{name}.py:tiny refuses ../shared/data/ptb ('sentence 29099 has 83 tokens with its <eos>, more than "
-        "config.data.seq_len=16'): the toy variant cannot train on its documented data"
-    )
-    for name in ("ptb_elmo", "ptb_ngram", "ptb_vae")
-}
-
 
 def _set(config, key: str, value) -> None:
     *sections, field = key.split(".")
@@ -283,16 +271,10 @@ class Runs:
         return config
 
     def configured(self, case: Case):
-        """The config the case trains with (a copy): the documented one, or for TRAINING_BUGS the random word corpus;
-        no end-of-training sample (the `generate` command samples), one evaluation and checkpoint."""
+        """The config the case trains with (a copy): the documented one, with no end-of-training sample (the
+        `generate` command samples), one evaluation and checkpoint."""
         if case.id not in self.configs:
-            if case.id in TRAINING_BUGS:  # lmzoo.testing's random sentences, a batch of them for every step
-                folder, toy = self.root / f"{_slug(case)}-words", case.config()
-                folder.mkdir(exist_ok=True)
-                lines = (toy.train.steps * toy.train.batch_size, 16)
-                config, _ = testing.tiny_word_corpus_config(folder, case.file.removesuffix(".py"), lines=lines)
-            else:
-                config = self.documented(case)
+            config = self.documented(case)
             config.train.sample_tokens = 0
             # settings a resume may change: one evaluation (of one batch, as eval.py's) and one checkpoint, at the end
             config.eval.max_batches = 1
@@ -583,13 +565,6 @@ def _check(case: Case, name: str, outcome: Outcome, steps: int) -> str | None:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_every_documented_command_on_a_trained_run(case, runs):
     problems, rows = [], []
-    if case.id in TRAINING_BUGS:  # the documented run must still fail; the commands run on one that trains
-        documented = _outcome(
-            lambda: loop.train_and_evaluate(runs.documented(case), str(runs.root / f"{_slug(case)}-documented"))
-        )
-        rows.append(f"  {'train (docs)':15s} {documented.status:8s} {documented.seconds:5.1f}s {documented.detail!r}")
-        if documented.status == "ok":
-            problems.append(f"the documented run trains now; remove it from TRAINING_BUGS ({TRAINING_BUGS[case.id]})")
     workdir = runs.workdir(case)
     steps = max(int(name) for name in os.listdir(workdir / "checkpoints") if name.isdigit())
     for name, call in _calls(case, workdir, runs, steps).items():
@@ -611,8 +586,8 @@ def test_every_documented_command_on_a_trained_run(case, runs):
     )
     assert not problems, f"{case.id}:\n" + "\n".join(problems)
     bugs = [bug for key, bug in KNOWN_BUGS.items() if key[0] == case.id]
-    if bugs or case.id in TRAINING_BUGS:
-        pytest.xfail("; ".join(bugs + [TRAINING_BUGS.get(case.id, "")]).strip("; "))
+    if bugs:
+        pytest.xfail("; ".join(bugs))
 
 
 def test_every_objective_family_and_kind_has_a_case():
@@ -633,7 +608,7 @@ def test_every_objective_family_and_kind_has_a_case():
 def test_entry_points_refuse_in_one_line(runs, tmp_path):
     """`python eval.py --generate` on a run that cannot generate and `python -m lmzoo.cli.export` on a family HF has no
     counterpart for: exit status 2 and one `error:` line, no traceback."""
-    case = next(c for c in CASES if not _generative(c) and c.hf_type is None and c.id not in TRAINING_BUGS)
+    case = next(c for c in CASES if not _generative(c) and c.hf_type is None)
     workdir = runs.workdir(case)
     for argv in (
         ["eval.py", f"--workdir={workdir}", "--generate=the", "--max_new_tokens=2"],

@@ -51,11 +51,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS, argv: list[str] | 
 def dry_run(config, workdir: str) -> str:
     """The config checks a run makes before its first write (the objective's and every value that needs no devices:
     batch splits over the mesh are checked when the run starts); raises ValueError. Returns a one-line summary."""
-    from lmzoo import checkpoint
     from lmzoo import config as config_lib
     from lmzoo.train import run as run_lib
 
-    checkpoint.check_directory(f"{workdir}/checkpoints")
     objective = run_lib.validated_objective(config)
     problems = objective.value_problems(data_parallel_size=1, batches=False)
     config_lib.check_values(config, data_parallel_size=1, batches=False, more_problems=tuple(problems))

@@ -14,6 +14,7 @@ A failed save raises CheckpointSaveError with its cause (a full disk named as su
 import asyncio
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -177,23 +178,36 @@ class _EventLoopPolicy(asyncio.DefaultEventLoopPolicy):
     _loop_factory = _LoopTakingLateCallbacks
 
 
-def check_directory(directory: str) -> None:
-    """Raises ValueError, in one line, for a directory checkpoints cannot be kept in: s3://. orbax-checkpoint (0.12.8,
-    its newest release) maps gs:// to tensorstore's GCS driver and any other path to local files: it would fail in its
-    background threads on "s3:/..." as a relative local path."""
-    if os.fspath(directory).startswith("s3://"):
-        raise ValueError(
-            f"{directory}: checkpoints cannot be kept on s3:// (orbax-checkpoint writes arrays to local paths and "
-            "gs:// only); use a local or gs:// workdir"
-        )
+@functools.cache
+def _orbax_writes_s3() -> None:
+    """Gives orbax-checkpoint tensorstore's S3 driver for s3:// paths. orbax 0.12.8 (its newest release, pinned in
+    requirements.txt) sends gs:// paths to tensorstore's GCS driver and every other path to local files, so "s3://b/x"
+    would be written as the relative folder "s3:/b/x". Three of its functions decide that; each keeps its behaviour
+    for every other path and gains the s3:// case (tests/storage/test_bucket_workdir.py runs a workdir on an S3 server
+    through them). A bucket has no atomic rename, so an s3:// checkpoint commits as orbax commits on GCS: a commit
+    file written last (`Checkpointer` picks `CommitFileTemporaryPath`)."""
+    from orbax.checkpoint._src.path import gcs_utils
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    uses_bucket_driver, normalize_path = tensorstore_utils._use_gcs_driver, tensorstore_utils._normalize_path
+    bucket_kvstore = gcs_utils.get_kvstore_for_gcs
+    tensorstore_utils._use_gcs_driver = lambda directory: directory.startswith("s3://") or uses_bucket_driver(directory)
+    tensorstore_utils._normalize_path = lambda path: (
+        "s3://" + os.path.normpath(path.removeprefix("s3://")) if path.startswith("s3://") else normalize_path(path)
+    )
+    gcs_utils.get_kvstore_for_gcs = lambda path: (
+        storage.tensorstore_s3_kvstore(path) if path.startswith("s3://") else bucket_kvstore(path)
+    )
 
 
 class Checkpointer:
     """Saves and restores (state, data_state) under `directory`; keeps the newest `max_to_keep`."""
 
     def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
-        check_directory(directory)
         self.directory = storage.path(directory)
+        on_s3 = os.fspath(directory).startswith("s3://")
+        if on_s3:
+            _orbax_writes_s3()
         self.failed = False
         for logger in ("absl", "asyncio"):  # orbax logs through absl; adding a filter twice is a no-op
             logging.getLogger(logger).addFilter(_ORBAX_NOISE)
@@ -202,7 +216,10 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+                max_to_keep=max_to_keep,
+                enable_async_checkpointing=async_save,
+                create=True,
+                temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath if on_s3 else None,
             ),
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()},
         )

@@ -27,9 +27,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.init_from_partial = False  # with hf:, load the parameters that fit and initialise the rest (report printed)
     # LoRA (docs/lora.md): targets "" trains every parameter; a regular expression over module names
     # ("query|key|value|out|wi_0|wi_1|wo") trains low-rank adapters of those kernels over the frozen base that init_from
-    # (or the objective's reference: dpo's sft) gives. base_dtype "": the params' own; "bfloat16" halves the base.
+    # (or the objective's reference: dpo's sft, ppo's) gives. base_dtype "": the params' own; "bfloat16" halves the
+    # base. train_in_full: modules trained in full beside the adapters (PEFT's modules_to_save), added to the heads
+    # the objective trains so (a classifier's or reward model's "classifier", PPO's "value_head").
     c.lora = ml_collections.ConfigDict(
-        {"targets": "", "rank": 8, "alpha": 16.0, "dropout": 0.0, "base_dtype": "", "rslora": False}
+        {
+            "targets": "",
+            "rank": 8,
+            "alpha": 16.0,
+            "dropout": 0.0,
+            "base_dtype": "",
+            "rslora": False,
+            "train_in_full": "",
+        }
     )
 
     c.data = ml_collections.ConfigDict()

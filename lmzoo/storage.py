@@ -10,7 +10,8 @@ can go into a checkpoint manager. The functions below read and write through it 
   (local: `O_CREAT | O_EXCL`; GCS: an upload with the precondition `ifGenerationMatch=0`; S3: a conditional put,
   `If-None-Match: *`) and says whether this call created it: the primitive of a one-writer lock;
 - `read_range` reads `length` bytes at `offset` (one ranged GET on a bucket) without fetching the whole object;
-- `append_bytes` adds to the end of a file or object (GCS: a temporary object composed onto it; S3 has no append);
+- `append_bytes` adds to the end of a file or object (GCS: a temporary object composed onto it; S3: the object
+  replaced by one with the bytes added);
 - on a bucket, `read_versioned`, `replace_if_version` and `delete_if_version` read an object with its version (GCS: its
   generation; S3: its ETag) and replace or delete it only while it still has that version (GCS: `ifGenerationMatch`;
   S3: `If-Match`): with `create_if_absent`, the primitives of a lease (lmzoo.workdir's lock on a bucket).
@@ -39,10 +40,12 @@ import sys
 import tempfile
 import urllib.parse
 from collections.abc import Iterator
+from typing import Any
 
 from etils import epath
 
 REMOTE_SCHEMES = ("gs://", "s3://")
+S3_MIN_PART_BYTES = 5 * 2**20  # S3's smallest part of a multipart upload, but for the last
 # Requests to a bucket in flight at once, per client: a training step reads hundreds of small ranges (aiohttp's
 # default pool of 100 connections, and aiobotocore's of 10, would make that several round trips).
 CONCURRENT_REQUESTS = 512
@@ -479,6 +482,19 @@ def _gcs_kvstore(bucket: str, emulator_url: str | None):
     return ts.KvStore.open({"driver": "gcs", "bucket": bucket}, context=context).result()
 
 
+def tensorstore_s3_kvstore(location: str) -> dict[str, Any]:
+    """tensorstore's kvstore spec of an s3:// location, pointed where s3fs is: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL
+    when set, in AWS_REGION or AWS_DEFAULT_REGION (us-east-1 if neither); credentials from tensorstore's AWS chain
+    (environment, ~/.aws files, instance metadata)."""
+    bucket, _, key = location.removeprefix("s3://").partition("/")
+    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key}
+    spec["aws_region"] = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        spec["endpoint"] = endpoint
+    return spec
+
+
 def delete(user_path: str | os.PathLike) -> None:
     """Deletes the file or object at `user_path`; one that is not there is no error (S3 itself does not tell)."""
     location = os.fspath(path(user_path))
@@ -514,12 +530,13 @@ def append_bytes(user_path: str | os.PathLike, data: bytes) -> None:
     On GCS a reader, or a process that reads after this one was killed, finds the content as it was or followed by all
     of `data`: `data` is uploaded as a temporary object beside it and composed onto it, one server-side request (the
     temporary object is deleted then, or by `remove_unfinished` where the writer was killed before). A local file is
-    one append write, which a kill can cut short: readers of line files drop an unfinished last line. S3 has no append
-    (its compose takes parts of 5 MiB and more), so an s3:// path raises ValueError.
+    one append write, which a kill can cut short: readers of line files drop an unfinished last line. S3 has no append:
+    `_s3_append` replaces the object with content + `data` in one request that either happens whole or not at all.
     """
     location = os.fspath(path(user_path))
     if location.startswith("s3://"):
-        raise ValueError(f"{location}: S3 objects cannot be appended to; write the whole object with write_bytes")
+        _s3_append(location, data)
+        return
     if not is_remote(location):
         descriptor = os.open(location, os.O_WRONLY | os.O_APPEND)
         with os.fdopen(descriptor, "wb") as file:
@@ -532,6 +549,44 @@ def append_bytes(user_path: str | os.PathLike, data: bytes) -> None:
         filesystem.pipe_file(part, data)
         filesystem.merge(location, [location, part])
         filesystem.rm_file(part)
+
+
+def _s3_append(location: str, data: bytes) -> None:
+    """S3's append: an object below S3_MIN_PART_BYTES is read and written back with `data` added, on the condition
+    that it is still the version read (If-Match); a larger one becomes the first part of a multipart upload, copied
+    server-side, `data` its last part, so each append moves only `data`. Either way the object is replaced in one
+    step: a reader, or a process that reads after this one was killed, finds it as it was or with all of `data`. (A
+    kill mid-upload leaves an unfinished multipart upload, which S3 never shows; a bucket lifecycle rule aborts
+    those.)"""
+    if not data:
+        return
+    filesystem = _filesystem(location)
+    bucket, key, _ = filesystem.split_path(location)
+    with _unreachable_named(location):
+        info = filesystem.info(location)
+        if info["size"] < S3_MIN_PART_BYTES:
+            content, version = read_versioned(location)
+            if replace_if_version(location, content + data, version) is None:
+                raise OSError(f"{location} changed while {len(data)} bytes were appended to it: another writer")
+            return
+        upload = filesystem.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        where = dict(Bucket=bucket, Key=key, UploadId=upload)
+        try:
+            copied = filesystem.call_s3(
+                "upload_part_copy",
+                PartNumber=1,
+                CopySource={"Bucket": bucket, "Key": key},
+                CopySourceIfMatch=_version(info),
+                **where,
+            )["CopyPartResult"]["ETag"]
+            added = filesystem.call_s3("upload_part", PartNumber=2, Body=data, **where)["ETag"]
+            parts = [{"PartNumber": 1, "ETag": copied}, {"PartNumber": 2, "ETag": added}]
+            filesystem.call_s3("complete_multipart_upload", MultipartUpload={"Parts": parts}, **where)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                filesystem.call_s3("abort_multipart_upload", **where)
+            raise
+        filesystem.invalidate_cache(location)
 
 
 def read_versioned(user_path: str | os.PathLike) -> tuple[bytes, str]:

@@ -87,21 +87,28 @@ def read_params(spec: str, model_name: str, model_config, target, *, allow_parti
     if spec.startswith("hf:"):
         return hf.convert_pretrained(spec, model_name, model_config, target, allow_partial=allow_partial)[0]
     if spec.startswith("ckpt:"):
-        workdir = spec.removeprefix("ckpt:")
-        source = checkpoint_params(workdir, target)
-        source = source.get("backbone", source)
-        saved = saved_config(workdir) or {}
-        adapted = (
-            config_lib.lora_config(ml_collections.ConfigDict({"lora": saved["lora"]})) if "lora" in saved else None
-        )
-        if adapted is None:
-            return source
-        # A LoRA run keeps its adapters alone: its model is them merged into the base it adapted, read again (its
-        # init_from, or the SFT reference a DPO run adapts).
-        base_spec = saved.get("init_from") or saved.get("objective", {}).get("sft", "")
-        base = read_params(base_spec, saved["model_name"], saved["model"], target)
-        return lora.merge(base, source, adapted)
+        source = run_params(spec.removeprefix("ckpt:"), target)
+        if "backbone" in source:  # a classifier or reward model gives its backbone
+            return source["backbone"]
+        return source["decoder"] if "value_head" in source else source  # an RL policy its decoder
     raise ValueError(f"pretrained weights spec {spec!r} must be 'hf:PATH' or 'ckpt:WORKDIR'")
+
+
+def run_params(workdir: str, placed: Any = None) -> Any:
+    """The model params of a train.py run's latest checkpoint (`checkpoint_params`). A LoRA run keeps only what it
+    trained (adapters, and modules trained in full such as a reward model's head): its model is them merged into
+    the base it adapted, read again (its init_from, or the SFT reference a DPO or PPO run adapts) into the run's
+    decoder or classifier backbone."""
+    source = checkpoint_params(workdir, placed)
+    saved = saved_config(workdir) or {}
+    adapted = config_lib.lora_config(ml_collections.ConfigDict({"lora": saved["lora"]})) if "lora" in saved else None
+    if adapted is None:
+        return source
+    inner = "backbone" if "backbone" in source else "decoder" if "value_head" in source else None
+    base_target = placed.get(inner, placed) if inner and placed is not None else placed
+    base_spec = saved.get("init_from") or saved.get("objective", {}).get("sft", "")
+    base = read_params(base_spec, saved["model_name"], saved["model"], base_target)
+    return lora.merge({inner: base} if inner else base, source, adapted)
 
 
 TOKEN_TABLES = ("wte/embedding",)  # token embeddings that may gain rows for new special tokens (GPT classifier)

@@ -107,6 +107,12 @@ def save_peft(
     Returns {"path", "tensors", "target_modules"}."""
     from safetensors.numpy import save as safetensors_bytes
 
+    full = lora.trained_in_full(adapters)
+    if full:
+        raise ValueError(
+            f"these adapters come with modules trained in full ({', '.join('/'.join(p) for p in list(full)[:4])}), "
+            "which have no HF counterpart in a PEFT adapter folder of this family; export the merged model instead"
+        )
     table = linears(model_name, model_fields)
     pairs = lora.adapter_pairs(mapping.unstack_layers(jax.device_get(nn.unbox(adapters))))
     tensors, problems = {}, []

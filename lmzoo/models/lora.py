@@ -23,6 +23,10 @@ any family because it needs no module to know about adapters; its costs are a me
 and that kernel's full-size gradient (transient, never in the optimizer state), and LoRA dropout, which acts on the
 adapters' inputs rather than on weights, has no place in it: `lora_loss` refuses dropout > 0.
 
+Modules trained in full beside the adapters (`train_in_full`, PEFT's modules_to_save): a new head that no base
+provides (a classifier's or reward model's "classifier", PPO's "value_head") cannot stay frozen at its random start.
+The trained tree holds them at their own paths next to the adapters, so `merge` puts them in place of the base's.
+
 PEFT's adapter files (adapter_config.json + adapter_model.safetensors) are read and written by
 `lmzoo.convert.peft`.
 """
@@ -54,6 +58,8 @@ class LoraConfig:
         dropout: PEFT's lora_dropout, kept so that a PEFT adapter's config reads back; training needs 0.0.
         base_dtype: dtype the frozen base's matrices are held in ("bfloat16"); None keeps theirs.
         rslora: rank-stabilised scaling, alpha / sqrt(r) (PEFT's use_rslora).
+        train_in_full: regular expression over module names or trailing paths, as targets, of modules trained in
+            full beside the adapters (PEFT's modules_to_save: "classifier"); "" for none.
     """
 
     targets: str
@@ -62,6 +68,7 @@ class LoraConfig:
     dropout: float = 0.0
     base_dtype: str | None = None
     rslora: bool = False
+    train_in_full: str = ""
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -72,10 +79,11 @@ class LoraConfig:
             raise ValueError(f"LoRA dropout={self.dropout!r} must be in [0, 1)")
         if self.base_dtype is not None and not jnp.issubdtype(jnp.dtype(self.base_dtype), jnp.floating):
             raise ValueError(f"LoRA base_dtype={self.base_dtype!r} must be a float dtype (e.g. 'bfloat16') or None")
-        try:
-            re.compile(self.targets)
-        except (re.error, TypeError) as e:
-            raise ValueError(f"LoRA targets={self.targets!r} is not a regular expression: {e}") from None
+        for field in ("targets", "train_in_full"):
+            try:
+                re.compile(getattr(self, field))
+            except (re.error, TypeError) as e:
+                raise ValueError(f"LoRA {field}={getattr(self, field)!r} is not a regular expression: {e}") from None
 
     @property
     def scale(self) -> float:
@@ -145,13 +153,24 @@ def _matches(pattern: re.Pattern, module: tuple[str, ...]) -> bool:
     return any(pattern.fullmatch("/".join(module[i:])) for i in range(len(module)))
 
 
+def _trained_in_full(config: LoraConfig, leaf: tuple[str, ...]) -> bool:
+    """Whether `leaf` lies in a module `config.train_in_full` selects (the pattern matches a prefix's trailing part)."""
+    if not config.train_in_full:
+        return False
+    pattern = re.compile(config.train_in_full)
+    return any(_matches(pattern, leaf[:end]) for end in range(1, len(leaf)))
+
+
 def find_kernels(params: Params, config: LoraConfig) -> dict[tuple[str, ...], Kernel]:
-    """The kernels `config.targets` selects, by module path; params boxed (names known) or not (2-D kernels only).
-    A pattern that matches no kernel, or a rank above a kernel's min(inputs, outputs), is a ValueError."""
+    """The kernels `config.targets` selects, by module path, outside the modules trained in full; params boxed (names
+    known) or not (2-D kernels only). A pattern that matches no kernel, or a rank above a kernel's min(inputs,
+    outputs), is a ValueError."""
     pattern = re.compile(config.targets)
     flat = traverse_util.flatten_dict(params, keep_empty_nodes=False)
     found, candidates = {}, {}
     for leaf, value in flat.items():
+        if _trained_in_full(config, leaf):
+            continue
         boxed = isinstance(value, nn.Partitioned)
         names, shape = (tuple(value.names) if boxed else None), tuple((value.value if boxed else value).shape)
         if not _is_kernel(leaf, names, len(shape)):
@@ -183,11 +202,18 @@ def _boxed(value: jax.Array, names: tuple | None) -> Any:
 
 
 def init_adapters(rng: jax.Array, params: Params, config: LoraConfig) -> Params:
-    """Adapters for the kernels `config.targets` selects in `params` (arrays or ShapeDtypeStructs, boxed or not):
-    {module path...: {"lora_a": [*batch, *inputs, r], "lora_b": [*batch, r, *outputs]}} in float32, A uniform in
-    +-1/sqrt(fan_in) (PEFT's kaiming_uniform(a=sqrt(5))), B zero; boxed with logical axes when `params` are."""
+    """The trained tree over `params` (arrays or ShapeDtypeStructs, boxed or not): adapters for the kernels
+    `config.targets` selects, {module path...: {"lora_a": [*batch, *inputs, r], "lora_b": [*batch, r, *outputs]}} in
+    float32, A uniform in +-1/sqrt(fan_in) (PEFT's kaiming_uniform(a=sqrt(5))), B zero, boxed with logical axes when
+    `params` are; and the leaves of the modules `config.train_in_full` selects, as `params` holds them."""
     kernels = find_kernels(params, config)
-    r, adapters = config.rank, {}
+    flat = traverse_util.flatten_dict(params, keep_empty_nodes=False)
+    if config.train_in_full and not any(_trained_in_full(config, leaf) for leaf in flat):
+        raise ValueError(
+            f"LoRA train_in_full={config.train_in_full!r} matches no module of these params; a pattern fullmatches a "
+            "module name or a trailing part of its path (e.g. 'classifier')"
+        )
+    r, adapters = config.rank, {leaf: value for leaf, value in flat.items() if _trained_in_full(config, leaf)}
     for i, (module, k) in enumerate(sorted(kernels.items())):
         batch, ins, outs = k.shape[: k.batch], k.shape[k.batch : k.batch + k.inputs], k.shape[k.batch + k.inputs :]
         bound = 1.0 / math.sqrt(k.fan_in)
@@ -201,14 +227,20 @@ def init_adapters(rng: jax.Array, params: Params, config: LoraConfig) -> Params:
     return traverse_util.unflatten_dict(adapters)
 
 
-def adapter_pairs(adapters: Params) -> dict[tuple[str, ...], tuple[Any, Any]]:
-    """{module path: (A, B)} of an adapter tree; a module with only one of the two is a ValueError."""
-    flat = traverse_util.flatten_dict(nn.unbox(adapters), keep_empty_nodes=False)
+def trained_in_full(trained: Params) -> dict[tuple[str, ...], Any]:
+    """{leaf path: value} of the leaves of a trained tree that are not adapters: the modules trained in full."""
+    flat = traverse_util.flatten_dict(nn.unbox(trained), keep_empty_nodes=False)
+    return {path: value for path, value in flat.items() if path[-1] not in (LORA_A, LORA_B)}
+
+
+def adapter_pairs(trained: Params) -> dict[tuple[str, ...], tuple[Any, Any]]:
+    """{module path: (A, B)} of a trained tree's adapters (its modules trained in full left out); a module with only
+    one of the two is a ValueError."""
+    flat = traverse_util.flatten_dict(nn.unbox(trained), keep_empty_nodes=False)
     pairs: dict[tuple[str, ...], dict[str, Any]] = {}
     for path, value in flat.items():
-        if path[-1] not in (LORA_A, LORA_B):
-            raise ValueError(f"adapter leaf {'/'.join(path)} is neither {LORA_A} nor {LORA_B}")
-        pairs.setdefault(path[:-1], {})[path[-1]] = value
+        if path[-1] in (LORA_A, LORA_B):
+            pairs.setdefault(path[:-1], {})[path[-1]] = value
     lone = ["/".join(module) for module, pair in pairs.items() if len(pair) != 2]
     if lone:
         raise ValueError(f"adapters of {lone} lack {LORA_A} or {LORA_B}")
@@ -248,11 +280,16 @@ def delta(a: jax.Array, b: jax.Array, batch: int, dtype: Any) -> jax.Array:
 
 def merge(params: Params, adapters: Params, config: LoraConfig) -> Params:
     """`params` (unboxed: boxed ones are unboxed) with each adapted kernel W replaced by W + scale * A B, in the
-    promoted dtype of W and the adapters (a bfloat16 base with float32 adapters merges to float32): the model
-    under training, and the weights to export. Adapters that do not fit the params (another base model's) are a
-    ValueError naming every module and its shapes."""
+    promoted dtype of W and the adapters (a bfloat16 base with float32 adapters merges to float32), and the modules
+    trained in full (`adapters`' other leaves) in place of the base's: the model under training, and the weights to
+    export. Adapters that do not fit the params (another base model's) are a ValueError naming every module and its
+    shapes."""
     flat = traverse_util.flatten_dict(nn.unbox(params), keep_empty_nodes=False)
     problems, merged = [], {}
+    for leaf, value in trained_in_full(adapters).items():
+        if leaf in flat and tuple(flat[leaf].shape) != tuple(value.shape):
+            problems.append(f"{'/'.join(leaf)}: {tuple(flat[leaf].shape)} in the params, {tuple(value.shape)} trained")
+        merged[leaf] = value
     for module, (a, b) in adapter_pairs(adapters).items():
         leaf = (*module, "kernel") if (*module, "kernel") in flat else module
         if leaf not in flat:
@@ -307,7 +344,7 @@ def lora_loss(loss_fn: Callable[..., Any], config: LoraConfig) -> Callable[..., 
 
 
 def count(adapters: Params) -> int:
-    """The number of adapter parameters."""
+    """The number of trained parameters: the adapters and the modules trained in full."""
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.unbox(adapters)))
 
 

@@ -71,9 +71,10 @@ class Objective:
     reader: readers.Reader = readers.DOCUMENTS  # how raw splits are read (lmzoo.data.readers)
     evaluators: tuple[str, ...] = ("loss",)  # names in lmzoo.evaluation.EVALUATORS
     loss_is_token_nll: bool = True  # "loss" is a mean token NLL: metrics add perplexity and bits per token/char/byte
-    lora_base: str = (
-        trainers_lora.BASE
-    )  # the frozen entry LoRA adapts (`trainers.lora`): init_from's weights by default
+    # The frozen entry LoRA adapts (`trainers.lora`): init_from's weights by default; None: a trainer of its own
+    # without adapters (counting, truncated BPTT).
+    lora_base: str | None = trainers_lora.BASE
+    lora_heads: str = ""  # modules no base provides, trained in full beside the adapters (a classifier's head)
 
     def __init__(self, config: ml_collections.ConfigDict):
         """config: the run's whole config, its objective section filled in (`lmzoo.objectives.build`)."""
@@ -87,13 +88,21 @@ class Objective:
         check_length(self.config, "seq_len", self.config.data.seq_len)
         self.check_lora()
 
+    def lora_config(self) -> lora.LoraConfig | None:
+        """config.lora (None when off) with this objective's heads added to the modules trained in full."""
+        adapted = config_lib.lora_config(self.config)
+        if adapted is None or not self.lora_heads:
+            return adapted
+        patterns = [p for p in (adapted.train_in_full, self.lora_heads) if p]
+        return dataclasses.replace(adapted, train_in_full="|".join(f"(?:{p})" for p in patterns))
+
     def check_lora(self) -> None:
         """config.lora's values, and that this objective can train adapters over a base it reads again at resume."""
-        adapted = config_lib.lora_config(self.config)
+        adapted = self.lora_config()
         if adapted is None:
             return
         lora.lora_loss(lambda params: params, adapted)  # refuses dropout > 0, naming why
-        if type(self).trainer is not Objective.trainer:
+        if self.lora_base is None:
             raise ValueError(
                 f"config.lora.targets={adapted.targets!r}: objective {self.name!r} runs a trainer of its own, which "
                 "does not train LoRA adapters; set --config.lora.targets=''"
@@ -134,7 +143,7 @@ class Objective:
         """The trainer (`lmzoo.trainers`) the loop runs: supervised on `task` by default (through LoRA adapters with
         config.lora.targets set: `trainers.lora.lora_task`)."""
         tx, schedule = optim.make_optimizer(self.config.optim)
-        task, adapted = self.task(model), config_lib.lora_config(self.config)
+        task, adapted = self.task(model), self.lora_config()
         if adapted is not None:
             task = trainers_lora.lora_task(task, adapted, base=self.lora_base)
         return supervised.SupervisedTrainer(

@@ -141,6 +141,7 @@ class Classification(base.ExampleObjective):
     """Fine-tuning on (text[, text pair], label) rows of `data.train_path` / `data.validation_path` TSV files."""
 
     name = "classify"
+    lora_heads = "classifier|head_dense"  # the new head (PEFT's modules_to_save for sequence classification)
     Config = ClassificationConfig
     reader = readers.LABELLED_TSV
     evaluators = ("loss", "classification")

@@ -31,6 +31,7 @@ class NgramLM(base.Objective):
     """Kneser-Ney / add-k n-gram LM over sentences of word-level text files (model_name "ngram")."""
 
     name = "ngram_lm"
+    lora_base = None  # counts n-grams: no gradients, no adapters
     Config = NgramLMConfig
     evaluators = ("loss",)
     reader = readers.TEXT_FILES

@@ -108,6 +108,8 @@ class PPO(base.Objective):
     """RLHF against a frozen reward model from the SFT policy (see the module docstring)."""
 
     name = "ppo"
+    lora_base = "reference"  # with LoRA the policy is the frozen SFT reference plus adapters: held once
+    lora_heads = "value_head"
     Config = PPOConfig
     reader = readers.COMPARISONS
     loss_is_token_nll = False  # the policy-gradient surrogate
@@ -115,6 +117,14 @@ class PPO(base.Objective):
     def check(self):
         o = self.fields
         base.check_length(self.config, "prompt_len + response_len", o.prompt_len + o.response_len)
+        self.check_lora()
+        adapted = self.lora_config()
+        if adapted is not None and o.value_model != "head":
+            raise ValueError(
+                f"config.lora.targets={adapted.targets!r}: under LoRA the policy is the frozen SFT reference plus "
+                f"adapters and a value head; a separate value network (config.objective.value_model="
+                f"{o.value_model!r}) has no frozen base of its own: set --config.objective.value_model=head"
+            )
         for field in ("sft", "reward_model"):
             if not getattr(o, field).startswith("ckpt:"):
                 raise ValueError(
@@ -182,6 +192,7 @@ class PPO(base.Objective):
             pad_id=tokenizer.pad_id,
             ptx_loss=ptx_loss,
             vocab_size=tokenizer.vocab_size,
+            lora_config=self.lora_config(),
         )
 
     def step_summary(self):
@@ -256,7 +267,7 @@ class PPO(base.Objective):
         reference = weights.merge_pretrained(
             frozen["reference"], o.sft, self.config.model_name, self.config.model.to_dict()
         )
-        reward_params = weights.checkpoint_params(o.reward_model.removeprefix("ckpt:"))
+        reward_params = weights.run_params(o.reward_model.removeprefix("ckpt:"), frozen["reward"])
         expected, loaded = jax.tree.map(np.shape, frozen["reward"]), jax.tree.map(np.shape, reward_params)
         if expected != loaded:
             raise ValueError(

@@ -88,6 +88,7 @@ class RecurrentLM(base.Objective):
     """An LSTM LM trained by truncated BPTT over contiguous row streams with SGD (config.optim.name "sgd")."""
 
     name = "recurrent_lm"
+    lora_base = None  # its SGD trainer of truncated BPTT trains every weight
     Config = RecurrentLMConfig
     evaluators = ("loss", "recurrent_samples")
     reader = readers.TEXT_FILES

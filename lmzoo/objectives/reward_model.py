@@ -73,6 +73,7 @@ class RewardModel(base.ExampleObjective):
     """A scalar-headed backbone trained on the comparisons of `data.path`, held-out pairwise accuracy next to a length baseline."""
 
     name = "reward_model"
+    lora_heads = "classifier"  # the scalar head no base provides
     Config = RewardModelConfig
     reader = readers.COMPARISONS
     loss_is_token_nll = False  # -log sigmoid of reward margins

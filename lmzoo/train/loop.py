@@ -295,12 +295,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     Process 0 holds the workdir's lock for the whole run (a second run on it stops, naming this one; on a bucket
     the lock is a lease, checked before each step's writes). Nothing in the workdir changes until the config, data,
     tokenizer and checkpoint all passed their checks: config.json and tokenizer/ are staged and committed before the
-    first step. An s3:// workdir is refused first (orbax cannot keep checkpoints there).
+    first step.
     Raises TrainingStopped (after saving a checkpoint) on SIGTERM, preemption or Ctrl-C; SIGTERM while starting
     raises it at once, with the workdir as it was.
     """
     began = time.time()
-    checkpoint.check_directory(f"{workdir}/checkpoints")
     objective = validated_objective(config)  # every config check, before the workdir is touched
     is_main = jax.process_index() == 0
     lock, started = None, False

@@ -277,7 +277,7 @@ def load_frozen(run: Run) -> Any:
     with run.context():
         fresh = jax.device_get(run.compiled.init(jax.random.key(run.config.train.seed)).frozen)
     frozen = run.objective.load_frozen(fresh, trainer=run.compiled.trainer)
-    adapted = config_lib.lora_config(run.config)
+    adapted = run.objective.lora_config()
     if adapted is not None:  # the base LoRA adapts: init_from's weights, or a frozen tree the objective read
         cfg, key = run.config, run.objective.lora_base
         if key == trainers_lora.BASE:
@@ -285,18 +285,24 @@ def load_frozen(run: Run) -> Any:
             source = weights.read_params(
                 cfg.init_from, cfg.model_name, cfg.model.to_dict(), target, allow_partial=cfg.init_from_partial
             )
+            prefix = ("backbone",) if "backbone" in frozen[key] else ()
+            loaded = {(*prefix, *path) for path in flax.traverse_util.flatten_dict(source)}
+            trained = lora.trained_in_full(run.compiled.abstract_state.params)
             fresh = sorted(
-                set(flax.traverse_util.flatten_dict(target, sep="/"))
-                - set(flax.traverse_util.flatten_dict(source, sep="/"))
+                "/".join(path)
+                for path in flax.traverse_util.flatten_dict(frozen[key])
+                if path not in loaded and path not in trained
             )
-            if fresh or "backbone" in frozen[key]:
+            if fresh:
                 raise ValueError(
                     f"config.lora.targets={adapted.targets!r} trains adapters over a frozen base, but config.init_from="
-                    f"{cfg.init_from!r} leaves parameters that would stay as initialised "
-                    f"({', '.join((fresh or ['the new head'])[:4])}): train this run without LoRA "
-                    "(--config.lora.targets='')"
+                    f"{cfg.init_from!r} leaves parameters that would stay as initialised ({', '.join(fresh[:4])}): "
+                    "train them in full beside the adapters (--config.lora.train_in_full='MODULE|...') or train this "
+                    "run without LoRA (--config.lora.targets='')"
                 )
-            base_params = weights.merge_pretrained(frozen[key], source, cfg.model_name, cfg.model.to_dict())
+            base_params = weights.merge_pretrained(
+                frozen[key], source, cfg.model_name, cfg.model.to_dict(), name=cfg.init_from
+            )
         else:
             base_params = frozen[key]
         frozen = {**frozen, key: lora.freeze(base_params, adapted)}

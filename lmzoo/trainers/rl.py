@@ -20,7 +20,7 @@ import optax
 from flax import struct
 
 from lmzoo import decoding
-from lmzoo.models import heads
+from lmzoo.models import heads, lora
 from lmzoo.rl import policy_gradient, reward
 from lmzoo.trainers import base
 from lmzoo.trainers.state import LossFn, Metrics
@@ -94,6 +94,9 @@ class PPOTrainer:
     pad_id: int
     ptx_loss: LossFn | None = None  # a Task loss of the decoder on packed demonstrations (PPO-ptx)
     vocab_size: int | None = None  # the tokenizer's: rollouts never draw the ids a padded model vocabulary adds
+    # LoRA: the trained params are adapters over the frozen reference (the policy's start) and the modules its
+    # train_in_full selects (the value head); the policy runs on them merged (`policy_params`).
+    lora_config: lora.LoraConfig | None = None
 
     @property
     def decoder(self):
@@ -104,6 +107,8 @@ class PPOTrainer:
         s = self.settings
         tokens = jnp.zeros((self.batch_size, s.prompt_len + s.response_len), jnp.int32)
         params = self.policy.init(policy_rng, tokens)["params"]
+        if self.lora_config is not None:
+            params = lora.init_adapters(jax.random.fold_in(policy_rng, 1), params, self.lora_config)
         frozen = {
             "reference": self.decoder.init(reference_rng, tokens)["params"],
             "reward": self.reward_model.init(reward_rng, tokens, segment_ids=jnp.ones_like(tokens))["params"],
@@ -124,6 +129,17 @@ class PPOTrainer:
 
     def with_params(self, state: PPOState, params: Any) -> PPOState:
         return state.replace(params=params, opt_state=self.tx.init(params))
+
+    def policy_params(self, params, frozen) -> Any:
+        """The params the policy runs on: the trained `params`, or under LoRA those merged into the frozen reference
+        ({"decoder": ..., "value_head": ...})."""
+        if self.lora_config is None:
+            return params
+        return lora.merge({"decoder": frozen["reference"]}, params, self.lora_config)
+
+    def model_params(self, state: PPOState) -> Any:
+        """The policy's params (evaluation, generation, export): `policy_params` of the state."""
+        return self.policy_params(state.params, state.frozen)
 
     def _logprobs(self, logits: jax.Array, responses: jax.Array) -> tuple[jax.Array, jax.Array]:
         return policy_gradient.response_logprobs(
@@ -235,10 +251,16 @@ class PPOTrainer:
         return self.score(params, frozen, kl_coef, samples)
 
     def minibatch_loss(
-        self, params, minibatch: dict[str, jax.Array], demonstrations: dict[str, jax.Array] | None = None
+        self,
+        params,
+        minibatch: dict[str, jax.Array],
+        demonstrations: dict[str, jax.Array] | None = None,
+        frozen: Any = None,
     ) -> tuple[jax.Array, Metrics]:
         """The PPO (or REINFORCE) loss of a rollout minibatch, plus ptx_coef x the SFT loss of the policy's decoder on
-        `demonstrations` (packed "inputs", "targets", "weights", "segment_ids", "positions" [R, L]) when given."""
+        `demonstrations` (packed "inputs", "targets", "weights", "segment_ids", "positions" [R, L]) when given;
+        `params` are the trained ones (`frozen`: the state's, which LoRA's policy params are merged into)."""
+        params = self.policy_params(params, frozen)
         loss, metrics = self._policy_loss(params, minibatch)
         if demonstrations is None:
             return loss, metrics
@@ -283,11 +305,13 @@ class PPOTrainer:
         rollout: dict[str, jax.Array],
         rng: jax.Array,
         demonstrations: dict[str, jax.Array] | None = None,
+        frozen: Any = None,
     ):
         """`epochs` passes over the rollout, each a fresh permutation split into `minibatches` optimizer updates
         -> (params, opt_state, metrics summed over the updates). REINFORCE/RLOO first turn the sequence returns into
-        per-prompt baselined advantages, GRPO into group-normalised ones. `demonstrations` (PPO-ptx, [R, L] arrays) are split into `minibatches` strided
-        parts, part m joining minibatch m of every epoch."""
+        per-prompt baselined advantages, GRPO into group-normalised ones. `demonstrations` (PPO-ptx, [R, L] arrays) are
+        split into `minibatches` strided parts, part m joining minibatch m of every epoch. `frozen`: the state's
+        frozen params, which LoRA's trained `params` are merged into."""
         s = self.settings
         rows = rollout["mask"].shape[0]
         if rows % s.minibatches:
@@ -309,7 +333,8 @@ class PPOTrainer:
             params, opt_state = carry
             index, part = xs
             part_demonstrations = None if parts is None else jax.tree.map(lambda x: x[part], parts)
-            (_, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[index], rollout), part_demonstrations)
+            minibatch = jax.tree.map(lambda x: x[index], rollout)
+            (_, metrics), grads = grad_fn(params, minibatch, part_demonstrations, frozen)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             one = jnp.ones((), jnp.float32)
             return (optax.apply_updates(params, updates), opt_state), {
@@ -341,12 +366,13 @@ class PPOTrainer:
         s = self.settings
         rng, sample_rng, shuffle_rng = jax.random.split(jax.random.wrap_key_data(state.rng), 3)
         if name == "rollout":
-            return self.generate(state.params, batch, sample_rng, samples_per_prompt=s.samples_per_prompt)
+            policy = self.policy_params(state.params, state.frozen)
+            return self.generate(policy, batch, sample_rng, samples_per_prompt=s.samples_per_prompt)
         if name == "scoring":
-            return self.score(state.params, state.frozen, state.kl_coef, carry)
+            return self.score(self.policy_params(state.params, state.frozen), state.frozen, state.kl_coef, carry)
         rollout, metrics = carry
         params, opt_state, update_metrics = self.update(
-            state.params, state.opt_state, rollout, shuffle_rng, self.demonstrations(batch)
+            state.params, state.opt_state, rollout, shuffle_rng, self.demonstrations(batch), state.frozen
         )
         controller = policy_gradient.KLController(state.kl_coef, s.kl_target or None, s.kl_horizon)
         kl_coef = policy_gradient.update_kl_controller(
@@ -369,9 +395,8 @@ class PPOTrainer:
     def eval_step(self, state: PPOState, batch, carry) -> tuple[Metrics, Any]:
         """One response per held-out prompt (fixed key): "loss" = −(score − β·KL) per response, "score", "kl", "response_len";
         rows with example_weights 0 (padding the last batch) do not count."""
-        rollout, _ = self.rollout(
-            state.params, state.frozen, state.kl_coef, batch, jax.random.key(0), samples_per_prompt=1
-        )
+        policy = self.policy_params(state.params, state.frozen)
+        rollout, _ = self.rollout(policy, state.frozen, state.kl_coef, batch, jax.random.key(0), samples_per_prompt=1)
         weights = batch.get("example_weights", jnp.ones(rollout["scores"].shape, jnp.float32))
         count = jnp.sum(weights)
         objective = rollout["scores"] - state.kl_coef * rollout["sequence_kl"]

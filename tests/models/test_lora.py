@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from lmzoo import sharding
-from lmzoo.convert import mapping
+from lmzoo.convert import mapping, peft
 from lmzoo.layers.linears import Einsum
 from lmzoo.models import build_model, lora
 
@@ -204,3 +204,38 @@ def test_bad_input_is_a_clear_error():
     message = str(error.value)
     assert "blocks/layer_0/attn/query: kernel (16, 2, 8), adapters lora_a (24, 2) and lora_b (2, 2, 12)" in message
     assert "blocks/layer_2/mlp/wo: no such kernel" in message
+
+
+def test_modules_trained_in_full_ride_beside_the_adapters_and_replace_the_base_in_merge():
+    """PEFT's modules_to_save: `train_in_full` modules are copied whole into the trained tree (no adapters inside
+    them, even where targets match), and `merge` puts the trained values in place of the base's."""
+    model, boxed = boxed_params()
+    config = lora.LoraConfig("query|lm_head", rank=2, alpha=2.0, train_in_full="lm_head")
+    trained = lora.init_adapters(jax.random.key(0), boxed, config)
+    assert set(trained) == {"blocks", "lm_head"} and set(trained["lm_head"]) == {"kernel"}
+    assert isinstance(trained["lm_head"]["kernel"], nn.Partitioned)  # shards as the base's kernel
+    np.testing.assert_array_equal(nn.unbox(trained)["lm_head"]["kernel"], nn.unbox(boxed)["lm_head"]["kernel"])
+    assert set(lora.trained_in_full(trained)) == {("lm_head", "kernel")} and lora.count(trained) == (
+        16 * 32 + 2 * (16 * 2 + 2 * 2 * 8)
+    )
+    head = np.full((16, 32), 0.5, np.float32)
+    updated = {**nonzero(trained), "lm_head": {"kernel": head}}
+    merged = lora.merge(nn.unbox(boxed), updated, config)
+    np.testing.assert_array_equal(merged["lm_head"]["kernel"], head)
+    query = "blocks", "layer_0", "attn", "query", "kernel"
+    assert not np.array_equal(_at(merged, query), _at(nn.unbox(boxed), query))
+    logits = forward(model)(merged)
+    assert logits.shape == (2, 8, 32) and np.all(np.isfinite(logits))
+
+    with pytest.raises(ValueError, match=r"modules trained in full \(lm_head/kernel\).*export the merged model"):
+        peft.save_peft("/nonexistent", trained, config, "llama", TINY)
+    with pytest.raises(ValueError, match="train_in_full='score' matches no module"):
+        lora.init_adapters(jax.random.key(0), boxed, lora.LoraConfig("query", rank=2, alpha=2.0, train_in_full="score"))
+    with pytest.raises(ValueError, match=r"lm_head/kernel: \(16, 32\) in the params, \(16, 8\) trained"):
+        lora.merge(nn.unbox(boxed), {**trained, "lm_head": {"kernel": np.zeros((16, 8), np.float32)}}, config)
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key]
+    return np.asarray(tree)

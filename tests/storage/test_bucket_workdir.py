@@ -1,5 +1,6 @@
-"""A workdir in a GCS bucket, on the fake-gcs-server of tests/storage/conftest.py: train.py killed by SIGKILL while
-saving a checkpoint and resumed bit-exactly, eval.py and export reading the bucket, the lease lock (a second run refused, a stale lock taken
+"""A workdir in a GCS bucket, on the fake-gcs-server of tests/storage/conftest.py (and in an S3 bucket on its
+moto_server): train.py killed by SIGKILL while saving a checkpoint and resumed bit-exactly, eval.py and export reading
+the bucket, the lease lock (a second run refused, a stale lock taken
 over, a lost lease stopping its holder), run state committed object by object and cut short between two, and the
 server stopped mid-run. Real processes where the case needs them."""
 
@@ -51,7 +52,7 @@ def _step_folders(run_dir: str) -> list[int]:
 
 
 def _committed_steps(run_dir: str) -> list[int]:
-    """Checkpoint steps whose save finished: orbax on GCS writes a step in place and commit_success.txt last."""
+    """Checkpoint steps whose save finished: orbax on a bucket writes a step in place and commit_success.txt last."""
     return [
         step for step in _step_folders(run_dir) if storage.exists(f"{run_dir}/checkpoints/{step}/commit_success.txt")
     ]
@@ -85,8 +86,9 @@ def _lock_record(**fields) -> bytes:
 
 
 @pytest.mark.slow  # subprocesses
-def test_killed_run_resumes_bit_exactly_and_eval_and_export_read_the_bucket(gcs_bucket, tmp_path, caplog):
-    killed, straight = f"{gcs_bucket}/killed", f"{gcs_bucket}/straight"
+@pytest.mark.parametrize("root", ["gs", "s3"], indirect=True)
+def test_killed_run_resumes_bit_exactly_and_eval_and_export_read_the_bucket(root, tmp_path, caplog):
+    killed, straight = f"{root}/killed", f"{root}/straight"
     every = ("--config.train.checkpoint_every=2", "--config.train.eval_every=1000")
     proc = subprocess.Popen(
         _train_cmd(killed, "--config.train.steps=1000", *every),
@@ -133,20 +135,20 @@ def test_killed_run_resumes_bit_exactly_and_eval_and_export_read_the_bucket(gcs_
     assert summary["step"] == end and (tmp_path / "hf" / "model.safetensors").is_file()
 
     # Export into the bucket: the same files; refused over a non-empty prefix without --overwrite, or over the run.
-    assert export_cli.export_workdir(killed, f"{gcs_bucket}/hf")["step"] == end
+    assert export_cli.export_workdir(killed, f"{root}/hf")["step"] == end
     for name in os.listdir(tmp_path / "hf"):
-        assert storage.read_bytes(f"{gcs_bucket}/hf/{name}") == (tmp_path / "hf" / name).read_bytes(), name
+        assert storage.read_bytes(f"{root}/hf/{name}") == (tmp_path / "hf" / name).read_bytes(), name
     with pytest.raises(FileExistsError, match="is not empty"):
-        export_cli.export_workdir(killed, f"{gcs_bucket}/hf")
-    storage.write_text(f"{gcs_bucket}/hf/stale.txt", "from an older export")
-    export_cli.export_workdir(killed, f"{gcs_bucket}/hf", overwrite=True)
-    assert "stale.txt" not in storage.list_dir(f"{gcs_bucket}/hf")
+        export_cli.export_workdir(killed, f"{root}/hf")
+    storage.write_text(f"{root}/hf/stale.txt", "from an older export")
+    export_cli.export_workdir(killed, f"{root}/hf", overwrite=True)
+    assert "stale.txt" not in storage.list_dir(f"{root}/hf")
     with pytest.raises(ValueError, match="holds the run's workdir"):
-        export_cli.export_workdir(killed, gcs_bucket, overwrite=True)
+        export_cli.export_workdir(killed, root, overwrite=True)
 
     # Weights read from the bucket: the export as hf:gs://..., the run itself as ckpt:gs://...
     config = testing.tiny_config()
-    from_bucket = weights.read_params(f"hf:{gcs_bucket}/hf", config.model_name, config.model.to_dict(), state_a.params)
+    from_bucket = weights.read_params(f"hf:{root}/hf", config.model_name, config.model.to_dict(), state_a.params)
     from_folder = weights.read_params(
         f"hf:{tmp_path / 'hf'}", config.model_name, config.model.to_dict(), state_a.params
     )
@@ -169,15 +171,6 @@ def test_second_run_on_a_bucket_workdir_is_refused_naming_the_holder(gcs_bucket)
 
 
 @pytest.mark.slow  # subprocesses
-def test_s3_workdir_is_refused_before_any_work():
-    result = subprocess.run(_train_cmd("s3://bucket/run"), capture_output=True, text=True, cwd=ROOT, env=_env())
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: s3://bucket/run/checkpoints: checkpoints cannot be kept on s3:// (orbax-checkpoint writes arrays to "
-        "local paths and gs:// only); use a local or gs:// workdir"
-    )
-
-
 @pytest.mark.parametrize("root", ["gs", "s3"], indirect=True)
 def test_stale_lock_is_taken_over_with_a_warning_and_a_live_one_refused(root, caplog):
     run_dir, lock_object = f"{root}/run", f"{root}/run/lock"

@@ -17,10 +17,11 @@ import jax
 import numpy as np
 
 from lmzoo import models, weights
-from lmzoo.data import comparisons, pipeline, readers, transforms
+from lmzoo.convert import hf
+from lmzoo.data import chat, comparisons, pipeline, readers, transforms
 from lmzoo.data.loaders import PromptsAndDemonstrations
 from lmzoo.models import heads
-from lmzoo.objectives import base, tasks
+from lmzoo.objectives import base, sft, tasks
 from lmzoo.rl import policy_gradient, reward
 from lmzoo.trainers import optim
 from lmzoo.trainers.rl import PTX_PREFIX, PPOTrainer, RLSettings
@@ -57,6 +58,10 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
         the training prompts (0 = off: no demonstrations are read); ptx_batch_size: demonstration rows
         [·, data.seq_len] per iteration (like train.batch_size, a multiple of the data-parallel devices), split over
         the `minibatches` updates of each epoch.
+    chat_template: for chat rows (`messages` conversations or conversational pairs: the prompt is the messages
+        before the reply), the template prompts are rendered with, its generation prompt added: a
+        tokenizer_config.json, a chat_template.jinja or the folder holding one; "" reads the one beside the run's
+        tokenizer.json, as sft's does.
     """
 
     sft: str = ""
@@ -64,6 +69,7 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
     normalize_samples: int = 64
     value_model: str = "head"
     ptx_batch_size: int = 8
+    chat_template: str = ""
 
     def __post_init__(self):
         super().__post_init__()
@@ -111,13 +117,14 @@ class PPO(base.Objective):
     lora_base = "reference"  # with LoRA the policy is the frozen SFT reference plus adapters: held once
     lora_heads = "value_head"
     Config = PPOConfig
-    reader = readers.COMPARISONS
+    reader = readers.CONVERSATIONS
     loss_is_token_nll = False  # the policy-gradient surrogate
 
     def check(self):
         o = self.fields
         base.check_length(self.config, "prompt_len + response_len", o.prompt_len + o.response_len)
         self.check_lora()
+        chat.check_template(self.config, hf.resolve_folder)
         adapted = self.lora_config()
         if adapted is not None and o.value_model != "head":
             raise ValueError(
@@ -215,9 +222,17 @@ class PPO(base.Objective):
         return shapes
 
     def _prompts(self, raw, where):
+        """Left-padded prompt ids [N, prompt_len] of the split's distinct prompts: HH-RLHF's text, or chat rows'
+        prompt messages rendered through the chat template with its generation prompt (what trl's GRPO samples from)."""
         tokenizer = base.fixed_tokenizer(self.config)
+        if chat.holds_conversations(raw):
+            template = chat.template_for(self.config, hf.resolve_folder)
+            texts = [template.render(c.prompt, where=c.where, add_generation_prompt=True)[0] for c in raw]
+            prompts = list(dict.fromkeys(texts))
+        else:
+            prompts = _unique_prompts(raw)
         arrays = comparisons.prompt_arrays(
-            _unique_prompts(raw), tokenizer.encode, prompt_len=self.fields.prompt_len, pad_id=tokenizer.pad_id
+            prompts, tokenizer.encode, prompt_len=self.fields.prompt_len, pad_id=tokenizer.pad_id
         )
         transforms.check_token_ids(arrays["prompts"], self.config.model.vocab_size, where=where)
         return arrays
@@ -234,13 +249,7 @@ class PPO(base.Objective):
         if o.ptx_coef == 0:
             return prompts
         demonstrations = pipeline.ExampleLoader(
-            comparisons.sft_rows(
-                raw,
-                tokenizer,
-                seq_len=self.config.data.seq_len,
-                vocab_size=self.config.model.vocab_size,
-                where="train split",
-            ),
+            sft.demonstration_rows(self.config, tokenizer, raw, "train split"),
             o.ptx_batch_size,
             seed=self.config.train.seed,
             transform=_as_batch,

@@ -1,12 +1,13 @@
 """LoRA through the alignment chain (config.lora): a reward model trains adapters over the SFT trunk with its new head
 in full (PEFT's modules_to_save); PPO and GRPO train adapters over the frozen SFT reference, held once, with the value
 head in full; a LoRA reward model serves PPO as its merged model; a killed LoRA PPO run resumes exactly; eval.py and
-`lmzoo.load` see the merged policy.
+`lmzoo.load` see the merged policy. GRPO samples from chat rows' prompts rendered through a chat template.
 
 One 2-step SFT run on a slice of the real HH-RLHF file serves every case."""
 
 import gzip
 import itertools
+import json
 import pathlib
 
 import jax
@@ -16,8 +17,10 @@ from flax import traverse_util
 
 import lmzoo
 from lmzoo import config as config_lib
-from lmzoo import weights
+from lmzoo import objectives, weights
+from lmzoo.data import chat, comparisons
 from lmzoo.models import lora
+from lmzoo.objectives import base as objectives_base
 from lmzoo.train import loop
 from lmzoo.train import run as run_lib
 
@@ -129,3 +132,35 @@ def test_lora_ppo_refuses_a_separate_value_network(stages, tmp_path):
     with pytest.raises(ValueError, match="set --config.objective.value_model=head"):
         loop.train_and_evaluate(config, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+CHATML = (  # Qwen's template: the generation prompt opens the assistant's turn
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+    "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_lora_grpo_samples_from_chat_prompts_rendered_through_the_template(stages, tmp_path):
+    pairs = [chat.hh_rows(c)[1] for c in comparisons.read_comparisons(stages["data"])]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    (tmp_path / "chat_template.jinja").write_text(CHATML)
+    config = tiny_config("hh_ppo.py:tiny,grpo", str(tmp_path / "chat.jsonl"), steps=1)
+    config.data.seq_len = config.model.max_len
+    config.objective.update(
+        sft=f"ckpt:{stages['sft']}",
+        reward_model=f"ckpt:{stages['rm']}",
+        samples_per_prompt=2,
+        prompt_len=48,
+        response_len=8,
+        chat_template=str(tmp_path / "chat_template.jinja"),
+    )
+    objective = objectives.get("ppo")(config)
+    train = objective.read()["train"]
+    prompts = objective._prompts(train, "train split")
+    tokenizer = objectives_base.fixed_tokenizer(config)
+    first = tokenizer.decode([i for i, m in zip(prompts["prompts"][0], prompts["prompt_mask"][0]) if m])
+    rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in train[0].prompt)
+    assert rendered.endswith(first.removesuffix("<|im_start|>assistant\n"))  # the end kept when cut to prompt_len
+    assert first.endswith("<|im_end|>\n<|im_start|>assistant\n") and len(first) == 48  # byte tokens: 48 bytes
+    final = loop.train_and_evaluate(config, str(tmp_path / "grpo"))
+    assert np.isfinite(final["score"]) and np.isfinite(final["kl"])

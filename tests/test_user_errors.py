@@ -386,6 +386,21 @@ def test_ppo_refuses_a_source_run_of_the_wrong_objective(tmp_path, field, source
     assert message.format(tmp=tmp_path) in str(raised.value)
 
 
+def test_dpo_refuses_a_reward_model_run_as_its_sft_as_ppo_refuses_it(tmp_path):
+    from lmzoo.train import run as run_lib
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"objective": {"name": "reward_model"}}))
+    config = testing.tiny_config("dpo")
+    with config.unlocked():
+        config.objective.sft = f"ckpt:{tmp_path}/run"
+    with pytest.raises(ValueError) as raised:
+        run_lib.validate(config)
+    assert f"config.objective.sft='ckpt:{tmp_path}/run' is a 'reward_model' run; point it at the sft" in str(
+        raised.value
+    )
+
+
 def test_eval_data_outside_a_word_vocabulary_reports_its_unk_fraction(tmp_path):
     config, _ = testing.tiny_word_corpus_config(
         tmp_path, "ptb_lstm", num_words=30, lines=(120, 20), words_per_line=(3, 9), ptb_spacing=True

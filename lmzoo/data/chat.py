@@ -49,8 +49,8 @@ SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 TEMPLATE_FILE, TOKENIZER_CONFIG = "chat_template.jinja", "tokenizer_config.json"
 ROW_FIELDS = ("messages", "prompt", "chosen", "rejected")
 ROW_FORMS = (
-    '{"messages": [{"role": ..., "content": ...}, ...]}, or a preference pair {"chosen": [...], "rejected": [...]} '
-    'with an optional "prompt": [...]'
+    '{"messages": [{"role": ..., "content": ...}, ...]}, a preference pair {"chosen": [...], "rejected": [...]} '
+    'with an optional "prompt": [...], or a prompt alone {"prompt": [...]} (sampled from by ppo, grpo and rloo)'
 )
 # What a {% generation %} block's output is wrapped in while rendering: Unicode noncharacters, which no text holds.
 _OPEN, _CLOSE = "\ufdd0", "\ufdd1"
@@ -62,7 +62,7 @@ class Conversation(NamedTuple):
     """One row: `prompt` messages, then `chosen` ones (and, for a preference pair, `rejected` ones instead).
 
     A `messages` row is cut before its last assistant message (the prompt is what the held-out split hashes) and has
-    no `rejected`. `where` names the file and row in errors."""
+    no `rejected`; a prompt-only row has no `chosen` either (empty). `where` names the file and row in errors."""
 
     prompt: tuple[Message, ...]
     chosen: tuple[Message, ...]
@@ -76,7 +76,7 @@ def holds_conversations(raw: Sequence) -> bool:
 
 
 def is_chat_file(path: str) -> bool:
-    """A parquet file, or a .jsonl(.gz) whose first row has `messages` or a list of messages as `chosen`."""
+    """A parquet file, or a .jsonl(.gz) whose first row has `messages` or a list of messages as `chosen` or `prompt`."""
     name = storage.path(path).name
     if name.endswith(".parquet"):
         return True
@@ -88,7 +88,9 @@ def is_chat_file(path: str) -> bool:
         row = json.loads(first)
     except ValueError:
         return False  # the reader of comparisons names the line
-    return isinstance(row, dict) and ("messages" in row or isinstance(row.get("chosen"), list))
+    return isinstance(row, dict) and (
+        "messages" in row or isinstance(row.get("chosen"), list) or isinstance(row.get("prompt"), list)
+    )
 
 
 def _rows(path: str) -> Iterator[tuple[str, dict]]:
@@ -141,10 +143,13 @@ def conversation(row: dict, where: str) -> Conversation:
                 "only, so a conversation without one teaches nothing"
             )
         return Conversation(messages[: turns[-1]], messages[turns[-1] :], None, where)
+    if row.get("chosen") is None and row.get("rejected") is None and row.get("prompt") is not None:
+        return Conversation(_messages(row["prompt"], "prompt", where), (), None, where)  # trl's prompt-only form
     if row.get("chosen") is None or row.get("rejected") is None:
         present = sorted(k for k, v in row.items() if v is not None)
         raise ValueError(
-            f"{where}: no 'messages' (nor 'chosen' and 'rejected') field; it has {present}. Each row is {ROW_FORMS}"
+            f"{where}: no 'messages' (nor 'chosen' and 'rejected', nor 'prompt') field; it has {present}. Each row is "
+            f"{ROW_FORMS}"
         )
     chosen, rejected = (_messages(row[field], field, where) for field in ("chosen", "rejected"))
     if row.get("prompt") is not None:
@@ -162,6 +167,30 @@ def conversation(row: dict, where: str) -> Conversation:
                 f"{_roles(prompt)}); each reply of a pair is the assistant's"
             )
     return Conversation(prompt, chosen, rejected, where)
+
+
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+_HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+def hh_messages(dialogue: str) -> list[dict[str, str]]:
+    """An HH-RLHF dialogue ("\\n\\nHuman: ...\\n\\nAssistant: ...", `comparisons`' format) as messages, each turn's
+    text stripped; ValueError for text before the first turn."""
+    before, *turns = _HH_TURN.split(dialogue)  # the text before the first marker, then role, text, role, text...
+    if before.strip():
+        raise ValueError(f"an HH-RLHF dialogue starts with '\\n\\nHuman:'; this one with {before[:40]!r}")
+    pairs = zip(turns[::2], turns[1::2], strict=True)
+    return [{"role": _HH_ROLES[role], "content": text.strip()} for role, text in pairs]
+
+
+def hh_rows(comparison: comparisons.Comparison) -> tuple[dict, dict]:
+    """An HH-RLHF comparison as chat rows: the conversation {"messages": prompt ⊕ chosen reply} and the preference
+    pair {"prompt": messages, "chosen": [reply], "rejected": [reply]}, whose prompt the held-out split hashes alike."""
+    prompt = hh_messages(comparison.prompt.removesuffix(comparisons.ASSISTANT_TURN))
+    chosen, rejected = (
+        [{"role": "assistant", "content": reply.strip()}] for reply in (comparison.chosen, comparison.rejected)
+    )
+    return {"messages": prompt + chosen}, {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
 def read_conversations(path: str) -> list[Conversation]:
@@ -445,6 +474,10 @@ def sft_rows(
     }
     kept, cut = [], []
     for c in raw:
+        if not c.chosen:
+            raise ValueError(
+                f"{c.where}: a prompt-only row; sft trains on replies: a 'messages' conversation or a preference pair"
+            )
         ids, mask = tokenize(template, tokenizer, c.prompt + c.chosen, where=c.where)
         ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
         if not any(mask[1:]):
@@ -481,8 +514,9 @@ def rendered_comparisons(raw: Sequence[Conversation], template: ChatTemplate) ->
     out = []
     for c in raw:
         if c.rejected is None:
+            form = "'messages'" if c.chosen else "prompt-only"
             raise ValueError(
-                f"{c.where}: a 'messages' row; preference training reads pairs: "
+                f"{c.where}: a {form} row; preference training reads pairs: "
                 '{"chosen": [messages], "rejected": [messages]} (and an optional "prompt": [messages])'
             )
         prompt, _ = template.render(c.prompt, where=c.where, add_generation_prompt=True)

@@ -19,7 +19,8 @@ import numpy as np
 
 from lmzoo import config as config_lib
 from lmzoo import models, tokenizers, weights
-from lmzoo.data import pipeline, readers
+from lmzoo.convert import hf
+from lmzoo.data import chat, comparisons, pipeline, readers
 from lmzoo.data.loaders import Shard
 from lmzoo.models import lora
 from lmzoo.trainers import lora as trainers_lora
@@ -282,3 +283,14 @@ def fixed_tokenizer(config) -> tokenizers.Tokenizer:
     if tokenizer.pad_id is None:
         raise ValueError(f"objective {config.objective.name!r} needs a tokenizer with a <pad> id (e.g. kind='byte')")
     return tokenizer
+
+
+def demonstration_rows(config, tokenizer, raw, where: str) -> dict[str, np.ndarray]:
+    """Packed rows [M, data.seq_len] of prompt -> chosen reply, weighted on the reply: HH-RLHF comparisons, or chat
+    rows rendered through the run's chat template (weighted on assistant turns). SFT's examples, PPO-ptx's
+    demonstrations."""
+    seq_len, vocab_size = config.data.seq_len, config.model.vocab_size
+    if chat.holds_conversations(raw):
+        template = chat.template_for(config, hf.resolve_folder)
+        return chat.sft_rows(raw, template, tokenizer, seq_len=seq_len, vocab_size=vocab_size, where=where)
+    return comparisons.sft_rows(raw, tokenizer, seq_len=seq_len, vocab_size=vocab_size, where=where)

@@ -21,7 +21,7 @@ from lmzoo.convert import hf
 from lmzoo.data import chat, comparisons, pipeline, readers, transforms
 from lmzoo.data.loaders import PromptsAndDemonstrations
 from lmzoo.models import heads
-from lmzoo.objectives import base, sft, tasks
+from lmzoo.objectives import base, tasks
 from lmzoo.rl import policy_gradient, reward
 from lmzoo.trainers import optim
 from lmzoo.trainers.rl import PTX_PREFIX, PPOTrainer, RLSettings
@@ -249,7 +249,7 @@ class PPO(base.Objective):
         if o.ptx_coef == 0:
             return prompts
         demonstrations = pipeline.ExampleLoader(
-            sft.demonstration_rows(self.config, tokenizer, raw, "train split"),
+            base.demonstration_rows(self.config, tokenizer, raw, "train split"),
             o.ptx_batch_size,
             seed=self.config.train.seed,
             transform=_as_batch,

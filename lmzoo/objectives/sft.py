@@ -16,19 +16,8 @@ import dataclasses
 import numpy as np
 
 from lmzoo.convert import hf
-from lmzoo.data import chat, comparisons, readers
+from lmzoo.data import chat, readers
 from lmzoo.objectives import base, tasks
-
-
-def demonstration_rows(config, tokenizer, raw, where: str) -> dict[str, np.ndarray]:
-    """Packed rows [M, data.seq_len] of prompt -> chosen reply, weighted on the reply: HH-RLHF comparisons, or chat
-    rows rendered through the run's chat template (weighted on assistant turns). SFT's examples, PPO-ptx's
-    demonstrations."""
-    seq_len, vocab_size = config.data.seq_len, config.model.vocab_size
-    if chat.holds_conversations(raw):
-        template = chat.template_for(config, hf.resolve_folder)
-        return chat.sft_rows(raw, template, tokenizer, seq_len=seq_len, vocab_size=vocab_size, where=where)
-    return comparisons.sft_rows(raw, tokenizer, seq_len=seq_len, vocab_size=vocab_size, where=where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +55,7 @@ class SFT(base.ExampleObjective):
         }
 
     def examples(self, tokenizer, raw, where):
-        return demonstration_rows(self.config, tokenizer, raw, where)
+        return base.demonstration_rows(self.config, tokenizer, raw, where)
 
     def real_tokens(self, batch):
         return int(np.count_nonzero(batch["segment_ids"]))

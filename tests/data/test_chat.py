@@ -339,7 +339,10 @@ def test_a_template_cannot_reach_python_internals(tmp_path, tokenizer_json):
             {"messages": [{"role": "user", "content": "hi"}]},
             r"row 2: no assistant turn in 'messages' \(roles \['user'\]\)",
         ),
-        ({"text": "hi"}, r"row 2: no 'messages' \(nor 'chosen' and 'rejected'\) field; it has \['text'\]"),
+        (
+            {"text": "hi"},
+            r"row 2: no 'messages' \(nor 'chosen' and 'rejected', nor 'prompt'\) field; it has \['text'\]",
+        ),
         (
             {"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
             r"row 2: no assistant turn in the chosen reply",
@@ -363,6 +366,21 @@ def test_bad_rows_name_the_file_and_row(tmp_path, row, message):
     with pytest.raises(ValueError, match=f"^{re.escape(path)}: {message}") as error:
         chat.read_conversations(path)
     assert "\n" not in str(error.value)  # one line
+
+
+def test_a_prompt_only_row_is_a_prompt_to_sample_from_and_refused_where_replies_are_trained(tmp_path, tokenizer_json):
+    """trl's prompt-only form {"prompt": [messages]} (GRPO's datasets): a Conversation with no reply, which the policy
+    methods sample from; SFT and DPO, which train on replies, refuse it naming the row."""
+    template = chat.load_template(str(checkpoint_folder(tmp_path / "checkpoint", tokenizer_json, CHATML)))
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": ROWS[1][:1]}])
+    assert chat.is_chat_file(path)
+    (row,) = chat.read_conversations(path)
+    assert row.prompt == tuple(ROWS[1][:1]) and row.chosen == () and row.rejected is None
+    tokenizer = tokenizers.build_tokenizer("hf_json", path=str(tokenizer_json))
+    with pytest.raises(ValueError, match=r"prompts.jsonl: row 1: a prompt-only row; sft trains on replies"):
+        chat.sft_rows([row], template, tokenizer, seq_len=64, vocab_size=300, where="train")
+    with pytest.raises(ValueError, match=r"prompts.jsonl: row 1: a prompt-only row; preference training reads pairs"):
+        chat.rendered_comparisons([row], template)
 
 
 def test_dpo_refuses_a_messages_row_and_a_run_without_a_template(tmp_path, tokenizer_json):

@@ -141,8 +141,9 @@ CHATML = (  # Qwen's template: the generation prompt opens the assistant's turn
 
 
 def test_lora_grpo_samples_from_chat_prompts_rendered_through_the_template(stages, tmp_path):
-    pairs = [chat.hh_rows(c)[1] for c in comparisons.read_comparisons(stages["data"])]
-    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    # trl's prompt-only rows, GRPO's usual dataset: {"prompt": [messages]}
+    prompts = [{"prompt": chat.hh_rows(c)[1]["prompt"]} for c in comparisons.read_comparisons(stages["data"])]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prompts))
     (tmp_path / "chat_template.jinja").write_text(CHATML)
     config = tiny_config("hh_ppo.py:tiny,grpo", str(tmp_path / "chat.jsonl"), steps=1)
     config.data.seq_len = config.model.max_len

@@ -23,7 +23,7 @@ teacher, the ELMo biLM); a token store (`data.source="store"` without a path) is
 
 Which command applies to which kind of run is derived from the code: eval.py scores every objective
 (`evaluation.scorable`) and reports what docs/rlhf.md promises for PPO, GRPO, RLOO (score, KL, reply length) and DPO
-(its metrics line); `--generate` and `--fewshot` apply to generative models (`models.kinds`: decoders, encoder-decoders,
+(its metrics line), equal to the run's own evaluation at its last step (its frozen models read again); `--generate` and `--fewshot` apply to generative models (`models.kinds`: decoders, encoder-decoders,
 a PPO policy's decoder), `--reconstruct` to objectives with the `reconstruction` evaluator, export to
 `lmzoo.convert.export.EXPORTABLE` families (it may still refuse a config HF cannot express, in one line). Where a
 command does not apply it must refuse in one line. Every run loads (`lmzoo.load`), resumes one step further (printing
@@ -263,6 +263,8 @@ class Runs:
             _set(config, key, value.replace(workdir, str(provider), 1))
             if key.startswith("data.tokenizer"):  # the run's ids are the provider's (the same size where documented)
                 config.model.vocab_size = run_lib.load_saved(str(provider)).model.vocab_size
+        if config.init_from.startswith("ckpt:runs/"):  # a base the config file names: the run its docstring writes
+            config.init_from = f"ckpt:{self.workdir(_provider_case(config.init_from.removeprefix('ckpt:')))}"
         if config.data.source == "store" and not config.data.path:
             config.data.path = self._store(case)
         path = config.data.get("path")
@@ -519,7 +521,13 @@ def _calls(case: Case, workdir: pathlib.Path, runs: Runs, steps: int) -> dict[st
 KNOWN_BUGS: dict[tuple[str, str], str] = {}
 
 
-def _check(case: Case, name: str, outcome: Outcome, steps: int) -> str | None:
+def _final_validation(workdir: pathlib.Path, steps: int) -> dict:
+    """The run's own evaluation at its last step: metrics.jsonl's validation row of that step."""
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in reversed(rows) if r["split"] == "validation" and r["step"] == steps)
+
+
+def _check(case: Case, name: str, outcome: Outcome, steps: int, workdir: pathlib.Path) -> str | None:
     """What is wrong with a command's outcome, or None."""
     if outcome.status == "crashed":
         return f"crashed:\n{outcome.detail}"
@@ -540,6 +548,10 @@ def _check(case: Case, name: str, outcome: Outcome, steps: int) -> str | None:
             missing = [k for k in promised_metrics(case.objective) if k not in scores]
             assert not missing, f"it reports no {missing} for objective {case.objective!r}: {sorted(scores)}"
             assert all(math.isfinite(scores[k]) for k in promised_metrics(case.objective)), scores
+            # The run evaluated the same batch at its last step: the frozen models read again give its numbers.
+            final = _final_validation(workdir, steps)
+            for key in ("loss", *promised_metrics(case.objective)):
+                assert scores[key] == pytest.approx(final[key], rel=1e-5, abs=1e-6), (key, scores[key], final[key])
         elif name == "generate":
             samples = outcome.out.split("--- sample ")[1:]
             assert len(samples) == 2 and all("\nthe " in s for s in samples), outcome.out
@@ -573,7 +585,7 @@ def test_every_documented_command_on_a_trained_run(case, runs):
             rows.append(f"  {name:15s} as {first}")
             continue
         outcome = _outcome(call, one_line=COMMANDS[name].one_line)
-        problem = _check(case, name, outcome, steps)
+        problem = _check(case, name, outcome, steps, workdir)
         rows.append(f"  {name:15s} {outcome.status:8s} {outcome.seconds:5.1f}s {outcome.detail[:110]!r}")
         bug = KNOWN_BUGS.get((case.id, name))
         if bug and problem is None:

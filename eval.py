@@ -26,7 +26,8 @@ Other modes (each instead of scoring the split):
                         --dump_prompts=FILE writes the prompts used. Result: DIR/eval_fewshot_<task>.json.
   --plot                PNG training curves from the run's TensorBoard event files (DIR/tb) into DIR/plots/:
                         one figure per metric group (loss, accuracy, schedule, throughput, ...), one panel
-                        per metric with its train and validation series (lmzoo/evaluation/plots.py).
+                        per metric with its train and validation series; expert_load (a mixture of
+                        experts) one panel per layer, a line per expert (lmzoo/evaluation/plots.py).
 
 Exit status: 0 done; 2 a user error (a bad flag, file or checkpoint: one line `error: ...`, refused before
 anything is evaluated or written); 1 an unexpected failure.
@@ -299,7 +300,8 @@ def evaluate() -> None:
             f"--top_k={FLAGS.top_k}: the run's vocabulary has {run.tokenizer.vocab_size} tokens; pass at most "
             f"{run.tokenizer.vocab_size} (0 keeps every token)"
         )
-    step, state = run_lib.restore_step(run, FLAGS.step, frozen=prompt is None)  # sampling needs only params
+    # sampling needs only the params, unless they are LoRA adapters: the model is them merged into the frozen base
+    step, state = run_lib.restore_step(run, FLAGS.step, frozen=prompt is None or bool(run.config.lora.targets))
     if prompt is not None:
         params = run.compiled.host_params(state)
         for index in range(FLAGS.num_samples):

@@ -4,10 +4,12 @@ The training loop logs every scalar as `<split>/<metric>` (tensorboardX, `<workd
 The event files are TFRecord files, read here without TensorFlow or TensorBoard: each record is
 `uint64 length | uint32 masked CRC-32C of the length | data | uint32 masked CRC-32C of the data`
 (little-endian), the data an `Event` protocol buffer. A group figure has one panel per metric, each
-with its train and validation series.
+with its train and validation series; the expert loads of a mixture-of-experts model (`expert_load/L_E`) have
+one panel per layer instead, a line per expert.
 """
 
 import collections
+import dataclasses
 import io
 import os
 import re
@@ -43,7 +45,27 @@ GROUPS = (
     ("throughput", re.compile(r".*_per_sec")),
     ("gradients", re.compile(r"grad_norm")),
 )
-Series = dict[str, dict[str, list[tuple[int, float]]]]  # metric -> split -> [(step, value), ...] by step
+# expert_load/L_E: the fraction of layer L's assignments that expert E received (lmzoo/models/experts.py).
+EXPERT_LOAD = re.compile(r"expert_load/(\d+)_(\d+)")
+Points = list[tuple[int, float]]  # [(step, value), ...] by step
+Series = dict[str, dict[str, Points]]  # metric -> split -> points
+
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+    """One axes of a group figure.
+
+    Attributes:
+        title: the panel's title.
+        lines: (label, color or None for the next of the axes' cycle, points) of each line.
+        reference: (label, height) of a dashed horizontal line, or None.
+        yscale: matplotlib's y scale.
+    """
+
+    title: str
+    lines: list[tuple[str, str | None, Points]]
+    reference: tuple[str, float] | None = None
+    yscale: str = "linear"
 
 
 def read_records(path: str | os.PathLike) -> Iterator[bytes]:
@@ -136,9 +158,50 @@ def metric_group(name: str) -> str:
     return next((group for group, pattern in GROUPS if pattern.fullmatch(name)), name)
 
 
+def metric_panels(metrics: Series) -> list[Panel]:
+    """One panel per metric, its splits in their colours."""
+    return [
+        Panel(
+            name,
+            [(split, SPLIT_COLORS.get(split, "C2"), points) for split, points in sorted(splits.items())],
+            yscale="log" if "perplexity" in name else "linear",
+        )
+        for name, splits in sorted(metrics.items())
+    ]
+
+
+def expert_load_panels(metrics: Series) -> list[Panel]:
+    """One panel per layer: each expert's share of the layer's assignments in the training windows (one point per
+    log_every steps), and the uniform share 1/E dashed. Layers and experts in numeric order."""
+    loads: dict[int, dict[int, Points]] = collections.defaultdict(dict)
+    for name, splits in metrics.items():
+        layer, expert = map(int, EXPERT_LOAD.fullmatch(name).groups())
+        loads[layer][expert] = splits["train"]
+    return [
+        Panel(
+            f"layer {layer}: each expert's share",
+            [(f"expert {expert}", None, points) for expert, points in sorted(experts.items())],
+            reference=(f"uniform 1/{len(experts)}", 1 / len(experts)),
+        )
+        for layer, experts in sorted(loads.items())
+    ]
+
+
+def palette_png(png: bytes) -> bytes:
+    """The PNG re-encoded with a palette of 256 colours: a figure has a few dozen and their anti-aliased blends, and
+    the file is about a fifth of matplotlib's 24-bit one (small enough to keep in docs/)."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png)).convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE)
+    out = io.BytesIO()
+    image.save(out, format="png", optimize=True)
+    return out.getvalue()
+
+
 def plot_metrics(workdir: str, out_dir: str | None = None) -> list[str]:
     """Writes `<out_dir or workdir/plots>/<group>.png` for every metric group of the run's event files
-    (one panel per metric, its splits together; either folder local or in a bucket); returns the paths written."""
+    (one panel per metric, its splits together, or per layer for expert loads; either folder local or in a bucket);
+    returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,29 +213,32 @@ def plot_metrics(workdir: str, out_dir: str | None = None) -> list[str]:
     out = storage.path(out_dir) if out_dir else storage.path(workdir) / "plots"
     written = []
     for group, metrics in sorted(groups.items()):
-        columns = min(len(metrics), 3)
-        rows = -(-len(metrics) // columns)
-        figure, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.5 * rows), squeeze=False)
-        for panel, (name, splits) in zip(axes.flat, sorted(metrics.items()), strict=False):
-            for split, points in sorted(splits.items()):
+        panels = expert_load_panels(metrics) if group == "expert_load" else metric_panels(metrics)
+        columns = min(len(panels), 3)
+        rows = -(-len(panels) // columns)
+        legends = {tuple(label for label, _, _ in panel.lines) for panel in panels}
+        figure, axes = plt.subplots(
+            rows, columns, figsize=(4.5 * columns, 3.5 * rows), squeeze=False, layout="constrained"
+        )
+        for ax, panel in zip(axes.flat, panels, strict=False):
+            for label, color, points in panel.lines:
                 steps, values = zip(*points, strict=True)
-                panel.plot(
-                    steps,
-                    values,
-                    marker="o" if len(points) < 20 else None,
-                    label=split,
-                    color=SPLIT_COLORS.get(split, "C2"),
-                )
-            panel.set(xlabel="step", title=name, yscale="log" if "perplexity" in name else "linear")
-            panel.grid(alpha=0.3)
-            panel.legend()
-        for panel in axes.flat[len(metrics) :]:
-            panel.set_visible(False)
+                ax.plot(steps, values, marker="o" if len(points) < 20 else None, label=label, color=color)
+            if panel.reference is not None:
+                label, height = panel.reference
+                ax.axhline(height, color="black", linestyle="--", linewidth=1, label=label)
+            ax.set(xlabel="step", title=panel.title, yscale=panel.yscale)
+            ax.grid(alpha=0.3)
+            if len(legends) > 1:
+                ax.legend()
+        if len(legends) == 1:  # the same lines in every panel: one legend beside them, covering none
+            figure.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside right upper")
+        for ax in axes.flat[len(panels) :]:
+            ax.set_visible(False)
         figure.suptitle(f"{storage.path(workdir).name}: {group}")
-        figure.tight_layout()
         image = io.BytesIO()
         figure.savefig(image, format="png", dpi=100)
         plt.close(figure)
-        storage.write_bytes(out / f"{group}.png", image.getvalue())
+        storage.write_bytes(out / f"{group}.png", palette_png(image.getvalue()))
         written.append(os.fspath(out / f"{group}.png"))
     return written

@@ -30,7 +30,7 @@ from flax import traverse_util
 from lmzoo import weights
 from lmzoo.convert import hf
 from lmzoo.data import chat, comparisons, readers, transforms
-from lmzoo.models import kinds
+from lmzoo.models import experts, kinds
 from lmzoo.objectives import base
 from lmzoo.rl import preference
 from lmzoo.trainers.state import Task
@@ -80,7 +80,8 @@ def dpo_task(model, fields: DPOConfig, *, pad_id: int) -> Task:
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
         tokens, prompt_lengths = batch["tokens"], batch["prompt_lengths"]
-        policy, replies = preference.reply_logprobs(model, params, tokens, prompt_lengths, pad_id=pad_id)
+        applied = experts.AuxCollector(model) if experts.has_experts(model) else model
+        policy, replies = preference.reply_logprobs(applied, params, tokens, prompt_lengths, pad_id=pad_id)
         reference, _ = preference.reply_logprobs(model, frozen["reference"], tokens, prompt_lengths, pad_id=pad_id)
         reference = jax.lax.stop_gradient(reference)
         example_weights = batch.get("example_weights", jnp.ones(prompt_lengths.shape, jnp.float32))
@@ -100,6 +101,9 @@ def dpo_task(model, fields: DPOConfig, *, pad_id: int) -> Task:
             "logps/chosen": (jnp.sum(logged[:, 0]), count),
             "logps/rejected": (jnp.sum(logged[:, 1]), count),
         }
+        if applied is not model:  # the policy's expert layers' losses (the frozen reference has none to learn)
+            aux, aux_metrics = applied.terms()
+            value, metrics = value + aux, {**metrics, **aux_metrics}
         return value, (metrics, carry)
 
     return Task(init=init, loss=loss)

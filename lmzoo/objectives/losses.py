@@ -1,21 +1,18 @@
 """Loss maths shared by the objectives: weighted cross-entropy over tokens or labels, top-1 accuracy, the
-fused LM head + cross-entropy (`fused_head_loss`) that never stores the [B, T, V] logits, and the auxiliary losses of
-mixture-of-experts layers (`moe_aux_loss`).
+fused LM head + cross-entropy (`fused_head_loss`) that never stores the [B, T, V] logits. (The auxiliary losses of
+mixture-of-experts layers: `lmzoo.models.experts`.)
 
 Every loss returns its scalar mean with metrics as (sum, count) pairs, so metrics average exactly
 over microbatches, steps and hosts.
 """
 
 import functools
-import re
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import traverse_util
 
 from lmzoo import kernels
-from lmzoo.layers import linears, mlp
+from lmzoo.layers import linears
 
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
 
@@ -182,33 +179,3 @@ def fused_head_loss(
     )
     count = jnp.sum(weights)
     return total / jnp.maximum(count, 1.0), {"loss": (total, count), "accuracy": (correct, count)}
-
-
-def moe_aux_loss(variables: dict[str, Any]) -> tuple[jax.Array, Metrics]:
-    """The auxiliary loss of a model's mixture-of-experts layers and their metrics, from the "stats" each layer sowed
-    into `variables[layers.mlp.MOE_COLLECTION]` (`layers.mlp.MoeBlock`; under nn.scan, stacked on a leading layers
-    axis).
-
-    Returns the mean over layers of each layer's weighted aux_loss (HF's Mixtral and MaxText add one layer's worth)
-    and, as (sum, count) pairs, the means over layers of "moe/aux_loss", "moe/load_balance", "moe/router_z" and
-    "moe/dropped", and "expert_load/L_E", the fraction of layer L's assignments expert E received.
-    """
-    sown = traverse_util.flatten_dict(variables[mlp.MOE_COLLECTION])  # path -> the values of each call
-
-    def model_order(path: tuple[str, ...]) -> list:  # "layer_10" after "layer_9"
-        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", "/".join(path))]
-
-    calls = [call for path in sorted(sown, key=model_order) for call in sown[path]]
-    stats = {name: jnp.concatenate([jnp.reshape(call[name], (-1,)) for call in calls]) for name in calls[0]}
-    num_layers = stats["aux_loss"].shape[0]
-    loads = stats.pop("expert_load").reshape(num_layers, -1)  # [L, E]
-    count = jnp.asarray(num_layers, jnp.float32)
-    metrics = {f"moe/{name}": (jnp.sum(values), count) for name, values in stats.items()}
-    metrics.update(
-        {
-            f"expert_load/{layer}_{expert}": (loads[layer, expert], jnp.ones((), jnp.float32))
-            for layer in range(num_layers)
-            for expert in range(loads.shape[1])
-        }
-    )
-    return jnp.mean(stats["aux_loss"]), metrics

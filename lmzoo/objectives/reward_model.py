@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo.data import comparisons, readers, transforms
+from lmzoo.models import experts
 from lmzoo.objectives import base
 from lmzoo.rl import reward
 from lmzoo.trainers.state import Task
@@ -44,11 +45,15 @@ def reward_model_task(model, pad_id: int) -> Task:
         return model.init(rng, tokens, segment_ids=segment_ids, positions=positions)["params"], {}
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
-        rewards = reward.score(model, params, batch["tokens"], pad_id=pad_id)
+        applied = experts.AuxCollector(model) if experts.has_experts(model) else model
+        rewards = reward.score(applied, params, batch["tokens"], pad_id=pad_id)
         valid = batch["valid"].astype(bool)
         if "example_weights" in batch:
             valid = valid & (batch["example_weights"][:, None] > 0)
         value, metrics = reward.ranking_loss(rewards, batch["ranks"], valid)
+        if applied is not model:  # a backbone with experts: its layers' losses join the ranking loss
+            aux, aux_metrics = applied.terms()
+            value, metrics = value + aux, {**metrics, **aux_metrics}
         return value, (metrics, carry)
 
     return Task(init=init, loss=loss)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmzoo.layers import mlp
+from lmzoo.models import experts as experts_lib
 from lmzoo.objectives import losses
 from lmzoo.trainers.state import Task
 
@@ -17,8 +18,8 @@ def causal_lm_task(model) -> Task:
     """Next-token prediction for a decoder taking (tokens, positions, segment_ids) with `return_hidden` and
     `output_embedding` (GPT-2): the head and loss are fused so the [B, T, V] logits are never stored. A model with
     experts (`has_experts`) is applied with `layers.mlp.MOE_COLLECTION` mutable: its layers' auxiliary losses join
-    the loss and their statistics the metrics (`losses.moe_aux_loss`)."""
-    experts = getattr(model, "has_experts", False)
+    the loss and their statistics the metrics (`models.experts.moe_aux_loss`)."""
+    experts = experts_lib.has_experts(model)
 
     def init(rng, batch):
         params = model.init({"params": rng, "dropout": rng}, batch["inputs"], positions=batch.get("positions"))[
@@ -41,7 +42,7 @@ def causal_lm_task(model) -> Task:
         embedding = model.apply({"params": params}, method=model.output_embedding)
         value, metrics = losses.fused_head_loss(hidden, embedding, batch)
         if experts:
-            aux, aux_metrics = losses.moe_aux_loss(sown)
+            aux, aux_metrics = experts_lib.moe_aux_loss(sown)
             value, metrics = value + aux, {**metrics, **aux_metrics}
         return value, (metrics, carry)
 

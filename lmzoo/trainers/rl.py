@@ -20,7 +20,7 @@ import optax
 from flax import struct
 
 from lmzoo import decoding
-from lmzoo.models import heads, lora
+from lmzoo.models import experts, heads, lora
 from lmzoo.rl import policy_gradient, reward
 from lmzoo.trainers import base
 from lmzoo.trainers.state import LossFn, Metrics
@@ -271,13 +271,23 @@ class PPOTrainer:
         return loss + self.settings.ptx_coef * ptx_loss, {**metrics, **jax.tree.map(jax.lax.stop_gradient, ptx_metrics)}
 
     def _policy_loss(self, params, minibatch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
-        s = self.settings
-        logits, values = self.policy.apply(
+        """The algorithm's loss of a rollout minibatch; a policy with experts adds its layers' auxiliary losses."""
+        applied = experts.AuxCollector(self.policy) if experts.has_experts(self.policy) else self.policy
+        logits, values = applied.apply(
             {"params": params},
             minibatch["sequences"],
             segment_ids=minibatch["segment_ids"],
             positions=minibatch["positions"],
         )
+        loss, metrics = self._algorithm_loss(logits, values, minibatch)
+        if applied is not self.policy:
+            aux, aux_metrics = applied.terms()
+            loss, metrics = loss + aux, {**metrics, **aux_metrics}
+        return loss, metrics
+
+    def _algorithm_loss(self, logits, values, minibatch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
+        """PPO's clipped loss (with the value loss), GRPO's, or REINFORCE/RLOO's, from the policy's logits and values."""
+        s = self.settings
         logprobs, entropy = self._logprobs(logits, minibatch["responses"])
         if s.algorithm == "ppo":
             return policy_gradient.ppo_loss(

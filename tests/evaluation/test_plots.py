@@ -112,6 +112,27 @@ def test_a_run_resumed_within_the_second_its_first_run_began_writes_its_own_even
     assert plots.read_events(str(tmp_path)) == {"loss": {"train": [(1, 3.0), (2, 1.5)]}}
 
 
+def test_expert_loads_are_a_panel_per_layer_with_a_line_per_expert_and_the_uniform_share(tmp_path):
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step in (100, 200):
+        for layer in (0, 10, 2):  # drawn in numeric order, not the names' order
+            for expert in range(3):
+                writer.add_scalar(f"train/expert_load/{layer}_{expert}", (expert + layer + step / 100) / 16, step)
+        writer.add_scalar("train/loss", 2.0, step)
+    writer.add_scalar("validation/expert_load/0_0", 0.5, 200)  # the training windows are drawn, not evaluations
+    writer.close()
+    series = plots.read_events(str(tmp_path))
+    panels = plots.expert_load_panels(
+        {name: s for name, s in series.items() if plots.metric_group(name) == "expert_load"}
+    )
+    assert [panel.title for panel in panels] == [f"layer {layer}: each expert's share" for layer in (0, 2, 10)]
+    assert [label for label, _, _ in panels[1].lines] == ["expert 0", "expert 1", "expert 2"]
+    assert panels[1].lines[2] == ("expert 2", None, [(100, 5 / 16), (200, 6 / 16)])
+    assert all(panel.reference == ("uniform 1/3", 1 / 3) for panel in panels)
+    written = plots.plot_metrics(str(tmp_path), str(tmp_path / "plots"))
+    assert sorted(pathlib.Path(p).name for p in written) == ["expert_load.png", "loss.png"]
+
+
 def test_no_event_files_is_an_error_naming_the_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "tb")):
         plots.read_events(str(tmp_path))
@@ -135,6 +156,7 @@ def test_no_event_files_is_an_error_naming_the_folder(tmp_path):
         ("grad_norm", "gradients"),
         ("loss/policy", "loss"),
         ("objective/kl", "objective"),
+        ("expert_load/3_7", "expert_load"),
         ("table_fill", "table_fill"),
     ],
 )

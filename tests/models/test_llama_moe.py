@@ -10,7 +10,8 @@ from flax import linen as nn
 
 from lmzoo import decoding, models, testing
 from lmzoo.layers import mlp
-from lmzoo.objectives import losses, tasks
+from lmzoo.models import experts
+from lmzoo.objectives import tasks
 
 TINY = dict(vocab_size=61, max_len=32, emb_dim=24, num_heads=6, num_kv_heads=2, head_dim=8, num_layers=2, mlp_dim=40)
 MOE = dict(TINY, num_experts=4, experts_per_token=2)
@@ -158,6 +159,6 @@ def test_moe_aux_loss_orders_layers_numerically():
             for i in range(11)
         }
     }
-    value, metrics = losses.moe_aux_loss({mlp.MOE_COLLECTION: sown})
+    value, metrics = experts.moe_aux_loss({mlp.MOE_COLLECTION: sown})
     np.testing.assert_allclose(value, 5.0)
     assert [float(metrics[f"expert_load/{i}_0"][0]) for i in range(11)] == list(range(11))

@@ -292,10 +292,20 @@ def test_the_ppo_policy_samples_like_its_decoder(straight_ppo):
 
 
 def test_every_alignment_stage_trains_the_llama_family(stages, tmp_path):
-    """SFT -> reward model -> PPO (value head), GRPO and DPO with the Llama block (GQA, RoPE) in place of GPT-2's,
-    through the same objectives: none of them branches on the family."""
+    """SFT -> reward model -> PPO (value head), GRPO and DPO with the Llama block (GQA, RoPE, a mixture of 3 experts)
+    in place of GPT-2's, through the same objectives: none of them branches on the family, and each adds the expert
+    layers' auxiliary losses to what it trains (their metrics in every training row)."""
     model = config_lib.model_section(
-        "llama", vocab_size=258, max_len=64, emb_dim=32, num_heads=2, num_kv_heads=1, num_layers=1, mlp_dim=64
+        "llama",
+        vocab_size=258,
+        max_len=64,
+        emb_dim=32,
+        num_heads=2,
+        num_kv_heads=1,
+        num_layers=1,
+        mlp_dim=64,
+        num_experts=3,
+        experts_per_token=2,
     )
 
     def llama(config):
@@ -316,3 +326,6 @@ def test_every_alignment_stage_trains_the_llama_family(stages, tmp_path):
     dpo = llama(stage_config("hh_dpo", stages["data"], steps=1))
     dpo.objective.sft = f"ckpt:{sft}"
     assert np.isfinite(loop.train_and_evaluate(dpo, str(tmp_path / "dpo"))["loss"])
+    for run in ("sft", "rm", "ppo", "grpo", "dpo"):
+        trained = [row for row in _rows(tmp_path / run) if row["split"] == "train"]
+        assert trained and all(row["moe/aux_loss"] > 0 and "expert_load/0_2" in row for row in trained), run

@@ -19,21 +19,9 @@ transformers = pytest.importorskip(
     "transformers", reason="parity tests need transformers (pip install -r requirements-test.txt)"
 )
 
-TOL = 1e-4  # as tests/convert/test_llama_hf.py
-VOCAB = 61
-SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=24,
-    num_attention_heads=6,
-    head_dim=8,
-    num_key_value_heads=2,
-    num_hidden_layers=2,
-    max_position_embeddings=32,
-    rms_norm_eps=1e-5,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+TOL, VOCAB = dense.TOL, dense.VOCAB
+# the dense parity tests' shape (6 query heads of 8 on hidden 24) with 2 kv heads; the experts' F is set per family
+SHAPE = {k: v for k, v in dense.SHAPE.items() if k != "intermediate_size"} | dict(num_key_value_heads=2)
 MIXTRAL = dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=40)
 # intermediate_size is the dense layers' F, which an all-sparse Qwen2-MoE does not use.
 QWEN2_MOE = dict(

@@ -471,7 +471,10 @@ class StoreWriter:
         return self.finished[-1]["chunk_end"] if self.finished else 0
 
     def _discard_unfinished(self) -> None:
-        """Removes shard files the ledger does not list (a shard being written when the build was killed)."""
+        """Removes shard files the ledger does not list (a shard being written when the build was killed), and the
+        temporary files of writes a kill cut short (the ledger's own, `storage.write_bytes`)."""
+        for folder in (self.folder, *(self.folder / split for split in SPLITS)):
+            storage.remove_unfinished(folder)
         suffixes = (".tokens", ".starts", ".sentences")
         listed = {f"{s['split']}/{s['name']}{suffix}" for s in self.finished for suffix in suffixes}
         for split in SPLITS:

@@ -146,6 +146,23 @@ def test_kill_minus_nine_then_rerun_gives_the_identical_store(tmp_path):
     assert _file_digests(killed) == _file_digests(tmp_path / "clean")
 
 
+def test_a_resumed_build_removes_the_temporary_files_a_killed_one_left(tmp_path):
+    """A kill -9 while the ledger (or a shard) was being written leaves `storage.write_bytes`' temporary sibling: the
+    resumed build deletes it, so the finished store holds what a clean build holds."""
+    header = {"dtype": "<u2"}
+    store.StoreWriter(tmp_path / "out", header, 100)  # starts the build: the ledger
+    (tmp_path / "out" / "train").mkdir()
+    left = [
+        tmp_path / "out" / ".progress.json.0e4eb258f485.tmp",
+        tmp_path / "out" / "train" / ".00000.starts.0123456789ab.tmp",
+    ]
+    for path in left:
+        path.write_bytes(b"half")
+    store.StoreWriter(tmp_path / "out", header, 100)  # the rerun resumes it
+    assert not any(path.exists() for path in left)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["progress.json", "train"]
+
+
 def test_disk_full_keeps_finished_shards_and_the_rerun_completes(tmp_path, failing_open):
     root = _corpus(tmp_path / "corpus")
     out = tmp_path / "store"

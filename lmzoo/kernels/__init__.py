@@ -1,10 +1,11 @@
 """The platform seam: which form of a building block runs, chosen in one place from the mesh's platform.
 
 `lmzoo.layers` holds the plain forms (what runs on GPUs and TPUs); `kernels.cpu` the forms XLA:CPU runs
-faster; `kernels.explicit` the attention form with materialised probabilities (`attention_form` says where it runs);
-`kernels.host_memory` the glibc settings of a process running XLA:CPU programs. The platform is
-that of the mesh a program is traced under (`jax.set_mesh`, as every compiled trainer is), else JAX's
-default backend; `use_platform` overrides it (tests run the accelerator forms on the CPU with it).
+faster; `kernels.explicit` the attention form with materialised probabilities and `kernels.tpu` Pallas' splash
+attention (`attention_form` says where each runs); `kernels.host_memory` the glibc settings of a process running
+XLA:CPU programs. The platform is that of the mesh a program is traced under (`jax.set_mesh`, as every compiled
+trainer is), else JAX's default backend; `use_platform` overrides it (tests run the accelerator forms on the CPU
+with it).
 """
 
 import contextlib
@@ -12,6 +13,9 @@ import threading
 
 import jax
 import jax.numpy as jnp
+
+from lmzoo import sharding
+from lmzoo.kernels import tpu
 
 _override = threading.local()
 
@@ -49,7 +53,13 @@ def head_chunk_bytes() -> int:
 
 
 def attention_form(
-    query: jax.Array, key: jax.Array, *, mask: jax.Array | None, bias: jax.Array | None, dropout: bool
+    query: jax.Array,
+    key: jax.Array,
+    *,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    dropout: bool,
+    segment_ids: jax.Array | None = None,
 ) -> str:
     """Which form computes `layers.attention.dot_product_attention` for query [B, T, N, H], keys [B, S, K, H]:
 
@@ -57,10 +67,28 @@ def attention_form(
     - "cudnn": cuDNN's fused flash attention on GPUs where it applies (bf16/fp16, head size a multiple of 8 up to
       128, no additive bias, and a boolean mask [B, 1, T, S] only over a whole sequence: packed documents,
       padding; a decoding step's few queries against the cache keep XLA's form);
+    - "splash" (`kernels.tpu`): Pallas' splash attention on TPUs over a whole sequence (T == S, a multiple of
+      `tpu.BLOCK`) with no additive bias and no mask beyond the causal flag and `segment_ids` [B, T], which the
+      caller passes only when `mask` is exactly theirs (no sliding window; a decoding step's mask over the cache
+      is not); the batch and heads must split evenly over the mesh, kv heads as the query heads, and the
+      sequence not at all;
     - "xla": `jax.nn.dot_product_attention`'s XLA form.
     """
     if on_cpu() or dropout:
         return "explicit"
+    if platform() == "tpu":
+        head_shards = sharding.logical_axis_size("act_heads")
+        splash = (
+            query.shape[1] == key.shape[1]
+            and query.shape[1] % tpu.BLOCK == 0
+            and bias is None
+            and (mask is None or segment_ids is not None)
+            and query.shape[0] % sharding.logical_axis_size("act_batch") == 0
+            and query.shape[2] % head_shards == 0
+            and key.shape[2] % head_shards == 0
+            and sharding.logical_axis_size("act_len") == 1
+        )
+        return "splash" if splash else "xla"
     fused = (
         platform() == "gpu"
         and jax.default_backend() == "gpu"  # the GPU forms traced on a CPU (tests) have no cuDNN to call

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from lmzoo import kernels, sharding
-from lmzoo.kernels import explicit
+from lmzoo.kernels import explicit, tpu
 from lmzoo.layers.embeddings import Rotary
 from lmzoo.layers.linears import Einsum, Initializer
 
@@ -96,17 +96,28 @@ def dot_product_attention(
     scale: float | None,
     dropout_rate: float,
     dropout_rng: jax.Array | None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """q [B, T, N, H], k/v [B, S, K, H] (K divides N: grouped-query attention when K < N) -> [B, T, N, H].
 
     `jax.nn.dot_product_attention`, in the form `kernels.attention_form` chooses for the platform and the call:
     cuDNN's fused kernel on GPUs where it applies (JAX's default, `implementation=None`, is its XLA form, which
-    materialises the [B, N, T, S] scores), XLA's form elsewhere, and `kernels.explicit.dot_product_attention` where
-    the probabilities are needed (attention dropout) or XLA:CPU is faster with it.
+    materialises the [B, N, T, S] scores), XLA's form elsewhere, `kernels.explicit.dot_product_attention` where
+    the probabilities are needed (attention dropout) or XLA:CPU is faster with it, and `kernels.tpu`'s splash
+    attention on TPUs where it applies. segment_ids [B, T]: given only when `mask` is exactly
+    `attention_mask(segment_ids, segment_ids, causal=False)`, for the splash form, which reads them instead of the
+    mask (its rows of padding queries differ: `kernels.tpu.dot_product_attention`); every other form reads `mask`.
     """
     form = kernels.attention_form(
-        query, key, mask=mask, bias=bias, dropout=dropout_rng is not None and dropout_rate > 0
+        query,
+        key,
+        mask=mask,
+        bias=bias,
+        dropout=dropout_rng is not None and dropout_rate > 0,
+        segment_ids=segment_ids,
     )
+    if form == "splash":
+        return tpu.dot_product_attention(query, key, value, segment_ids=segment_ids, causal=is_causal, scale=scale)
     if form == "explicit":
         return explicit.dot_product_attention(
             query,
@@ -205,6 +216,7 @@ class Attention(nn.Module):
             return sharding.constrain(key, kv_act_axes), sharding.constrain(value, kv_act_axes)
 
         is_causal = self.causal
+        mask_segment_ids = None  # the segment ids the mask is exactly made of, for the splash form
         if self.cross:
             project_context = functools.partial(project_keys_values, rotate=False)
             key, value = self._context_keys_values(context, project_context) if decode else project_context(context)
@@ -219,6 +231,8 @@ class Attention(nn.Module):
             if cfg.sliding_window:
                 window = sliding_window_mask(positions, positions, cfg.sliding_window)
                 mask = window if mask is None else mask & window
+            else:
+                mask_segment_ids = segment_ids
 
         dropout_rng = None if deterministic or cfg.dropout_rate == 0.0 else self.make_rng("dropout")
         out = dot_product_attention(
@@ -231,6 +245,7 @@ class Attention(nn.Module):
             scale=cfg.scale,
             dropout_rate=cfg.dropout_rate,
             dropout_rng=dropout_rng,
+            segment_ids=mask_segment_ids,
         )
         out = sharding.constrain(out, ("act_batch", "act_len", "act_heads", "act_kv"))
         return Einsum(

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from lmzoo import sharding
+from lmzoo.layers.adapters import merge_attached
 from lmzoo.layers.attention import Attention, AttentionConfig
 from lmzoo.layers.mlp import MOE_COLLECTION, MlpBlock, MoeBlock, MoeConfig
 from lmzoo.layers.norms import LayerNorm
@@ -163,6 +164,14 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
+SCANNED = "layers"  # the scanned stack's module name: its params are stacked on a leading "layers" axis
+
+
+def _merge_attached_params(variables: dict) -> dict:
+    """`nn.map_variables`' view of one layer's params: attached adapters merged (`adapters.merge_attached`)."""
+    if "params" not in variables:
+        return variables
+    return {**variables, "params": merge_attached(variables["params"])}
 
 
 class BlockStack(nn.Module):
@@ -170,7 +179,9 @@ class BlockStack(nn.Module):
 
     The block is called as `block(x, *args, deterministic=..., decode=...)` and returns x. With
     `scan`, parameters gain a leading "layers" axis and compile time no longer grows with depth, and so do the
-    KV cache and what the blocks sow into `MOE_COLLECTION`.
+    KV cache and what the blocks sow into `MOE_COLLECTION`. A scanned layer's kernels may carry low-rank adapters
+    (`layers.adapters`, LoRA's training form): each layer merges its own inside the (rematerialised) scan body, so
+    a merged kernel and its gradient live for one layer at a time.
     With `share_params` (ALBERT) one block's parameters are applied num_layers times.
 
     Attributes:
@@ -210,6 +221,12 @@ class BlockStack(nn.Module):
         def scan_body(module, carry, _):
             return body(module, carry, *args), None
 
+        # Params are created as they are (initialising) and read through the merge of attached adapters (applying).
+        layer_cls = (
+            block_cls
+            if self.is_initializing()
+            else nn.map_variables(block_cls, "params", trans_in_fn=_merge_attached_params)
+        )
         scanned = nn.scan(
             scan_body,
             variable_axes={"params": 0, "cache": 0, MOE_COLLECTION: 0},
@@ -217,5 +234,5 @@ class BlockStack(nn.Module):
             length=self.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, _ = scanned(block_cls(**attrs, name="layers"), x, None)
+        x, _ = scanned(layer_cls(**attrs, name=SCANNED), x, None)
         return x

@@ -18,10 +18,12 @@ Targets: a regular expression that must fullmatch a kernel's module name ("query
 out; feed-forward wi (wi_0, wi_1 gated) and wo; MoE experts' wi_0, wi_1, wo; lm_head, router. A kernel is a leaf
 named "kernel", or an experts' weight (first axis "exp", after "layers"); embedding tables are never targets.
 
-The training form is the merged one: the model is applied to `merge(base, adapters)` inside the loss. It holds for
-any family because it needs no module to know about adapters; its costs are a merged copy of each targeted kernel
-and that kernel's full-size gradient (transient, never in the optimizer state), and LoRA dropout, which acts on the
-adapters' inputs rather than on weights, has no place in it: `lora_loss` refuses dropout > 0.
+The training form (`attach`, inside `lora_loss`) equals the merged one and needs no module to know about adapters:
+the kernels of a scanned stack carry A and scale B beside them, and the stack merges each layer's inside its
+rematerialised scan body (`layers.adapters`, `layers.blocks.BlockStack`), so a merged kernel and its full-size
+gradient exist for one layer at a time; kernels outside a scanned stack (per-layer loops, heads) are merged up front,
+whole. LoRA dropout, which acts on the adapters' inputs rather than on weights, has no place in a merged form:
+`lora_loss` refuses dropout > 0.
 
 Modules trained in full beside the adapters (`train_in_full`, PEFT's modules_to_save): a new head that no base
 provides (a classifier's or reward model's "classifier", PPO's "value_head") cannot stay frozen at its random start.
@@ -41,6 +43,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
+
+from lmzoo.layers import adapters as adapters_lib
+from lmzoo.layers import blocks
 
 Params = Any
 BATCH_AXES = ("layers", "exp")  # leading axes whose every slice is a kernel of its own, with adapters of its own
@@ -247,70 +252,55 @@ def adapter_pairs(trained: Params) -> dict[tuple[str, ...], tuple[Any, Any]]:
     return {module: (pair[LORA_A], pair[LORA_B]) for module, pair in pairs.items()}
 
 
-def _fit(kernel_shape: tuple[int, ...], a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> tuple[int, int] | None:
-    """(batch axes, input axes) that make A [*batch, *inputs, r] and B [*batch, r, *outputs] fit the kernel
-    [*batch, *inputs, *outputs]; None when they do not."""
-    batch = len(a_shape) + len(b_shape) - len(kernel_shape) - 2
-    inputs = len(a_shape) - batch - 1
-    if batch < 0 or inputs < 1 or len(b_shape) - batch - 1 < 1:
-        return None
-    r = a_shape[-1]
-    fits = (
-        a_shape[:batch] == b_shape[:batch]
-        and b_shape[batch] == r
-        and kernel_shape == (*a_shape[:-1], *b_shape[batch + 1 :])
-    )
-    return (batch, inputs) if fits else None
-
-
-def delta(a: jax.Array, b: jax.Array, batch: int, dtype: Any) -> jax.Array:
-    """A B over the rank axis: [*batch, *inputs, r] x [*batch, r, *outputs] -> [*batch, *inputs, *outputs]."""
-    letters = iter("abcdefghijklmnopqstuvwxyz")  # "r" is the rank
-    lead = "".join(next(letters) for _ in range(batch))
-    ins = "".join(next(letters) for _ in range(a.ndim - batch - 1))
-    outs = "".join(next(letters) for _ in range(b.ndim - batch - 1))
-    return jnp.einsum(
-        f"{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}",
-        a,
-        b,
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=dtype,
-    )
-
-
-def merge(params: Params, adapters: Params, config: LoraConfig) -> Params:
-    """`params` (unboxed: boxed ones are unboxed) with each adapted kernel W replaced by W + scale * A B, in the
-    promoted dtype of W and the adapters (a bfloat16 base with float32 adapters merges to float32), and the modules
-    trained in full (`adapters`' other leaves) in place of the base's: the model under training, and the weights to
-    export. Adapters that do not fit the params (another base model's) are a ValueError naming every module and its
-    shapes."""
+def _combine(params: Params, adapters: Params, config: LoraConfig, *, attach_scanned: bool) -> Params:
+    """`merge`, or with `attach_scanned` `attach`: the kernels of a scanned stack get A and scale B beside them
+    instead of being merged here. Adapters that do not fit the params are a ValueError naming every module."""
     flat = traverse_util.flatten_dict(nn.unbox(params), keep_empty_nodes=False)
-    problems, merged = [], {}
+    problems, combined = [], {}
     for leaf, value in trained_in_full(adapters).items():
         if leaf in flat and tuple(flat[leaf].shape) != tuple(value.shape):
             problems.append(f"{'/'.join(leaf)}: {tuple(flat[leaf].shape)} in the params, {tuple(value.shape)} trained")
-        merged[leaf] = value
+        combined[leaf] = value
     for module, (a, b) in adapter_pairs(adapters).items():
         leaf = (*module, "kernel") if (*module, "kernel") in flat else module
         if leaf not in flat:
             problems.append(f"{'/'.join(module)}: no such kernel in the params")
             continue
         w = flat[leaf]
-        fit = _fit(tuple(w.shape), tuple(a.shape), tuple(b.shape))
-        if fit is None:
+        if adapters_lib.fit(tuple(w.shape), tuple(a.shape), tuple(b.shape)) is None:
             problems.append(
                 f"{'/'.join(module)}: kernel {tuple(w.shape)}, adapters {LORA_A} {tuple(a.shape)} and "
                 f"{LORA_B} {tuple(b.shape)}"
             )
             continue
-        dtype = jnp.result_type(w.dtype, a.dtype, b.dtype)
-        merged[leaf] = jnp.asarray(w, dtype) + config.scale * delta(a, b, fit[0], dtype)
+        scaled_b = config.scale * b
+        if attach_scanned and blocks.SCANNED in module:
+            combined[(*leaf[:-1], leaf[-1] + adapters_lib.SUFFIX_A)] = a
+            combined[(*leaf[:-1], leaf[-1] + adapters_lib.SUFFIX_B)] = scaled_b
+        else:
+            combined[leaf] = adapters_lib.merged_kernel(w, a, scaled_b)
     if problems:
         raise ValueError(
             "these adapters do not fit the params (adapters of another base model, or of another config.model?): "
             + "; ".join(problems)
         )
-    return traverse_util.unflatten_dict(flat | merged)
+    return traverse_util.unflatten_dict(flat | combined)
+
+
+def merge(params: Params, adapters: Params, config: LoraConfig) -> Params:
+    """`params` (unboxed: boxed ones are unboxed) with each adapted kernel W replaced by W + A (scale B), in the
+    promoted dtype of W and the adapters (a bfloat16 base with float32 adapters merges to float32), and the modules
+    trained in full (`adapters`' other leaves) in place of the base's: the weights to evaluate and export. Adapters
+    that do not fit the params (another base model's) are a ValueError naming every module and its shapes."""
+    return _combine(params, adapters, config, attach_scanned=False)
+
+
+def attach(params: Params, adapters: Params, config: LoraConfig) -> Params:
+    """The training form of `merge`, equal to it in value: the kernels of a scanned stack (`layers.blocks.SCANNED`)
+    carry their adapters beside them (`layers.adapters`), and the stack merges them one layer at a time inside its
+    scan, so that the merged kernels and their gradients exist for one layer, not for every layer at once; the other
+    kernels are merged here."""
+    return _combine(params, adapters, config, attach_scanned=True)
 
 
 def freeze(params: Params, config: LoraConfig) -> Params:
@@ -328,17 +318,17 @@ def freeze(params: Params, config: LoraConfig) -> Params:
 
 def lora_loss(loss_fn: Callable[..., Any], config: LoraConfig) -> Callable[..., Any]:
     """The training form: `loss_fn(params, *args, **kwargs)` as a function of (adapters, base, *args, **kwargs), the
-    model applied to merge(base, adapters); differentiate its first argument. The base is behind a stop_gradient."""
+    model applied to attach(base, adapters); differentiate its first argument. The base is behind a stop_gradient."""
     if config.dropout:
         raise ValueError(
             f"LoRA dropout={config.dropout} cannot be trained: it drops the adapters' inputs, activations that "
-            "lmzoo's LoRA (the model run on merged weights, W + scale A B) never forms; set dropout 0.0 and "
+            "lmzoo's LoRA (the model run on merged weights, W + A scale B) never forms; set dropout 0.0 and "
             "regularise with weight decay or config.model.dropout_rate (a PEFT adapter trained with dropout loads "
             "and merges as it is)"
         )
 
     def loss(adapters: Params, base: Params, *args: Any, **kwargs: Any) -> Any:
-        return loss_fn(merge(jax.lax.stop_gradient(base), adapters, config), *args, **kwargs)
+        return loss_fn(attach(jax.lax.stop_gradient(base), adapters, config), *args, **kwargs)
 
     return loss
 

@@ -130,12 +130,14 @@ class PPOTrainer:
     def with_params(self, state: PPOState, params: Any) -> PPOState:
         return state.replace(params=params, opt_state=self.tx.init(params))
 
-    def policy_params(self, params, frozen) -> Any:
+    def policy_params(self, params, frozen, *, train: bool = False) -> Any:
         """The params the policy runs on: the trained `params`, or under LoRA those merged into the frozen reference
-        ({"decoder": ..., "value_head": ...})."""
+        ({"decoder": ..., "value_head": ...}); with `train`, in LoRA's training form (`lora.attach`), for the loss
+        that is differentiated."""
         if self.lora_config is None:
             return params
-        return lora.merge({"decoder": frozen["reference"]}, params, self.lora_config)
+        combine = lora.attach if train else lora.merge
+        return combine({"decoder": frozen["reference"]}, params, self.lora_config)
 
     def model_params(self, state: PPOState) -> Any:
         """The policy's params (evaluation, generation, export): `policy_params` of the state."""
@@ -260,7 +262,7 @@ class PPOTrainer:
         """The PPO (or REINFORCE) loss of a rollout minibatch, plus ptx_coef x the SFT loss of the policy's decoder on
         `demonstrations` (packed "inputs", "targets", "weights", "segment_ids", "positions" [R, L]) when given;
         `params` are the trained ones (`frozen`: the state's, which LoRA's policy params are merged into)."""
-        params = self.policy_params(params, frozen)
+        params = self.policy_params(params, frozen, train=True)
         loss, metrics = self._policy_loss(params, minibatch)
         if demonstrations is None:
             return loss, metrics

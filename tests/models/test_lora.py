@@ -2,6 +2,8 @@
 at the activations, scanned and per-layer stacks and experts get adapters of their own, only the adapters train, and
 bad input is a clear error."""
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -239,3 +241,63 @@ def _at(tree, path):
     for key in path:
         tree = tree[key]
     return np.asarray(tree)
+
+
+def _lora_grads(model, config, base, adapters, combine):
+    """(loss, adapter gradients) of a next-token loss on TOKENS with the model run on combine(base, adapters)."""
+
+    def loss(adapters):
+        logits = model.apply({"params": combine(jax.lax.stop_gradient(base), adapters, config)}, TOKENS[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, TOKENS[:, 1:]).mean()
+
+    return jax.jit(jax.value_and_grad(loss))(adapters)
+
+
+def test_the_training_form_merges_a_scanned_stack_layer_by_layer_with_the_merged_values_and_gradients():
+    """`attach` (adapters beside a scanned stack's kernels, each layer merging its own inside the scan) gives the loss
+    and adapter gradients of `merge`, for attention, a shared expert's MLP, the experts' kernels and a head outside
+    the stack."""
+    config = lora.LoraConfig(ALL + "|lm_head", rank=2, alpha=4.0, base_dtype="bfloat16")
+    model, boxed = boxed_params(
+        scan_layers=True, remat_policy="full", num_experts=3, experts_per_token=2, shared_expert_mlp_dim=8
+    )
+    base = lora.freeze(nn.unbox(boxed), config)
+    adapters = nonzero(lora.init_adapters(jax.random.key(1), boxed, config))
+    attached = lora.attach(base, adapters, config)
+    layer = attached["blocks"]["layers"]
+    assert set(layer["attn"]["query"]) == {"kernel", "kernel_lora_a", "kernel_lora_b"}  # merged in the scan
+    assert {"wi_0", "wi_0_lora_a", "wi_0_lora_b"} <= set(layer["mlp"])  # the experts' [L, E, D, F] kernels
+    assert set(layer["mlp"]["shared"]["wo"]) == {"kernel", "kernel_lora_a", "kernel_lora_b"}
+    assert set(attached["lm_head"]) == {"kernel"}  # outside the stack: merged up front
+    loss, grads = _lora_grads(model, config, base, adapters, lora.attach)
+    merged_loss, merged_grads = _lora_grads(model, config, base, adapters, lora.merge)
+    np.testing.assert_allclose(loss, merged_loss, rtol=1e-6)
+    jax.tree.map(lambda g, m: np.testing.assert_allclose(g, m, rtol=1e-5, atol=1e-7), grads, merged_grads)
+
+
+def test_the_training_form_holds_one_layers_merged_kernels_at_a_time():
+    """XLA's temporaries for the adapters' gradient through a scanned, rematerialised float32 stack: 8 layers need
+    less than 2 more than 2 layers do in `attach`'s form (each layer merges its kernels inside the scan body), while
+    `merge`'s form holds every layer's merged kernels and their gradients (8 bytes a kernel parameter) at once."""
+    config = lora.LoraConfig(ALL, rank=4, alpha=8.0)
+    wide = dict(emb_dim=128, num_heads=4, num_kv_heads=2, mlp_dim=384, remat_policy="full", scan_layers=True)
+
+    def temporaries(num_layers, combine):
+        model, boxed = boxed_params(num_layers=num_layers, **wide)
+        base = jax.eval_shape(lambda: nn.unbox(boxed))
+        adapters = jax.eval_shape(lambda: nn.unbox(lora.init_adapters(jax.random.key(1), boxed, config)))
+
+        def loss(adapters, base):
+            logits = model.apply({"params": combine(jax.lax.stop_gradient(base), adapters, config)}, TOKENS)
+            return jnp.mean(logits)
+
+        compiled = jax.jit(jax.grad(loss)).lower(adapters, base).compile()
+        per_layer = sum(math.prod(k.shape[1:]) for k in lora.find_kernels(boxed, config).values())  # [L, ...]
+        return compiled.memory_analysis().temp_size_in_bytes, per_layer
+
+    attached_growth = temporaries(8, lora.attach)[0] - temporaries(2, lora.attach)[0]
+    merged_8, kernel_params = temporaries(8, lora.merge)
+    merged_growth = merged_8 - temporaries(2, lora.merge)[0]
+    layer_bytes = 8 * kernel_params  # one layer's merged kernels and their gradients, float32
+    assert merged_growth >= 6 * layer_bytes, (merged_growth, layer_bytes)
+    assert attached_growth < 2 * layer_bytes, (attached_growth, layer_bytes)

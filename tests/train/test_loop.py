@@ -2,6 +2,7 @@ import gc
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,17 +29,31 @@ def _params(workdir):
     return step, jax.device_get(state), data_state
 
 
-def test_train_writes_checkpoints_logs_sample_and_eval(tmp_path):
-    final = loop.train_and_evaluate(_tiny_config(), str(tmp_path))
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished 4-step tiny run (checkpoints 2 and 4) and its final evaluation, trained once for the tests that read
+    it; a test that writes into the run trains on a copy (`_copy`)."""
+    run_dir = tmp_path_factory.mktemp("trained")
+    return run_dir, loop.train_and_evaluate(_tiny_config(), str(run_dir))
+
+
+def _copy(trained, tmp_path) -> pathlib.Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained[0], run_dir)
+    return run_dir
+
+
+def test_train_writes_checkpoints_logs_sample_and_eval(trained):
+    run_dir, final = trained
     assert np.isfinite(final["loss"]) and final["loss"] < np.log(258)
-    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {"loss", "perplexity", "learning_rate", "grad_norm", "tokens_per_sec"} <= set(rows[0])
-    assert any(p.name.startswith("events") for p in (tmp_path / "tb").iterdir())
-    assert (tmp_path / "sample.txt").read_text().startswith("def ")
-    assert not (tmp_path / "lock").exists()  # a finished run removes its lock file
+    assert any(p.name.startswith("events") for p in (run_dir / "tb").iterdir())
+    assert (run_dir / "sample.txt").read_text().startswith("def ")
+    assert not (run_dir / "lock").exists()  # a finished run removes its lock file
     result = subprocess.run(
-        [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", "--max_batches=2"],
+        [sys.executable, str(ROOT / "eval.py"), f"--workdir={run_dir}", "--max_batches=2"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -49,24 +64,23 @@ def test_train_writes_checkpoints_logs_sample_and_eval(tmp_path):
     assert {"perplexity", "bits_per_token", "bits_per_char"} <= set(line)
 
     def eval_step(step):
-        args = [sys.executable, str(ROOT / "eval.py"), f"--workdir={tmp_path}", f"--step={step}", "--max_batches=2"]
+        args = [sys.executable, str(ROOT / "eval.py"), f"--workdir={run_dir}", f"--step={step}", "--max_batches=2"]
         return subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
 
     earlier = eval_step(2)
     assert earlier.returncode == 0, earlier.stderr
     earlier_line = json.loads(earlier.stdout.splitlines()[0])
     assert earlier_line["step"] == 2 and earlier_line["loss"] != line["loss"]
-    assert (tmp_path / "eval_validation_step2_max2batches.json").exists()
+    assert (run_dir / "eval_validation_step2_max2batches.json").exists()
     missing = eval_step(3)
     assert missing.returncode != 0 and "no checkpoint for step 3" in missing.stderr and "[2, 4]" in missing.stderr
 
 
-def test_resume_is_exact(tmp_path):
+def test_resume_is_exact(trained, tmp_path):
     """2 steps, stop, restart to 4 == 4 steps uninterrupted (params, optimizer state, rng, loader)."""
-    loop.train_and_evaluate(_tiny_config(), str(tmp_path / "straight"))
     loop.train_and_evaluate(_tiny_config(steps=2), str(tmp_path / "resumed"))
     loop.train_and_evaluate(_tiny_config(), str(tmp_path / "resumed"))
-    step_a, state_a, data_a = _params(str(tmp_path / "straight"))
+    step_a, state_a, data_a = _params(str(trained[0]))
     step_b, state_b, data_b = _params(str(tmp_path / "resumed"))
     assert step_a == step_b == 4 and data_a == data_b == {"step": 4}
     jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
@@ -104,21 +118,21 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
 
 
-def test_incompatible_checkpoint_names_parameters(tmp_path):
-    loop.train_and_evaluate(_tiny_config(), str(tmp_path))
+def test_incompatible_checkpoint_names_parameters(trained, tmp_path):
+    run_dir = _copy(trained, tmp_path)
     config = _tiny_config(steps=6)
     config.model.mlp_dim = 48
     with pytest.raises(
         checkpoint.IncompatibleCheckpointError, match=r"mlp/wi/kernel: checkpoint \(32, 64\) vs model \(32, 48\)"
     ):
-        loop.train_and_evaluate(config, str(tmp_path))
+        loop.train_and_evaluate(config, str(run_dir))
 
 
-def test_corrupt_latest_checkpoint_falls_back(tmp_path):
-    loop.train_and_evaluate(_tiny_config(), str(tmp_path))
-    for f in (tmp_path / "checkpoints" / "4" / "state" / "d").iterdir():
+def test_corrupt_latest_checkpoint_falls_back(trained, tmp_path):
+    run_dir = _copy(trained, tmp_path)
+    for f in (run_dir / "checkpoints" / "4" / "state" / "d").iterdir():
         f.write_bytes(b"broken")
-    step, _, data_state = _params(str(tmp_path))
+    step, _, data_state = _params(str(run_dir))
     assert step == 2 and data_state == {"step": 2}
 
 

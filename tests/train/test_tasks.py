@@ -27,18 +27,28 @@ def _config(name: str, arg: str):
     return module.get_config(arg)
 
 
+@pytest.fixture(scope="module")
+def bert_tiny(tmp_path_factory):
+    """configs/bert.py:tiny trained once (its workdir, its final evaluation): the `tiny` case of the masked-LM test,
+    the classifier's pretraining checkpoint and the distillation teacher, which all only read it."""
+    workdir = tmp_path_factory.mktemp("bert_tiny")
+    return workdir, loop.train_and_evaluate(_config("bert", "tiny"), str(workdir))
+
+
 @pytest.mark.parametrize("variant", ["tiny", "tiny,roberta", "tiny,albert"])
-def test_masked_lm_pretraining_runs(tmp_path, variant):
-    final = loop.train_and_evaluate(_config("bert", variant), str(tmp_path))
+def test_masked_lm_pretraining_runs(tmp_path, variant, request):
+    if variant == "tiny":  # the module's shared run; asked for here so that the other variants do not train it
+        final = request.getfixturevalue("bert_tiny")[1]
+    else:
+        final = loop.train_and_evaluate(_config("bert", variant), str(tmp_path))
     assert np.isfinite(final["loss"]) and final["tokens"] > 0
     if variant != "tiny,roberta":
         assert 0.0 <= final["sentence_accuracy"] <= 1.0
 
 
-def test_classifier_fine_tunes_from_a_pretraining_checkpoint(tmp_path):
-    loop.train_and_evaluate(_config("bert", "tiny"), str(tmp_path / "pretrain"))
+def test_classifier_fine_tunes_from_a_pretraining_checkpoint(tmp_path, bert_tiny):
     config = _config("sst2", "tiny")
-    config.init_from = f"ckpt:{tmp_path / 'pretrain'}"
+    config.init_from = f"ckpt:{bert_tiny[0]}"
     final = loop.train_and_evaluate(config, str(tmp_path / "finetune"))
     assert 0.0 <= final["accuracy"] <= 1.0 and final["examples"] == 256 and 0.0 <= final["macro_f1"] <= 1.0
 
@@ -62,16 +72,15 @@ def test_gpt_classifier_fine_tunes_from_a_decoder_checkpoint(tmp_path):
     assert pretrained.shape == (258, 32) and tuned.shape == (261, 32)
 
 
-def test_distillation_trains_student_against_frozen_teacher(tmp_path):
-    loop.train_and_evaluate(_config("bert", "tiny"), str(tmp_path / "teacher"))
+def test_distillation_trains_student_against_frozen_teacher(tmp_path, bert_tiny):
     config = _config("distilbert", "tiny")
-    config.objective.teacher = f"ckpt:{tmp_path / 'teacher'}"
+    config.objective.teacher = f"ckpt:{bert_tiny[0]}"
     final = loop.train_and_evaluate(config, str(tmp_path / "student"))
     assert np.isfinite(final["distill_loss"]) and 0.0 <= final["cosine_loss"] <= 2.0
     student = run_lib.open_run(str(tmp_path / "student"))
     state, _ = run_lib.restore_or_init(student)
     student.checkpointer.close()
-    teacher = run_lib.load(str(tmp_path / "teacher"))
+    teacher = run_lib.load(str(bert_tiny[0]))
     for a, b in zip(jax.tree.leaves(state.frozen["teacher"]), jax.tree.leaves(teacher.params), strict=True):
         np.testing.assert_array_equal(a, b)  # the teacher never changes: read again from its workdir on resume
     assert len(state.params["blocks"]) == 1

@@ -1,6 +1,8 @@
 """LoRA through the loop (config.lora): adapters over a frozen init_from base, with gradient accumulation and several
 steps per call, resume exactly; checkpoints hold the adapters alone and `lmzoo.load` gives the merged model."""
 
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -112,3 +114,34 @@ def test_lora_refuses_a_base_that_leaves_parameters_fresh(tmp_path, base_folder)
     config.model.num_layers, config.init_from_partial = 2, True  # the base has 1 layer: layer_1 would stay random
     with pytest.raises(ValueError, match=r"leaves parameters that would stay as initialised \(blocks/layer_1/"):
         loop.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+def _train_losses(workdir):
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if row.get("split") == "train"]
+
+
+def test_a_scanned_stack_trains_the_same_adapters_merging_layer_by_layer_and_resumes_exactly(tmp_path, base_folder):
+    """LoRA's training form on scanned, rematerialised layers (each layer merges its adapters inside the scan) through
+    the loop: the losses of the per-layer stack's run, an exact resume, and `lmzoo.load` gives the merged model."""
+
+    def scanned(**train):
+        config = lora_config(base_folder, **train)
+        config.model.scan_layers, config.model.remat_policy = True, "full"
+        return config
+
+    loop.train_and_evaluate(lora_config(base_folder), str(tmp_path / "per_layer"))
+    loop.train_and_evaluate(scanned(), str(tmp_path / "straight"))
+    loop.train_and_evaluate(scanned(steps=2), str(tmp_path / "resumed"))
+    loop.train_and_evaluate(scanned(), str(tmp_path / "resumed"))
+    np.testing.assert_allclose(_train_losses(tmp_path / "straight"), _train_losses(tmp_path / "per_layer"), rtol=1e-5)
+    (_, a), (_, b) = restored(str(tmp_path / "straight")), restored(str(tmp_path / "resumed"))
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    query = a.params["blocks"]["layers"]["attn"]["query"]
+    assert query["lora_a"].shape[0] == 1  # stacked on the layers axis
+    assert np.abs(query["lora_b"]).max() > 0  # B (zero at the start) trained: the scan ran on the adapters
+
+    loaded = lmzoo.load(str(tmp_path / "straight"))
+    base = run_lib.load_saved(str(tmp_path / "straight"))
+    expected = lora.merge(_base_params(base), a.params, lora.LoraConfig("query|value|wo", rank=2, alpha=4.0))
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), loaded.params, jax.device_get(expected))

@@ -3,12 +3,12 @@
 import importlib.util
 import json
 import pathlib
-import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from absl import flags
 
 from lmzoo import testing
 from lmzoo.evaluation.generation import sample_text
@@ -88,8 +88,31 @@ def test_distillation_trains_student_against_frozen_teacher(tmp_path, bert_tiny)
     assert not any("teacher" in name for name in saved)  # frozen parameters are not checkpointed
 
 
+# eval.py defines its flags on absl's FLAGS when loaded, so it is loaded once per process, as the module "eval_cli"
+# (tests/evaluation/test_eval_cli.py and tests/test_matrix.py run it so too).
+EVAL = sys.modules.get("eval_cli")
+if EVAL is None:
+    _spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
+    EVAL = sys.modules["eval_cli"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(EVAL)
+
+
+def run_eval(capsys, *args: str) -> str:
+    """Runs eval.py's main in this process with `args` (absl's flags reset to their defaults around it); returns what
+    it printed. A process of its own would add only its start-up (imports, the programs read back from the compilation
+    cache): what the test checks is the evaluation's output, and a failing one raises here."""
+    capsys.readouterr()  # what the test printed before (the training's progress) is not eval.py's output
+    flags.FLAGS.unparse_flags()
+    try:
+        flags.FLAGS(["eval.py", *args])
+        EVAL.main(["eval.py"])
+    finally:
+        flags.FLAGS.unparse_flags()
+    return capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name,beam_size", [("t5", 2), ("bart", 1), ("transformer", 1)])
-def test_denoising_pretraining_runs(tmp_path, name, beam_size):
+def test_denoising_pretraining_runs(tmp_path, capsys, name, beam_size):
     final = loop.train_and_evaluate(_config(name, "tiny,test"), str(tmp_path))
     assert np.isfinite(final["loss"]) and final["tokens"] > 0
     run = run_lib.open_run(str(tmp_path))
@@ -106,25 +129,12 @@ def test_denoising_pretraining_runs(tmp_path, name, beam_size):
     )
     assert isinstance(text, str) and len(run.tokenizer.encode(text)) <= 4
     run.checkpointer.close()
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "eval.py"),
-            f"--workdir={tmp_path}",
-            "--reconstruct=3",
-            f"--beam_size={beam_size}",
-            "--max_batches=1",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr
-    line = json.loads(result.stdout.splitlines()[0])
+    out = run_eval(capsys, f"--workdir={tmp_path}", "--reconstruct=3", f"--beam_size={beam_size}", "--max_batches=1")
+    line = json.loads(out.splitlines()[0])
     assert line["reconstruct_examples"] == 3 and line["beam_size"] == beam_size and 0.0 <= line["bleu"] <= 100.0
     for key in ("rouge1", "rouge2", "rougeL", "exact_match", "target_token_accuracy", "copy_bleu", "copy_exact_match"):
         assert 0.0 <= line[key] <= (100.0 if key == "copy_bleu" else 1.0), key
-    assert "[reconstruction]" in result.stdout and "[original]" in result.stdout
+    assert "[reconstruction]" in out and "[original]" in out
 
 
 def test_text_to_text_trains_on_dialogue_pairs(tmp_path):

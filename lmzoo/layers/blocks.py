@@ -169,8 +169,6 @@ SCANNED = "layers"  # the scanned stack's module name: its params are stacked on
 
 def _merge_attached_params(variables: dict) -> dict:
     """`nn.map_variables`' view of one layer's params: attached adapters merged (`adapters.merge_attached`)."""
-    if "params" not in variables:
-        return variables
     return {**variables, "params": merge_attached(variables["params"])}
 
 

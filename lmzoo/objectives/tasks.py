@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmzoo.layers import mlp
-from lmzoo.models import experts as experts_lib
+from lmzoo.models import experts
 from lmzoo.objectives import losses
 from lmzoo.trainers.state import Task
 
@@ -17,9 +16,9 @@ from lmzoo.trainers.state import Task
 def causal_lm_task(model) -> Task:
     """Next-token prediction for a decoder taking (tokens, positions, segment_ids) with `return_hidden` and
     `output_embedding` (GPT-2): the head and loss are fused so the [B, T, V] logits are never stored. A model with
-    experts (`has_experts`) is applied with `layers.mlp.MOE_COLLECTION` mutable: its layers' auxiliary losses join
-    the loss and their statistics the metrics (`models.experts.moe_aux_loss`)."""
-    experts = experts_lib.has_experts(model)
+    experts (`models.experts.has_experts`) is applied through `models.experts.AuxCollector`: its layers' auxiliary
+    losses join the loss and their statistics the metrics."""
+    has_experts = experts.has_experts(model)
 
     def init(rng, batch):
         params = model.init({"params": rng, "dropout": rng}, batch["inputs"], positions=batch.get("positions"))[
@@ -28,7 +27,8 @@ def causal_lm_task(model) -> Task:
         return params, {}
 
     def loss(params, frozen, carry, batch, rng, *, step, train):
-        outputs = model.apply(
+        applied = experts.AuxCollector(model) if has_experts else model
+        _, hidden = applied.apply(
             {"params": params},
             batch["inputs"],
             positions=batch.get("positions"),
@@ -36,13 +36,11 @@ def causal_lm_task(model) -> Task:
             deterministic=not train,
             return_hidden=True,
             rngs={"dropout": rng},
-            mutable=[mlp.MOE_COLLECTION] if experts else False,
         )
-        (_, hidden), sown = outputs if experts else (outputs, None)
         embedding = model.apply({"params": params}, method=model.output_embedding)
         value, metrics = losses.fused_head_loss(hidden, embedding, batch)
-        if experts:
-            aux, aux_metrics = experts_lib.moe_aux_loss(sown)
+        if has_experts:
+            aux, aux_metrics = applied.terms()
             value, metrics = value + aux, {**metrics, **aux_metrics}
         return value, (metrics, carry)
 

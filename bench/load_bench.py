@@ -191,6 +191,7 @@ def main() -> None:
     size = "tiny" if args.tiny else "full"
     model, isa = common.cpu_model_and_isa()
     print(f"load bench ({size}): CPU {model} ({isa}), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
+    os.makedirs(args.scratch, exist_ok=True)
     folder = pathlib.Path(tempfile.mkdtemp(prefix="lmzoo-load-bench-", dir=args.scratch))
     try:
         start = time.perf_counter()

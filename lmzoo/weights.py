@@ -18,6 +18,7 @@ from flax import traverse_util
 from lmzoo import checkpoint, storage, tokenizers
 from lmzoo import config as config_lib
 from lmzoo.convert import hf, mapping
+from lmzoo.kernels import host_memory
 from lmzoo.models import lora
 
 
@@ -30,7 +31,8 @@ def checkpoint_params(workdir: str, placed: Any = None) -> Any:
         raise FileNotFoundError(f"{folder} not found: is {workdir!r} the workdir of a train.py run with checkpoints?")
     checkpointer = checkpoint.Checkpointer(str(folder), async_save=False)
     try:
-        restored = checkpointer.restore_latest_params(placed)
+        with host_memory.large_blocks_unmapped_when_freed():
+            restored = checkpointer.restore_latest_params(placed)
     finally:
         checkpointer.close()
     if restored is None:

@@ -429,3 +429,17 @@ def test_eval_of_a_sentence_longer_than_seq_len_offers_the_flag_that_scores_it(t
         [*cmd, f"--seq_len={config.data.seq_len + 6}"], capture_output=True, text=True, cwd=ROOT, env=ENV
     )
     assert scored.returncode == 0 and json.loads(scored.stdout.splitlines()[0])["tokens"] == config.data.seq_len + 6
+
+
+@pytest.mark.parametrize("objective", ["dpo", "reward_model", "ppo"])
+def test_lora_dropout_is_refused_where_the_loss_runs_without_dropout(objective):
+    from lmzoo.train import run as run_lib
+
+    config = testing.tiny_config(objective)
+    with config.unlocked():
+        config.lora.targets, config.lora.dropout, config.init_from = "query", 0.05, "hf:/nowhere"
+        config.model.max_len = 128  # PPO's prompt and response
+    with pytest.raises(ValueError) as raised:
+        run_lib.validate(config)
+    assert f"config.lora.dropout=0.05: objective {objective!r} applies its model without dropout (" in str(raised.value)
+    assert "set --config.lora.dropout=0.0" in str(raised.value)

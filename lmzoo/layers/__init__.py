@@ -6,7 +6,8 @@
 - `attention`: `AttentionConfig` (the fields of one attention), masks, `Attention` with its KV cache.
 - `mlp`: activations, the position-wise feed-forward (`MlpBlock`) and the mixture of experts (`MoeConfig`, `MoeBlock`).
 - `blocks`: `TransformerBlock` (attention + MLP with residuals) and `BlockStack` (layers looped or scanned).
-- `adapters`: low-rank adapters attached beside a scanned layer's kernels, merged layer by layer (LoRA's training form).
+- `adapters`: low-rank adapters attached beside a layer's kernels, applied at a projection's inputs or merged (LoRA's
+  training form).
 
 Einsum letters: B batch, T query length, S key length, D emb_dim, N heads, K kv heads, H head_dim, F mlp_dim,
 V vocab, E experts, R a token's routed experts (top-k), C an expert's capacity. Every parameter declares logical

@@ -167,6 +167,12 @@ REMAT_POLICIES = {
 SCANNED = "layers"  # the scanned stack's module name: its params are stacked on a leading "layers" axis
 
 
+def is_layer(name: str) -> bool:
+    """Whether a module named `name` is a BlockStack's layer: the scanned stack, a looped `layer_{i}`, or the shared
+    one (ALBERT)."""
+    return name in (SCANNED, "shared") or (name.startswith("layer_") and name[len("layer_") :].isdigit())
+
+
 def _merge_attached_params(variables: dict) -> dict:
     """`nn.map_variables`' view of one layer's params: attached adapters merged (`adapters.merge_attached`)."""
     return {**variables, "params": merge_attached(variables["params"])}
@@ -178,8 +184,9 @@ class BlockStack(nn.Module):
     The block is called as `block(x, *args, deterministic=..., decode=...)` and returns x. With
     `scan`, parameters gain a leading "layers" axis and compile time no longer grows with depth, and so do the
     KV cache and what the blocks sow into `MOE_COLLECTION`. A scanned layer's kernels may carry low-rank adapters
-    (`layers.adapters`, LoRA's training form): each layer merges its own inside the (rematerialised) scan body, so
-    a merged kernel and its gradient live for one layer at a time.
+    (`layers.adapters`, LoRA's training form): those its projections do not apply at their inputs (experts' weights)
+    each layer merges inside the (rematerialised) scan body, so a merged kernel and its gradient live for one layer
+    at a time.
     With `share_params` (ALBERT) one block's parameters are applied num_layers times.
 
     Attributes:

@@ -18,12 +18,12 @@ Targets: a regular expression that must fullmatch a kernel's module name ("query
 out; feed-forward wi (wi_0, wi_1 gated) and wo; MoE experts' wi_0, wi_1, wo; lm_head, router. A kernel is a leaf
 named "kernel", or an experts' weight (first axis "exp", after "layers"); embedding tables are never targets.
 
-The training form (`attach`, inside `lora_loss`) equals the merged one and needs no module to know about adapters:
-the kernels of a scanned stack carry A and scale B beside them, and the stack merges each layer's inside its
-rematerialised scan body (`layers.adapters`, `layers.blocks.BlockStack`), so a merged kernel and its full-size
-gradient exist for one layer at a time; kernels outside a scanned stack (per-layer loops, heads) are merged up front,
-whole. LoRA dropout, which acts on the adapters' inputs rather than on weights, has no place in a merged form:
-`lora_loss` refuses dropout > 0.
+The training form (`attach`, applied inside `training_form`, as `lora_loss` does) equals the merged one and needs no
+module to know about adapters: every projection kernel of a block stack's layers carries A and scale B beside it and
+its module (an Einsum or nn.Dense) adds dropout(x) A (scale B) at its inputs (`layers.adapters`), as PEFT does, so
+neither a merged kernel nor the frozen kernel's gradient is formed. Experts' weights are merged, a scanned stack's one
+layer at a time inside its rematerialised scan body (`layers.blocks.BlockStack`), and heads outside the layers up
+front, whole. Dropout (PEFT's lora_dropout) drops the layers' projection adapters' inputs while training.
 
 Modules trained in full beside the adapters (`train_in_full`, PEFT's modules_to_save): a new head that no base
 provides (a classifier's or reward model's "classifier", PPO's "value_head") cannot stay frozen at its random start.
@@ -33,10 +33,11 @@ PEFT's adapter files (adapter_config.json + adapter_model.safetensors) are read 
 `lmzoo.convert.peft`.
 """
 
+import contextlib
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -60,7 +61,7 @@ class LoraConfig:
         targets: regular expression over module names or trailing paths ("query|key|value|out", "wi_0|wi_1|wo").
         rank: r, at least 1 and at most min(inputs, outputs) of every targeted kernel.
         alpha: the adapters' product is scaled by alpha / r (alpha / sqrt(r) with rslora).
-        dropout: PEFT's lora_dropout, kept so that a PEFT adapter's config reads back; training needs 0.0.
+        dropout: PEFT's lora_dropout: the inputs of the layers' projection adapters are dropped while training.
         base_dtype: dtype the frozen base's matrices are held in ("bfloat16"); None keeps theirs.
         rslora: rank-stabilised scaling, alpha / sqrt(r) (PEFT's use_rslora).
         train_in_full: regular expression over module names or trailing paths, as targets, of modules trained in
@@ -253,8 +254,8 @@ def adapter_pairs(trained: Params) -> dict[tuple[str, ...], tuple[Any, Any]]:
 
 
 def _combine(params: Params, adapters: Params, config: LoraConfig, *, attach_scanned: bool) -> Params:
-    """`merge`, or with `attach_scanned` `attach`: the kernels of a scanned stack get A and scale B beside them
-    instead of being merged here. Adapters that do not fit the params are a ValueError naming every module."""
+    """`merge`, or with `attach_scanned` `attach`: the kernels it leaves unmerged (see `attach`) get A and scale B
+    beside them. Adapters that do not fit the params are a ValueError naming every module."""
     flat = traverse_util.flatten_dict(nn.unbox(params), keep_empty_nodes=False)
     problems, combined = [], {}
     for leaf, value in trained_in_full(adapters).items():
@@ -274,7 +275,16 @@ def _combine(params: Params, adapters: Params, config: LoraConfig, *, attach_sca
             )
             continue
         scaled_b = config.scale * b
-        if attach_scanned and blocks.SCANNED in module:
+        in_a_layer = any(blocks.is_layer(name) for name in module)
+        if (
+            attach_scanned
+            and in_a_layer
+            and leaf[-1] == adapters_lib.PROJECTION_KERNEL
+            and adapters_lib.attach_to_projection(module)
+        ):
+            combined[(*leaf[:-1], leaf[-1] + adapters_lib.SUFFIX_A)] = a
+            combined[(*leaf[:-1], leaf[-1] + adapters_lib.SUFFIX_B)] = scaled_b
+        elif attach_scanned and blocks.SCANNED in module:
             combined[(*leaf[:-1], leaf[-1] + adapters_lib.SUFFIX_A)] = a
             combined[(*leaf[:-1], leaf[-1] + adapters_lib.SUFFIX_B)] = scaled_b
         else:
@@ -296,10 +306,13 @@ def merge(params: Params, adapters: Params, config: LoraConfig) -> Params:
 
 
 def attach(params: Params, adapters: Params, config: LoraConfig) -> Params:
-    """The training form of `merge`, equal to it in value: the kernels of a scanned stack (`layers.blocks.SCANNED`)
-    carry their adapters beside them (`layers.adapters`), and the stack merges them one layer at a time inside its
-    scan, so that the merged kernels and their gradients exist for one layer, not for every layer at once; the other
-    kernels are merged here."""
+    """The training form of `merge`, equal to it in value, its kernels carrying their adapters beside them
+    (`layers.adapters`). Inside `training_form`, every projection kernel ("kernel": an Einsum's or nn.Dense's) of a
+    block stack's layers does, and its module applies them at its inputs, so no merged kernel nor gradient of the
+    base kernel is formed. The other kernels (experts' weights), and every kernel outside `training_form`: a scanned
+    stack's (`layers.blocks.SCANNED`) are merged one layer at a time inside its scan, so that merged kernels and their
+    gradients exist for one layer, not for every layer at once; the rest (heads, which losses may read as matrices)
+    are merged here."""
     return _combine(params, adapters, config, attach_scanned=True)
 
 
@@ -316,19 +329,23 @@ def freeze(params: Params, config: LoraConfig) -> Params:
     return jax.tree.map(cast, params)
 
 
+@contextlib.contextmanager
+def training_form(config: LoraConfig, *, train: bool) -> Iterator[None]:
+    """The context `attach`'s params are applied in to train: projections apply their adapters at their inputs, with
+    `config.dropout` on those inputs when `train` (the apply must then be given a "dropout" rng); see
+    `layers.adapters.on_activations`."""
+    with adapters_lib.on_activations(config.dropout if train else 0.0):
+        yield
+
+
 def lora_loss(loss_fn: Callable[..., Any], config: LoraConfig) -> Callable[..., Any]:
     """The training form: `loss_fn(params, *args, **kwargs)` as a function of (adapters, base, *args, **kwargs), the
-    model applied to attach(base, adapters); differentiate its first argument. The base is behind a stop_gradient."""
-    if config.dropout:
-        raise ValueError(
-            f"LoRA dropout={config.dropout} cannot be trained: it drops the adapters' inputs, activations that "
-            "lmzoo's LoRA (the model run on merged weights, W + A scale B) never forms; set dropout 0.0 and "
-            "regularise with weight decay or config.model.dropout_rate (a PEFT adapter trained with dropout loads "
-            "and merges as it is)"
-        )
+    model applied to attach(base, adapters) in `training_form`, its dropout on when the call passes train=True (the
+    Task protocol's flag); differentiate its first argument. The base is behind a stop_gradient."""
 
     def loss(adapters: Params, base: Params, *args: Any, **kwargs: Any) -> Any:
-        return loss_fn(attach(jax.lax.stop_gradient(base), adapters, config), *args, **kwargs)
+        with training_form(config, train=kwargs.get("train") is True):
+            return loss_fn(attach(jax.lax.stop_gradient(base), adapters, config), *args, **kwargs)
 
     return loss
 

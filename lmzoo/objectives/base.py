@@ -76,6 +76,8 @@ class Objective:
     # without adapters (counting, truncated BPTT).
     lora_base: str | None = trainers_lora.BASE
     lora_heads: str = ""  # modules no base provides, trained in full beside the adapters (a classifier's head)
+    # Why the loss applies its model without dropout, if it does: LoRA's dropout then has no rng to draw from.
+    no_dropout_because: str = ""
 
     def __init__(self, config: ml_collections.ConfigDict):
         """config: the run's whole config, its objective section filled in (`lmzoo.objectives.build`)."""
@@ -102,7 +104,11 @@ class Objective:
         adapted = self.lora_config()
         if adapted is None:
             return
-        lora.lora_loss(lambda params: params, adapted)  # refuses dropout > 0, naming why
+        if adapted.dropout and self.no_dropout_because:
+            raise ValueError(
+                f"config.lora.dropout={adapted.dropout}: objective {self.name!r} applies its model without dropout "
+                f"({self.no_dropout_because}): set --config.lora.dropout=0.0"
+            )
         if self.lora_base is None:
             raise ValueError(
                 f"config.lora.targets={adapted.targets!r}: objective {self.name!r} runs a trainer of its own, which "

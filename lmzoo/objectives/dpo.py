@@ -145,6 +145,7 @@ class DPO(base.ExampleObjective):
     reader = readers.CONVERSATIONS
     loss_is_token_nll = False  # −log σ of implicit reward margins (or IPO's squares)
     lora_base = "reference"  # with LoRA the policy is the frozen reference plus adapters: the base is held once
+    no_dropout_because = "its loss compares the policy's log-probabilities with the reference's, as trl's does"
 
     def check(self):
         super().check()

@@ -116,6 +116,7 @@ class PPO(base.Objective):
     name = "ppo"
     lora_base = "reference"  # with LoRA the policy is the frozen SFT reference plus adapters: held once
     lora_heads = "value_head"
+    no_dropout_because = "its updates compare the policy's log-probabilities with the rollout's; trl's do too"
     Config = PPOConfig
     reader = readers.CONVERSATIONS
     loss_is_token_nll = False  # the policy-gradient surrogate

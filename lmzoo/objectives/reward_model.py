@@ -79,6 +79,7 @@ class RewardModel(base.ExampleObjective):
 
     name = "reward_model"
     lora_heads = "classifier"  # the scalar head no base provides
+    no_dropout_because = "its ranking loss compares the scores of one prompt's replies"
     Config = RewardModelConfig
     reader = readers.COMPARISONS
     loss_is_token_nll = False  # -log sigmoid of reward margins

@@ -11,6 +11,7 @@ adds β times the k3 KL to the reference to its clipped loss; the value head get
 The maths is `lmzoo.rl`; the recipe around it (data, frozen models, settings) is `lmzoo.objectives.ppo`.
 """
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -262,13 +263,15 @@ class PPOTrainer:
         """The PPO (or REINFORCE) loss of a rollout minibatch, plus ptx_coef x the SFT loss of the policy's decoder on
         `demonstrations` (packed "inputs", "targets", "weights", "segment_ids", "positions" [R, L]) when given;
         `params` are the trained ones (`frozen`: the state's, which LoRA's policy params are merged into)."""
-        params = self.policy_params(params, frozen, train=True)
-        loss, metrics = self._policy_loss(params, minibatch)
-        if demonstrations is None:
-            return loss, metrics
-        ptx_loss, (ptx_metrics, _) = self.ptx_loss(
-            params["decoder"], {}, {}, demonstrations, jax.random.key(0), step=0, train=False
-        )
+        adapted = lora.training_form(self.lora_config, train=False) if self.lora_config else contextlib.nullcontext()
+        with adapted:
+            params = self.policy_params(params, frozen, train=True)
+            loss, metrics = self._policy_loss(params, minibatch)
+            if demonstrations is None:
+                return loss, metrics
+            ptx_loss, (ptx_metrics, _) = self.ptx_loss(
+                params["decoder"], {}, {}, demonstrations, jax.random.key(0), step=0, train=False
+            )
         ptx_metrics = {"ptx/loss": ptx_metrics["loss"], "ptx/accuracy": ptx_metrics["accuracy"]}
         return loss + self.settings.ptx_coef * ptx_loss, {**metrics, **jax.tree.map(jax.lax.stop_gradient, ptx_metrics)}
 

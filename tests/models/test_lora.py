@@ -2,6 +2,7 @@
 at the activations, scanned and per-layer stacks and experts get adapters of their own, only the adapters train, and
 bad input is a clear error."""
 
+import contextlib
 import math
 
 import flax.linen as nn
@@ -193,8 +194,8 @@ def test_bad_input_is_a_clear_error():
         lora.init_adapters(jax.random.key(0), boxed, lora.LoraConfig(ALL, rank=9, alpha=2.0))
     with pytest.raises(ValueError, match="not a regular expression"):
         lora.LoraConfig("(query", rank=2, alpha=2.0)
-    with pytest.raises(ValueError, match="dropout=0.05 cannot be trained"):
-        lora.lora_loss(lambda params: 0.0, lora.LoraConfig(ALL, rank=2, alpha=2.0, dropout=0.05))
+    with pytest.raises(ValueError, match=r"dropout=1.0 must be in \[0, 1\)"):
+        lora.LoraConfig(ALL, rank=2, alpha=2.0, dropout=1.0)
     with pytest.raises(ValueError, match="carries no logical axes"):
         lora.init_adapters(jax.random.key(0), nn.unbox(boxed), lora.LoraConfig("query", rank=2, alpha=2.0))
 
@@ -243,14 +244,53 @@ def _at(tree, path):
     return np.asarray(tree)
 
 
-def _lora_grads(model, config, base, adapters, combine):
-    """(loss, adapter gradients) of a next-token loss on TOKENS with the model run on combine(base, adapters)."""
+def _lora_grads(model, config, base, adapters, combine, context=None):
+    """(loss, adapter gradients) of a next-token loss on TOKENS with the model run on combine(base, adapters), inside
+    `context()` when given."""
 
     def loss(adapters):
-        logits = model.apply({"params": combine(jax.lax.stop_gradient(base), adapters, config)}, TOKENS[:, :-1])
+        with context() if context else contextlib.nullcontext():
+            logits = model.apply({"params": combine(jax.lax.stop_gradient(base), adapters, config)}, TOKENS[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, TOKENS[:, 1:]).mean()
 
     return jax.jit(jax.value_and_grad(loss))(adapters)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_the_training_form_applies_projection_adapters_at_their_inputs_with_the_merged_values_and_gradients(
+    scan_layers,
+):
+    """In `training_form`, `attach` leaves every projection kernel of the layers unmerged with its adapters beside it
+    (the module adds x A B), the experts' kernels merged (in the scan, or up front) and the head merged, and the loss
+    and adapter gradients equal `merge`'s: attention, a shared expert's MLP, the experts and the head."""
+    config = lora.LoraConfig(ALL + "|lm_head", rank=2, alpha=4.0, base_dtype="bfloat16")
+    model, boxed = boxed_params(
+        scan_layers=scan_layers, remat_policy="full", num_experts=3, experts_per_token=2, shared_expert_mlp_dim=8
+    )
+    base = lora.freeze(nn.unbox(boxed), config)
+    adapters = nonzero(lora.init_adapters(jax.random.key(1), boxed, config))
+    with lora.training_form(config, train=False):
+        attached = lora.attach(base, adapters, config)
+        model.apply({"params": attached}, TOKENS)
+    layer = attached["blocks"]["layers" if scan_layers else "layer_1"]
+    assert set(layer["attn"]["query"]) == {"kernel", "kernel_lora_a", "kernel_lora_b"}
+    assert set(layer["mlp"]["shared"]["wo"]) == {"kernel", "kernel_lora_a", "kernel_lora_b"}
+    assert set(attached["lm_head"]) == {"kernel"}  # outside the layers (a loss may read it as a matrix): merged
+    experts_kernels = {"wi_0", "wi_0_lora_a", "wi_0_lora_b"} & set(layer["mlp"])
+    assert experts_kernels == ({"wi_0", "wi_0_lora_a", "wi_0_lora_b"} if scan_layers else {"wi_0"})
+
+    def context():
+        return lora.training_form(config, train=False)
+
+    loss, grads = _lora_grads(model, config, base, adapters, lora.attach, context)
+    merged_loss, merged_grads = _lora_grads(model, config, base, adapters, lora.merge)
+    np.testing.assert_allclose(loss, merged_loss, rtol=1e-6)
+    # x W + (x A) B and x (W + A B) sum in other orders: float32 rounding, measured against each leaf's largest value
+    jax.tree.map(
+        lambda g, m: np.testing.assert_allclose(g, m, rtol=1e-5, atol=1e-5 * float(np.abs(m).max())),
+        grads,
+        merged_grads,
+    )
 
 
 def test_the_training_form_merges_a_scanned_stack_layer_by_layer_with_the_merged_values_and_gradients():
@@ -301,3 +341,60 @@ def test_the_training_form_holds_one_layers_merged_kernels_at_a_time():
     layer_bytes = 8 * kernel_params  # one layer's merged kernels and their gradients, float32
     assert merged_growth >= 6 * layer_bytes, (merged_growth, layer_bytes)
     assert attached_growth < 2 * layer_bytes, (attached_growth, layer_bytes)
+
+
+def test_adapter_dropout_drops_the_adapters_inputs_only_and_only_in_training():
+    """A layer's Einsum with A = B = I (rank = width) in `training_form`: x W + dropout(x), each input kept with
+    probability 1 - p and scaled by 1 / (1 - p), a new draw per rng; with train=False, x W + x."""
+    width, p = 8, 0.25
+    config = lora.LoraConfig("proj", rank=width, alpha=float(width), dropout=p)  # scale 1
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 32, width)), jnp.float32)
+    kernel = jnp.asarray(np.random.default_rng(1).normal(size=(width, width)), jnp.float32)
+    params = {"layer_0": {"proj": {"kernel": kernel}}}
+    identity = {"layer_0": {"proj": {lora.LORA_A: jnp.eye(width), lora.LORA_B: jnp.eye(width)}}}
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return Einsum(shape=(width, width), axes=("embed", "mlp"), name="proj")("BTD,DF->BTF", x)
+
+    class Model(nn.Module):  # a block stack's looped layer: where projections take their adapters at their inputs
+        @nn.compact
+        def __call__(self, x):
+            return Layer(name="layer_0")(x)
+
+    def run(train, seed):
+        with lora.training_form(config, train=train):
+            attached = lora.attach(params, identity, config)
+            return Model().apply({"params": attached}, x, rngs={"dropout": jax.random.key(seed)})
+
+    base = x @ kernel
+    np.testing.assert_allclose(run(False, 0) - base, x, rtol=1e-5, atol=1e-5)
+    branch = np.asarray(run(True, 0) - base)
+    dropped = np.abs(branch) < 1e-5
+    np.testing.assert_allclose(branch[~dropped], x[~dropped] / (1 - p), rtol=1e-4, atol=1e-5)
+    assert abs(dropped.mean() - p) < 0.02, dropped.mean()
+    assert not np.array_equal(dropped, np.abs(np.asarray(run(True, 1) - base)) < 1e-5)
+
+
+def test_adapters_a_module_does_not_apply_are_an_error_not_dropped():
+    """A targeted kernel whose module is neither an Einsum nor an nn.Dense cannot take its adapters at its inputs:
+    leaving `training_form` names it rather than training a model that ignores them."""
+
+    class Scaled(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x @ (2.0 * self.param("kernel", nn.initializers.normal(0.1), (4, 4)))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return Scaled(name="layer_0")(x)
+
+    x = jnp.ones((2, 4))
+    params = Model().init(jax.random.key(0), x)["params"]
+    config = lora.LoraConfig("layer_0", rank=2, alpha=2.0)
+    adapters = lora.init_adapters(jax.random.key(1), params, config)
+    with pytest.raises(ValueError, match="attached to the kernels of layer_0, whose modules did not apply them"):
+        with lora.training_form(config, train=False):
+            Model().apply({"params": lora.attach(params, adapters, config)}, x)

@@ -43,12 +43,30 @@ def restored(workdir):
     return step, jax.device_get(state)
 
 
-def test_lora_trains_resumes_exactly_and_loads_merged(tmp_path, base_folder):
-    loop.train_and_evaluate(lora_config(base_folder), str(tmp_path / "straight"))
-    loop.train_and_evaluate(lora_config(base_folder, steps=2), str(tmp_path / "resumed"))
-    loop.train_and_evaluate(lora_config(base_folder), str(tmp_path / "resumed"))
+def test_lora_trains_with_dropout_resumes_exactly_and_loads_merged(tmp_path, base_folder):
+    """Adapters trained with input dropout 0.5: an exact resume; the first logged loss is the dropout-free run's (B
+    starts at zero, so the dropped branch adds nothing) while the trained B is not; the merged model loads."""
+
+    def dropped(**train):
+        config = lora_config(base_folder, **train)
+        config.lora.dropout = 0.5
+        return config
+
+    loop.train_and_evaluate(dropped(), str(tmp_path / "straight"))
+    loop.train_and_evaluate(dropped(steps=2), str(tmp_path / "resumed"))
+    loop.train_and_evaluate(dropped(), str(tmp_path / "resumed"))
+    loop.train_and_evaluate(lora_config(base_folder), str(tmp_path / "no_dropout"))
     (step_a, a), (step_b, b) = restored(str(tmp_path / "straight")), restored(str(tmp_path / "resumed"))
     assert step_a == step_b == 4
+    with_dropout, without = _train_losses(tmp_path / "straight"), _train_losses(tmp_path / "no_dropout")
+    np.testing.assert_allclose(with_dropout[0], without[0], rtol=1e-6)
+    b_with, b_without = (
+        np.concatenate(
+            [np.ravel(leaf) for path, leaf in traverse_util.flatten_dict(params).items() if path[-1] == "lora_b"]
+        )
+        for params in (a.params, restored(str(tmp_path / "no_dropout"))[1].params)
+    )
+    assert np.abs(b_with - b_without).max() > 0.1 * np.abs(b_without).max()  # B's gradient saw the dropped inputs
     jax.tree.map(np.testing.assert_array_equal, a, b)
     names = {path[-1] for path in traverse_util.flatten_dict(a.params)}
     assert names == {"lora_a", "lora_b"}  # the checkpoint holds the adapters, not the base
@@ -74,8 +92,8 @@ def test_lora_needs_a_base(tmp_path):
     config.lora.targets = "query"
     with pytest.raises(ValueError, match="adapts a frozen base"):
         loop.train_and_evaluate(config, str(tmp_path))
-    config.lora.targets, config.init_from, config.lora.dropout = "query", "hf:/nowhere", 0.1
-    with pytest.raises(ValueError, match="dropout=0.1 cannot be trained"):
+    config.lora.targets, config.init_from, config.lora.dropout = "query", "hf:/nowhere", 1.0
+    with pytest.raises(ValueError, match=r"dropout=1.0 must be in \[0, 1\)"):
         loop.train_and_evaluate(config, str(tmp_path))
 
 
@@ -121,9 +139,10 @@ def _train_losses(workdir):
     return [row["loss"] for row in rows if row.get("split") == "train"]
 
 
-def test_a_scanned_stack_trains_the_same_adapters_merging_layer_by_layer_and_resumes_exactly(tmp_path, base_folder):
-    """LoRA's training form on scanned, rematerialised layers (each layer merges its adapters inside the scan) through
-    the loop: the losses of the per-layer stack's run, an exact resume, and `lmzoo.load` gives the merged model."""
+def test_a_scanned_stack_trains_the_same_adapters_and_resumes_exactly(tmp_path, base_folder):
+    """LoRA's training form on scanned, rematerialised layers (each layer's projections apply its adapters inside the
+    scan) through the loop: the losses of the per-layer stack's run, an exact resume, and `lmzoo.load` gives the
+    merged model."""
 
     def scanned(**train):
         config = lora_config(base_folder, **train)

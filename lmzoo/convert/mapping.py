@@ -24,7 +24,9 @@ Weights are read only from safetensors files (float32, float16 or bfloat16): pic
 checkpoints are refused, because unpickling can run arbitrary code.
 """
 
+import concurrent.futures
 import fnmatch
+import functools
 import itertools
 import json
 import math
@@ -422,15 +424,52 @@ def _fill(source: Any, parts: Sequence[tuple[Box, np.ndarray]], buffer: ReadBuff
         for axis in range(len(source.shape))
     )
     block = source.read(_slices(bounds), buffer) if isinstance(source, LazyLeaf) else source[_slices(bounds)]
+    pairs = []
     for box, out in parts:
         relative = tuple(slice(start - low, stop - low) for (start, stop), (low, _) in zip(box, bounds, strict=True))
-        _copy(out, block[relative])
+        pairs.append((out, block[relative]))
+    _copy_all(pairs)
 
 
 # Tile sides (elements) for copying a transposed view: along the axis the source is contiguous in, and over the others.
 # Long runs of the source with few of them: each source row is read as whole cache lines, and the 16 output lines a
 # column of the tile writes stay in the L1 cache between rows.
 _TILE_FAST, _TILE = 1024, 16
+
+
+# Copies of this many bytes or more together are spread over threads (numpy's copies release the GIL): loading
+# writes the whole model into fresh memory, and each thread faults in and fills its own part.
+_PARALLEL_BYTES = 8 << 20
+_MAX_COPY_THREADS = 16
+
+
+@functools.cache
+def _copy_threads() -> tuple[concurrent.futures.ThreadPoolExecutor | None, int]:
+    """(the pool that large copies are split over, its threads): one per core this process may run on, at most
+    _MAX_COPY_THREADS; no pool on one core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    count = min(cores, _MAX_COPY_THREADS)
+    return (concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="lmzoo-load") if count > 1 else None), count
+
+
+def _copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """np.copyto(out, src) of each (out, src), converting to out's dtype; when they come to `_PARALLEL_BYTES` or more,
+    on the copy threads, each pair split along its first axis into as many parts as there are threads."""
+    pool, count = _copy_threads()
+    if pool is None or sum(out.nbytes for out, _ in pairs) < _PARALLEL_BYTES:
+        for out, src in pairs:
+            _copy(out, src)
+        return
+    jobs = []
+    for out, src in pairs:
+        if out.ndim == 0 or out.shape[0] < 2 or out.nbytes < _PARALLEL_BYTES // count:
+            jobs.append((out, src))
+            continue
+        bounds = np.linspace(0, out.shape[0], min(count, out.shape[0]) + 1).astype(int)
+        edges = zip(bounds[:-1], bounds[1:], strict=True)
+        jobs += [(out[start:stop], src[start:stop]) for start, stop in edges if stop > start]
+    for done in [pool.submit(_copy, out, src) for out, src in jobs]:
+        done.result()
 
 
 def _copy(out: np.ndarray, src: np.ndarray) -> None:
@@ -457,7 +496,7 @@ def _fresh_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
     Mapped directly rather than through np.empty: numpy asks the kernel for transparent huge pages for arrays of 4 MB
     and more, and where THP's defrag setting is "madvise" (a common default) the kernel then compacts memory to serve
-    each fault; writing a 1 GB model into such pages took 1.6 s here, into plain pages 0.36 s.
+    each fault, several times the cost of plain pages.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < _NUMPY_HUGE_PAGE_BYTES:  # numpy's own, 64-byte aligned

@@ -78,8 +78,8 @@ def large_blocks_unmapped_when_freed():
 
     For reading a checkpoint: glibc serves blocks of up to 32 MB from its heaps once one that large has been freed, and
     keeps freed ones there for reuse, so while orbax restores, its read buffers (a parameter shard each, in several
-    threads' heaps) pile up: the peak RSS of restoring a 0.98 GB model rose by 0.1-0.5 GB over the parameters from
-    run to run, and stayed within 0.1 GB with this (bench/load_bench.py's `ckpt:`). After the block the thresholds
+    threads' heaps) pile up, by a share of the model that varies from run to run (bench/load_bench.py's `ckpt:`,
+    docs/RESULTS.md). After the block the thresholds
     are left where glibc's own adjustment ends (mmap from 32 MB, trim past 64 MB free). Where the C library is not
     glibc, nothing is set.
     """

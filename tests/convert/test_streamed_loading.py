@@ -71,6 +71,19 @@ def save_random(folder: pathlib.Path, family: str, fields: dict, *, dtype=ml_dty
     return save_checkpoint(folder, module.config_to_hf(cfg), state_dict, **kwargs)
 
 
+def test_large_copies_split_over_threads_give_every_element_once():
+    """`_copy_all` of parts that come to more than `_PARALLEL_BYTES`: transposed bfloat16 sources (HF's [out, in]),
+    a cast to float32 and an odd first axis, split over the copy threads, equal np.copyto's result exactly."""
+    rng = np.random.default_rng(0)
+    source = rng.normal(size=(2053, 1531)).astype(ml_dtypes.bfloat16)  # [out, in], 6.3 MB
+    outs = [np.empty((1531, 2053), ml_dtypes.bfloat16), np.empty((765, 2053), np.float32), np.empty((3, 7), np.float32)]
+    srcs = [source.T, source.T[766:], source.T[:3, :7]]
+    assert sum(out.nbytes for out in outs) >= mapping._PARALLEL_BYTES
+    mapping._copy_all(list(zip(outs, srcs, strict=True)))
+    for out, src in zip(outs, srcs, strict=True):
+        np.testing.assert_array_equal(out, np.asarray(src, out.dtype))
+
+
 def test_every_box_of_a_converted_leaf_is_that_box_of_the_whole_conversion(tmp_path):
     """Transposed and split into heads, a head-split input axis, a third of a fused tensor, a [1, V] row: read from
     a file by boxes, as the shards of a mesh read them; a wide one is copied whole in several cache tiles."""

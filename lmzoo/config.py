@@ -29,7 +29,9 @@ def base_config() -> ml_collections.ConfigDict:
     # ("query|key|value|out|wi_0|wi_1|wo") trains low-rank adapters of those kernels over the frozen base that init_from
     # (or the objective's reference: dpo's sft, ppo's) gives. base_dtype "": the params' own; "bfloat16" halves the
     # base. train_in_full: modules trained in full beside the adapters (PEFT's modules_to_save), added to the heads
-    # the objective trains so (a classifier's or reward model's "classifier", PPO's "value_head").
+    # the objective trains so (a classifier's or reward model's "classifier", PPO's "value_head"). dropout: PEFT's
+    # lora_dropout, on the inputs of the layers' adapted projections while training (DPO, the reward model and the PPO
+    # family train without dropout and refuse it).
     c.lora = ml_collections.ConfigDict(
         {
             "targets": "",

@@ -316,3 +316,43 @@ def test_grouped_query_attention_trains_tensor_parallel_with_fewer_kv_heads_than
     assert sorted(losses["llama_8"]) == [1, 2, 3, 4]
     for step, loss in losses["llama_1"].items():
         assert losses["llama_8"][step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_lora_with_dropout_trains_the_same_on_an_fsdp_and_tensor_mesh(workspace, env):
+    """LoRA adapters (dropout 0.1 on their inputs) over a frozen configs/llama.py:tiny base on an (fsdp 4, tensor 2)
+    mesh of 8 devices: the losses are the single device's (the dropout masks do not depend on the sharding), and the
+    adapters trained (B, zero at the start, moved)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    from lmzoo import config as config_lib
+    from lmzoo.convert import export
+    from lmzoo.models import build_model
+
+    config = config_lib.load_config_file(ROOT / "configs" / "llama.py", "tiny")
+    model = build_model("llama", config.model.to_dict())
+    params = jax.device_get(nn.unbox(model.init(jax.random.key(5), jnp.zeros((1, 8), jnp.int32))["params"]))
+    base = workspace / "llama_base"
+    export.export_hf("llama", config.model.to_dict(), jax.tree.map(np.asarray, params), str(base))
+    flags = [
+        f"--config.init_from=hf:{base}",
+        "--config.lora.targets=query|value|wi_0|wo",
+        "--config.lora.rank=2",
+        "--config.lora.dropout=0.1",
+        "--config.train.log_every=1",
+        "--config.train.sample_tokens=0",
+    ]
+    losses = {}
+    for name, mesh in (
+        ("lora_1", ()),
+        ("lora_8", ("--config.distributed.cpu_devices_per_process=8", "--config.sharding.mesh_shape=(1,4,2)")),
+    ):
+        command = [sys.executable, "train.py", "--config=configs/llama.py:tiny", f"--workdir={workspace / name}"]
+        Run(command + flags + list(mesh), env, workspace / f"{name}.log").result()
+        losses[name] = train_losses(workspace / name)
+    assert sorted(losses["lora_8"]) == sorted(losses["lora_1"]) and len(losses["lora_1"]) >= 3
+    for step, loss in losses["lora_1"].items():
+        assert losses["lora_8"][step] == pytest.approx(loss, rel=1e-5), step
+    _, state = restore_latest(workspace / "lora_8", mesh_shape=(1, 1, 1))
+    trained = {"/".join(map(str, path)): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    assert any("lora_b" in path and np.abs(leaf).max() > 0 for path, leaf in trained.items()), sorted(trained)

@@ -253,8 +253,8 @@ def adapter_pairs(trained: Params) -> dict[tuple[str, ...], tuple[Any, Any]]:
     return {module: (pair[LORA_A], pair[LORA_B]) for module, pair in pairs.items()}
 
 
-def _combine(params: Params, adapters: Params, config: LoraConfig, *, attach_scanned: bool) -> Params:
-    """`merge`, or with `attach_scanned` `attach`: the kernels it leaves unmerged (see `attach`) get A and scale B
+def _combine(params: Params, adapters: Params, config: LoraConfig, *, attaching: bool) -> Params:
+    """`merge`, or `attach` when `attaching`: the kernels it leaves unmerged (see `attach`) get A and scale B
     beside them. Adapters that do not fit the params are a ValueError naming every module."""
     flat = traverse_util.flatten_dict(nn.unbox(params), keep_empty_nodes=False)
     problems, combined = [], {}
@@ -275,16 +275,8 @@ def _combine(params: Params, adapters: Params, config: LoraConfig, *, attach_sca
             )
             continue
         scaled_b = config.scale * b
-        in_a_layer = any(blocks.is_layer(name) for name in module)
-        if (
-            attach_scanned
-            and in_a_layer
-            and leaf[-1] == adapters_lib.PROJECTION_KERNEL
-            and adapters_lib.attach_to_projection(module)
-        ):
-            combined[(*leaf[:-1], leaf[-1] + adapters_lib.SUFFIX_A)] = a
-            combined[(*leaf[:-1], leaf[-1] + adapters_lib.SUFFIX_B)] = scaled_b
-        elif attach_scanned and blocks.SCANNED in module:
+        layer_projection = leaf[-1] == adapters_lib.PROJECTION_KERNEL and any(blocks.is_layer(n) for n in module)
+        if attaching and ((layer_projection and adapters_lib.attach_to_projection(module)) or blocks.SCANNED in module):
             combined[(*leaf[:-1], leaf[-1] + adapters_lib.SUFFIX_A)] = a
             combined[(*leaf[:-1], leaf[-1] + adapters_lib.SUFFIX_B)] = scaled_b
         else:
@@ -302,7 +294,7 @@ def merge(params: Params, adapters: Params, config: LoraConfig) -> Params:
     promoted dtype of W and the adapters (a bfloat16 base with float32 adapters merges to float32), and the modules
     trained in full (`adapters`' other leaves) in place of the base's: the weights to evaluate and export. Adapters
     that do not fit the params (another base model's) are a ValueError naming every module and its shapes."""
-    return _combine(params, adapters, config, attach_scanned=False)
+    return _combine(params, adapters, config, attaching=False)
 
 
 def attach(params: Params, adapters: Params, config: LoraConfig) -> Params:
@@ -313,7 +305,7 @@ def attach(params: Params, adapters: Params, config: LoraConfig) -> Params:
     stack's (`layers.blocks.SCANNED`) are merged one layer at a time inside its scan, so that merged kernels and their
     gradients exist for one layer, not for every layer at once; the rest (heads, which losses may read as matrices)
     are merged here."""
-    return _combine(params, adapters, config, attach_scanned=True)
+    return _combine(params, adapters, config, attaching=True)
 
 
 def freeze(params: Params, config: LoraConfig) -> Params:

@@ -304,18 +304,25 @@ def test_grouped_query_attention_trains_tensor_parallel_with_fewer_kv_heads_than
     """configs/llama.py:tiny with one kv head on a (data 4, tensor 2) mesh of 8 devices: the kv heads take their
     own (replicated) rule, query heads, MLP and vocabulary shard over the tensor axis, and the losses are the
     single device's."""
-    flags = ["--config.model.num_kv_heads=1", "--config.train.log_every=1", "--config.train.sample_tokens=0"]
-    losses = {}
-    for name, mesh in (
-        ("llama_1", ()),
-        ("llama_8", ("--config.distributed.cpu_devices_per_process=8", "--config.sharding.mesh_shape=(4,1,2)")),
+    one, eight = llama_tiny_losses(workspace, env, "llama", ["--config.model.num_kv_heads=1"], "(4,1,2)")
+    assert sorted(eight) == [1, 2, 3, 4]
+    for step, loss in one.items():
+        assert eight[step] == pytest.approx(loss, rel=1e-5), step
+
+
+def llama_tiny_losses(workspace, env, name: str, flags: list[str], mesh_shape: str) -> tuple[dict, dict]:
+    """Training losses {step: loss} of train.py on configs/llama.py:tiny with `flags`, logged every step: on one
+    device (workdir `name`_1) and on 8 devices in `mesh_shape` (`name`_8)."""
+    flags = [*flags, "--config.train.log_every=1", "--config.train.sample_tokens=0"]
+    losses = []
+    for workdir, mesh in (
+        (f"{name}_1", ()),
+        (f"{name}_8", ("--config.distributed.cpu_devices_per_process=8", f"--config.sharding.mesh_shape={mesh_shape}")),
     ):
-        command = [sys.executable, "train.py", "--config=configs/llama.py:tiny", f"--workdir={workspace / name}"]
-        Run(command + flags + list(mesh), env, workspace / f"{name}.log").result()
-        losses[name] = train_losses(workspace / name)
-    assert sorted(losses["llama_8"]) == [1, 2, 3, 4]
-    for step, loss in losses["llama_1"].items():
-        assert losses["llama_8"][step] == pytest.approx(loss, rel=1e-5), step
+        command = [sys.executable, "train.py", "--config=configs/llama.py:tiny", f"--workdir={workspace / workdir}"]
+        Run(command + flags + list(mesh), env, workspace / f"{workdir}.log").result()
+        losses.append(train_losses(workspace / workdir))
+    return losses[0], losses[1]
 
 
 def test_lora_with_dropout_trains_the_same_on_an_fsdp_and_tensor_mesh(workspace, env):
@@ -339,20 +346,11 @@ def test_lora_with_dropout_trains_the_same_on_an_fsdp_and_tensor_mesh(workspace,
         "--config.lora.targets=query|value|wi_0|wo",
         "--config.lora.rank=2",
         "--config.lora.dropout=0.1",
-        "--config.train.log_every=1",
-        "--config.train.sample_tokens=0",
     ]
-    losses = {}
-    for name, mesh in (
-        ("lora_1", ()),
-        ("lora_8", ("--config.distributed.cpu_devices_per_process=8", "--config.sharding.mesh_shape=(1,4,2)")),
-    ):
-        command = [sys.executable, "train.py", "--config=configs/llama.py:tiny", f"--workdir={workspace / name}"]
-        Run(command + flags + list(mesh), env, workspace / f"{name}.log").result()
-        losses[name] = train_losses(workspace / name)
-    assert sorted(losses["lora_8"]) == sorted(losses["lora_1"]) and len(losses["lora_1"]) >= 3
-    for step, loss in losses["lora_1"].items():
-        assert losses["lora_8"][step] == pytest.approx(loss, rel=1e-5), step
+    one, eight = llama_tiny_losses(workspace, env, "lora", flags, "(1,4,2)")
+    assert sorted(eight) == sorted(one) and len(one) >= 3
+    for step, loss in one.items():
+        assert eight[step] == pytest.approx(loss, rel=1e-5), step
     _, state = restore_latest(workspace / "lora_8", mesh_shape=(1, 1, 1))
     trained = {"/".join(map(str, path)): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]}
     assert any("lora_b" in path and np.abs(leaf).max() > 0 for path, leaf in trained.items()), sorted(trained)

@@ -165,12 +165,14 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 SCANNED = "layers"  # the scanned stack's module name: its params are stacked on a leading "layers" axis
+SHARED = "shared"  # the one layer of a stack whose params are shared (ALBERT)
+LOOPED = "layer_"  # + i: the i-th layer of a stack looped in Python
 
 
 def is_layer(name: str) -> bool:
     """Whether a module named `name` is a BlockStack's layer: the scanned stack, a looped `layer_{i}`, or the shared
     one (ALBERT)."""
-    return name in (SCANNED, "shared") or (name.startswith("layer_") and name[len("layer_") :].isdigit())
+    return name in (SCANNED, SHARED) or (name.startswith(LOOPED) and name[len(LOOPED) :].isdigit())
 
 
 def _merge_attached_params(variables: dict) -> dict:
@@ -214,13 +216,13 @@ class BlockStack(nn.Module):
 
         body = nn.remat(apply, policy=REMAT_POLICIES[self.remat_policy]) if self.remat_policy != "none" else apply
         if self.share_params:
-            shared = block_cls(**attrs, name="shared")
+            shared = block_cls(**attrs, name=SHARED)
             for _ in range(self.num_layers):
                 x = body(shared, x, *args)
             return x
         if not self.scan:
             for i in range(self.num_layers):
-                x = body(block_cls(**attrs, name=f"layer_{i}"), x, *args)
+                x = body(block_cls(**attrs, name=f"{LOOPED}{i}"), x, *args)
             return x
 
         def scan_body(module, carry, _):

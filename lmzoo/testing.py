@@ -7,6 +7,16 @@ import numpy as np
 
 from lmzoo import models, storage
 
+# XLA's quickest CPU pipeline (LLVM unoptimised, the older loop emitters), which tests/conftest.py sets for the suite:
+# the tiny programs tests run are compiled far more often than they run long, and LLVM's optimisations were most of
+# the suite's time. tests/test_compile_flags.py checks that the default pipeline trains to the same losses.
+FAST_COMPILE_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
+
 TINY_GPT2 = dict(
     vocab_size=32,
     max_len=16,

@@ -1,7 +1,11 @@
 """Shared fixtures. Token stores that configs naming raw text build on first use go to one temporary cache per
 test run, not the user's ~/.cache/lmzoo. Compiled XLA programs go to JAX's persistent compilation cache, one
 folder for the whole run (its xdist workers and the train.py processes tests start): many tests train the same tiny
-models, and compiling dominates their time."""
+models, and compiling dominates their time.
+
+For the same reason the suite compiles with XLA's quickest CPU pipeline (`lmzoo.testing.FAST_COMPILE_XLA_FLAGS`);
+tests/test_compile_flags.py trains one run with the default pipeline in a process of its own and checks its losses
+against the suite's, so a difference between the two cannot hide."""
 
 import os
 import shutil
@@ -9,6 +13,8 @@ import subprocess
 import tempfile
 
 import pytest
+
+from lmzoo import testing
 
 # Made by the first pytest process, which removes them at its end: xdist's workers and the processes tests start
 # inherit the folders through the environment.
@@ -19,6 +25,12 @@ for _variable, _prefix in (("LMZOO_CACHE", "lmzoo-cache-"), ("JAX_COMPILATION_CA
         _MADE_HERE.append(os.environ[_variable])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+# The caller's own flags (a device count, another value of one of these) come after them, where XLA lets them win.
+_CALLER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(
+    [*(f for f in testing.FAST_COMPILE_XLA_FLAGS if f not in _CALLER_XLA_FLAGS), *_CALLER_XLA_FLAGS]
+)
 
 
 def pytest_unconfigure(config):

@@ -163,7 +163,7 @@ def test_end_of_run_sample_has_only_decodable_ids(trained):
 
 
 def test_eval_on_more_devices_than_the_batch_divides_picks_a_layout_that_divides_it(trained):
-    env = {**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**ENV, "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8"}
     cmd = [sys.executable, "eval.py", f"--workdir={trained}", "--max_batches=1"]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr

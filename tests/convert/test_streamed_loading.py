@@ -144,7 +144,11 @@ def test_each_parameter_is_built_in_its_sharding_on_8_devices(tmp_path):
         save_random(tmp_path / family, family, FAMILIES[family][1])
     child = subprocess.run(
         [sys.executable, __file__, "sharded", str(tmp_path)],
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
+        env={
+            **os.environ,
+            "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8",
+            "JAX_PLATFORMS": "cpu",
+        },
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -205,7 +209,11 @@ def test_host_memory_grows_by_the_parameters_and_about_one_tensor(tmp_path):
     save_checkpoint(tmp_path / "ckpt", llama.config_to_hf(cfg), state_dict, shards=3)
     child = subprocess.run(
         [sys.executable, __file__, "rss", str(tmp_path / "ckpt")],
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
+        env={
+            **os.environ,
+            "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8",
+            "JAX_PLATFORMS": "cpu",
+        },
         cwd=ROOT,
         capture_output=True,
         text=True,

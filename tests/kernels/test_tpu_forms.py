@@ -179,7 +179,11 @@ print(json.dumps(report))
 def test_splash_attention_under_a_mesh_runs_per_device_and_equals_the_cpu_forms():
     """On 4 CPU devices (2 data x 2 tensor) the kernel runs in a shard_map over rows and heads (XLA cannot partition
     a Mosaic kernel): the module's loss and gradients equal the explicit form's without a mesh."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+    }
     root = pathlib.Path(__file__).parents[2]
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(MESH_CHECK)], capture_output=True, text=True, env=env, cwd=root

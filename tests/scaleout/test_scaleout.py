@@ -132,9 +132,11 @@ def workspace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def env(workspace):
-    inherited = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # device counts come from the configs
+    # Device counts come from the configs, not from the caller's XLA_FLAGS.
+    flags = [flag for flag in os.environ["XLA_FLAGS"].split() if "device_count" not in flag]
     return dict(
-        inherited,
+        os.environ,
+        XLA_FLAGS=" ".join(flags),
         PYTHONPATH=str(ROOT),
         JAX_COMPILATION_CACHE_DIR=str(workspace / "xla_cache"),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

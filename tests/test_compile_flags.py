@@ -1,0 +1,50 @@
+"""The suite compiles with lmzoo.testing.FAST_COMPILE_XLA_FLAGS (XLA's quickest CPU pipeline); users run XLA's
+default one. The same run trained under each gives the same losses, so what the suite checks holds for the programs
+users compile."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lmzoo import config as config_lib
+from lmzoo import testing
+from lmzoo.train import loop
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The Llama block (RoPE, grouped-query attention, RMSNorm, SwiGLU) with AdamW, clipping and a cosine schedule.
+CONFIG, STEPS = "configs/llama.py:tiny", 4
+
+
+def _train_losses(workdir: pathlib.Path) -> list[float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if row["split"] == "train"]
+
+
+@pytest.mark.slow  # a train.py process
+def test_the_default_xla_pipeline_trains_to_the_losses_the_suite_sees(tmp_path):
+    assert all(flag in os.environ["XLA_FLAGS"].split() for flag in testing.FAST_COMPILE_XLA_FLAGS)
+    config = config_lib.load_config_file(ROOT / "configs" / "llama.py", "tiny")
+    config.train.log_every, config.train.sample_tokens = 1, 0
+    loop.train_and_evaluate(config, str(tmp_path / "suite"))
+
+    default_flags = [flag for flag in os.environ["XLA_FLAGS"].split() if flag not in testing.FAST_COMPILE_XLA_FLAGS]
+    env = {**os.environ, "XLA_FLAGS": " ".join(default_flags), "PYTHONPATH": str(ROOT)}
+    command = [
+        sys.executable,
+        "train.py",
+        f"--config={CONFIG}",
+        f"--workdir={tmp_path / 'default'}",
+        "--config.train.log_every=1",
+        "--config.train.sample_tokens=0",
+    ]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+    suite, default = _train_losses(tmp_path / "suite"), _train_losses(tmp_path / "default")
+    assert len(suite) == len(default) == STEPS
+    np.testing.assert_allclose(default, suite, rtol=2e-6)

@@ -7,7 +7,9 @@ download) of 491M parameters saved in bfloat16 as 4 safetensors shards (0.98 GB;
 each in a fresh process with 8 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8),
 --rounds interleaved rounds of:
   read: every byte of the shard files read once into one reused buffer (as `cat` reads: the floor), and, for
-        reference, each file read whole into fresh memory (`Path.read_bytes`, as the whole-file loader did);
+        reference, each file read whole into fresh memory (`Path.read_bytes`, as the whole-file loader did), and as
+        many bytes written into fresh memory by the loader's copy threads (the floor of placing them on the
+        simulated devices, whose buffers are host memory a process has not touched before);
   load: `lmzoo.weights.merge_pretrained(target, "hf:DIR", "llama", cfg)`, what `init_from=hf:` and the frozen models
         (PPO reference, distillation teacher) call, into a bfloat16 lmzoo Llama with scanned layers (as
         configs/llama.py:llama3_8b) whose target parameters are ShapeDtypeStructs sharded over an FSDP mesh
@@ -117,7 +119,23 @@ def read_bytes(folder: pathlib.Path) -> dict:
     for file in shard_files(folder):
         file.read_bytes()
     whole_s, whole_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
-    return {"read_s": read_s, "read_cpu_s": read_cpu_s, "whole_s": whole_s, "whole_cpu_s": whole_cpu_s, "bytes": total}
+    # As many bytes written into memory not touched before, in the loader's own blocks and copy threads: the
+    # simulated devices' buffers are such memory, so no load here can place the parameters faster.
+    source = np.frombuffer(buffer, np.uint8)
+    start, cpu_start, blocks = time.perf_counter(), time.process_time(), []
+    for first in range(0, total, READ_CHUNK):
+        blocks.append(mapping._fresh_empty((min(READ_CHUNK, total - first),), np.dtype(np.uint8)))
+        mapping._copy_all([(blocks[-1], source[: len(blocks[-1])])])
+    fill_s, fill_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    return {
+        "read_s": read_s,
+        "read_cpu_s": read_cpu_s,
+        "whole_s": whole_s,
+        "whole_cpu_s": whole_cpu_s,
+        "fill_s": fill_s,
+        "fill_cpu_s": fill_cpu_s,
+        "bytes": total,
+    }
 
 
 def rss_bytes(field: str) -> int:
@@ -239,8 +257,9 @@ def main() -> None:
                     for key, value in result.items()
                 }
                 print(f"  round {round_index + 1} {mode}: {shown}", flush=True)
-        read_s, read_cpu_s, whole_s, whole_cpu_s = (
-            common.median([r[key] for r in reads]) for key in ("read_s", "read_cpu_s", "whole_s", "whole_cpu_s")
+        read_s, read_cpu_s, whole_s, whole_cpu_s, fill_s, fill_cpu_s = (
+            common.median([r[key] for r in reads])
+            for key in ("read_s", "read_cpu_s", "whole_s", "whole_cpu_s", "fill_s", "fill_cpu_s")
         )
         load_s, load_cpu_s = (common.median([r[key] for r in loads]) for key in ("load_s", "load_cpu_s"))
         restore_s, restore_cpu_s = (common.median([r[key] for r in restores]) for key in ("load_s", "load_cpu_s"))
@@ -256,6 +275,11 @@ def main() -> None:
             f"read bytes: {read_s:.2f} s ({on_disk / GB / read_s:.2f} GB/s, CPU {read_cpu_s:.2f} s); whole files into "
             f"fresh memory: {whole_s:.2f} s (CPU {whole_cpu_s:.2f} s); load: {load_s:.2f} s (CPU {load_cpu_s:.2f} s) "
             f"(medians; load / whole-file read {load_s / whole_s:.1f}x)"
+        )
+        print(
+            f"writing as many bytes into fresh memory with the loader's blocks and {mapping._copy_threads()[1]} copy "
+            f"threads: {fill_s:.2f} s (CPU {fill_cpu_s:.2f} s), {fill_s / read_s:.1f}x the read: no load onto the "
+            f"simulated devices, whose buffers are such memory, is faster (load / fill {load_s / fill_s:.1f}x)"
         )
         print(
             f"peak host RSS {peak / GB:.3f} GB (before loading {last['rss_before'] / GB:.3f} GB; of the peak, the "

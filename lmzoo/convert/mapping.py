@@ -16,9 +16,10 @@ Streaming: a checkpoint folder is opened by its headers alone (`read_safetensors
 `StoredTensor` read by byte ranges when sliced. The converted tree holds `Converted` leaves (an Entry's view of one
 tensor) and `Stacked` ones (scanned layers), which compute any box of the leaf from the HF rows behind it. `place`
 then builds each parameter in its target's dtype and sharding: the tensor is read once (a scanned leaf once per
-layer) for all the shards this process's devices hold, each written straight into its shard's host block, which the
-CPU client adopts as the device buffer and an accelerator's copies over. Beyond the parameters, host memory holds one
-tensor being read and the blocks of the one parameter being built.
+layer, the next layer read while the current one is copied out) for all the shards this process's devices hold, each
+written straight into its shard's host block, which the CPU client adopts as the device buffer and an accelerator's
+copies over. Beyond the parameters, host memory holds the tensor being read (a scanned leaf's two layers) and the
+blocks of the one parameter being built.
 
 Weights are read only from safetensors files (float32, float16 or bfloat16): pickled `pytorch_model.bin`
 checkpoints are refused, because unpickling can run arbitrary code.
@@ -412,13 +413,35 @@ class ReadBuffer:
 
 def _fill(source: Any, parts: Sequence[tuple[Box, np.ndarray]], buffer: ReadBuffer) -> None:
     """Writes into each (box, out) of `parts` that box of `source`, converted to out's dtype; `source` is read once
-    (into `buffer`) for all of them over the box that bounds theirs (a stacked leaf once per layer)."""
-    if isinstance(source, Stacked):
-        for layer, layer_source in enumerate(source.layers):
-            inside = [(box[1:], out[layer - box[0][0]]) for box, out in parts if box[0][0] <= layer < box[0][1]]
-            if inside:
-                _fill(layer_source, inside, buffer)
+    (into `buffer`) for all of them over the box that bounds theirs (a stacked leaf once per layer, each layer read
+    while the one before is copied out)."""
+    if not isinstance(source, Stacked):
+        _copy_all(_read_for(source, parts, buffer))
         return
+    layers = []
+    for layer, layer_source in enumerate(source.layers):
+        inside = [(box[1:], out[layer - box[0][0]]) for box, out in parts if box[0][0] <= layer < box[0][1]]
+        if inside:
+            layers.append((layer_source, inside))
+    if any(isinstance(layer_source, Stacked) for layer_source, _ in layers):  # stacked twice (experts): in turn
+        for layer_source, inside in layers:
+            _fill(layer_source, inside, buffer)
+        return
+    # Two buffers in turn: the reader thread reads layer i + 1 into one while layer i is copied out of the other.
+    buffers = (buffer, ReadBuffer())
+    reading = _reader().submit(_read_for, *layers[0], buffers[0]) if layers else None
+    for index in range(len(layers)):
+        pairs = reading.result()
+        if index + 1 < len(layers):
+            reading = _reader().submit(_read_for, *layers[index + 1], buffers[(index + 1) % 2])
+        _copy_all(pairs)
+
+
+def _read_for(
+    source: Any, parts: Sequence[tuple[Box, np.ndarray]], buffer: ReadBuffer
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(out, source's block for out's box) of each (box, out) of `parts`, `source` read once (into `buffer`) over the
+    box that bounds theirs."""
     bounds = tuple(
         (min(box[axis][0] for box, _ in parts), max(box[axis][1] for box, _ in parts))
         for axis in range(len(source.shape))
@@ -428,7 +451,13 @@ def _fill(source: Any, parts: Sequence[tuple[Box, np.ndarray]], buffer: ReadBuff
     for box, out in parts:
         relative = tuple(slice(start - low, stop - low) for (start, stop), (low, _) in zip(box, bounds, strict=True))
         pairs.append((out, block[relative]))
-    _copy_all(pairs)
+    return pairs
+
+
+@functools.cache
+def _reader() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that reads a stacked leaf's next layer while its copy threads write out the current one."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmzoo-read")
 
 
 # Tile sides (elements) for copying a transposed view: along the axis the source is contiguous in, and over the others.

@@ -15,11 +15,11 @@ K kv heads), attention output (N, H, D).
 Streaming: a checkpoint folder is opened by its headers alone (`read_safetensors_dir`); each tensor is a
 `StoredTensor` read by byte ranges when sliced. The converted tree holds `Converted` leaves (an Entry's view of one
 tensor) and `Stacked` ones (scanned layers), which compute any box of the leaf from the HF rows behind it. `place`
-then builds each parameter in its target's dtype and sharding: the tensor is read once (a scanned leaf once per
-layer, the next layer read while the current one is copied out) for all the shards this process's devices hold, each
-written straight into its shard's host block, which the CPU client adopts as the device buffer and an accelerator's
-copies over. Beyond the parameters, host memory holds the tensor being read (a scanned leaf's two layers) and the
-blocks of the one parameter being built.
+then builds each parameter in its target's dtype and sharding: the tensor is read once for all the shards this
+process's devices hold, in pieces (a scanned leaf's layers, a large tensor's ranges of rows), each read on a thread of
+its own while the one before is copied out, straight into its shards' host blocks, which the CPU client adopts as the
+device buffers and an accelerator's copies over. Beyond the parameters, host memory holds two pieces being read and
+copied (a layer's tensor, or about _ROWS_PIECE_BYTES of rows) and the blocks of the one parameter being built.
 
 Weights are read only from safetensors files (float32, float16 or bfloat16): pickled `pytorch_model.bin`
 checkpoints are refused, because unpickling can run arbitrary code.
@@ -275,6 +275,8 @@ class LazyLeaf:
 
     shape: tuple[int, ...]
     dtype: np.dtype
+    # The axis a range of which reads a range of the stored tensor's rows and no others (None: reads are not by rows).
+    row_axis: int | None = None
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         return _host(self, np.dtype(self.dtype if dtype is None else dtype))
@@ -300,6 +302,9 @@ class Converted(LazyLeaf):
         count = entry.part[1] if entry.part else 1
         self.view = (*view[:-1], view[-1] // count)  # the HF tensor as this leaf sees it, before the reshape
         self.groups = _split_axes(self.view, self.shape)
+        rows = self.groups[-1 if entry.transpose else 0] if self.groups else ()  # the leaf axes of the HF rows
+        if getattr(tensor, "row_axis", None) == 0 and rows and not (entry.part and len(self.view) == 1):
+            self.row_axis = rows[0]
 
     def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
         return self.read(index)
@@ -413,10 +418,10 @@ class ReadBuffer:
 
 def _fill(source: Any, parts: Sequence[tuple[Box, np.ndarray]], buffer: ReadBuffer) -> None:
     """Writes into each (box, out) of `parts` that box of `source`, converted to out's dtype; `source` is read once
-    (into `buffer`) for all of them over the box that bounds theirs (a stacked leaf once per layer, each layer read
-    while the one before is copied out)."""
+    (into `buffer`) for all of them over the box that bounds theirs, in pieces each read while the one before is
+    copied out: a stacked leaf layer by layer, a large tensor by ranges of its rows."""
     if not isinstance(source, Stacked):
-        _copy_all(_read_for(source, parts, buffer))
+        _read_while_copying([(source, piece) for piece in _row_pieces(source, parts)], buffer)
         return
     layers = []
     for layer, layer_source in enumerate(source.layers):
@@ -427,13 +432,48 @@ def _fill(source: Any, parts: Sequence[tuple[Box, np.ndarray]], buffer: ReadBuff
         for layer_source, inside in layers:
             _fill(layer_source, inside, buffer)
         return
-    # Two buffers in turn: the reader thread reads layer i + 1 into one while layer i is copied out of the other.
+    _read_while_copying(layers, buffer)
+
+
+# A tensor whose parts come to more than this is read in pieces of about this many bytes of rows.
+_ROWS_PIECE_BYTES = 32 << 20
+
+
+def _row_pieces(source: Any, parts: Sequence[tuple[Box, np.ndarray]]) -> list[list[tuple[Box, np.ndarray]]]:
+    """`parts` cut along `source.row_axis` into pieces of about _ROWS_PIECE_BYTES (each a range of the stored
+    tensor's rows); `[parts]` when it is smaller or is not read by rows."""
+    axis = getattr(source, "row_axis", None)
+    count = math.ceil(sum(out.nbytes for _, out in parts) / _ROWS_PIECE_BYTES)
+    if axis is None or count < 2:
+        return [list(parts)]
+    low, high = min(box[axis][0] for box, _ in parts), max(box[axis][1] for box, _ in parts)
+    edges = np.linspace(low, high, min(count, high - low) + 1).astype(int)
+    pieces = []
+    for first, last in zip(edges[:-1], edges[1:], strict=True):
+        piece = []
+        for box, out in parts:
+            start, stop = max(first, box[axis][0]), min(last, box[axis][1])
+            if start < stop:
+                inner = [slice(None)] * out.ndim
+                inner[axis] = slice(start - box[axis][0], stop - box[axis][0])
+                piece.append(((*box[:axis], (start, stop), *box[axis + 1 :]), out[tuple(inner)]))
+        if piece:
+            pieces.append(piece)
+    return pieces
+
+
+def _read_while_copying(reads: Sequence[tuple[Any, Sequence[tuple[Box, np.ndarray]]]], buffer: ReadBuffer) -> None:
+    """`_read_for` and then `_copy_all` of each (source, parts) of `reads`, the reader thread reading the next into
+    one of two buffers while the current one is copied out of the other."""
+    if len(reads) == 1:
+        _copy_all(_read_for(*reads[0], buffer))
+        return
     buffers = (buffer, ReadBuffer())
-    reading = _reader().submit(_read_for, *layers[0], buffers[0]) if layers else None
-    for index in range(len(layers)):
+    reading = _reader().submit(_read_for, *reads[0], buffers[0]) if reads else None
+    for index in range(len(reads)):
         pairs = reading.result()
-        if index + 1 < len(layers):
-            reading = _reader().submit(_read_for, *layers[index + 1], buffers[(index + 1) % 2])
+        if index + 1 < len(reads):
+            reading = _reader().submit(_read_for, *reads[index + 1], buffers[(index + 1) % 2])
         _copy_all(pairs)
 
 
@@ -456,7 +496,7 @@ def _read_for(
 
 @functools.cache
 def _reader() -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread that reads a stacked leaf's next layer while its copy threads write out the current one."""
+    """The one thread that reads a parameter's next piece while the copy threads write out the current one."""
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmzoo-read")
 
 
@@ -601,6 +641,7 @@ class StoredTensor(LazyLeaf):
 
     def __init__(self, file: str, name: str, dtype: np.dtype, shape: tuple[int, ...], offset: int):
         self.file, self.name, self.dtype, self.shape, self.offset = file, name, dtype, shape, offset
+        self.row_axis = 0 if shape else None
 
     def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
         return self.read(index)

@@ -7,6 +7,7 @@ Checkpoints are written by lmzoo's own exporters (no torch). The multi-device ch
 CPU devices: this file is also that subprocess's script (`python test_streamed_loading.py sharded|rss FOLDER`).
 """
 
+import itertools
 import json
 import os
 import pathlib
@@ -123,7 +124,19 @@ def test_every_box_of_a_converted_leaf_is_that_box_of_the_whole_conversion(tmp_p
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
-def test_streamed_load_equals_whole_file_load(tmp_path, family, param_dtype):
+@pytest.mark.parametrize("in_pieces", [False, True], ids=["whole", "rows_in_pieces"])
+def test_streamed_load_equals_whole_file_load(tmp_path, monkeypatch, family, param_dtype, in_pieces):
+    """In pieces: every tensor read by ranges of its rows, each read while the one before is copied out, as large
+    ones are."""
+    pieces = []
+    if in_pieces:
+        monkeypatch.setattr(mapping, "_ROWS_PIECE_BYTES", 100)
+        read_while_copying = mapping._read_while_copying
+        monkeypatch.setattr(
+            mapping,
+            "_read_while_copying",
+            lambda reads, buffer: [pieces.append(len(reads)), read_while_copying(reads, buffer)],
+        )
     spec = save_random(tmp_path / "ckpt", family, FAMILIES[family][1])
     module, fields = FAMILIES[family]
     cfg = make_config(family, fields | {"param_dtype": param_dtype})
@@ -137,6 +150,8 @@ def test_streamed_load_equals_whole_file_load(tmp_path, family, param_dtype):
     for path, leaf in streamed.items():
         assert isinstance(leaf, np.ndarray) and leaf.dtype == jnp.dtype(param_dtype), path
         np.testing.assert_array_equal(leaf, expected[path].astype(param_dtype), err_msg=path)
+    kernels_and_tables = sum(leaf.nbytes >= 1024 for leaf in streamed.values())
+    assert not in_pieces or sum(count > 1 for count in pieces) >= kernels_and_tables, pieces
 
 
 def test_each_parameter_is_built_in_its_sharding_on_8_devices(tmp_path):
@@ -168,7 +183,8 @@ def check_sharded_loads(folder: pathlib.Path) -> None:
         )
         boxed = abstract_params(family, cfg)
         host, _ = hf.convert_pretrained(spec, family, cfg, nn.unbox(boxed))
-        for shape in MESHES:
+        for shape, piece_bytes in itertools.product(MESHES, (mapping._ROWS_PIECE_BYTES, 100)):
+            mapping._ROWS_PIECE_BYTES = piece_bytes  # 100: every tensor read by ranges of its rows, as large ones are
             shardings = sharding.logical_to_sharding(boxed, sharding.make_mesh(shape), sharding.axis_rules())
             target = jax.tree.map(
                 lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),

@@ -296,7 +296,7 @@ def main() -> None:
         )
         print(
             f"converted checkpoint (ckpt:): restore {restore_s:.2f} s (CPU {restore_cpu_s:.2f} s), peak host RSS "
-            f"{restore_peak / GB:.3f} GB; {load_s / restore_s:.1f}x faster than hf:"
+            f"{restore_peak / GB:.3f} GB; {restore_s / load_s:.2f}x the time of hf:"
         )
         print(
             f"{common.verdict(restore_peak <= rss_target)} ckpt: peak host RSS {restore_peak / GB:.3f} GB <= "

@@ -47,4 +47,5 @@ def test_the_default_xla_pipeline_trains_to_the_losses_the_suite_sees(tmp_path):
 
     suite, default = _train_losses(tmp_path / "suite"), _train_losses(tmp_path / "default")
     assert len(suite) == len(default) == STEPS
-    np.testing.assert_allclose(default, suite, rtol=2e-6)
+    # Equal here bit for bit; the pipelines may fuse or contract float operations differently on other CPUs.
+    np.testing.assert_allclose(default, suite, rtol=1e-5)

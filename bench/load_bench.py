@@ -247,6 +247,8 @@ def main() -> None:
             f"{largest / GB:.3f} GB (generated in {time.perf_counter() - start:.1f} s)"
         )
         run_child("convert", folder)
+        converted = sum(f.stat().st_size for f in (folder / "converted").rglob("*") if f.is_file())
+        print(f"converted checkpoint (orbax, zstd-compressed chunks): {converted / GB:.3f} GB on disk")
         reads, loads, restores = [], [], []
         for round_index in range(args.rounds):
             for mode in common.round_order(["read", "load", "ckpt"], round_index):

@@ -17,7 +17,7 @@ from lmzoo.train import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The Llama block (RoPE, grouped-query attention, RMSNorm, SwiGLU) with AdamW, clipping and a cosine schedule.
-CONFIG, STEPS = "configs/llama.py:tiny", 4
+CONFIG_FILE, VARIANT = "configs/llama.py", "tiny"
 
 
 def _train_losses(workdir: pathlib.Path) -> list[float]:
@@ -28,7 +28,7 @@ def _train_losses(workdir: pathlib.Path) -> list[float]:
 @pytest.mark.slow  # a train.py process
 def test_the_default_xla_pipeline_trains_to_the_losses_the_suite_sees(tmp_path):
     assert all(flag in os.environ["XLA_FLAGS"].split() for flag in testing.FAST_COMPILE_XLA_FLAGS)
-    config = config_lib.load_config_file(ROOT / "configs" / "llama.py", "tiny")
+    config = config_lib.load_config_file(ROOT / CONFIG_FILE, VARIANT)
     config.train.log_every, config.train.sample_tokens = 1, 0
     loop.train_and_evaluate(config, str(tmp_path / "suite"))
 
@@ -37,7 +37,7 @@ def test_the_default_xla_pipeline_trains_to_the_losses_the_suite_sees(tmp_path):
     command = [
         sys.executable,
         "train.py",
-        f"--config={CONFIG}",
+        f"--config={CONFIG_FILE}:{VARIANT}",
         f"--workdir={tmp_path / 'default'}",
         "--config.train.log_every=1",
         "--config.train.sample_tokens=0",
@@ -46,6 +46,6 @@ def test_the_default_xla_pipeline_trains_to_the_losses_the_suite_sees(tmp_path):
     assert done.returncode == 0, done.stderr
 
     suite, default = _train_losses(tmp_path / "suite"), _train_losses(tmp_path / "default")
-    assert len(suite) == len(default) == STEPS
+    assert len(suite) == len(default) == config.train.steps
     # Equal here bit for bit; the pipelines may fuse or contract float operations differently on other CPUs.
     np.testing.assert_allclose(default, suite, rtol=1e-5)

@@ -465,11 +465,12 @@ def _row_pieces(source: Any, parts: Sequence[tuple[Box, np.ndarray]]) -> list[li
 def _read_while_copying(reads: Sequence[tuple[Any, Sequence[tuple[Box, np.ndarray]]]], buffer: ReadBuffer) -> None:
     """`_read_for` and then `_copy_all` of each (source, parts) of `reads`, the reader thread reading the next into
     one of two buffers while the current one is copied out of the other."""
-    if len(reads) == 1:
-        _copy_all(_read_for(*reads[0], buffer))
+    if len(reads) < 2:
+        for source, parts in reads:
+            _copy_all(_read_for(source, parts, buffer))
         return
     buffers = (buffer, ReadBuffer())
-    reading = _reader().submit(_read_for, *reads[0], buffers[0]) if reads else None
+    reading = _reader().submit(_read_for, *reads[0], buffers[0])
     for index in range(len(reads)):
         pairs = reading.result()
         if index + 1 < len(reads):

@@ -1,19 +1,22 @@
 """HF checkpoint loading benchmark (issue 38): peak host RSS and wall time of `init_from=hf:` on a 1 GB checkpoint.
 
-    python bench/load_bench.py [--tiny] [--rounds=2] [--scratch=/tmp] [--keep] [--cold]
+    python bench/load_bench.py [--tiny] [--rounds=2] [--scratch=/tmp] [--keep] [--cold] [--platforms=cpu,accelerator]
 
 Generates, in a temporary folder under --scratch, a random LlamaForCausalLM (transformers, random weights, no
-download) of 491M parameters saved in bfloat16 as 4 safetensors shards (0.98 GB; --tiny: 2M parameters). Then,
-each in a fresh process with 8 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8),
+download) of 491M parameters saved in bfloat16 as 4 safetensors shards (0.98 GB; --tiny: 2M parameters). Then, for
+each of --platforms (`cpu`, the default: 8 simulated CPU devices, XLA_FLAGS=--xla_force_host_platform_device_count=8;
+`accelerator`: the GPUs or TPUs JAX finds, the mesh's FSDP axis over all of them), each in a fresh process,
 --rounds interleaved rounds of:
   read: every byte of the shard files read once into one reused buffer (as `cat` reads: the floor), and, for
         reference, each file read whole into fresh memory (`Path.read_bytes`, as the whole-file loader did), and as
-        many bytes written into fresh memory by the loader's copy threads (the floor of placing them on the
-        simulated devices, whose buffers are host memory a process has not touched before);
+        many bytes placed on the devices by the plainest path there is (the floor of placing them): on the CPU,
+        written into fresh memory by the loader's copy threads (the simulated devices' buffers are host memory a
+        process has not touched before); on an accelerator, put on the first device from the reused buffer in
+        64 MB transfers;
   load: `lmzoo.weights.merge_pretrained(target, "hf:DIR", "llama", cfg)`, what `init_from=hf:` and the frozen models
         (PPO reference, distillation teacher) call, into a bfloat16 lmzoo Llama with scanned layers (as
         configs/llama.py:llama3_8b) whose target parameters are ShapeDtypeStructs sharded over an FSDP mesh
-        (1, 8, 1); timed until every parameter is on its devices;
+        (1, devices, 1); timed until every parameter is on its devices;
   ckpt: the same into the same targets from the checkpoint converted once (as `python -m lmzoo.cli.convert` writes
         it: the hf: load above, saved by orbax at step 0, not timed), `merge_pretrained(target, "ckpt:DIR", ...)`:
         orbax restores each parameter straight into its sharding.
@@ -21,8 +24,8 @@ Both read the files from the page cache (just written), or with --cold (Linux, a
 is dropped before each process and between read's two reads, as for a checkpoint's first load on a host; wall and
 CPU times (all threads) are printed, as other
 processes sharing the cores inflate wall time. Peak RSS is the load process's VmHWM. The simulated
-devices' buffers are host memory here, so the peak includes the loaded parameters themselves (on an accelerator
-they live in device memory); that share is printed beside it.
+devices' buffers are host memory, so on the CPU the peak includes the loaded parameters themselves (on an
+accelerator they live in device memory); that share is printed beside it.
 Targets, printed as PASS/MISS (never asserted): peak host RSS <= 1.5 GB + 1.2 x the largest single tensor; load
 time <= 2 x the read time (the reused-buffer read; medians over the rounds).
 """
@@ -52,9 +55,10 @@ from lmzoo.models import build_model, make_config  # noqa: E402
 
 GB = 1e9
 COLD_VARIABLE = "LMZOO_LOAD_BENCH_COLD"  # set in a child of --cold: it drops the page cache between its two reads
+ACCELERATOR_VARIABLE = "LMZOO_LOAD_BENCH_ACCELERATOR"  # set in a child on --platforms=accelerator
 RSS_BASE_GB, RSS_TENSOR_FACTOR, TIME_FACTOR = 1.5, 1.2, 2.0
-DEVICES = 8
-MESH = (1, DEVICES, 1)  # (data, fsdp, tensor)
+CPU_DEVICES = 8  # simulated, on --platforms=cpu
+PLATFORMS = ("cpu", "accelerator")
 # A Llama of 491M parameters: 8 layers of hidden 2048, MLP 5632, 16 heads, 4 kv heads; untied 32000-token embeddings.
 FULL = dict(
     vocab_size=32000,
@@ -119,13 +123,18 @@ def read_bytes(folder: pathlib.Path) -> dict:
     for file in shard_files(folder):
         file.read_bytes()
     whole_s, whole_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
-    # As many bytes written into memory not touched before, in the loader's own blocks and copy threads: the
-    # simulated devices' buffers are such memory, so no load here can place the parameters faster.
     source = np.frombuffer(buffer, np.uint8)
     start, cpu_start, blocks = time.perf_counter(), time.process_time(), []
-    for first in range(0, total, READ_CHUNK):
-        blocks.append(mapping._fresh_empty((min(READ_CHUNK, total - first),), np.dtype(np.uint8)))
-        mapping._copy_all([(blocks[-1], source[: len(blocks[-1])])])
+    if jax.default_backend() == "cpu":
+        # As many bytes written into memory not touched before, in the loader's own blocks and copy threads: the
+        # simulated devices' buffers are such memory, so no load here can place the parameters faster.
+        for first in range(0, total, READ_CHUNK):
+            blocks.append(mapping._fresh_empty((min(READ_CHUNK, total - first),), np.dtype(np.uint8)))
+            mapping._copy_all([(blocks[-1], source[: len(blocks[-1])])])
+    else:
+        device = jax.devices()[0]
+        for first in range(0, total, READ_CHUNK):
+            blocks.append(jax.block_until_ready(jax.device_put(source[: min(READ_CHUNK, total - first)], device)))
     fill_s, fill_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     return {
         "read_s": read_s,
@@ -145,13 +154,18 @@ def rss_bytes(field: str) -> int:
     return int(line.split()[1]) * 1024
 
 
+def mesh_shape() -> tuple[int, int, int]:
+    """(data, fsdp, tensor): FSDP over every device of this process."""
+    return (1, jax.device_count(), 1)
+
+
 def targets(folder: pathlib.Path):
     """(cfg, target ShapeDtypeStructs sharded over the FSDP mesh, their shardings) of the bfloat16 scanned Llama."""
     fields = llama_convert.config_from_hf(json.loads((folder / "config.json").read_text()))
     cfg = make_config("llama", fields | {"scan_layers": True, "param_dtype": "bfloat16", "dtype": "bfloat16"})
     model = build_model("llama", cfg)
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
-    shardings = sharding.logical_to_sharding(boxed, sharding.make_mesh(MESH), sharding.axis_rules())
+    shardings = sharding.logical_to_sharding(boxed, sharding.make_mesh(mesh_shape()), sharding.axis_rules())
     target = jax.tree.map(
         lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where), nn.unbox(boxed), shardings
     )
@@ -159,7 +173,7 @@ def targets(folder: pathlib.Path):
 
 
 def convert_once(folder: pathlib.Path) -> dict:
-    """(Child process, 8 devices.) Writes the converted checkpoint at folder/converted, as lmzoo.cli.convert does."""
+    """(Child process.) Writes the converted checkpoint at folder/converted, as lmzoo.cli.convert does."""
     cfg, target, _ = targets(folder)
     params = weights.merge_pretrained(target, f"hf:{folder}", "llama", cfg)
     checkpointer = checkpoint.Checkpointer(str(folder / "converted" / "checkpoints"), async_save=False)
@@ -169,7 +183,7 @@ def convert_once(folder: pathlib.Path) -> dict:
 
 
 def load(folder: pathlib.Path, spec: str = "hf") -> dict:
-    """(Child process, 8 devices.) Loads the checkpoint as `init_from=hf:` does (or, spec "ckpt", its converted form
+    """(Child process.) Loads the checkpoint as `init_from=hf:` does (or, spec "ckpt", its converted form
     as `init_from=ckpt:` does) into sharded bfloat16 targets."""
     cfg, target, shardings = targets(folder)
     source = f"hf:{folder}" if spec == "hf" else f"ckpt:{folder / 'converted'}"
@@ -187,13 +201,19 @@ def load(folder: pathlib.Path, spec: str = "hf") -> dict:
         "param_bytes": sum(leaf.nbytes for leaf in leaves),
         "params": sum(leaf.size for leaf in leaves),
         "devices": jax.device_count(),
+        "device_kind": jax.devices()[0].device_kind,
     }
 
 
-def run_child(mode: str, folder: pathlib.Path, cold: bool = False) -> dict:
-    """Runs `mode` (read or load) in a fresh Python process with 8 simulated devices, the page cache dropped first
-    when `cold`; its result."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
+def run_child(mode: str, folder: pathlib.Path, platform: str = "cpu", cold: bool = False) -> dict:
+    """Runs `mode` (read, load, convert or ckpt) in a fresh Python process on `platform` (cpu: 8 simulated devices;
+    accelerator: JAX's default backend, which must not be the CPU), the page cache dropped first when `cold`; its
+    result."""
+    env = dict(os.environ)
+    if platform == "cpu":
+        env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={CPU_DEVICES}", "JAX_PLATFORMS": "cpu"}
+    else:
+        env[ACCELERATOR_VARIABLE] = "1"
     if cold:
         drop_page_cache()
         env[COLD_VARIABLE] = "1"
@@ -219,14 +239,24 @@ def main() -> None:
     parser.add_argument(
         "--cold", action="store_true", help="drop the page cache before each read and load (Linux, root): from disk"
     )
+    parser.add_argument(
+        "--platforms",
+        default="cpu",
+        help="comma-separated, in order: cpu (8 simulated devices) and/or accelerator (JAX's GPUs or TPUs)",
+    )
     parser.add_argument("--child", choices=("read", "load", "convert", "ckpt"), help=argparse.SUPPRESS)
     parser.add_argument("folder", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        if os.environ.get(ACCELERATOR_VARIABLE) and jax.default_backend() == "cpu":
+            raise SystemExit("--platforms=accelerator: JAX finds no accelerator here (its backend is the CPU)")
         children = {"read": read_bytes, "load": load, "convert": convert_once, "ckpt": lambda f: load(f, "ckpt")}
         result = children[args.child](pathlib.Path(args.folder))
         print(json.dumps(result))
         return
+    platforms = args.platforms.split(",")
+    if not platforms or any(p not in PLATFORMS for p in platforms):
+        parser.error(f"--platforms takes a comma-separated list of {', '.join(PLATFORMS)}; got {args.platforms!r}")
 
     size = "tiny" if args.tiny else "full"
     model, isa = common.cpu_model_and_isa()
@@ -246,73 +276,90 @@ def main() -> None:
             f"checkpoint: {folder}, {len(files)} bfloat16 shards, {on_disk / GB:.3f} GB, largest tensor "
             f"{largest / GB:.3f} GB (generated in {time.perf_counter() - start:.1f} s)"
         )
-        run_child("convert", folder)
+        run_child("convert", folder, platforms[0])
         converted = sum(f.stat().st_size for f in (folder / "converted").rglob("*") if f.is_file())
         print(f"converted checkpoint (orbax, zstd-compressed chunks): {converted / GB:.3f} GB on disk")
-        reads, loads, restores = [], [], []
-        for round_index in range(args.rounds):
-            for mode in common.round_order(["read", "load", "ckpt"], round_index):
-                result = run_child(mode, folder, cold=args.cold)
-                {"read": reads, "load": loads, "ckpt": restores}[mode].append(result)
-                shown = {
-                    key: round(value / GB, 3) if key in ("rss_before", "peak_rss", "param_bytes") else round(value, 3)
-                    for key, value in result.items()
-                }
-                print(f"  round {round_index + 1} {mode}: {shown}", flush=True)
-        read_s, read_cpu_s, whole_s, whole_cpu_s, fill_s, fill_cpu_s = (
-            common.median([r[key] for r in reads])
-            for key in ("read_s", "read_cpu_s", "whole_s", "whole_cpu_s", "fill_s", "fill_cpu_s")
-        )
-        load_s, load_cpu_s = (common.median([r[key] for r in loads]) for key in ("load_s", "load_cpu_s"))
-        restore_s, restore_cpu_s = (common.median([r[key] for r in restores]) for key in ("load_s", "load_cpu_s"))
-        restore_peak = max(r["peak_rss"] for r in restores)
-        peak = max(r["peak_rss"] for r in loads)
-        last = loads[-1]
-        rss_target = RSS_BASE_GB * GB + RSS_TENSOR_FACTOR * largest
-        print(
-            f"loaded {last['params'] / 1e6:.0f}M parameters ({last['param_bytes'] / GB:.3f} GB bfloat16) onto "
-            f"{last['devices']} devices, mesh {MESH} (data, fsdp, tensor)"
-        )
-        print(
-            f"read bytes: {read_s:.2f} s ({on_disk / GB / read_s:.2f} GB/s, CPU {read_cpu_s:.2f} s); whole files into "
-            f"fresh memory: {whole_s:.2f} s (CPU {whole_cpu_s:.2f} s); load: {load_s:.2f} s (CPU {load_cpu_s:.2f} s) "
-            f"(medians; load / whole-file read {load_s / whole_s:.1f}x)"
-        )
-        print(
-            f"writing as many bytes into fresh memory with the loader's blocks and {mapping._copy_threads()[1]} copy "
-            f"threads: {fill_s:.2f} s (CPU {fill_cpu_s:.2f} s), {fill_s / read_s:.1f}x the read: no load onto the "
-            f"simulated devices, whose buffers are such memory, is faster (load / fill {load_s / fill_s:.1f}x)"
-        )
-        print(
-            f"peak host RSS {peak / GB:.3f} GB (before loading {last['rss_before'] / GB:.3f} GB; of the peak, the "
-            f"loaded parameters on the simulated devices: {last['param_bytes'] / GB:.3f} GB, beyond them "
-            f"{(peak - last['param_bytes']) / GB:.3f} GB)"
-        )
-        print(
-            f"{common.verdict(peak <= rss_target)} peak host RSS {peak / GB:.3f} GB <= 1.5 GB + 1.2 x largest tensor "
-            f"= {rss_target / GB:.3f} GB"
-        )
-        print(
-            f"{common.verdict(load_s <= TIME_FACTOR * read_s)} load time {load_s:.2f} s <= 2 x read time "
-            f"= {TIME_FACTOR * read_s:.2f} s ({load_s / read_s:.1f}x)"
-        )
-        print(
-            f"converted checkpoint (ckpt:): restore {restore_s:.2f} s (CPU {restore_cpu_s:.2f} s), peak host RSS "
-            f"{restore_peak / GB:.3f} GB; {restore_s / load_s:.2f}x the time of hf:"
-        )
-        print(
-            f"{common.verdict(restore_peak <= rss_target)} ckpt: peak host RSS {restore_peak / GB:.3f} GB <= "
-            f"{rss_target / GB:.3f} GB"
-        )
-        print(
-            f"{common.verdict(restore_s <= TIME_FACTOR * read_s)} ckpt: restore time {restore_s:.2f} s <= 2 x read "
-            f"time = {TIME_FACTOR * read_s:.2f} s ({restore_s / read_s:.1f}x)"
-        )
+        for platform in platforms:
+            bench_platform(folder, platform, args.rounds, args.cold, largest)
     finally:
         if args.keep:
             print(f"kept {folder}")
         else:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool, largest: int) -> None:
+    """--rounds interleaved rounds of read, load and ckpt on `platform`, and their medians against the targets."""
+    on_disk = sum(f.stat().st_size for f in shard_files(folder))
+    print(f"--- {platform}")
+    reads, loads, restores = [], [], []
+    for round_index in range(rounds):
+        for mode in common.round_order(["read", "load", "ckpt"], round_index):
+            result = run_child(mode, folder, platform, cold=cold)
+            {"read": reads, "load": loads, "ckpt": restores}[mode].append(result)
+            shown = {
+                key: round(value / GB, 3) if key in ("rss_before", "peak_rss", "param_bytes") else value
+                for key, value in result.items()
+            }
+            shown = {key: round(value, 3) if isinstance(value, float) else value for key, value in shown.items()}
+            print(f"  round {round_index + 1} {mode}: {shown}", flush=True)
+    read_s, read_cpu_s, whole_s, whole_cpu_s, fill_s, fill_cpu_s = (
+        common.median([r[key] for r in reads])
+        for key in ("read_s", "read_cpu_s", "whole_s", "whole_cpu_s", "fill_s", "fill_cpu_s")
+    )
+    load_s, load_cpu_s = (common.median([r[key] for r in loads]) for key in ("load_s", "load_cpu_s"))
+    restore_s, restore_cpu_s = (common.median([r[key] for r in restores]) for key in ("load_s", "load_cpu_s"))
+    restore_peak = max(r["peak_rss"] for r in restores)
+    peak = max(r["peak_rss"] for r in loads)
+    last = loads[-1]
+    rss_target = RSS_BASE_GB * GB + RSS_TENSOR_FACTOR * largest
+    print(
+        f"loaded {last['params'] / 1e6:.0f}M parameters ({last['param_bytes'] / GB:.3f} GB bfloat16) onto "
+        f"{last['devices']} x {last['device_kind']}, mesh (1, {last['devices']}, 1) (data, fsdp, tensor)"
+    )
+    print(
+        f"read bytes: {read_s:.2f} s ({on_disk / GB / read_s:.2f} GB/s, CPU {read_cpu_s:.2f} s); whole files into "
+        f"fresh memory: {whole_s:.2f} s (CPU {whole_cpu_s:.2f} s); load: {load_s:.2f} s (CPU {load_cpu_s:.2f} s) "
+        f"(medians; load / whole-file read {load_s / whole_s:.1f}x)"
+    )
+    if platform == "cpu":
+        print(
+            f"writing as many bytes into fresh memory with the loader's blocks and {mapping._copy_threads()[1]} copy "
+            f"threads: {fill_s:.2f} s (CPU {fill_cpu_s:.2f} s), {fill_s / read_s:.1f}x the read: no load onto the "
+            f"simulated devices, whose buffers are such memory, is faster (load / fill {load_s / fill_s:.1f}x)"
+        )
+        held = f"of the peak, the loaded parameters on the simulated devices: {last['param_bytes'] / GB:.3f} GB"
+        print(
+            f"peak host RSS {peak / GB:.3f} GB (before loading {last['rss_before'] / GB:.3f} GB; {held}, beyond them "
+            f"{(peak - last['param_bytes']) / GB:.3f} GB)"
+        )
+    else:
+        print(
+            f"putting as many bytes on the first device from host memory in {READ_CHUNK >> 20} MB transfers: "
+            f"{fill_s:.2f} s ({on_disk / GB / fill_s:.1f} GB/s), {fill_s / read_s:.1f}x the read "
+            f"(load / transfers {load_s / fill_s:.1f}x)"
+        )
+        print(f"peak host RSS {peak / GB:.3f} GB (before loading {last['rss_before'] / GB:.3f} GB)")
+    print(
+        f"{common.verdict(peak <= rss_target)} peak host RSS {peak / GB:.3f} GB <= 1.5 GB + 1.2 x largest tensor "
+        f"= {rss_target / GB:.3f} GB"
+    )
+    print(
+        f"{common.verdict(load_s <= TIME_FACTOR * read_s)} load time {load_s:.2f} s <= 2 x read time "
+        f"= {TIME_FACTOR * read_s:.2f} s ({load_s / read_s:.1f}x)"
+    )
+    print(
+        f"converted checkpoint (ckpt:): restore {restore_s:.2f} s (CPU {restore_cpu_s:.2f} s), peak host RSS "
+        f"{restore_peak / GB:.3f} GB; {restore_s / load_s:.2f}x the time of hf:"
+    )
+    print(
+        f"{common.verdict(restore_peak <= rss_target)} ckpt: peak host RSS {restore_peak / GB:.3f} GB <= "
+        f"{rss_target / GB:.3f} GB"
+    )
+    print(
+        f"{common.verdict(restore_s <= TIME_FACTOR * read_s)} ckpt: restore time {restore_s:.2f} s <= 2 x read "
+        f"time = {TIME_FACTOR * read_s:.2f} s ({restore_s / read_s:.1f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ works, they measure nothing.
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import math
 import os
@@ -162,8 +163,10 @@ def part_gpu_tests(args) -> dict:
             tests.append({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0))})
             if message:
                 tests[-1]["message"] = message
-    # pytest's own status: 0 all passed or skipped, 1 a test failed (a result, recorded), others a broken run
-    return {"exit": 0 if code == 1 else code, "pytest_exit": code, "wall_s": wall, **counts, "tests": tests}
+    # pytest's own status: 0 all passed or skipped, 1 a test failed (a result, recorded), others a broken run; a run
+    # that reports no test at all is broken whatever its status
+    broken = code not in (0, 1) or not tests
+    return {"exit": (code or 1) if broken else 0, "pytest_exit": code, "wall_s": wall, **counts, "tests": tests}
 
 
 def part_tokens(args) -> dict:
@@ -537,6 +540,8 @@ def part_main(args) -> int:
     """In a part's process: runs it and writes its result (status ok, or error with the inner run's log tail)."""
     part = BY_NAME[args.part]
     (args.work / "parts").mkdir(parents=True, exist_ok=True)
+    if args.limit_s > 2 * INNER_MARGIN_S:  # a part killed at its limit leaves in its log where each thread was
+        faulthandler.dump_traceback_later(args.limit_s - INNER_MARGIN_S / 2)
     try:
         record = part.run(args)
         code = record.get("exit", 0)

@@ -388,10 +388,63 @@ def place(source: Any, like: Any) -> np.ndarray | jax.Array:
     if isinstance(source, jax.Array) and source.dtype == dtype and source.sharding == sharding:
         return source
     shape = tuple(source.shape)
+    if _assembled_on_devices(sharding):
+        return _place_in_pieces(source, shape, dtype, sharding)
     boxes = {_box(index, shape) for index in sharding.addressable_devices_indices_map(shape).values()}
     blocks = {box: _fresh_empty(tuple(stop - start for start, stop in box), dtype) for box in boxes}
     _fill(source, list(blocks.items()), ReadBuffer())
     return jax.make_array_from_callback(shape, sharding, lambda index: blocks[_box(index, shape)])
+
+
+def _assembled_on_devices(sharding: jax.sharding.Sharding) -> bool:
+    """Whether `place` builds each device's block on the device from pieces: where any device is an accelerator. A
+    CPU device adopts a host block as its buffer instead, so there the blocks are filled in place."""
+    return any(device.platform != "cpu" for device in sharding.device_set)
+
+
+def _place_in_pieces(source: Any, shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> jax.Array:
+    """`source` in `sharding`, each addressable device's block assembled on the device: the block is cut into pieces
+    (`_piece_boxes`), each converted into one reused host buffer, put on the devices that hold the block and written
+    into its place there before the next is converted. Host memory holds one piece, never a parameter or a block whole
+    (an accelerator's block of a scanned leaf is many times the largest tensor), and the accelerator's transfers
+    stage one piece at a time."""
+    holders: dict[Box, list[Any]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        holders.setdefault(_box(index, shape), []).append(device)
+    staging, read_buffer, blocks = ReadBuffer(), ReadBuffer(), {}
+    for box, devices in holders.items():
+        on_devices = [jax.numpy.zeros([stop - start for start, stop in box], dtype, device=d) for d in devices]
+        for piece in _piece_boxes(source, box, dtype):
+            host = staging.take(math.prod(stop - start for start, stop in piece), dtype)
+            host = host.reshape([stop - start for start, stop in piece])
+            _fill(source, [(piece, host)], read_buffer)
+            starts = np.array([start - low for (start, _), (low, _) in zip(piece, box, strict=True)], np.int32)
+            on_devices = [_insert(block, jax.device_put(host, block.device), starts) for block in on_devices]
+            # the host buffer is written again next: the transfer (on a CPU device, which may adopt the buffer
+            # rather than copy it, the insert) must be done
+            jax.block_until_ready(on_devices)
+        blocks.update(zip(devices, on_devices, strict=True))
+    return jax.make_array_from_single_device_arrays(
+        shape, sharding, [blocks[device] for device in sharding.addressable_devices_indices_map(shape)]
+    )
+
+
+def _piece_boxes(source: Any, box: Box, dtype: np.dtype) -> list[Box]:
+    """`box` cut as `_fill` reads it: a scanned leaf's layers one by one, a tensor of more than _ROWS_PIECE_BYTES (as
+    `dtype`) in ranges of its rows of about that many bytes, else whole."""
+    if isinstance(source, Stacked):
+        return [((layer, layer + 1), *box[1:]) for layer in range(*box[0])]
+    axis = getattr(source, "row_axis", None)
+    count = math.ceil(math.prod(stop - start for start, stop in box) * dtype.itemsize / _ROWS_PIECE_BYTES)
+    if axis is None or count < 2:
+        return [box]
+    return [(*box[:axis], rows, *box[axis + 1 :]) for rows in _ranges(*box[axis], count)]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _insert(block: jax.Array, piece: jax.Array, starts: jax.Array) -> jax.Array:
+    """`block` with `piece` written at `starts` ([ndim] int32), in place (the block is donated)."""
+    return jax.lax.dynamic_update_slice(block, piece, tuple(starts))
 
 
 def _host(source: Any, dtype: np.dtype) -> np.ndarray:
@@ -447,9 +500,8 @@ def _row_pieces(source: Any, parts: Sequence[tuple[Box, np.ndarray]]) -> list[li
     if axis is None or count < 2:
         return [list(parts)]
     low, high = min(box[axis][0] for box, _ in parts), max(box[axis][1] for box, _ in parts)
-    edges = np.linspace(low, high, min(count, high - low) + 1).astype(int)
     pieces = []
-    for first, last in zip(edges[:-1], edges[1:], strict=True):
+    for first, last in _ranges(low, high, count):
         piece = []
         for box, out in parts:
             start, stop = max(first, box[axis][0]), min(last, box[axis][1])
@@ -460,6 +512,12 @@ def _row_pieces(source: Any, parts: Sequence[tuple[Box, np.ndarray]]) -> list[li
         if piece:
             pieces.append(piece)
     return pieces
+
+
+def _ranges(low: int, high: int, count: int) -> list[tuple[int, int]]:
+    """[low, high) cut into `count` (at most high - low) consecutive ranges of about equal length."""
+    edges = np.linspace(low, high, min(count, high - low) + 1).astype(int).tolist()
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def _read_while_copying(reads: Sequence[tuple[Any, Sequence[tuple[Box, np.ndarray]]]], buffer: ReadBuffer) -> None:
@@ -524,7 +582,7 @@ def _copy_threads() -> tuple[concurrent.futures.ThreadPoolExecutor | None, int]:
 
 def _copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     """np.copyto(out, src) of each (out, src), converting to out's dtype; when they come to `_PARALLEL_BYTES` or more,
-    on the copy threads, each pair split along its first axis into as many parts as there are threads."""
+    on the copy threads, each pair split into as many parts as there are threads along `_split_axis`."""
     pool, count = _copy_threads()
     if pool is None or sum(out.nbytes for out, _ in pairs) < _PARALLEL_BYTES:
         for out, src in pairs:
@@ -532,14 +590,27 @@ def _copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         return
     jobs = []
     for out, src in pairs:
-        if out.ndim == 0 or out.shape[0] < 2 or out.nbytes < _PARALLEL_BYTES // count:
+        axis = _split_axis(src)
+        if axis is None or out.nbytes < _PARALLEL_BYTES // count:
             jobs.append((out, src))
             continue
-        bounds = np.linspace(0, out.shape[0], min(count, out.shape[0]) + 1).astype(int)
-        edges = zip(bounds[:-1], bounds[1:], strict=True)
-        jobs += [(out[start:stop], src[start:stop]) for start, stop in edges if stop > start]
+        bounds = np.linspace(0, out.shape[axis], min(count, out.shape[axis]) + 1).astype(int)
+        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+            if stop > start:
+                part = (slice(None),) * axis + (slice(start, stop),)
+                jobs.append((out[part], src[part]))
     for done in [pool.submit(_copy, out, src) for out, src in jobs]:
         done.result()
+
+
+def _split_axis(src: np.ndarray) -> int | None:
+    """The axis to cut a copy from `src` along for the copy threads: the first of length 2 or more that is not the
+    one `src` is contiguous in when it is laid out transposed. Cutting that one would leave each thread's tiles
+    (`_copy`) short runs of it, so many more of them, each a Python call under the GIL: with 16 threads that made the
+    copies slower than on one."""
+    fast = int(np.argmin(np.abs(src.strides))) if src.ndim else 0
+    transposed = src.ndim >= 2 and fast != src.ndim - 1
+    return next((axis for axis in range(src.ndim) if src.shape[axis] > 1 and not (transposed and axis == fast)), None)
 
 
 def _copy(out: np.ndarray, src: np.ndarray) -> None:

@@ -81,6 +81,7 @@ def test_large_copies_split_over_threads_give_every_element_once():
     srcs = [source.T, source.T[766:], source.T[:3, :7]]
     assert sum(out.nbytes for out in outs) >= mapping._PARALLEL_BYTES
     mapping._copy_all(list(zip(outs, srcs, strict=True)))
+    assert mapping._split_axis(source.T) == 1  # each thread's part keeps the axis the source is contiguous in whole
     for out, src in zip(outs, srcs, strict=True):
         np.testing.assert_array_equal(out, np.asarray(src, out.dtype))
 
@@ -175,7 +176,8 @@ def test_each_parameter_is_built_in_its_sharding_on_8_devices(tmp_path):
 def check_sharded_loads(folder: pathlib.Path) -> None:
     """(The subprocess, 8 devices.) Each family's scanned, bfloat16 model loads into NamedShardings on each of
     MESHES: every parameter is a jax.Array in its target's sharding, each shard holding its box of the host load;
-    merging into fresh sharded params keeps their shardings."""
+    merging into fresh sharded params keeps their shardings. Each also as an accelerator's blocks are built: put on
+    the devices piece by piece and assembled there (`mapping._place_in_pieces`)."""
     for family, (_, fields) in FAMILIES.items():
         spec, cfg = (
             f"hf:{folder / family}",
@@ -183,8 +185,11 @@ def check_sharded_loads(folder: pathlib.Path) -> None:
         )
         boxed = abstract_params(family, cfg)
         host, _ = hf.convert_pretrained(spec, family, cfg, nn.unbox(boxed))
-        for shape, piece_bytes in itertools.product(MESHES, (mapping._ROWS_PIECE_BYTES, 100)):
+        host_blocks = mapping._assembled_on_devices
+        ways = ((mapping._ROWS_PIECE_BYTES, host_blocks), (100, host_blocks), (100, lambda sharding: True))
+        for shape, (piece_bytes, on_devices) in itertools.product(MESHES, ways):
             mapping._ROWS_PIECE_BYTES = piece_bytes  # 100: every tensor read by ranges of its rows, as large ones are
+            mapping._assembled_on_devices = on_devices
             shardings = sharding.logical_to_sharding(boxed, sharding.make_mesh(shape), sharding.axis_rules())
             target = jax.tree.map(
                 lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),

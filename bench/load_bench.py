@@ -144,6 +144,7 @@ def read_bytes(folder: pathlib.Path) -> dict:
         "fill_s": fill_s,
         "fill_cpu_s": fill_cpu_s,
         "bytes": total,
+        "peak_rss": rss_bytes("VmHWM"),
     }
 
 
@@ -337,7 +338,8 @@ def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool,
         print(
             f"putting as many bytes on the first device from host memory in {READ_CHUNK >> 20} MB transfers: "
             f"{fill_s:.2f} s ({on_disk / GB / fill_s:.1f} GB/s), {fill_s / read_s:.1f}x the read "
-            f"(load / transfers {load_s / fill_s:.1f}x)"
+            f"(load / transfers {load_s / fill_s:.1f}x); that process's peak host RSS "
+            f"{max(r['peak_rss'] for r in reads) / GB:.3f} GB"
         )
         print(f"peak host RSS {peak / GB:.3f} GB (before loading {last['rss_before'] / GB:.3f} GB)")
     print(

@@ -17,9 +17,11 @@ Streaming: a checkpoint folder is opened by its headers alone (`read_safetensors
 tensor) and `Stacked` ones (scanned layers), which compute any box of the leaf from the HF rows behind it. `place`
 then builds each parameter in its target's dtype and sharding: the tensor is read once for all the shards this
 process's devices hold, in pieces (a scanned leaf's layers, a large tensor's ranges of rows), each read on a thread of
-its own while the one before is copied out, straight into its shards' host blocks, which the CPU client adopts as the
-device buffers and an accelerator's copies over. Beyond the parameters, host memory holds two pieces being read and
-copied (a layer's tensor, or about _ROWS_PIECE_BYTES of rows) and the blocks of the one parameter being built.
+its own while the one before is copied out. On CPU devices the pieces go straight into the shards' host blocks, which
+the CPU client adopts as the device buffers; beyond the parameters, host memory holds two pieces being read and
+copied (a layer's tensor, or about _ROWS_PIECE_BYTES of rows) and the blocks of the one parameter being built. On
+accelerators each piece is converted into one reused host buffer, put on its devices and written into its block
+there, so host memory holds the pieces alone whatever the model's size.
 
 Weights are read only from safetensors files (float32, float16 or bfloat16): pickled `pytorch_model.bin`
 checkpoints are refused, because unpickling can run arbitrary code.
@@ -569,6 +571,9 @@ _TILE_FAST, _TILE = 1024, 16
 # writes the whole model into fresh memory, and each thread faults in and fills its own part.
 _PARALLEL_BYTES = 8 << 20
 _MAX_COPY_THREADS = 16
+# Threads a tiled copy is split over: a tile's Python work (its slices, the call) holds the GIL for about a tenth of
+# its time, so beyond a few threads they queue for the GIL and the copy slows down rather than speeding up.
+_TILED_COPY_THREADS = 4
 
 
 @functools.cache
@@ -594,33 +599,38 @@ def _copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         if axis is None or out.nbytes < _PARALLEL_BYTES // count:
             jobs.append((out, src))
             continue
-        bounds = np.linspace(0, out.shape[axis], min(count, out.shape[axis]) + 1).astype(int)
-        for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
-            if stop > start:
-                part = (slice(None),) * axis + (slice(start, stop),)
-                jobs.append((out[part], src[part]))
+        threads = min(count, _TILED_COPY_THREADS) if _tiled(src) else count
+        for start, stop in _ranges(0, out.shape[axis], threads):
+            part = (slice(None),) * axis + (slice(start, stop),)
+            jobs.append((out[part], src[part]))
     for done in [pool.submit(_copy, out, src) for out, src in jobs]:
         done.result()
 
 
 def _split_axis(src: np.ndarray) -> int | None:
     """The axis to cut a copy from `src` along for the copy threads: the first of length 2 or more that is not the
-    one `src` is contiguous in when it is laid out transposed. Cutting that one would leave each thread's tiles
-    (`_copy`) short runs of it, so many more of them, each a Python call under the GIL: with 16 threads that made the
-    copies slower than on one."""
-    fast = int(np.argmin(np.abs(src.strides))) if src.ndim else 0
-    transposed = src.ndim >= 2 and fast != src.ndim - 1
-    return next((axis for axis in range(src.ndim) if src.shape[axis] > 1 and not (transposed and axis == fast)), None)
+    one `src` is contiguous in when it is copied in tiles. Cutting that one would leave each thread's tiles short runs
+    of it, so many more of them, each a Python call under the GIL."""
+    fast = _contiguous_axis(src)
+    return next((axis for axis in range(src.ndim) if src.shape[axis] > 1 and not (_tiled(src) and axis == fast)), None)
+
+
+def _contiguous_axis(src: np.ndarray) -> int:
+    return int(np.argmin(np.abs(src.strides))) if src.ndim else 0
+
+
+def _tiled(src: np.ndarray) -> bool:
+    """Whether `_copy` copies from `src` in tiles: a source laid out transposed (HF's [out, in] kernels)."""
+    return src.ndim >= 2 and _contiguous_axis(src) != src.ndim - 1
 
 
 def _copy(out: np.ndarray, src: np.ndarray) -> None:
-    """np.copyto(out, src), converting to out's dtype; a source laid out transposed (HF's [out, in] kernels) is copied
-    in tiles that fit the cache, several times faster than one pass that touches a new cache line of one array per
-    element."""
-    fast = int(np.argmin(np.abs(src.strides))) if src.ndim else 0
-    if src.ndim < 2 or fast == src.ndim - 1:
+    """np.copyto(out, src), converting to out's dtype; a source laid out transposed is copied in tiles that fit the
+    cache, several times faster than one pass that touches a new cache line of one array per element."""
+    if not _tiled(src):
         np.copyto(out, src, casting="unsafe")
         return
+    fast = _contiguous_axis(src)
     sides, product = [_TILE_FAST] * src.ndim, 1
     for axis in reversed(range(src.ndim)):
         if axis != fast:

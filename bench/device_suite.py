@@ -14,6 +14,8 @@ The parts run in this order, each in a process of its own with a time limit:
     gpt2_nanogpt    nanoGPT's own `train.py` on the same tokens (bench/gpu_recipe.py): a checkout the user gives as
                     --nanogpt_dir (nothing is downloaded); skipped without one
     llama_1b        the train step of `configs/llama.py:llama3_1b` (Llama 3.2 1B's shape) on random tokens
+    load            bench/load_bench.py onto the accelerator: a random 0.98 GB bf16 Llama through `hf:` and its
+                    converted `ckpt:`, load time and peak host RSS against reading the files
     bert_base       the MLM step of BERT-base's shape (configs/bert.py's recipe at 12 x 768, 15% masked)
     t5_base         the span-corruption step of `configs/t5.py:base` (t5-base's shape)
     steps_per_call  configs/default.py's step, one step a call against 10, dispatched as train.py's loop does
@@ -76,6 +78,7 @@ VERSIONS = (
     "torch",
     "triton",
 )
+GPT2_TARGET = 1.1  # lmzoo's GPT-2 124M tokens/s through train.py over nanoGPT's (issue 39)
 INNER_MARGIN_S = 10.0  # a part's inner run (train.py, nanoGPT, pytest) stops this long before the part's limit
 BYTE_STORE_CHARS = {True: 200_000, False: 12_000_000}  # standard library text for the byte-level store (tiny, not)
 
@@ -306,6 +309,17 @@ def part_llama_1b(args) -> dict:
     )
 
 
+def part_load(args) -> dict:
+    """bench/load_bench.py on this accelerator (--tiny: its toy checkpoint on 8 simulated CPU devices): a random
+    0.98 GB bf16 Llama loaded through `hf:` and its converted `ckpt:`, time and peak host RSS against the reads."""
+    out = args.work / "load_bench.json"
+    command = [sys.executable, "bench/load_bench.py", "--rounds=1", f"--scratch={args.work}", f"--json={out}"]
+    command += ["--tiny", "--platforms=cpu"] if args.tiny else ["--platforms=accelerator"]
+    code, wall = gpu_recipe.run_logged(command, ROOT, args.work / "load.bench.log", inner_timeout(args))
+    record = json.loads(out.read_text()) if out.is_file() else {}
+    return {"exit": code, "wall_s": wall, **record}
+
+
 def part_bert_base(args) -> dict:
     """MLM (RoBERTa's objective, no sentence head) at BERT-base's shape with configs/bert.py's recipe (dropout 0.1):
     [CLS] random word pieces [SEP] rows, 15% of each masked as BERT does; logits only at the masked positions."""
@@ -462,6 +476,7 @@ PARTS = (
     Part("gpt2_lmzoo", part_gpt2_lmzoo, 120, 15, 4.0, needs_store=True),
     Part("gpt2_nanogpt", part_gpt2_nanogpt, 100, 10, 4.0, needs_store=True),
     Part("llama_1b", part_llama_1b, 60, 8, 2.5),
+    Part("load", part_load, 90, 15, 1.5),
     Part("bert_base", part_bert_base, 45, 8, 1.5),
     Part("t5_base", part_t5_base, 45, 8, 1.5),
     Part("steps_per_call", part_steps_per_call, 30, 8, 1.0),
@@ -566,7 +581,8 @@ def add_mfu(record: dict, env: dict) -> None:
 
 
 def summary(parts: dict) -> dict:
-    """The headline numbers: lmzoo / nanoGPT tokens/s (target >= 1.0) and each model's MFU."""
+    """The headline numbers: lmzoo / nanoGPT tokens/s (target >= GPT2_TARGET), each model's MFU, the load's
+    verdicts."""
     lmzoo, nano = parts.get("gpt2_lmzoo", {}), parts.get("gpt2_nanogpt", {})
     result = {"statuses": {name: record.get("status") for name, record in parts.items()}}
     tests = parts.get("gpu_tests", {})
@@ -574,7 +590,13 @@ def summary(parts: dict) -> dict:
         result["gpu_tests"] = {k: tests[k] for k in ("passed", "failed", "errors", "skipped")}
     if lmzoo.get("tokens_per_s") and nano.get("tokens_per_s"):
         ratio = lmzoo["tokens_per_s"] / nano["tokens_per_s"]
-        result["gpt2_lmzoo_vs_nanogpt_tokens_per_s"] = {"ratio": ratio, "target": 1.0, "pass": ratio >= 1.0}
+        result["gpt2_lmzoo_vs_nanogpt_tokens_per_s"] = {
+            "ratio": ratio,
+            "target": GPT2_TARGET,
+            "pass": ratio >= GPT2_TARGET,
+        }
+    for where, load in parts.get("load", {}).get("platforms", {}).items():
+        result[f"load_{where}"] = {key: load[key] for key in ("load_s", "read_s", "peak_rss", "rss_pass", "time_pass")}
     result["mfu_datasheet"] = {name: r["mfu_datasheet"] for name, r in parts.items() if r.get("mfu_datasheet")}
     result["mfu_measured_peak"] = {
         name: r["mfu_measured_peak"] for name, r in parts.items() if r.get("mfu_measured_peak")
@@ -609,6 +631,11 @@ def headline(name: str, record: dict) -> str:
         bits.append(", ".join(f"{record[k]} {k}" for k in ("passed", "failed", "errors", "skipped")))
     if isinstance(record.get("peak_memory"), dict) and record["peak_memory"].get("peak_gib") is not None:
         bits.append(f"peak {record['peak_memory']['peak_gib']:.1f} GiB")
+    for where, load in record.get("platforms", {}).items():
+        bits.append(
+            f"{where} hf: {load['load_s']:.2f} s ({load['load_s'] / load['read_s']:.1f}x the read), peak host RSS "
+            f"{load['peak_rss'] / 1e9:.2f} GB"
+        )
     return f"{name}: ok, " + ", ".join(bits)
 
 

@@ -245,6 +245,7 @@ def main() -> None:
         default="cpu",
         help="comma-separated, in order: cpu (8 simulated devices) and/or accelerator (JAX's GPUs or TPUs)",
     )
+    parser.add_argument("--json", type=pathlib.Path, help="also write each platform's medians and verdicts here")
     parser.add_argument("--child", choices=("read", "load", "convert", "ckpt"), help=argparse.SUPPRESS)
     parser.add_argument("folder", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -280,8 +281,12 @@ def main() -> None:
         run_child("convert", folder, platforms[0])
         converted = sum(f.stat().st_size for f in (folder / "converted").rglob("*") if f.is_file())
         print(f"converted checkpoint (orbax, zstd-compressed chunks): {converted / GB:.3f} GB on disk")
-        for platform in platforms:
-            bench_platform(folder, platform, args.rounds, args.cold, largest)
+        results = {
+            platform: bench_platform(folder, platform, args.rounds, args.cold, largest) for platform in platforms
+        }
+        if args.json:
+            record = {"checkpoint_bytes": on_disk, "largest_tensor_bytes": largest, "rounds": args.rounds}
+            args.json.write_text(json.dumps(record | {"cold": args.cold, "platforms": results}, indent=1))
     finally:
         if args.keep:
             print(f"kept {folder}")
@@ -289,8 +294,9 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool, largest: int) -> None:
-    """--rounds interleaved rounds of read, load and ckpt on `platform`, and their medians against the targets."""
+def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool, largest: int) -> dict:
+    """--rounds interleaved rounds of read, load and ckpt on `platform`; prints their medians against the targets and
+    returns them."""
     on_disk = sum(f.stat().st_size for f in shard_files(folder))
     print(f"--- {platform}")
     reads, loads, restores = [], [], []
@@ -362,6 +368,22 @@ def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool,
         f"{common.verdict(restore_s <= TIME_FACTOR * read_s)} ckpt: restore time {restore_s:.2f} s <= 2 x read "
         f"time = {TIME_FACTOR * read_s:.2f} s ({restore_s / read_s:.1f}x)"
     )
+    return {
+        "devices": last["devices"],
+        "device_kind": last["device_kind"],
+        "read_s": read_s,
+        "fill_s": fill_s,
+        "fill_peak_rss": max(r["peak_rss"] for r in reads),
+        "load_s": load_s,
+        "load_cpu_s": load_cpu_s,
+        "peak_rss": peak,
+        "restore_s": restore_s,
+        "restore_cpu_s": restore_cpu_s,
+        "restore_peak_rss": restore_peak,
+        "rss_target": rss_target,
+        "rss_pass": peak <= rss_target,
+        "time_pass": load_s <= TIME_FACTOR * read_s,
+    }
 
 
 if __name__ == "__main__":

@@ -67,6 +67,11 @@ def test_tiny_suite_gives_every_part_numbers_or_a_reason(tmp_path):
         assert positive(record["loss"]) and positive(record["params"]) and record["call_ms"], f"{name}: {record}"
     assert parts["llama_1b"]["variant_params"] == LLAMA_3_2_1B_PARAMS
 
+    load = parts["load"]["platforms"]["cpu"]  # the toy checkpoint through hf: and ckpt:, against reading its files
+    assert all(positive(load[k]) for k in ("read_s", "fill_s", "load_s", "restore_s", "peak_rss", "rss_target")), load
+    assert load["rss_pass"] in (True, False) and load["time_pass"] in (True, False)
+    assert report["summary"]["load_cpu"]["load_s"] == load["load_s"]
+
     calls = parts["steps_per_call"]
     assert (
         positive(calls["tokens_per_s"]["off"]) and positive(calls["tokens_per_s"]["on"]) and positive(calls["speedup"])

@@ -155,6 +155,31 @@ def test_streamed_load_equals_whole_file_load(tmp_path, monkeypatch, family, par
     assert not in_pieces or sum(count > 1 for count in pieces) >= kernels_and_tables, pieces
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_blocks_assembled_on_the_device_equal_the_host_load(tmp_path, monkeypatch, family):
+    """An accelerator's way (`mapping._place_in_pieces`), taken here on the CPU device: scanned layers and 100-byte
+    ranges of rows, each put on the device and written into its block there, cast from the checkpoint's bfloat16 to
+    float32 on the way, equal the host load bit for bit, put in many pieces, none a whole parameter."""
+    spec = save_random(tmp_path / "ckpt", family, FAMILIES[family][1])
+    cfg = make_config(family, FAMILIES[family][1] | {"scan_layers": True, "param_dtype": "float32"})
+    shapes = nn.unbox(abstract_params(family, cfg))
+    host, _ = hf.convert_pretrained(spec, family, cfg, shapes)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device), shapes)
+    monkeypatch.setattr(mapping, "_ROWS_PIECE_BYTES", 100)
+    monkeypatch.setattr(mapping, "_assembled_on_devices", lambda sharding: True)
+    pieces, insert = [], mapping._insert
+    monkeypatch.setattr(
+        mapping, "_insert", lambda block, piece, starts: [pieces.append(piece.size), insert(block, piece, starts)][1]
+    )
+    params, _ = hf.convert_pretrained(spec, family, cfg, target)
+    flat_host = mapping.flatten(host)
+    for path, leaf in mapping.flatten(params).items():
+        assert isinstance(leaf, jax.Array) and leaf.sharding == device and leaf.dtype == jnp.float32, path
+        np.testing.assert_array_equal(np.asarray(leaf), flat_host[path], err_msg=path)
+    assert len(pieces) > 2 * len(flat_host) and max(pieces) < max(leaf.size for leaf in flat_host.values())
+
+
 def test_each_parameter_is_built_in_its_sharding_on_8_devices(tmp_path):
     for family in FAMILIES:
         save_random(tmp_path / family, family, FAMILIES[family][1])

@@ -1,5 +1,10 @@
 """Tiny configs and batches shared by the tests (B=2, T=8, D=16, N=2, vocab 32)."""
 
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -16,6 +21,20 @@ FAST_COMPILE_XLA_FLAGS = (
     "--xla_cpu_use_fusion_emitters=false",
     "--xla_cpu_parallel_codegen_split_count=1",
 )
+
+
+def accepted_xla_flags(flags: Sequence[str]) -> list[str]:
+    """Those of `flags` this jaxlib's XLA accepts. XLA ends a process whose XLA_FLAGS name a flag it does not know
+    (exit status 1, its one line lost under pytest's output capture), and XLA versions add and drop flags: each is
+    tried by starting the CPU backend in a child process, all together first."""
+
+    def accepted(candidate: Sequence[str]) -> bool:
+        env = {**os.environ, "XLA_FLAGS": " ".join(candidate), "JAX_PLATFORMS": "cpu"}
+        child = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True)
+        return child.returncode == 0
+
+    return list(flags) if accepted(flags) else [flag for flag in flags if accepted([flag])]
+
 
 TINY_GPT2 = dict(
     vocab_size=32,

@@ -3,7 +3,8 @@ test run, not the user's ~/.cache/lmzoo. Compiled XLA programs go to JAX's persi
 folder for the whole run (its xdist workers and the train.py processes tests start): many tests train the same tiny
 models, and compiling dominates their time.
 
-For the same reason the suite compiles with XLA's quickest CPU pipeline (`lmzoo.testing.FAST_COMPILE_XLA_FLAGS`);
+For the same reason the suite compiles with XLA's quickest CPU pipeline (`lmzoo.testing.FAST_COMPILE_XLA_FLAGS`, those
+of them the installed XLA knows: it ends a process given one it does not);
 tests/test_compile_flags.py trains one run with the default pipeline in a process of its own and checks its losses
 against the suite's, so a difference between the two cannot hide."""
 
@@ -16,6 +17,8 @@ import pytest
 
 from lmzoo import testing
 
+FAST_XLA_FLAGS_VARIABLE = "LMZOO_TEST_FAST_XLA_FLAGS"
+
 # Made by the first pytest process, which removes them at its end: xdist's workers and the processes tests start
 # inherit the folders through the environment.
 _MADE_HERE = []
@@ -26,10 +29,13 @@ for _variable, _prefix in (("LMZOO_CACHE", "lmzoo-cache-"), ("JAX_COMPILATION_CA
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-# The caller's own flags (a device count, another value of one of these) come after them, where XLA lets them win.
+# Those of them this XLA knows (checked once a run: the workers and the processes tests start inherit the answer); the
+# caller's own flags (a device count, another value of one of these) come after them, where XLA lets them win.
+if FAST_XLA_FLAGS_VARIABLE not in os.environ:
+    os.environ[FAST_XLA_FLAGS_VARIABLE] = " ".join(testing.accepted_xla_flags(testing.FAST_COMPILE_XLA_FLAGS))
 _CALLER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(
-    [*(f for f in testing.FAST_COMPILE_XLA_FLAGS if f not in _CALLER_XLA_FLAGS), *_CALLER_XLA_FLAGS]
+    [*(f for f in os.environ[FAST_XLA_FLAGS_VARIABLE].split() if f not in _CALLER_XLA_FLAGS), *_CALLER_XLA_FLAGS]
 )
 
 

@@ -27,12 +27,13 @@ def _train_losses(workdir: pathlib.Path) -> list[float]:
 
 @pytest.mark.slow  # a train.py process
 def test_the_default_xla_pipeline_trains_to_the_losses_the_suite_sees(tmp_path):
-    assert all(flag in os.environ["XLA_FLAGS"].split() for flag in testing.FAST_COMPILE_XLA_FLAGS)
+    fast_flags = os.environ["LMZOO_TEST_FAST_XLA_FLAGS"].split()  # those of FAST_COMPILE_XLA_FLAGS this XLA knows
+    assert fast_flags and all(flag in os.environ["XLA_FLAGS"].split() for flag in fast_flags)
     config = config_lib.load_config_file(ROOT / CONFIG_FILE, VARIANT)
     config.train.log_every, config.train.sample_tokens = 1, 0
     loop.train_and_evaluate(config, str(tmp_path / "suite"))
 
-    default_flags = [flag for flag in os.environ["XLA_FLAGS"].split() if flag not in testing.FAST_COMPILE_XLA_FLAGS]
+    default_flags = [flag for flag in os.environ["XLA_FLAGS"].split() if flag not in fast_flags]
     env = {**os.environ, "XLA_FLAGS": " ".join(default_flags), "PYTHONPATH": str(ROOT)}
     command = [
         sys.executable,
@@ -49,3 +50,10 @@ def test_the_default_xla_pipeline_trains_to_the_losses_the_suite_sees(tmp_path):
     assert len(suite) == len(default) == config.train.steps
     # Equal here bit for bit; the pipelines may fuse or contract float operations differently on other CPUs.
     np.testing.assert_allclose(default, suite, rtol=1e-5)
+
+
+def test_flags_this_xla_does_not_know_are_left_out():
+    """XLA ends a process (exit 1) whose XLA_FLAGS name an unknown flag: under pytest's capture the whole run ends
+    with no output (tests/test_gpu.py ended so under the GPU machine's jax 0.11.2)."""
+    known = testing.FAST_COMPILE_XLA_FLAGS[0]
+    assert testing.accepted_xla_flags([known, "--xla_no_such_flag=true"]) == [known]

@@ -25,6 +25,7 @@ And eval.py's reading of escapes in --generate (with --prompt_file on a trained 
 tests/evaluation/test_eval_cli.py).
 """
 
+import ast
 import functools
 import importlib.util
 import pathlib
@@ -222,8 +223,8 @@ def test_evaluate_md_has_a_row_for_each_objective():
 PREFIXES = ("python train.py", "python eval.py", "python -m lmzoo")
 
 
-def _commands() -> list[tuple[str, str]]:
-    """(where, command) of every documented command that starts with one of PREFIXES: lines of code blocks
+def _commands(prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(where, command) of every documented command that starts with one of `prefixes`: lines of code blocks
     (continued by a trailing backslash) and inline code spans."""
     found = []
     for path in DOCS:
@@ -231,20 +232,21 @@ def _commands() -> list[tuple[str, str]]:
         lines = text.splitlines()
         for number, line in enumerate(lines):
             stripped = line.strip()
-            if stripped.startswith(PREFIXES):
+            if stripped.startswith(prefixes):
                 command, index = stripped, number
                 while command.endswith("\\") and index + 1 < len(lines):
                     index += 1
                     command = command[:-1] + " " + lines[index].strip()
                 found.append((f"{path.name}:{number + 1}", command))
         for span in re.finditer(r"`(python [^`]*)`", text):  # inline, possibly wrapped onto the next line
-            if span.group(1).startswith(PREFIXES):
+            if span.group(1).startswith(prefixes):
                 number = text.count("\n", 0, span.start()) + 1
                 found.append((f"{path.name}:{number}", " ".join(span.group(1).split())))
     return found
 
 
-COMMANDS = _commands()
+COMMANDS = _commands(PREFIXES)
+BENCH_COMMANDS = _commands(("python bench/",))
 
 
 def _without_substitutions(command: str) -> str:
@@ -358,3 +360,32 @@ def test_commands_are_found():
 def test_generate_reads_escapes():
     assert EVAL.read_escapes(r"ROMEO:\nJULIET:\tyes\\no \d") == "ROMEO:\nJULIET:\tyes\\no \\d"
     assert EVAL.read_escapes("no escapes") == "no escapes"
+
+
+def _defined_flags(script: pathlib.Path) -> set[str]:
+    """The --flags a script defines, read from its source and bench/common.py's (the parsers benchmarks share):
+    argparse's `add_argument("--name", ...)` and absl's `DEFINE_*("name", ...)`."""
+    flags_found = set()
+    for source in (script, ROOT / "bench" / "common.py"):
+        for call in ast.walk(ast.parse(source.read_text())):
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.args):
+                continue
+            first = call.args[0]
+            if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+                continue
+            if call.func.attr == "add_argument" and first.value.startswith("--"):
+                flags_found.add(first.value)
+            elif call.func.attr.startswith("DEFINE_"):
+                flags_found.add(f"--{first.value}")
+    return flags_found
+
+
+@pytest.mark.parametrize("where, command", BENCH_COMMANDS, ids=[where for where, _ in BENCH_COMMANDS])
+def test_documented_bench_command_names_its_script_and_flags(where, command):
+    """`python bench/NAME.py --flags` in the docs: the script exists and defines every flag used (benchmarks are run
+    by hand, so nothing else would notice a renamed flag)."""
+    words, placeholders = _arguments(command)
+    script = ROOT / words[1]
+    assert script.is_file(), f"{where}: no {words[1]}"
+    used = {w.split("=", 1)[0] for w in [*words[2:], *placeholders] if w.startswith("--")}
+    assert used <= _defined_flags(script), f"{where}: {words[1]} has no flag {sorted(used - _defined_flags(script))}"

@@ -1,12 +1,20 @@
-"""Accelerator forms on a real GPU (skipped elsewhere): cuDNN's fused attention against the explicit form."""
+"""Accelerator forms on a real GPU (skipped elsewhere): cuDNN's fused attention against the explicit form; a
+checkpoint's blocks assembled on the GPU against the host load."""
 
+import json
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
+from lmzoo.convert import hf, llama, mapping
 from lmzoo.kernels import explicit
 from lmzoo.layers import attention
+from lmzoo.models import build_model, make_config
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
@@ -37,3 +45,32 @@ def test_fused_attention_matches_explicit_form(causal, packed):
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-2, rtol=2e-2)
     for got, expected in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_checkpoint_blocks_assembled_on_the_gpu_equal_the_host_load(tmp_path, monkeypatch, param_dtype):
+    """`hf:` onto the GPU, each parameter put there piece by piece (`mapping._place_in_pieces`; 100-byte pieces, so
+    every tensor comes in many), equals the host load bit for bit: a random Llama stored in bfloat16, loaded into
+    scanned layers."""
+    fields = dict(vocab_size=64, max_len=16, emb_dim=32, num_heads=4, num_kv_heads=2, num_layers=2, mlp_dim=48)
+
+    def shapes(cfg):
+        model = build_model("llama", cfg)
+        return nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
+
+    stored = make_config("llama", fields)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda leaf: rng.normal(size=leaf.shape).astype(np.float32), shapes(stored))
+    state_dict = {name: tensor.astype(ml_dtypes.bfloat16) for name, tensor in llama.to_hf(params, stored).items()}
+    save_file(state_dict, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(llama.config_to_hf(stored)))
+    cfg = make_config("llama", fields | {"scan_layers": True, "param_dtype": param_dtype})
+    host, _ = hf.convert_pretrained(f"hf:{tmp_path}", "llama", cfg, shapes(cfg))
+    gpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=gpu), shapes(cfg))
+    monkeypatch.setattr(mapping, "_ROWS_PIECE_BYTES", 100)
+    loaded, _ = hf.convert_pretrained(f"hf:{tmp_path}", "llama", cfg, target)
+    flat_host = mapping.flatten(host)
+    for path, leaf in mapping.flatten(loaded).items():
+        assert isinstance(leaf, jax.Array) and leaf.sharding == gpu and leaf.dtype == jnp.dtype(param_dtype), path
+        np.testing.assert_array_equal(np.asarray(leaf), flat_host[path], err_msg=path)

@@ -282,7 +282,8 @@ def main() -> None:
         converted = sum(f.stat().st_size for f in (folder / "converted").rglob("*") if f.is_file())
         print(f"converted checkpoint (orbax, zstd-compressed chunks): {converted / GB:.3f} GB on disk")
         results = {
-            platform: bench_platform(folder, platform, args.rounds, args.cold, largest) for platform in platforms
+            platform: bench_platform(folder, platform, args.rounds, args.cold, on_disk, largest)
+            for platform in platforms
         }
         if args.json:
             record = {"checkpoint_bytes": on_disk, "largest_tensor_bytes": largest, "rounds": args.rounds}
@@ -294,10 +295,9 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool, largest: int) -> dict:
-    """--rounds interleaved rounds of read, load and ckpt on `platform`; prints their medians against the targets and
-    returns them."""
-    on_disk = sum(f.stat().st_size for f in shard_files(folder))
+def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool, on_disk: int, largest: int) -> dict:
+    """--rounds interleaved rounds of read, load and ckpt on `platform` (a checkpoint of `on_disk` bytes, its largest
+    tensor `largest`); prints their medians against the targets and returns them."""
     print(f"--- {platform}")
     reads, loads, restores = [], [], []
     for round_index in range(rounds):
@@ -305,7 +305,7 @@ def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool,
             result = run_child(mode, folder, platform, cold=cold)
             {"read": reads, "load": loads, "ckpt": restores}[mode].append(result)
             shown = {
-                key: round(value / GB, 3) if key in ("rss_before", "peak_rss", "param_bytes") else value
+                key: value / GB if key in ("rss_before", "peak_rss", "param_bytes") else value
                 for key, value in result.items()
             }
             shown = {key: round(value, 3) if isinstance(value, float) else value for key, value in shown.items()}
@@ -317,7 +317,7 @@ def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool,
     load_s, load_cpu_s = (common.median([r[key] for r in loads]) for key in ("load_s", "load_cpu_s"))
     restore_s, restore_cpu_s = (common.median([r[key] for r in restores]) for key in ("load_s", "load_cpu_s"))
     restore_peak = max(r["peak_rss"] for r in restores)
-    peak = max(r["peak_rss"] for r in loads)
+    peak, fill_peak = max(r["peak_rss"] for r in loads), max(r["peak_rss"] for r in reads)
     last = loads[-1]
     rss_target = RSS_BASE_GB * GB + RSS_TENSOR_FACTOR * largest
     print(
@@ -344,8 +344,7 @@ def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool,
         print(
             f"putting as many bytes on the first device from host memory in {READ_CHUNK >> 20} MB transfers: "
             f"{fill_s:.2f} s ({on_disk / GB / fill_s:.1f} GB/s), {fill_s / read_s:.1f}x the read "
-            f"(load / transfers {load_s / fill_s:.1f}x); that process's peak host RSS "
-            f"{max(r['peak_rss'] for r in reads) / GB:.3f} GB"
+            f"(load / transfers {load_s / fill_s:.1f}x); that process's peak host RSS {fill_peak / GB:.3f} GB"
         )
         print(f"peak host RSS {peak / GB:.3f} GB (before loading {last['rss_before'] / GB:.3f} GB)")
     print(
@@ -373,7 +372,7 @@ def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool,
         "device_kind": last["device_kind"],
         "read_s": read_s,
         "fill_s": fill_s,
-        "fill_peak_rss": max(r["peak_rss"] for r in reads),
+        "fill_peak_rss": fill_peak,
         "load_s": load_s,
         "load_cpu_s": load_cpu_s,
         "peak_rss": peak,

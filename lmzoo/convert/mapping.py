@@ -611,8 +611,8 @@ def _split_axis(src: np.ndarray) -> int | None:
     """The axis to cut a copy from `src` along for the copy threads: the first of length 2 or more that is not the
     one `src` is contiguous in when it is copied in tiles. Cutting that one would leave each thread's tiles short runs
     of it, so many more of them, each a Python call under the GIL."""
-    fast = _contiguous_axis(src)
-    return next((axis for axis in range(src.ndim) if src.shape[axis] > 1 and not (_tiled(src) and axis == fast)), None)
+    kept_whole = _contiguous_axis(src) if _tiled(src) else None
+    return next((axis for axis in range(src.ndim) if src.shape[axis] > 1 and axis != kept_whole), None)
 
 
 def _contiguous_axis(src: np.ndarray) -> int:

@@ -22,10 +22,10 @@ each of --platforms (`cpu`, the default: 8 simulated CPU devices, XLA_FLAGS=--xl
         orbax restores each parameter straight into its sharding.
 Both read the files from the page cache (just written), or with --cold (Linux, as root) from the disk: the page cache
 is dropped before each process and between read's two reads, as for a checkpoint's first load on a host; wall and
-CPU times (all threads) are printed, as other
-processes sharing the cores inflate wall time. Peak RSS is the load process's VmHWM. The simulated
-devices' buffers are host memory, so on the CPU the peak includes the loaded parameters themselves (on an
-accelerator they live in device memory); that share is printed beside it.
+CPU times (all threads) are printed, as other processes sharing the cores inflate wall time. Peak RSS is the load
+process's VmHWM; the bytes it read from files, /proc/self/io's rchar. The simulated devices' buffers are host memory,
+so on the CPU the peak includes the loaded parameters themselves (on an accelerator they live in device memory); that
+share is printed beside it.
 Targets, printed as PASS/MISS (never asserted): peak host RSS <= 1.5 GB + 1.2 x the largest single tensor; load
 time <= 2 x the read time (the reused-buffer read; medians over the rounds).
 """
@@ -155,6 +155,13 @@ def rss_bytes(field: str) -> int:
     return int(line.split()[1]) * 1024
 
 
+def bytes_read() -> int:
+    """The bytes this process has read through system calls so far (/proc/self/io's rchar: files, page cache or
+    disk alike)."""
+    line = next(line for line in pathlib.Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar"))
+    return int(line.split()[1])
+
+
 def mesh_shape() -> tuple[int, int, int]:
     """(data, fsdp, tensor): FSDP over every device of this process."""
     return (1, jax.device_count(), 1)
@@ -188,10 +195,11 @@ def load(folder: pathlib.Path, spec: str = "hf") -> dict:
     as `init_from=ckpt:` does) into sharded bfloat16 targets."""
     cfg, target, shardings = targets(folder)
     source = f"hf:{folder}" if spec == "hf" else f"ckpt:{folder / 'converted'}"
-    before = rss_bytes("VmRSS")
+    before, read_before = rss_bytes("VmRSS"), bytes_read()
     start, cpu_start = time.perf_counter(), time.process_time()
     params = jax.block_until_ready(weights.merge_pretrained(target, source, "llama", cfg))
     load_s, load_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    read = bytes_read() - read_before
     leaves = jax.tree.leaves(params)
     assert all(leaf.sharding == where for leaf, where in zip(leaves, jax.tree.leaves(shardings), strict=True))
     return {
@@ -199,6 +207,7 @@ def load(folder: pathlib.Path, spec: str = "hf") -> dict:
         "load_cpu_s": load_cpu_s,
         "rss_before": before,
         "peak_rss": rss_bytes("VmHWM"),
+        "read_bytes": read,
         "param_bytes": sum(leaf.nbytes for leaf in leaves),
         "params": sum(leaf.size for leaf in leaves),
         "devices": jax.device_count(),
@@ -305,7 +314,7 @@ def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool,
             result = run_child(mode, folder, platform, cold=cold)
             {"read": reads, "load": loads, "ckpt": restores}[mode].append(result)
             shown = {
-                key: value / GB if key in ("rss_before", "peak_rss", "param_bytes") else value
+                key: value / GB if key in ("rss_before", "peak_rss", "param_bytes", "read_bytes") else value
                 for key, value in result.items()
             }
             shown = {key: round(value, 3) if isinstance(value, float) else value for key, value in shown.items()}
@@ -348,6 +357,10 @@ def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool,
         )
         print(f"peak host RSS {peak / GB:.3f} GB (before loading {last['rss_before'] / GB:.3f} GB)")
     print(
+        f"read from files while loading: hf: {last['read_bytes'] / GB:.3f} GB, ckpt: "
+        f"{restores[-1]['read_bytes'] / GB:.3f} GB (the safetensors files: {on_disk / GB:.3f} GB)"
+    )
+    print(
         f"{common.verdict(peak <= rss_target)} peak host RSS {peak / GB:.3f} GB <= 1.5 GB + 1.2 x largest tensor "
         f"= {rss_target / GB:.3f} GB"
     )
@@ -375,6 +388,7 @@ def bench_platform(folder: pathlib.Path, platform: str, rounds: int, cold: bool,
         "fill_peak_rss": fill_peak,
         "load_s": load_s,
         "load_cpu_s": load_cpu_s,
+        "load_read_bytes": last["read_bytes"],
         "peak_rss": peak,
         "restore_s": restore_s,
         "restore_cpu_s": restore_cpu_s,

@@ -20,8 +20,9 @@ process's devices hold, in pieces (a scanned leaf's layers, a large tensor's ran
 its own while the one before is copied out. On CPU devices the pieces go straight into the shards' host blocks, which
 the CPU client adopts as the device buffers; beyond the parameters, host memory holds two pieces being read and
 copied (a layer's tensor, or about _ROWS_PIECE_BYTES of rows) and the blocks of the one parameter being built. On
-accelerators each piece is converted into one reused host buffer, put on its devices and written into its block
-there, so host memory holds the pieces alone whatever the model's size.
+accelerators each piece is put, as stored, on the devices whose blocks it meets, and transposed, reshaped, cast and
+written into its place there (`View`, the same steps a host read takes), so the host only reads, each byte once for
+all its devices, and holds two pieces whatever the model's size.
 
 Weights are read only from safetensors files (float32, float16 or bfloat16): pickled `pytorch_model.bin`
 checkpoints are refused, because unpickling can run arbitrary code.
@@ -312,7 +313,12 @@ class Converted(LazyLeaf):
         return self.read(index)
 
     def read(self, index: tuple[slice, ...], buffer: "ReadBuffer | None" = None) -> np.ndarray:
-        box = _box(index, self.shape)
+        stored, view = self.stored_view(_box(index, self.shape))
+        return view.apply(self.read_stored(stored, buffer))
+
+    def stored_view(self, box: Box) -> tuple[Box, "View"]:
+        """(the box of the HF tensor behind `box` of this leaf, the view that turns that box of the tensor into `box`
+        of the leaf)."""
         # Each HF axis is read over the range of the outer leaf axis of its run; the inner ones are sliced after.
         view_box = []
         for size, axes in zip(self.view, self.groups, strict=True):
@@ -322,16 +328,32 @@ class Converted(LazyLeaf):
         if self.entry.part:
             offset = self.entry.part[0] * self.view[-1]
             view_box[-1] = (view_box[-1][0] + offset, view_box[-1][1] + offset)
-        hf_index = _slices(view_box[::-1] if self.entry.transpose else view_box)
-        block = self.tensor.read(hf_index, buffer) if isinstance(self.tensor, LazyLeaf) else self.tensor[hf_index]
-        if self.entry.transpose:
-            block = block.T
-        outer = [axes[0] for axes in self.groups if axes]
-        # [.., outer range, inner axes whole, ..]: a view, as splitting an axis needs no copy
-        block = block.reshape(
-            [box[axis][1] - box[axis][0] if axis in outer else n for axis, n in enumerate(self.shape)]
-        )
-        return block[tuple(slice(None) if axis in outer else slice(*box[axis]) for axis in range(len(self.shape)))]
+        outer = {axes[0] for axes in self.groups if axes}
+        # [.., outer range, inner axes whole, ..]: splitting an axis needs no copy
+        shape = tuple(box[axis][1] - box[axis][0] if axis in outer else n for axis, n in enumerate(self.shape))
+        inner = tuple(None if axis in outer else box[axis] for axis in range(len(self.shape)))
+        stored = tuple(view_box[::-1] if self.entry.transpose else view_box)
+        return stored, View(self.entry.transpose, shape, inner)
+
+    def read_stored(self, stored: Box, buffer: "ReadBuffer | None" = None) -> np.ndarray:
+        """The `stored` box of the HF tensor, as stored (into `buffer` when the tensor is read from a file)."""
+        if isinstance(self.tensor, LazyLeaf):
+            return self.tensor.read(_slices(stored), buffer)
+        return self.tensor[_slices(stored)]
+
+
+class View(NamedTuple):
+    """How a block of an HF tensor becomes a box of an lmzoo leaf: transposed (every axis reversed, for [out, in]
+    kernels), reshaped to `shape` (splitting axes), then sliced to `inner` ((start, stop) of each axis; None keeps
+    one whole). Numpy and jax arrays take it alike: a view on the host, or on an accelerator a computation there."""
+
+    transpose: bool
+    shape: tuple[int, ...]
+    inner: tuple[tuple[int, int] | None, ...]
+
+    def apply(self, block: Any) -> Any:
+        block = block.T if self.transpose else block
+        return block.reshape(self.shape)[tuple(slice(None) if part is None else slice(*part) for part in self.inner)]
 
 
 def _split_axes(view: Sequence[int], shape: Sequence[int]) -> list[tuple[int, ...]]:
@@ -393,7 +415,7 @@ def place(source: Any, like: Any) -> np.ndarray | jax.Array:
     if _assembled_on_devices(sharding):
         return _place_in_pieces(source, shape, dtype, sharding)
     boxes = {_box(index, shape) for index in sharding.addressable_devices_indices_map(shape).values()}
-    blocks = {box: _fresh_empty(tuple(stop - start for start, stop in box), dtype) for box in boxes}
+    blocks = {box: _fresh_empty(_sizes(box), dtype) for box in boxes}
     _fill(source, list(blocks.items()), ReadBuffer())
     return jax.make_array_from_callback(shape, sharding, lambda index: blocks[_box(index, shape)])
 
@@ -404,49 +426,138 @@ def _assembled_on_devices(sharding: jax.sharding.Sharding) -> bool:
     return any(device.platform != "cpu" for device in sharding.device_set)
 
 
+# Stored dtypes an accelerator converts itself. Others (float64, which jax holds as float32 unless x64 is on, so a
+# cast to bfloat16 would round twice) are converted on the host.
+_DEVICE_CAST_DTYPES = tuple(np.dtype(t) for t in (ml_dtypes.bfloat16, np.float16, np.float32))
+
+
 def _place_in_pieces(source: Any, shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> jax.Array:
-    """`source` in `sharding`, each addressable device's block assembled on the device: the block is cut into pieces
-    (`_piece_boxes`), each converted into one reused host buffer, put on the devices that hold the block and written
-    into its place there before the next is converted. Host memory holds one piece, never a parameter or a block whole
-    (an accelerator's block of a scanned leaf is many times the largest tensor), and the accelerator's transfers
-    stage one piece at a time."""
+    """`source` in `sharding`, each addressable device's block assembled on the device. The box that bounds the
+    blocks is cut into pieces (`_piece_boxes`: a layer, ~_ROWS_PIECE_BYTES of rows), each read once, as stored, for
+    every block it meets; each block's part of it is put on the block's devices as read (the stored dtype and
+    layout) and transposed, reshaped and cast there (`_insert`), so the host neither copies nor converts the bytes.
+    The next piece is read on the reader thread while the current one is put on the devices. Host memory holds two
+    pieces, never a parameter or a block whole (an accelerator's block of a scanned leaf is many times the largest
+    tensor)."""
     holders: dict[Box, list[Any]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         holders.setdefault(_box(index, shape), []).append(device)
-    staging, read_buffer, blocks = ReadBuffer(), ReadBuffer(), {}
-    for box, devices in holders.items():
-        on_devices = [jax.numpy.zeros([stop - start for start, stop in box], dtype, device=d) for d in devices]
-        for piece in _piece_boxes(source, box, dtype):
-            host = staging.take(math.prod(stop - start for start, stop in piece), dtype)
-            host = host.reshape([stop - start for start, stop in piece])
-            _fill(source, [(piece, host)], read_buffer)
-            starts = np.array([start - low for (start, _), (low, _) in zip(piece, box, strict=True)], np.int32)
-            on_devices = [_insert(block, jax.device_put(host, block.device), starts) for block in on_devices]
-            # the host buffer is written again next: the transfer (on a CPU device, which may adopt the buffer
-            # rather than copy it, the insert) must be done
-            jax.block_until_ready(on_devices)
-        blocks.update(zip(devices, on_devices, strict=True))
+    blocks = {box: [jax.numpy.zeros(_sizes(box), dtype, device=d) for d in devices] for box, devices in holders.items()}
+    bounds = tuple(
+        (min(box[axis][0] for box in holders), max(box[axis][1] for box in holders)) for axis in range(len(shape))
+    )
+    reads = []
+    for piece in _piece_boxes(source, bounds, dtype):
+        overlaps = [(box, _overlap(piece, box)) for box in holders]
+        reads.append((piece, [(box, overlap) for box, overlap in overlaps if overlap is not None]))
+    # on the reader thread only when reading is all it does (a host conversion reads on that thread itself)
+    on_reader = all(_stored_behind(source, piece) is not None for piece, _ in reads)
+    buffers = [(ReadBuffer(), ReadBuffer()) for _ in range(2)]
+
+    def parts(index: int) -> list[tuple[Box, Box, np.ndarray, View | None]]:
+        return _piece_parts(source, *reads[index], dtype, *buffers[index % 2])
+
+    reading = _reader().submit(parts, 0) if on_reader else None
+    for index in range(len(reads)):
+        current = reading.result() if reading is not None else parts(index)
+        # the pieces put before this one are written into their blocks: the next read may take their buffers
+        jax.block_until_ready(list(itertools.chain.from_iterable(blocks.values())))
+        if on_reader and index + 1 < len(reads):
+            reading = _reader().submit(parts, index + 1)
+        for box, overlap, host, view in current:
+            starts = np.array([start for start, _ in _within(overlap, box)], np.int32)
+            blocks[box] = [
+                _insert(block, jax.device_put(host, block.device), starts, view, _sizes(overlap))
+                for block in blocks[box]
+            ]
+    placed = {
+        device: block for box, devices in holders.items() for device, block in zip(devices, blocks[box], strict=True)
+    }
     return jax.make_array_from_single_device_arrays(
-        shape, sharding, [blocks[device] for device in sharding.addressable_devices_indices_map(shape)]
+        shape, sharding, [placed[device] for device in sharding.addressable_devices_indices_map(shape)]
     )
 
 
+def _piece_parts(
+    source: Any,
+    piece: Box,
+    overlaps: Sequence[tuple[Box, Box]],
+    dtype: np.dtype,
+    buffer: "ReadBuffer",
+    staging: "ReadBuffer",
+) -> list[tuple[Box, Box, np.ndarray, View | None]]:
+    """(block box, overlap, host array, view) of each (block box, overlap) of `overlaps` (the blocks `piece` of
+    `source` meets): the stored box of the HF tensor behind the overlap, read once for the whole piece into
+    `buffer`, and the view that makes it the overlap there. A piece of any other source (an array, a float64
+    tensor) is converted on the host into `staging`, to `dtype`, its view None."""
+    behind = _stored_behind(source, piece)
+    if behind is None:
+        host = staging.take(math.prod(_sizes(piece)), dtype).reshape(_sizes(piece))
+        _fill(source, [(piece, host)], buffer)
+        return [(box, overlap, host[_slices(_within(overlap, piece))], None) for box, overlap in overlaps]
+    leaf, leaf_piece = behind
+    stored_piece, _ = leaf.stored_view(leaf_piece)
+    raw = leaf.read_stored(stored_piece, buffer)
+    parts = []
+    for box, overlap in overlaps:
+        stored, view = leaf.stored_view(_stored_behind(source, overlap)[1])
+        parts.append((box, overlap, raw[_slices(_within(stored, stored_piece))], view))
+    return parts
+
+
+def _stored_behind(source: Any, box: Box) -> "tuple[Converted, Box] | None":
+    """(the `Converted` leaf `box` of `source` lies in, the box within it): `source` itself, or one layer of a
+    scanned stack (`box` one layer long); None for any other source or a tensor the accelerator does not cast."""
+    while isinstance(source, Stacked) and box[0][1] - box[0][0] == 1:
+        source, box = source.layers[box[0][0]], box[1:]
+    if isinstance(source, Converted) and source.dtype in _DEVICE_CAST_DTYPES:
+        return source, box
+    return None
+
+
 def _piece_boxes(source: Any, box: Box, dtype: np.dtype) -> list[Box]:
-    """`box` cut as `_fill` reads it: a scanned leaf's layers one by one, a tensor of more than _ROWS_PIECE_BYTES (as
-    `dtype`) in ranges of its rows of about that many bytes, else whole."""
+    """`box` cut into the pieces an accelerator's blocks are put together from: a scanned leaf's layers one by one,
+    each cut as its layer's leaf is; a tensor of more than _ROWS_PIECE_BYTES (as `dtype`) in ranges of its rows of
+    about that many bytes, else whole."""
     if isinstance(source, Stacked):
-        return [((layer, layer + 1), *box[1:]) for layer in range(*box[0])]
+        return [
+            ((layer, layer + 1), *inner)
+            for layer in range(*box[0])
+            for inner in _piece_boxes(source.layers[layer], box[1:], dtype)
+        ]
     axis = getattr(source, "row_axis", None)
-    count = math.ceil(math.prod(stop - start for start, stop in box) * dtype.itemsize / _ROWS_PIECE_BYTES)
+    count = math.ceil(math.prod(_sizes(box)) * dtype.itemsize / _ROWS_PIECE_BYTES)
     if axis is None or count < 2:
         return [box]
     return [(*box[:axis], rows, *box[axis + 1 :]) for rows in _ranges(*box[axis], count)]
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _insert(block: jax.Array, piece: jax.Array, starts: jax.Array) -> jax.Array:
-    """`block` with `piece` written at `starts` ([ndim] int32), in place (the block is donated)."""
-    return jax.lax.dynamic_update_slice(block, piece, tuple(starts))
+def _sizes(box: Box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
+def _overlap(a: Box, b: Box) -> Box | None:
+    """The box two boxes share, or None when they share nothing."""
+    shared = tuple(
+        (max(low_a, low_b), min(high_a, high_b)) for (low_a, high_a), (low_b, high_b) in zip(a, b, strict=True)
+    )
+    return shared if all(start < stop for start, stop in shared) else None
+
+
+def _within(inner: Box, outer: Box) -> Box:
+    """`inner` relative to the start of `outer`, which holds it."""
+    return tuple((start - low, stop - low) for (start, stop), (low, _) in zip(inner, outer, strict=True))
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=(3, 4))
+def _insert(
+    block: jax.Array, piece: jax.Array, starts: jax.Array, view: View | None, shape: tuple[int, ...]
+) -> jax.Array:
+    """`block` with `piece` (a box of a stored HF tensor, or of the leaf when `view` is None) taken through `view`,
+    reshaped to `shape` (a scanned leaf's layer axis) and cast to the block's dtype, written at `starts` ([ndim]
+    int32), in place (the block is donated)."""
+    piece = view.apply(piece) if view is not None else piece
+    return jax.lax.dynamic_update_slice(block, piece.reshape(shape).astype(block.dtype), tuple(starts))
 
 
 def _host(source: Any, dtype: np.dtype) -> np.ndarray:
@@ -550,8 +661,7 @@ def _read_for(
     block = source.read(_slices(bounds), buffer) if isinstance(source, LazyLeaf) else source[_slices(bounds)]
     pairs = []
     for box, out in parts:
-        relative = tuple(slice(start - low, stop - low) for (start, stop), (low, _) in zip(box, bounds, strict=True))
-        pairs.append((out, block[relative]))
+        pairs.append((out, block[_slices(_within(box, bounds))]))
     return pairs
 
 

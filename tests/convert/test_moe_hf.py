@@ -136,6 +136,36 @@ def test_sharded_checkpoint_loads_into_scanned_layers(tmp_path):
         np.testing.assert_array_equal(back[key], np.asarray(value), err_msg=key)
 
 
+def test_experts_assembled_on_the_device_equal_the_host_load(tmp_path, monkeypatch):
+    """An accelerator's way (`mapping._place_in_pieces`, taken here on the CPU device) with 100-byte pieces: the
+    experts, stacked per layer and then per layer stack, are put on the device expert by expert in ranges of rows,
+    as stored, and equal the host load bit for bit."""
+    model = random_hf_model("mixtral", seed=2).to(torch.bfloat16)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    cfg = make_config(
+        "llama", llama.config_from_hf(model.config.to_dict()) | {"scan_layers": True, "param_dtype": "float32"}
+    )
+    shapes = dense.target_params(cfg)
+    host, _ = hf.convert_pretrained(f"hf:{tmp_path}", "llama", cfg, shapes)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device), shapes)
+    monkeypatch.setattr(mapping, "_ROWS_PIECE_BYTES", 100)
+    monkeypatch.setattr(mapping, "_assembled_on_devices", lambda sharding: True)
+    views, insert = [], mapping._insert
+
+    def recorded(block, piece, starts, view, shape):
+        views.append((block.shape, view))
+        return insert(block, piece, starts, view, shape)
+
+    monkeypatch.setattr(mapping, "_insert", recorded)
+    loaded, _ = hf.convert_pretrained(f"hf:{tmp_path}", "llama", cfg, target)
+    flat_host = mapping.flatten(host)
+    for path, leaf in mapping.flatten(loaded).items():
+        np.testing.assert_array_equal(np.asarray(leaf), flat_host[path], err_msg=path)
+    experts = loaded["blocks"]["layers"]["mlp"]["wi_0"].shape  # [layers, experts, D, F]
+    assert any(shape == experts and view is not None for shape, view in views), "experts converted on the host"
+
+
 @pytest.mark.parity
 def test_lmzoo_model_exports_to_mixtral(tmp_path):
     """An lmzoo-made MoE (scanned layers, mlp_dim 56 unused beside expert_mlp_dim 40, top-3, random weights) ->

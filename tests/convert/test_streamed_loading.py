@@ -158,8 +158,9 @@ def test_streamed_load_equals_whole_file_load(tmp_path, monkeypatch, family, par
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_blocks_assembled_on_the_device_equal_the_host_load(tmp_path, monkeypatch, family):
     """An accelerator's way (`mapping._place_in_pieces`), taken here on the CPU device: scanned layers and 100-byte
-    ranges of rows, each put on the device and written into its block there, cast from the checkpoint's bfloat16 to
-    float32 on the way, equal the host load bit for bit, put in many pieces, none a whole parameter."""
+    ranges of rows, each put on the device as stored (the checkpoint's bfloat16, HF's layout) and transposed,
+    reshaped, cast to float32 and written into its block there, equal the host load bit for bit, put in many pieces,
+    none a whole parameter."""
     spec = save_random(tmp_path / "ckpt", family, FAMILIES[family][1])
     cfg = make_config(family, FAMILIES[family][1] | {"scan_layers": True, "param_dtype": "float32"})
     shapes = nn.unbox(abstract_params(family, cfg))
@@ -169,15 +170,22 @@ def test_blocks_assembled_on_the_device_equal_the_host_load(tmp_path, monkeypatc
     monkeypatch.setattr(mapping, "_ROWS_PIECE_BYTES", 100)
     monkeypatch.setattr(mapping, "_assembled_on_devices", lambda sharding: True)
     pieces, insert = [], mapping._insert
-    monkeypatch.setattr(
-        mapping, "_insert", lambda block, piece, starts: [pieces.append(piece.size), insert(block, piece, starts)][1]
-    )
+
+    def recorded(block, piece, starts, view, shape):
+        pieces.append((piece.size, piece.dtype, view))
+        return insert(block, piece, starts, view, shape)
+
+    monkeypatch.setattr(mapping, "_insert", recorded)
     params, _ = hf.convert_pretrained(spec, family, cfg, target)
     flat_host = mapping.flatten(host)
     for path, leaf in mapping.flatten(params).items():
         assert isinstance(leaf, jax.Array) and leaf.sharding == device and leaf.dtype == jnp.float32, path
         np.testing.assert_array_equal(np.asarray(leaf), flat_host[path], err_msg=path)
-    assert len(pieces) > 2 * len(flat_host) and max(pieces) < max(leaf.size for leaf in flat_host.values())
+    sizes = [size for size, _, _ in pieces]
+    assert len(sizes) > 2 * len(flat_host) and max(sizes) < max(leaf.size for leaf in flat_host.values())
+    assert all(dtype == jnp.bfloat16 for _, dtype, _ in pieces)  # the host converted nothing
+    transposed = any(entry.transpose for entry in FAMILIES[family][0].entries(cfg))  # HF's [out, in] kernels
+    assert any(view is not None and view.transpose for _, _, view in pieces) == transposed
 
 
 def test_each_parameter_is_built_in_its_sharding_on_8_devices(tmp_path):
@@ -202,7 +210,15 @@ def check_sharded_loads(folder: pathlib.Path) -> None:
     """(The subprocess, 8 devices.) Each family's scanned, bfloat16 model loads into NamedShardings on each of
     MESHES: every parameter is a jax.Array in its target's sharding, each shard holding its box of the host load;
     merging into fresh sharded params keeps their shardings. Each also as an accelerator's blocks are built: put on
-    the devices piece by piece and assembled there (`mapping._place_in_pieces`)."""
+    the devices piece by piece and assembled there (`mapping._place_in_pieces`), reading the stored bytes once for
+    all the devices, as many as the host's way reads (an 8-device host once read each byte once per device)."""
+    read_bytes, read = [0], mapping.StoredTensor._read
+
+    def counted(tensor, first, count, buffer):
+        read_bytes[0] += count * tensor.dtype.itemsize
+        return read(tensor, first, count, buffer)
+
+    mapping.StoredTensor._read = counted
     for family, (_, fields) in FAMILIES.items():
         spec, cfg = (
             f"hf:{folder / family}",
@@ -212,6 +228,7 @@ def check_sharded_loads(folder: pathlib.Path) -> None:
         host, _ = hf.convert_pretrained(spec, family, cfg, nn.unbox(boxed))
         host_blocks = mapping._assembled_on_devices
         ways = ((mapping._ROWS_PIECE_BYTES, host_blocks), (100, host_blocks), (100, lambda sharding: True))
+        reads = {}
         for shape, (piece_bytes, on_devices) in itertools.product(MESHES, ways):
             mapping._ROWS_PIECE_BYTES = piece_bytes  # 100: every tensor read by ranges of its rows, as large ones are
             mapping._assembled_on_devices = on_devices
@@ -221,7 +238,9 @@ def check_sharded_loads(folder: pathlib.Path) -> None:
                 nn.unbox(boxed),
                 shardings,
             )
+            read_bytes[0] = 0
             params, _ = hf.convert_pretrained(spec, family, cfg, target)
+            reads[shape, piece_bytes, on_devices is host_blocks] = read_bytes[0]
             flat_host, flat_target = mapping.flatten(host), mapping.flatten(target)
             for path, leaf in mapping.flatten(params).items():
                 assert isinstance(leaf, jax.Array) and leaf.sharding == flat_target[path].sharding, (
@@ -237,6 +256,9 @@ def check_sharded_loads(folder: pathlib.Path) -> None:
             for path, leaf in mapping.flatten(merged).items():
                 assert leaf.sharding == flat_target[path].sharding, (family, shape, path)
                 np.testing.assert_array_equal(np.asarray(leaf), flat_host[path], err_msg=f"merged {shape} {path}")
+        for shape in MESHES:
+            assert reads[shape, 100, False] == reads[shape, 100, True] == reads[shape, ways[0][0], True], (family, reads)
+        mapping._assembled_on_devices = host_blocks
     print("sharded loads ok")
 
 

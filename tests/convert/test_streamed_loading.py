@@ -4,13 +4,16 @@ target's sharding on 8 simulated devices, host memory grows by the parameters pl
 checkpoint (an integer weight, an impossible config.json) is refused in one line naming its file.
 
 Checkpoints are written by lmzoo's own exporters (no torch). The multi-device checks run in a subprocess with 8
-CPU devices: this file is also that subprocess's script (`python test_streamed_loading.py sharded|rss FOLDER`).
+CPU devices, or in two processes of 4 (as two hosts): this file is also their script (`python
+test_streamed_loading.py sharded|rss FOLDER`, `two_hosts FOLDER PROCESS PORT`).
 """
 
 import itertools
 import json
+import math
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -257,9 +260,90 @@ def check_sharded_loads(folder: pathlib.Path) -> None:
                 assert leaf.sharding == flat_target[path].sharding, (family, shape, path)
                 np.testing.assert_array_equal(np.asarray(leaf), flat_host[path], err_msg=f"merged {shape} {path}")
         for shape in MESHES:
-            assert reads[shape, 100, False] == reads[shape, 100, True] == reads[shape, ways[0][0], True], (family, reads)
+            assert reads[shape, 100, False] == reads[shape, 100, True] == reads[shape, ways[0][0], True], (
+                family,
+                reads,
+            )
         mapping._assembled_on_devices = host_blocks
     print("sharded loads ok")
+
+
+def test_two_processes_each_build_their_own_shards(tmp_path):
+    """Two processes of 4 CPU devices each (one JAX runtime, 8 devices, as two hosts of a pod), an FSDP mesh over all
+    8: each process builds only its devices' shards of every parameter, equal to the whole-file load, the host's way
+    and an accelerator's way, reading the same bytes both ways and fewer than the checkpoint's tensors."""
+    save_random(tmp_path / "llama", "llama", LLAMA)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    children = [
+        subprocess.Popen(
+            [sys.executable, __file__, "two_hosts", str(tmp_path / "llama"), str(process), str(port)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for process in range(2)
+    ]
+    outputs = []
+    try:
+        for child in children:
+            outputs.append(child.communicate(timeout=120)[0])
+    finally:
+        for child in children:
+            child.kill()
+    reports = []
+    for child, output in zip(children, outputs, strict=True):
+        assert child.returncode == 0 and "two hosts ok" in output, output[-3000:]
+        reports.append(json.loads(output.strip().splitlines()[-1]))
+    for report in reports:
+        assert report["shards"] == 4 * report["parameters"] * 2, report  # 4 devices, 2 ways
+        # the rows only the other process's devices hold are not read (all of a kernel's rows are: FSDP cuts its
+        # input axis, HF's columns)
+        assert max(report["read"].values()) < report["tensor_bytes"], report
+        assert report["read"]["host"] == report["read"]["accelerator"], report
+
+
+def check_two_hosts(folder: pathlib.Path, process: int, port: int) -> None:
+    """(One of two subprocesses.) Joins a 2-process runtime of 4 CPU devices each and loads `folder` onto an FSDP
+    mesh over all 8 devices, each way; checks every addressable shard against the whole-file load and prints
+    (as JSON) the shards checked and the bytes this process read each way."""
+    jax.config.update("jax_num_cpu_devices", 4)
+    sharding.initialize_distributed(f"127.0.0.1:{port}", 2, process)
+    assert jax.device_count() == 8 and jax.local_device_count() == 4
+    cfg = make_config("llama", LLAMA | {"scan_layers": True, "param_dtype": "float32"})
+    boxed = abstract_params("llama", cfg)
+    host, _ = hf.convert_pretrained(f"hf:{folder}", "llama", cfg, nn.unbox(boxed))
+    flat_host = mapping.flatten(host)
+    shardings = sharding.logical_to_sharding(boxed, sharding.make_mesh((1, 8, 1)), sharding.axis_rules())
+    target = jax.tree.map(
+        lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where), nn.unbox(boxed), shardings
+    )
+    read_bytes, read = [0], mapping.StoredTensor._read
+
+    def counted(tensor, first, count, buffer):
+        read_bytes[0] += count * tensor.dtype.itemsize
+        return read(tensor, first, count, buffer)
+
+    mapping.StoredTensor._read = counted
+    reads, shards = {}, 0
+    for way, on_devices in (("host", mapping._assembled_on_devices), ("accelerator", lambda where: True)):
+        mapping._assembled_on_devices = on_devices
+        read_bytes[0] = 0
+        params, _ = hf.convert_pretrained(f"hf:{folder}", "llama", cfg, target)
+        reads[way] = read_bytes[0]
+        for path, leaf in mapping.flatten(params).items():
+            assert not leaf.is_fully_addressable and len(leaf.addressable_shards) == 4, (way, path)
+            for shard in leaf.addressable_shards:
+                np.testing.assert_array_equal(shard.data, flat_host[path][shard.index], err_msg=f"{way} {path}")
+                shards += 1
+    _, tensors = mapping.read_safetensors_dir(folder)
+    tensor_bytes = sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors.values())
+    print("two hosts ok")
+    print(json.dumps({"read": reads, "tensor_bytes": tensor_bytes, "shards": shards, "parameters": len(flat_host)}))
 
 
 def test_host_memory_grows_by_the_parameters_and_about_one_tensor(tmp_path):
@@ -349,4 +433,7 @@ def test_kv_heads_not_dividing_heads_is_blamed_on_config_json(tmp_path):
 
 
 if __name__ == "__main__":
-    {"sharded": check_sharded_loads, "rss": measure_load_rss}[sys.argv[1]](pathlib.Path(sys.argv[2]))
+    if sys.argv[1] == "two_hosts":
+        check_two_hosts(pathlib.Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        {"sharded": check_sharded_loads, "rss": measure_load_rss}[sys.argv[1]](pathlib.Path(sys.argv[2]))

@@ -21,7 +21,7 @@ its own while the one before is copied out. On CPU devices the pieces go straigh
 the CPU client adopts as the device buffers; beyond the parameters, host memory holds two pieces being read and
 copied (a layer's tensor, or about _ROWS_PIECE_BYTES of rows) and the blocks of the one parameter being built. On
 accelerators each piece is put, as stored, on the devices whose blocks it meets, and transposed, reshaped, cast and
-written into its place there (`View`, the same steps a host read takes), so the host only reads, each byte once for
+written into its place there (`Relayout`, the same steps a host read takes), so the host only reads, each byte once for
 all its devices, and holds two pieces whatever the model's size.
 
 Weights are read only from safetensors files (float32, float16 or bfloat16): pickled `pytorch_model.bin`
@@ -313,12 +313,12 @@ class Converted(LazyLeaf):
         return self.read(index)
 
     def read(self, index: tuple[slice, ...], buffer: "ReadBuffer | None" = None) -> np.ndarray:
-        stored, view = self.stored_view(_box(index, self.shape))
-        return view.apply(self.read_stored(stored, buffer))
+        stored, relayout = self.locate(_box(index, self.shape))
+        return relayout.apply(self.read_stored(stored, buffer))
 
-    def stored_view(self, box: Box) -> tuple[Box, "View"]:
-        """(the box of the HF tensor behind `box` of this leaf, the view that turns that box of the tensor into `box`
-        of the leaf)."""
+    def locate(self, box: Box) -> tuple[Box, "Relayout"]:
+        """(the box of the HF tensor behind `box` of this leaf, the relayout that turns that box of the tensor into
+        `box` of the leaf)."""
         # Each HF axis is read over the range of the outer leaf axis of its run; the inner ones are sliced after.
         view_box = []
         for size, axes in zip(self.view, self.groups, strict=True):
@@ -333,7 +333,7 @@ class Converted(LazyLeaf):
         shape = tuple(box[axis][1] - box[axis][0] if axis in outer else n for axis, n in enumerate(self.shape))
         inner = tuple(None if axis in outer else box[axis] for axis in range(len(self.shape)))
         stored = tuple(view_box[::-1] if self.entry.transpose else view_box)
-        return stored, View(self.entry.transpose, shape, inner)
+        return stored, Relayout(self.entry.transpose, shape, inner)
 
     def read_stored(self, stored: Box, buffer: "ReadBuffer | None" = None) -> np.ndarray:
         """The `stored` box of the HF tensor, as stored (into `buffer` when the tensor is read from a file)."""
@@ -342,7 +342,7 @@ class Converted(LazyLeaf):
         return self.tensor[_slices(stored)]
 
 
-class View(NamedTuple):
+class Relayout(NamedTuple):
     """How a block of an HF tensor becomes a box of an lmzoo leaf: transposed (every axis reversed, for [out, in]
     kernels), reshaped to `shape` (splitting axes), then sliced to `inner` ((start, stop) of each axis; None keeps
     one whole). Numpy and jax arrays take it alike: a view on the host, or on an accelerator a computation there."""
@@ -451,10 +451,10 @@ def _place_in_pieces(source: Any, shape: tuple[int, ...], dtype: np.dtype, shard
         overlaps = [(box, _overlap(piece, box)) for box in holders]
         reads.append((piece, [(box, overlap) for box, overlap in overlaps if overlap is not None]))
     # on the reader thread only when reading is all it does (a host conversion reads on that thread itself)
-    on_reader = all(_stored_behind(source, piece) is not None for piece, _ in reads)
+    on_reader = all(_converted_leaf(source, piece) is not None for piece, _ in reads)
     buffers = [(ReadBuffer(), ReadBuffer()) for _ in range(2)]
 
-    def parts(index: int) -> list[tuple[Box, Box, np.ndarray, View | None]]:
+    def parts(index: int) -> list[tuple[Box, Box, np.ndarray, Relayout | None]]:
         return _piece_parts(source, *reads[index], dtype, *buffers[index % 2])
 
     reading = _reader().submit(parts, 0) if on_reader else None
@@ -464,10 +464,10 @@ def _place_in_pieces(source: Any, shape: tuple[int, ...], dtype: np.dtype, shard
         jax.block_until_ready(list(itertools.chain.from_iterable(blocks.values())))
         if on_reader and index + 1 < len(reads):
             reading = _reader().submit(parts, index + 1)
-        for box, overlap, host, view in current:
+        for box, overlap, host, relayout in current:
             starts = np.array([start for start, _ in _within(overlap, box)], np.int32)
             blocks[box] = [
-                _insert(block, jax.device_put(host, block.device), starts, view, _sizes(overlap))
+                _insert(block, jax.device_put(host, block.device), starts, relayout, _sizes(overlap))
                 for block in blocks[box]
             ]
     placed = {
@@ -485,27 +485,27 @@ def _piece_parts(
     dtype: np.dtype,
     buffer: "ReadBuffer",
     staging: "ReadBuffer",
-) -> list[tuple[Box, Box, np.ndarray, View | None]]:
-    """(block box, overlap, host array, view) of each (block box, overlap) of `overlaps` (the blocks `piece` of
+) -> list[tuple[Box, Box, np.ndarray, Relayout | None]]:
+    """(block box, overlap, host array, relayout) of each (block box, overlap) of `overlaps` (the blocks `piece` of
     `source` meets): the stored box of the HF tensor behind the overlap, read once for the whole piece into
-    `buffer`, and the view that makes it the overlap there. A piece of any other source (an array, a float64
-    tensor) is converted on the host into `staging`, to `dtype`, its view None."""
-    behind = _stored_behind(source, piece)
+    `buffer`, and the relayout that makes it the overlap there. A piece of any other source (an array, a float64
+    tensor) is converted on the host into `staging`, to `dtype`, its relayout None."""
+    behind = _converted_leaf(source, piece)
     if behind is None:
         host = staging.take(math.prod(_sizes(piece)), dtype).reshape(_sizes(piece))
         _fill(source, [(piece, host)], buffer)
         return [(box, overlap, host[_slices(_within(overlap, piece))], None) for box, overlap in overlaps]
     leaf, leaf_piece = behind
-    stored_piece, _ = leaf.stored_view(leaf_piece)
+    stored_piece, _ = leaf.locate(leaf_piece)
     raw = leaf.read_stored(stored_piece, buffer)
     parts = []
     for box, overlap in overlaps:
-        stored, view = leaf.stored_view(_stored_behind(source, overlap)[1])
-        parts.append((box, overlap, raw[_slices(_within(stored, stored_piece))], view))
+        stored, relayout = leaf.locate(_converted_leaf(source, overlap)[1])
+        parts.append((box, overlap, raw[_slices(_within(stored, stored_piece))], relayout))
     return parts
 
 
-def _stored_behind(source: Any, box: Box) -> "tuple[Converted, Box] | None":
+def _converted_leaf(source: Any, box: Box) -> "tuple[Converted, Box] | None":
     """(the `Converted` leaf `box` of `source` lies in, the box within it): `source` itself, or one layer of a
     scanned stack (`box` one layer long); None for any other source or a tensor the accelerator does not cast."""
     while isinstance(source, Stacked) and box[0][1] - box[0][0] == 1:
@@ -551,12 +551,12 @@ def _within(inner: Box, outer: Box) -> Box:
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=(3, 4))
 def _insert(
-    block: jax.Array, piece: jax.Array, starts: jax.Array, view: View | None, shape: tuple[int, ...]
+    block: jax.Array, piece: jax.Array, starts: jax.Array, relayout: Relayout | None, shape: tuple[int, ...]
 ) -> jax.Array:
-    """`block` with `piece` (a box of a stored HF tensor, or of the leaf when `view` is None) taken through `view`,
+    """`block` with `piece` (a box of a stored HF tensor, or of the leaf when `relayout` is None) taken through it,
     reshaped to `shape` (a scanned leaf's layer axis) and cast to the block's dtype, written at `starts` ([ndim]
     int32), in place (the block is donated)."""
-    piece = view.apply(piece) if view is not None else piece
+    piece = relayout.apply(piece) if relayout is not None else piece
     return jax.lax.dynamic_update_slice(block, piece.reshape(shape).astype(block.dtype), tuple(starts))
 
 

@@ -151,11 +151,11 @@ def test_experts_assembled_on_the_device_equal_the_host_load(tmp_path, monkeypat
     target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device), shapes)
     monkeypatch.setattr(mapping, "_ROWS_PIECE_BYTES", 100)
     monkeypatch.setattr(mapping, "_assembled_on_devices", lambda sharding: True)
-    views, insert = [], mapping._insert
+    relayouts, insert = [], mapping._insert
 
-    def recorded(block, piece, starts, view, shape):
-        views.append((block.shape, view))
-        return insert(block, piece, starts, view, shape)
+    def recorded(block, piece, starts, relayout, shape):
+        relayouts.append((block.shape, relayout))
+        return insert(block, piece, starts, relayout, shape)
 
     monkeypatch.setattr(mapping, "_insert", recorded)
     loaded, _ = hf.convert_pretrained(f"hf:{tmp_path}", "llama", cfg, target)
@@ -163,7 +163,9 @@ def test_experts_assembled_on_the_device_equal_the_host_load(tmp_path, monkeypat
     for path, leaf in mapping.flatten(loaded).items():
         np.testing.assert_array_equal(np.asarray(leaf), flat_host[path], err_msg=path)
     experts = loaded["blocks"]["layers"]["mlp"]["wi_0"].shape  # [layers, experts, D, F]
-    assert any(shape == experts and view is not None for shape, view in views), "experts converted on the host"
+    assert any(shape == experts and relayout is not None for shape, relayout in relayouts), (
+        "experts converted on the host"
+    )
 
 
 @pytest.mark.parity

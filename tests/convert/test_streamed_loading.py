@@ -174,9 +174,9 @@ def test_blocks_assembled_on_the_device_equal_the_host_load(tmp_path, monkeypatc
     monkeypatch.setattr(mapping, "_assembled_on_devices", lambda sharding: True)
     pieces, insert = [], mapping._insert
 
-    def recorded(block, piece, starts, view, shape):
-        pieces.append((piece.size, piece.dtype, view))
-        return insert(block, piece, starts, view, shape)
+    def recorded(block, piece, starts, relayout, shape):
+        pieces.append((piece.size, piece.dtype, relayout))
+        return insert(block, piece, starts, relayout, shape)
 
     monkeypatch.setattr(mapping, "_insert", recorded)
     params, _ = hf.convert_pretrained(spec, family, cfg, target)
@@ -188,7 +188,7 @@ def test_blocks_assembled_on_the_device_equal_the_host_load(tmp_path, monkeypatc
     assert len(sizes) > 2 * len(flat_host) and max(sizes) < max(leaf.size for leaf in flat_host.values())
     assert all(dtype == jnp.bfloat16 for _, dtype, _ in pieces)  # the host converted nothing
     transposed = any(entry.transpose for entry in FAMILIES[family][0].entries(cfg))  # HF's [out, in] kernels
-    assert any(view is not None and view.transpose for _, _, view in pieces) == transposed
+    assert any(relayout is not None and relayout.transpose for _, _, relayout in pieces) == transposed
 
 
 def test_each_parameter_is_built_in_its_sharding_on_8_devices(tmp_path):

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 import test_llama_hf as dense  # the padded batch, logits and differences of the dense parity tests
+import test_streamed_loading as streamed  # loading the way an accelerator's blocks are built
 from safetensors.numpy import save_file
 
 from lmzoo.convert import export, hf, llama, mapping
@@ -147,23 +148,12 @@ def test_experts_assembled_on_the_device_equal_the_host_load(tmp_path, monkeypat
     )
     shapes = dense.target_params(cfg)
     host, _ = hf.convert_pretrained(f"hf:{tmp_path}", "llama", cfg, shapes)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device), shapes)
-    monkeypatch.setattr(mapping, "_ROWS_PIECE_BYTES", 100)
-    monkeypatch.setattr(mapping, "_assembled_on_devices", lambda sharding: True)
-    relayouts, insert = [], mapping._insert
-
-    def recorded(block, piece, starts, relayout, shape):
-        relayouts.append((block.shape, relayout))
-        return insert(block, piece, starts, relayout, shape)
-
-    monkeypatch.setattr(mapping, "_insert", recorded)
-    loaded, _ = hf.convert_pretrained(f"hf:{tmp_path}", "llama", cfg, target)
+    loaded, inserts = streamed.load_as_an_accelerator(monkeypatch, f"hf:{tmp_path}", "llama", cfg, shapes)
     flat_host = mapping.flatten(host)
     for path, leaf in mapping.flatten(loaded).items():
         np.testing.assert_array_equal(np.asarray(leaf), flat_host[path], err_msg=path)
     experts = loaded["blocks"]["layers"]["mlp"]["wi_0"].shape  # [layers, experts, D, F]
-    assert any(shape == experts and relayout is not None for shape, relayout in relayouts), (
+    assert any(block.shape == experts and relayout is not None for block, _, relayout in inserts), (
         "experts converted on the host"
     )
 

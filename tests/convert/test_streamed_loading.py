@@ -168,27 +168,35 @@ def test_blocks_assembled_on_the_device_equal_the_host_load(tmp_path, monkeypatc
     cfg = make_config(family, FAMILIES[family][1] | {"scan_layers": True, "param_dtype": "float32"})
     shapes = nn.unbox(abstract_params(family, cfg))
     host, _ = hf.convert_pretrained(spec, family, cfg, shapes)
+    params, inserts = load_as_an_accelerator(monkeypatch, spec, family, cfg, shapes)
+    flat_host = mapping.flatten(host)
+    for path, leaf in mapping.flatten(params).items():
+        assert isinstance(leaf, jax.Array) and leaf.dtype == jnp.float32, path
+        np.testing.assert_array_equal(np.asarray(leaf), flat_host[path], err_msg=path)
+    sizes = [piece.size for _, piece, _ in inserts]
+    assert len(sizes) > 2 * len(flat_host) and max(sizes) < max(leaf.size for leaf in flat_host.values())
+    assert all(piece.dtype == jnp.bfloat16 for _, piece, _ in inserts)  # the host converted nothing
+    transposed = any(entry.transpose for entry in FAMILIES[family][0].entries(cfg))  # HF's [out, in] kernels
+    assert any(relayout is not None and relayout.transpose for _, _, relayout in inserts) == transposed
+
+
+def load_as_an_accelerator(monkeypatch, spec: str, family: str, cfg, shapes) -> tuple[dict, list]:
+    """`spec` loaded into `shapes` on the CPU device the way an accelerator's blocks are built
+    (`mapping._place_in_pieces`, with 100-byte pieces), and (block, piece, relayout) of every piece put there."""
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device), shapes)
     monkeypatch.setattr(mapping, "_ROWS_PIECE_BYTES", 100)
     monkeypatch.setattr(mapping, "_assembled_on_devices", lambda sharding: True)
-    pieces, insert = [], mapping._insert
+    inserts, insert = [], mapping._insert
 
     def recorded(block, piece, starts, relayout, shape):
-        pieces.append((piece.size, piece.dtype, relayout))
+        inserts.append((block, piece, relayout))
         return insert(block, piece, starts, relayout, shape)
 
     monkeypatch.setattr(mapping, "_insert", recorded)
     params, _ = hf.convert_pretrained(spec, family, cfg, target)
-    flat_host = mapping.flatten(host)
-    for path, leaf in mapping.flatten(params).items():
-        assert isinstance(leaf, jax.Array) and leaf.sharding == device and leaf.dtype == jnp.float32, path
-        np.testing.assert_array_equal(np.asarray(leaf), flat_host[path], err_msg=path)
-    sizes = [size for size, _, _ in pieces]
-    assert len(sizes) > 2 * len(flat_host) and max(sizes) < max(leaf.size for leaf in flat_host.values())
-    assert all(dtype == jnp.bfloat16 for _, dtype, _ in pieces)  # the host converted nothing
-    transposed = any(entry.transpose for entry in FAMILIES[family][0].entries(cfg))  # HF's [out, in] kernels
-    assert any(relayout is not None and relayout.transpose for _, _, relayout in pieces) == transposed
+    assert all(leaf.sharding == device for leaf in jax.tree.leaves(params))
+    return params, inserts
 
 
 def test_each_parameter_is_built_in_its_sharding_on_8_devices(tmp_path):

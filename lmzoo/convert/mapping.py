@@ -28,6 +28,7 @@ Weights are read only from safetensors files (float32, float16 or bfloat16): pic
 checkpoints are refused, because unpickling can run arbitrary code.
 """
 
+import collections
 import concurrent.futures
 import fnmatch
 import functools
@@ -37,7 +38,7 @@ import math
 import mmap
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -436,9 +437,9 @@ def _place_in_pieces(source: Any, shape: tuple[int, ...], dtype: np.dtype, shard
     blocks is cut into pieces (`_piece_boxes`: a layer, ~_ROWS_PIECE_BYTES of rows), each read once, as stored, for
     every block it meets; each block's part of it is put on the block's devices as read (the stored dtype and
     layout) and transposed, reshaped and cast there (`_insert`), so the host neither copies nor converts the bytes.
-    The next piece is read on the reader thread while the current one is put on the devices. Host memory holds two
-    pieces, never a parameter or a block whole (an accelerator's block of a scanned leaf is many times the largest
-    tensor)."""
+    The next piece is read while the current one is put on the devices (`_read_ahead`). Host memory holds two pieces
+    (from a bucket, the pieces in flight), never a parameter or a block whole (an accelerator's block of a scanned
+    leaf is many times the largest tensor)."""
     holders: dict[Box, list[Any]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         holders.setdefault(_box(index, shape), []).append(device)
@@ -450,20 +451,24 @@ def _place_in_pieces(source: Any, shape: tuple[int, ...], dtype: np.dtype, shard
     for piece in _piece_boxes(source, bounds, dtype):
         overlaps = [(box, _overlap(piece, box)) for box in holders]
         reads.append((piece, [(box, overlap) for box, overlap in overlaps if overlap is not None]))
-    # on the reader thread only when reading is all it does (a host conversion reads on that thread itself)
-    on_reader = all(_converted_leaf(source, piece) is not None for piece, _ in reads)
-    buffers = [(ReadBuffer(), ReadBuffer()) for _ in range(2)]
 
-    def parts(index: int) -> list[tuple[Box, Box, np.ndarray, Relayout | None]]:
-        return _piece_parts(source, *reads[index], dtype, *buffers[index % 2])
+    def parts(index: int, buffers: tuple[ReadBuffer, ReadBuffer]) -> list[tuple[Box, Box, np.ndarray, Relayout | None]]:
+        return _piece_parts(source, *reads[index], dtype, *buffers)
 
-    reading = _reader().submit(parts, 0) if on_reader else None
-    for index in range(len(reads)):
-        current = reading.result() if reading is not None else parts(index)
-        # the pieces put before this one are written into their blocks: the next read may take their buffers
+    def written() -> None:  # the pieces put so far are in their blocks: their buffers may be read into again
         jax.block_until_ready(list(itertools.chain.from_iterable(blocks.values())))
-        if on_reader and index + 1 < len(reads):
-            reading = _reader().submit(parts, index + 1)
+
+    # ahead on reader threads only when reading is all they do (a host conversion reads on the reader itself)
+    ahead = all(_converted_leaf(source, piece) is not None for piece, _ in reads)
+    for current in _read_ahead(
+        len(reads),
+        parts,
+        lambda: (ReadBuffer(), ReadBuffer()),
+        nbytes=lambda index: math.prod(_sizes(reads[index][0])) * np.dtype(source.dtype).itemsize,
+        from_bucket=_from_bucket(source),
+        before_reuse=written,
+        ahead=ahead,
+    ):
         for box, overlap, host, relayout in current:
             starts = np.array([start for start, _ in _within(overlap, box)], np.int32)
             blocks[box] = [
@@ -634,19 +639,74 @@ def _ranges(low: int, high: int, count: int) -> list[tuple[int, int]]:
 
 
 def _read_while_copying(reads: Sequence[tuple[Any, Sequence[tuple[Box, np.ndarray]]]], buffer: ReadBuffer) -> None:
-    """`_read_for` and then `_copy_all` of each (source, parts) of `reads`, the reader thread reading the next into
-    one of two buffers while the current one is copied out of the other."""
-    if len(reads) < 2:
-        for source, parts in reads:
-            _copy_all(_read_for(source, parts, buffer))
-        return
-    buffers = (buffer, ReadBuffer())
-    reading = _reader().submit(_read_for, *reads[0], buffers[0])
-    for index in range(len(reads)):
-        pairs = reading.result()
-        if index + 1 < len(reads):
-            reading = _reader().submit(_read_for, *reads[index + 1], buffers[(index + 1) % 2])
+    """`_read_for` and then `_copy_all` of each (source, parts) of `reads`, the next read (`_read_ahead`) while the
+    current one is copied out."""
+    spare = [buffer]  # the caller's buffer first, reused across its parameters
+    for pairs in _read_ahead(
+        len(reads),
+        lambda index, read_into: _read_for(*reads[index], read_into),
+        lambda: spare.pop() if spare else ReadBuffer(),
+        nbytes=lambda index: sum(out.nbytes for _, out in reads[index][1]),
+        from_bucket=bool(reads) and _from_bucket(reads[0][0]),
+    ):
         _copy_all(pairs)
+
+
+# From a bucket, where each ranged GET waits a round trip, reads are kept in flight ahead of their use: at most this
+# many, holding at most this many bytes (one more, however large, when none is).
+_BUCKET_READS_AHEAD = 16
+_BUCKET_BYTES_AHEAD = 256 << 20
+
+
+def _read_ahead(
+    count: int,
+    read: Callable[[int, Any], Any],
+    new_buffer: Callable[[], Any],
+    *,
+    nbytes: Callable[[int], int],
+    from_bucket: bool,
+    before_reuse: Callable[[], None] = lambda: None,
+    ahead: bool = True,
+) -> Iterator[Any]:
+    """`read(index, buffer)` of each index in range(count), yielded in order, read ahead of their use on reader
+    threads: from local files (the page cache, or a disk read in large requests) one read ahead, into two buffers of
+    `new_buffer()` in turn, `before_reuse()` called before a buffer is read into again; from a bucket as many as
+    _BUCKET_READS_AHEAD and _BUCKET_BYTES_AHEAD allow, each into a buffer of its own (the bytes arrive in memory of
+    their own anyway). `ahead` False (or fewer than two reads): each read in turn on the calling thread."""
+    if not ahead or count < 2:
+        buffer = new_buffer()
+        for index in range(count):
+            yield read(index, buffer)
+        return
+    if not from_bucket:
+        buffers = (new_buffer(), new_buffer())
+        reading = _reader().submit(read, 0, buffers[0])
+        for index in range(count):
+            current = reading.result()
+            if index + 1 < count:
+                before_reuse()
+                reading = _reader().submit(read, index + 1, buffers[(index + 1) % 2])
+            yield current
+        return
+    pending: collections.deque = collections.deque()
+    submitted, in_flight = 0, 0
+    for _ in range(count):
+        while submitted < count and (
+            not pending or (len(pending) < _BUCKET_READS_AHEAD and in_flight + nbytes(submitted) <= _BUCKET_BYTES_AHEAD)
+        ):
+            pending.append((_bucket_readers().submit(read, submitted, new_buffer()), nbytes(submitted)))
+            in_flight += nbytes(submitted)
+            submitted += 1
+        reading, size = pending.popleft()
+        in_flight -= size
+        yield reading.result()
+
+
+def _from_bucket(source: Any) -> bool:
+    """Whether `source` (a converted, stacked or stored tensor) is read from a bucket (gs://, s3://)."""
+    while isinstance(source, Stacked | Converted):
+        source = source.layers[0] if isinstance(source, Stacked) else source.tensor
+    return isinstance(source, StoredTensor) and storage.is_remote(source.file)
 
 
 def _read_for(
@@ -667,8 +727,14 @@ def _read_for(
 
 @functools.cache
 def _reader() -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread that reads a parameter's next piece while the copy threads write out the current one."""
+    """The one thread that reads a parameter's next piece from local files while the current one is used."""
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmzoo-read")
+
+
+@functools.cache
+def _bucket_readers() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads whose ranged GETs from a bucket are in flight together, ahead of their use."""
+    return concurrent.futures.ThreadPoolExecutor(_BUCKET_READS_AHEAD, thread_name_prefix="lmzoo-bucket-read")
 
 
 # Tile sides (elements) for copying a transposed view: along the axis the source is contiguous in, and over the others.
@@ -858,7 +924,7 @@ class StoredTensor(LazyLeaf):
                 raise ValueError(
                     f"{self.file} ends inside tensor {self.name}: truncated; download or export it again"
                 ) from None
-            return np.frombuffer(bytearray(data), self.dtype)
+            return np.frombuffer(data, self.dtype)  # read-only: it is only ever copied out
         out = buffer.take(count, self.dtype) if buffer is not None else _fresh_empty((count,), self.dtype)
         view, done = memoryview(out.view(np.uint8)), 0
         with open(self.file, "rb", buffering=0) as f:
@@ -873,40 +939,65 @@ class StoredTensor(LazyLeaf):
         return out
 
 
-def _read_header(file: str, size: int) -> dict[str, StoredTensor]:
-    """The tensors of one safetensors file or object of `size` bytes (8-byte little-endian header length, JSON header,
-    data), from its header alone; a truncated or foreign file is a ValueError naming it."""
+# Bytes read from the start of every safetensors file at once: its 8-byte header length and, in the same request, a
+# header of up to this size (an HF shard's is tens of KB); a longer header takes a second request, also for all files
+# at once (on a bucket each round of requests waits a round trip).
+_HEADER_BYTES = 256 << 10
 
-    def unreadable(why: str) -> ValueError:
-        return ValueError(
-            f"{file} is not a readable safetensors file ({why}): truncated, or another format under that name; "
-            "download or export it again"
-        )
 
-    length = int.from_bytes(storage.read_range(file, 0, 8), "little") if size >= 8 else 0
-    if not 0 < length <= size - 8:
-        raise unreadable(f"a header of {length} bytes in a file of {size}")
+def _read_headers(sizes: Mapping[str, int]) -> dict[str, StoredTensor]:
+    """The tensors of the safetensors files or objects of `sizes` ({file: bytes}; 8-byte little-endian header length,
+    JSON header, data), from their headers alone, read for all of them together; a truncated or foreign file is a
+    ValueError naming it."""
+    files, nonempty = list(sizes), [f for f in sizes if sizes[f] > 0]
+    first = dict.fromkeys(files, b"")
+    starts = storage.read_ranges_of([(f, 0, min(sizes[f], 8 + _HEADER_BYTES)) for f in nonempty])
+    first |= zip(nonempty, starts, strict=True)
+    lengths = {f: int.from_bytes(first[f][:8], "little") if len(first[f]) >= 8 else 0 for f in files}
+    for f in files:
+        if not 0 < lengths[f] <= sizes[f] - 8:
+            raise _unreadable(f, f"a header of {lengths[f]} bytes in a file of {sizes[f]}")
+    longer = [f for f in files if 8 + lengths[f] > len(first[f])]
+    rest = {}
+    if longer:
+        rest = storage.read_ranges_of([(f, len(first[f]), 8 + lengths[f] - len(first[f])) for f in longer])
+        rest = dict(zip(longer, rest, strict=True))
+    tensors = {}
+    for f in files:
+        tensors |= _parse_header(f, sizes[f], first[f][8 : 8 + lengths[f]] + rest.get(f, b""))
+    return tensors
+
+
+def _parse_header(file: str, size: int, header_bytes: bytes) -> dict[str, StoredTensor]:
+    """The tensors a safetensors header (the JSON after the 8-byte length) of a file of `size` bytes describes."""
     try:
-        header = json.loads(storage.read_range(file, 8, length))
+        header = json.loads(header_bytes)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise unreadable(f"its header is not JSON: {e}") from None
+        raise _unreadable(file, f"its header is not JSON: {e}") from None
     if not isinstance(header, dict):
-        raise unreadable("its header is not a JSON object")
+        raise _unreadable(file, "its header is not a JSON object")
     header.pop("__metadata__", None)
     unknown = sorted({str(info.get("dtype")) for info in header.values() if isinstance(info, dict)} - set(_DTYPES))
     if unknown:
         raise ValueError(f"{file} holds tensors of dtype {unknown}; lmzoo reads {sorted(_DTYPES)}")
-    data_start, tensors = 8 + length, {}
+    data_start, tensors = 8 + len(header_bytes), {}
     for name, info in header.items():
         try:
             dtype, shape = np.dtype(_DTYPES[info["dtype"]]), tuple(int(n) for n in info["shape"])
             begin, end = (int(n) for n in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
-            raise unreadable(f"tensor {name}: {e!r}") from None
+            raise _unreadable(file, f"tensor {name}: {e!r}") from None
         if not (0 <= begin and end - begin == math.prod(shape) * dtype.itemsize and data_start + end <= size):
-            raise unreadable(f"tensor {name} of shape {shape} at bytes {begin}..{end} of {size - data_start}")
+            raise _unreadable(file, f"tensor {name} of shape {shape} at bytes {begin}..{end} of {size - data_start}")
         tensors[name] = StoredTensor(file, name, dtype, shape, data_start + begin)
     return tensors
+
+
+def _unreadable(file: str, why: str) -> ValueError:
+    return ValueError(
+        f"{file} is not a readable safetensors file ({why}): truncated, or another format under that name; "
+        "download or export it again"
+    )
 
 
 def _read_json(file: str) -> Any:
@@ -929,15 +1020,15 @@ def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[
         )
     hf_config = _read_json(f"{folder}/config.json")
     if "model.safetensors" in files:
-        return hf_config, _read_header(f"{folder}/model.safetensors", files["model.safetensors"][0])
+        return hf_config, _read_headers({f"{folder}/model.safetensors": files["model.safetensors"][0]})
     if "model.safetensors.index.json" in files:
         index = f"{folder}/model.safetensors.index.json"
         weight_map = _read_json(index)["weight_map"]
-        state_dict = {}
-        for shard in sorted(set(weight_map.values())):
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
             if shard not in files:
                 raise FileNotFoundError(f"shard {folder}/{shard} listed in {index} not found")
-            state_dict |= _read_header(f"{folder}/{shard}", files[shard][0])
+        state_dict = _read_headers({f"{folder}/{shard}": files[shard][0] for shard in shards})
         absent = sorted(set(weight_map) - set(state_dict))
         if absent:
             raise ValueError(f"tensors {absent} listed in {index} are not in their shards")

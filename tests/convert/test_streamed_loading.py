@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from lmzoo import sharding, weights
+from lmzoo import sharding, testing, weights
 from lmzoo.convert import gpt2, hf, llama, mapping
 from lmzoo.models import build_model, make_config
 
@@ -46,20 +46,6 @@ def abstract_params(family: str, cfg) -> dict:
     return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
 
 
-def save_checkpoint(folder: pathlib.Path, hf_config: dict, state_dict: dict, *, shards: int = 2) -> str:
-    """An HF checkpoint folder: config.json and the tensors spread over `shards` safetensors files with their index."""
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(hf_config))
-    weight_map, names = {}, list(state_dict)
-    for i in range(shards):
-        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = {name: state_dict[name] for name in names[i::shards]}
-        save_file(part, folder / file)
-        weight_map |= dict.fromkeys(part, file)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return f"hf:{folder}"
-
-
 def save_random(folder: pathlib.Path, family: str, fields: dict, *, dtype=ml_dtypes.bfloat16, **kwargs) -> str:
     """A checkpoint of random weights of lmzoo's `family` with `fields`, stored in `dtype`."""
     module, _ = FAMILIES[family]
@@ -72,7 +58,7 @@ def save_random(folder: pathlib.Path, family: str, fields: dict, *, dtype=ml_dty
         cfg,
     )
     state_dict = {name: tensor.astype(dtype) for name, tensor in state_dict.items()}
-    return save_checkpoint(folder, module.config_to_hf(cfg), state_dict, **kwargs)
+    return testing.save_hf_checkpoint(folder, module.config_to_hf(cfg), state_dict, **kwargs)
 
 
 def test_large_copies_split_over_threads_give_every_element_once():
@@ -366,7 +352,7 @@ def test_host_memory_grows_by_the_parameters_and_about_one_tensor(tmp_path):
         ).astype(ml_dtypes.bfloat16)
         for entry in llama.entries(cfg)
     }
-    save_checkpoint(tmp_path / "ckpt", llama.config_to_hf(cfg), state_dict, shards=3)
+    testing.save_hf_checkpoint(tmp_path / "ckpt", llama.config_to_hf(cfg), state_dict, shards=3)
     child = subprocess.run(
         [sys.executable, __file__, "rss", str(tmp_path / "ckpt")],
         env={
@@ -420,7 +406,7 @@ def test_integer_weight_is_refused_naming_tensor_file_and_dtype(tmp_path):
         zeros = jax.tree.map(lambda leaf: np.zeros(leaf.shape, np.float32), nn.unbox(abstract_params(family, cfg)))
         state_dict = module.to_hf(zeros, cfg)
         state_dict[name] = np.ones(state_dict[name].shape, np.int32)
-        spec = save_checkpoint(tmp_path / family, module.config_to_hf(cfg), state_dict, shards=1)
+        spec = testing.save_hf_checkpoint(tmp_path / family, module.config_to_hf(cfg), state_dict, shards=1)
         file = tmp_path / family / "model-00001-of-00001.safetensors"
         with pytest.raises(ValueError) as error:
             hf.convert_pretrained(spec, family, cfg, nn.unbox(abstract_params(family, cfg)))
@@ -432,7 +418,9 @@ def test_integer_weight_is_refused_naming_tensor_file_and_dtype(tmp_path):
 def test_kv_heads_not_dividing_heads_is_blamed_on_config_json(tmp_path):
     cfg = make_config("llama", LLAMA)
     hf_config = llama.config_to_hf(cfg) | {"num_key_value_heads": 3}
-    spec = save_checkpoint(tmp_path / "ckpt", hf_config, {"model.norm.weight": np.ones(32, np.float32)}, shards=1)
+    spec = testing.save_hf_checkpoint(
+        tmp_path / "ckpt", hf_config, {"model.norm.weight": np.ones(32, np.float32)}, shards=1
+    )
     with pytest.raises(mapping.ConfigError) as error:
         hf.convert_pretrained(spec, "llama", cfg, nn.unbox(abstract_params("llama", cfg)))
     message = str(error.value)

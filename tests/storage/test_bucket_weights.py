@@ -2,7 +2,6 @@
 sharded safetensors checkpoint loads bit for bit as from the local folder, its headers in one round of requests and
 its tensors' ranged reads in flight together rather than one after another."""
 
-import json
 import pathlib
 import threading
 import time
@@ -13,9 +12,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
-from lmzoo import storage, weights
+from lmzoo import storage, testing, weights
 from lmzoo.convert import llama, mapping
 from lmzoo.models import build_model, make_config
 
@@ -35,14 +33,7 @@ def _save_sharded(folder: pathlib.Path, shards: int = 3) -> None:
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda leaf: rng.normal(size=leaf.shape).astype(np.float32), _shapes(cfg))
     state_dict = {name: tensor.astype(ml_dtypes.bfloat16) for name, tensor in llama.to_hf(params, cfg).items()}
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(llama.config_to_hf(cfg)))
-    names, weight_map = sorted(state_dict), {}
-    for i in range(shards):
-        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({name: state_dict[name] for name in names[i::shards]}, folder / file)
-        weight_map |= dict.fromkeys(names[i::shards], file)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    testing.save_hf_checkpoint(folder, llama.config_to_hf(cfg), dict(sorted(state_dict.items())), shards=shards)
 
 
 @pytest.mark.parametrize("on_devices", [False, True], ids=["host", "accelerator_way"])

@@ -8,7 +8,7 @@ adapters and token batch, in the same run, with PASS/MISS against the target lmz
 `--quick` is llama_bench's tiny shape and 1 round (a smoke run, under a minute). Random weights, nothing is read.
 
 lmzoo: the step `lmzoo.train.loop` runs (`common.LmzooTrainer`): `causal_lm_task` of the Llama, AdamW over every
-parameter (full), or through `trainers.lora.lora_task`, what a run with `config.lora.targets` set trains: rank-r
+parameter (full), or through `lmzoo.lora.lora_task`, what a run with `config.lora.targets` set trains: rank-r
 adapters on query, key, value, out, wi_0, wi_1 and wo of every layer over the frozen base (`base_dtype` None, then
 "bfloat16"), AdamW over the adapters alone. Timed in the trainer's process around `steps_per_round` steps, which end
 in fetching the loss (the step has finished).
@@ -50,10 +50,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from lmzoo import config as config_lib  # noqa: E402
 from lmzoo import models  # noqa: E402
-from lmzoo.convert import peft as peft_convert  # noqa: E402
+from lmzoo.lora import peft as peft_convert  # noqa: E402
 from lmzoo.models import lora  # noqa: E402
 from lmzoo.objectives import tasks  # noqa: E402
-from lmzoo.trainers import lora as trainers_lora  # noqa: E402
 
 TARGETS = "query|key|value|out|wi_0|wi_1|wo"  # every attention and feed-forward kernel of each layer
 LORA_BASES = {"lora": None, "lora_bf16": "bfloat16"}  # variant -> LoraConfig.base_dtype
@@ -88,11 +87,11 @@ class Measured:
 
 def lmzoo_trainer(model_fields: dict, tokens: np.ndarray, lora_config: lora.LoraConfig | None) -> Measured:
     """lmzoo's Llama train step on next-token targets of `tokens` [B, T + 1]: every parameter trained, or adapters of
-    `lora_config` over the frozen base (`trainers.lora.lora_task`, as `objectives.base` wraps a run's task)."""
+    `lora_config` over the frozen base (`lmzoo.lora.lora_task`, as `objectives.base` wraps a run's task)."""
     imports_rss = rss_bytes()
     task = tasks.causal_lm_task(models.build_model("llama", model_fields))
     if lora_config is not None:
-        task = trainers_lora.lora_task(task, lora_config)
+        task = lora.lora_task(task, lora_config)
     trainer = common.LmzooTrainer(task, common.next_token_batch(tokens), config_lib.base_config().optim)
     memory = trainer.compiled.step.lower(trainer.state, trainer.batch).compile().memory_analysis()
     step_bytes = (

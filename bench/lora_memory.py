@@ -16,12 +16,10 @@ import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_flags
 
-from lmzoo import config as config_lib
-from lmzoo import sharding
+from lmzoo import lora, sharding
 from lmzoo.models import build_model
 from lmzoo.objectives import tasks
 from lmzoo.trainers import base as trainer_lib
-from lmzoo.trainers import lora as trainers_lora
 from lmzoo.trainers import optim, supervised
 
 config_flags.DEFINE_config_file("config", None, "A config file with config.lora.targets set.")
@@ -34,12 +32,10 @@ def main(argv) -> None:
     config = FLAGS.config
     if FLAGS.targets is not None:
         config.lora.targets = FLAGS.targets
-    adapted = config_lib.lora_config(config)
+    adapted = lora.from_config(config)
     if adapted is None:
         raise app.UsageError("the config trains no LoRA adapters: set --targets or config.lora.targets")
-    task = trainers_lora.lora_task(
-        tasks.causal_lm_task(build_model(config.model_name, config.model.to_dict())), adapted
-    )
+    task = lora.lora_task(tasks.causal_lm_task(build_model(config.model_name, config.model.to_dict())), adapted)
     tx, schedule = optim.make_optimizer(config.optim)
     rows = (FLAGS.batch, config.data.seq_len)
     shapes = {k: jax.ShapeDtypeStruct(rows, jnp.int32) for k in ("inputs", "targets", "positions", "segment_ids")}

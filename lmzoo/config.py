@@ -11,8 +11,7 @@ import pathlib
 
 import ml_collections
 
-from lmzoo import models, storage, tokenizers
-from lmzoo.models import lora
+from lmzoo import lora, models, storage, tokenizers
 
 # data.tokenizer.kind: a tokenizer kind, or "init_from": the tokenizer that comes with config.init_from's weights
 # (an hf: checkpoint's tokenizer.json, a ckpt: run's tokenizer), so that one flag names both.
@@ -174,19 +173,6 @@ def read_saved(path: str | os.PathLike) -> dict:
     return saved
 
 
-def lora_config(config: ml_collections.ConfigDict) -> "lora.LoraConfig | None":
-    """config.lora as `lmzoo.models.lora.LoraConfig`; None when LoRA is off (targets ""). Bad values are a ValueError
-    naming the field."""
-    section = config.get("lora")
-    if section is None or not section.targets:
-        return None
-    fields = {**section.to_dict(), "base_dtype": section.base_dtype or None}
-    try:
-        return lora.LoraConfig(**fields)
-    except ValueError as e:
-        raise ValueError(f"config.lora: {e}") from None
-
-
 def check_resume(saved: dict, config: ml_collections.ConfigDict, step: int, workdir) -> None:
     """Refuses to resume checkpoints of step `step` written with config `saved` (the workdir's config.json)
     under a config that changes training (any field outside RESUMABLE_FIELDS, or train.steps below
@@ -198,7 +184,7 @@ def check_resume(saved: dict, config: ml_collections.ConfigDict, step: int, work
         if key in before
         and before[key] != after[key]
         # Under LoRA, init_from is the frozen base the checkpoint's adapters were trained on.
-        and (not key.startswith(RESUMABLE_FIELDS) or (key == "init_from" and lora_config(config) is not None))
+        and (not key.startswith(RESUMABLE_FIELDS) or (key == "init_from" and lora.from_config(config) is not None))
     ]
     if config.train.steps < step:
         changes.append(f"train.steps={config.train.steps} is below the checkpoint's step {step}")

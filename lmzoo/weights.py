@@ -11,15 +11,13 @@ import tempfile
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from lmzoo import checkpoint, storage, tokenizers
+from lmzoo import checkpoint, lora, storage, tokenizers
 from lmzoo import config as config_lib
 from lmzoo.convert import hf, mapping
 from lmzoo.kernels import host_memory
-from lmzoo.models import lora
 
 
 def checkpoint_params(workdir: str, placed: Any = None) -> Any:
@@ -97,20 +95,15 @@ def read_params(spec: str, model_name: str, model_config, target, *, allow_parti
 
 
 def run_params(workdir: str, placed: Any = None) -> Any:
-    """The model params of a train.py run's latest checkpoint (`checkpoint_params`). A LoRA run keeps only what it
-    trained (adapters, and modules trained in full such as a reward model's head): its model is them merged into
-    the base it adapted, read again (its init_from, or the SFT reference a DPO or PPO run adapts) into the run's
-    decoder or classifier backbone."""
+    """The model params of a train.py run's latest checkpoint (`checkpoint_params`); a LoRA run's adapters merged
+    into the base it adapted, read again (`lora.merge_on_read`)."""
     source = checkpoint_params(workdir, placed)
     saved = saved_config(workdir) or {}
-    adapted = config_lib.lora_config(ml_collections.ConfigDict({"lora": saved["lora"]})) if "lora" in saved else None
-    if adapted is None:
-        return source
-    inner = "backbone" if "backbone" in source else "decoder" if "value_head" in source else None
-    base_target = placed.get(inner, placed) if inner and placed is not None else placed
-    base_spec = saved.get("init_from") or saved.get("objective", {}).get("sft", "")
-    base = read_params(base_spec, saved["model_name"], saved["model"], base_target)
-    return lora.merge({inner: base} if inner else base, source, adapted)
+
+    def read_base(spec, target):
+        return read_params(spec, saved["model_name"], saved["model"], target)
+
+    return lora.merge_on_read(source, saved, placed, read_base)
 
 
 TOKEN_TABLES = ("wte/embedding",)  # token embeddings that may gain rows for new special tokens (GPT classifier)

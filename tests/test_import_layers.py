@@ -26,9 +26,10 @@ LAYERS = (
     ("data", ("lmzoo.data",)),
     ("building blocks", ("lmzoo.kernels", "lmzoo.layers")),
     ("models", ("lmzoo.models",)),
+    # LoRA's one room: its config, the tree transform, a task through adapters, merge on read, PEFT's files.
     (
-        "conversion and rl maths",
-        ("lmzoo.convert", "lmzoo.rl"),
+        "conversion, lora and rl maths",
+        ("lmzoo.convert", "lmzoo.lora", "lmzoo.rl"),
     ),
     ("weights and config", ("lmzoo.weights", "lmzoo.config")),
     ("trainers", ("lmzoo.trainers",)),
@@ -184,7 +185,7 @@ def test_the_contract_reads_relative_imports(tmp_path, monkeypatch):
 # File input and output happens in these layers only (through lmzoo.storage where the path is a user's); every other
 # layer, and train.py and eval.py, reads and writes through them, so a user path works wherever it is (local, gs://,
 # s3://). docs/ARCHITECTURE.md, "One path layer".
-FILE_LAYERS = ("foundation", "data", "conversion and rl maths", "weights and config")
+FILE_LAYERS = ("foundation", "data", "conversion, lora and rl maths", "weights and config")
 _OS_FILE_CALLS = {
     "listdir", "scandir", "makedirs", "mkdir", "remove", "unlink", "rename", "replace", "stat", "rmdir", "walk",
     "access", "chmod", "open", "fdopen",

@@ -461,7 +461,7 @@ def _objective_and_model(case: Case) -> tuple:
 def _restored(case: Case) -> tuple:
     """What a resume depends on: how the objective reads its data, trains and reads frozen models, and the model."""
     reader = next(n for n, v in vars(readers).items() if v is objectives.get(case.objective).reader)
-    return (reader, _owner(case, "trainer"), _owner(case, "load_frozen"), case.family, case.model_class)
+    return (reader, _owner(case, "trainer"), _owner(case, "frozen_roles"), case.family, case.model_class)
 
 
 COMMANDS = {
@@ -472,7 +472,7 @@ COMMANDS = {
     "load": Command(lambda c: True, _objective_and_model),
     # an exportable family may still refuse a config HF cannot express (docs/convert.md): in one line
     "export": Command(lambda c: False, _objective_and_model),
-    "resume_refused": Command(lambda c: False, lambda c: (_owner(c, "load_frozen"), c.kind), one_line=False),
+    "resume_refused": Command(lambda c: False, lambda c: (_owner(c, "frozen_roles"), c.kind), one_line=False),
     # a counted model reads each training sentence once: extending its run is refused (in one line)
     "resume": Command(lambda c: c.kind != kinds.COUNTED, _restored),
 }

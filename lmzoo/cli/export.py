@@ -17,9 +17,9 @@ from typing import Any
 
 import jax
 
-from lmzoo import config as config_lib
-from lmzoo import storage
-from lmzoo.convert import export, peft
+from lmzoo import lora, storage
+from lmzoo.convert import export
+from lmzoo.lora import peft
 from lmzoo.models import heads
 from lmzoo.train import run as run_lib
 
@@ -61,7 +61,7 @@ def export_adapters(workdir: str, out_dir: str, step: int | None = None, *, over
     export.check_out_dir(out_dir, overwrite=overwrite)
     run = run_lib.open_run(os.fspath(storage.path(workdir)), batches=False)
     try:
-        adapted = config_lib.lora_config(run.config)
+        adapted = lora.from_config(run.config)
         if adapted is None:
             raise ValueError(
                 f"--adapters_only: {workdir} is not a LoRA run (config.lora.targets is empty); export the model whole"

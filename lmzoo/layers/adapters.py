@@ -11,7 +11,7 @@ already in B. Two ways run them:
   every kernel outside `on_activations`: `layers.blocks.BlockStack` merges a scanned stack's inside its scan, one
   layer at a time, so a merged kernel and its gradient exist for one layer, not for the whole stack.
 
-`lmzoo.models.lora.attach` puts adapters there (`lmzoo.models.lora` is LoRA itself: targets, init, export).
+`lmzoo.lora.attach` puts adapters there (`lmzoo.lora` is LoRA itself: targets, init, export).
 """
 
 import contextlib

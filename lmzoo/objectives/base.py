@@ -17,13 +17,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from lmzoo import config as config_lib
-from lmzoo import models, tokenizers, weights
+from lmzoo import lora, models, tokenizers, weights
 from lmzoo.convert import hf
 from lmzoo.data import chat, comparisons, pipeline, readers
 from lmzoo.data.loaders import Shard
-from lmzoo.models import lora
-from lmzoo.trainers import lora as trainers_lora
 from lmzoo.trainers import optim, supervised
 from lmzoo.trainers.state import Task
 
@@ -50,6 +47,30 @@ class ComparisonSplitConfig:
             raise ValueError(f"config.objective.heldout_fraction={self.heldout_fraction} must lie in (0, 1), e.g. 0.1")
 
 
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """A frozen model a run needs (a reference policy, a reward model, a teacher, the base LoRA adapts), declared by
+    its objective (`Objective.roles`) and read by the run layer at every start into the state's frozen entry of the
+    same name: never checkpointed, so a resumed run reads it again from `source`.
+
+    Attributes:
+        source: "ckpt:WORKDIR" or "hf:PATH" (a folder, a bucket prefix or a cached Hub id).
+        model_name, model_fields: the model the weights are read for (`lmzoo.weights.read_params`).
+        read: "merged": every parameter the source provides replaces the fresh one (`weights.merge_pretrained`);
+            "params": the source's params as they are, which `check` compares with the fresh tree; "run": a train.py
+            run's whole params, its head included (a reward model), checked by `check`.
+        allow_partial: an HF checkpoint that fits only in part gives what fits (config.init_from_partial).
+        check: (fresh, read) -> None, raising a ValueError that names the source when what was read does not fit.
+    """
+
+    source: str
+    model_name: str
+    model_fields: Any
+    read: str = "merged"
+    allow_partial: bool = False
+    check: Callable[[Any, Any], None] | None = None
+
+
 def int_inputs(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, np.int32)
 
@@ -74,7 +95,7 @@ class Objective:
     loss_is_token_nll: bool = True  # "loss" is a mean token NLL: metrics add perplexity and bits per token/char/byte
     # The frozen entry LoRA adapts (`trainers.lora`): init_from's weights by default; None: a trainer of its own
     # without adapters (counting, truncated BPTT).
-    lora_base: str | None = trainers_lora.BASE
+    lora_base: str | None = lora.BASE
     lora_heads: str = ""  # modules no base provides, trained in full beside the adapters (a classifier's head)
     # Why the loss applies its model without dropout, if it does: LoRA's dropout then has no rng to draw from.
     no_dropout_because: str = ""
@@ -93,7 +114,7 @@ class Objective:
 
     def lora_config(self) -> lora.LoraConfig | None:
         """config.lora (None when off) with this objective's heads added to the modules trained in full."""
-        adapted = config_lib.lora_config(self.config)
+        adapted = lora.from_config(self.config)
         if adapted is None or not self.lora_heads:
             return adapted
         patterns = [p for p in (adapted.train_in_full, self.lora_heads) if p]
@@ -114,7 +135,7 @@ class Objective:
                 f"config.lora.targets={adapted.targets!r}: objective {self.name!r} runs a trainer of its own, which "
                 "does not train LoRA adapters; set --config.lora.targets=''"
             )
-        if self.lora_base == trainers_lora.BASE and not self.config.get("init_from"):
+        if self.lora_base == lora.BASE and not self.config.get("init_from"):
             raise ValueError(
                 f"config.lora.targets={adapted.targets!r} adapts a frozen base, read again when the run resumes: set "
                 "config.init_from to it ('hf:PATH' or 'ckpt:WORKDIR')"
@@ -148,11 +169,11 @@ class Objective:
 
     def trainer(self, model: nn.Module):
         """The trainer (`lmzoo.trainers`) the loop runs: supervised on `task` by default (through LoRA adapters with
-        config.lora.targets set: `trainers.lora.lora_task`)."""
+        config.lora.targets set: `lmzoo.lora.lora_task`)."""
         tx, schedule = optim.make_optimizer(self.config.optim)
         task, adapted = self.task(model), self.lora_config()
         if adapted is not None:
-            task = trainers_lora.lora_task(task, adapted, base=self.lora_base)
+            task = lora.lora_task(task, adapted, base=self.lora_base)
         return supervised.SupervisedTrainer(
             task,
             tx,
@@ -203,12 +224,25 @@ class Objective:
             **dataclasses.asdict(shard),
         )
 
-    def load_frozen(self, frozen: Any, *, trainer: Any) -> Any:
-        """Frozen subtrees (host arrays, shaped like `frozen`) read from the paths the config names; `trainer` is the
-        run's (`self.trainer(model)`), for frozen values computed with it (PPO's reward normalisation).
+    def frozen_roles(self) -> dict[str, Role]:
+        """The frozen models this objective trains against, by their entry in the state's frozen tree (see `Role`)."""
+        return {}
 
-        Frozen parameters are never checkpointed: a resumed run reads them again from their paths."""
-        return frozen
+    def roles(self) -> dict[str, Role]:
+        """Every frozen model the run reads: the objective's (`frozen_roles`) and, under LoRA, the base its adapters
+        adapt when no role of the objective holds it (`lora_base`: config.init_from's weights)."""
+        roles = dict(self.frozen_roles())
+        if self.lora_config() is not None and self.lora_base == lora.BASE:
+            cfg = self.config
+            roles[lora.BASE] = Role(
+                cfg.init_from, cfg.model_name, cfg.model.to_dict(), allow_partial=cfg.init_from_partial
+            )
+        return roles
+
+    def setup_batch(self) -> Batch | None:
+        """What the trainer's `setup` reads once the frozen models are in (PPO: the prompts its reward normalisation
+        samples); None when its trainer has no setup."""
+        return None
 
     def init_params(self, params: Any, frozen: Any) -> Any:
         """Fresh trainable params adjusted before training starts (e.g. copied from `frozen`): both trees as the

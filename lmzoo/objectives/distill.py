@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from lmzoo import models, weights
-from lmzoo.objectives import losses, masking, tasks
+from lmzoo.objectives import base, losses, masking, tasks
 from lmzoo.trainers.state import Task
 
 
@@ -109,12 +109,8 @@ class Distillation(masking.MaskedWindows):
         fields = self.fields
         return distillation_task(model, models.build_model("bert", dict(fields.teacher_model)), fields)
 
-    def load_frozen(self, frozen, *, trainer):
-        return {
-            "teacher": weights.merge_pretrained(
-                frozen["teacher"], self.fields.teacher, "bert", self.fields.teacher_model.to_dict()
-            )
-        }
+    def frozen_roles(self):
+        return {"teacher": base.Role(self.fields.teacher, "bert", self.fields.teacher_model.to_dict())}
 
     def init_params(self, params, frozen):
         if not self.fields.init_student_from_teacher:

@@ -152,12 +152,22 @@ class DPO(base.ExampleObjective):
         sft_spec = self.fields.sft
         if not sft_spec.startswith("ckpt:"):
             raise ValueError(f"config.objective.sft={sft_spec!r}: set it to 'ckpt:WORKDIR' of the SFT run")
-        source = weights.saved_objective(sft_spec.removeprefix("ckpt:"))
+        saved = weights.saved_config(sft_spec.removeprefix("ckpt:"))
+        source = (saved or {}).get("objective", {}).get("name")
         # ckpt: reads a reward model's backbone, which has the decoder's shapes: nothing later would refuse it.
         if source == "reward_model":
             raise ValueError(
                 f"config.objective.sft={sft_spec!r} is a 'reward_model' run; point it at the sft (or causal_lm) run"
             )
+        if saved is not None:
+            ours = {"model_name": self.config.model_name, "tokenizer": self.config.data.tokenizer.to_dict()}
+            theirs = {"model_name": saved.get("model_name"), "tokenizer": saved.get("data", {}).get("tokenizer")}
+            differing = [k for k in ours if ours[k] != theirs[k]]
+            if differing:
+                raise ValueError(
+                    f"the SFT run {sft_spec.removeprefix('ckpt:')} differs from this run in {differing}: "
+                    + ", ".join(f"{k} {theirs[k]!r} there vs {ours[k]!r} here" for k in differing)
+                )
         if kinds.kind_of(self.model()) != kinds.DECODER:
             raise ValueError(f"dpo trains a decoder; config.model_name={self.config.model_name!r} is not one")
         chat.check_template(self.config, hf.resolve_folder)
@@ -183,23 +193,19 @@ class DPO(base.ExampleObjective):
     def real_tokens(self, batch):
         return int(np.sum(batch["lengths"]))
 
-    def load_frozen(self, frozen, *, trainer):
-        """The reference: the SFT run's decoder, which must be of this run's family and tokenizer."""
+    def frozen_roles(self):
+        """The reference: the SFT run's decoder, read as it is (`check_reference`: every parameter of config.model)."""
+        cfg = self.config
+        return {
+            "reference": base.Role(
+                self.fields.sft, cfg.model_name, cfg.model.to_dict(), read="params", check=self.check_reference
+            )
+        }
+
+    def check_reference(self, fresh, loaded):
+        """Refuses an SFT checkpoint that is not a config.model decoder, naming the parameters that differ."""
         workdir = self.fields.sft.removeprefix("ckpt:")
-        saved = weights.saved_config(workdir)
-        if saved is not None:
-            ours = {"model_name": self.config.model_name, "tokenizer": self.config.data.tokenizer.to_dict()}
-            theirs = {"model_name": saved.get("model_name"), "tokenizer": saved.get("data", {}).get("tokenizer")}
-            differing = [k for k in ours if ours[k] != theirs[k]]
-            if differing:
-                raise ValueError(
-                    f"the SFT run {workdir} differs from this run in {differing}: "
-                    + ", ".join(f"{k} {theirs[k]!r} there vs {ours[k]!r} here" for k in differing)
-                )
-        loaded = weights.read_params(
-            self.fields.sft, self.config.model_name, self.config.model.to_dict(), frozen["reference"]
-        )
-        expected = traverse_util.flatten_dict(jax.tree.map(np.shape, frozen["reference"]), sep="/")
+        expected = traverse_util.flatten_dict(jax.tree.map(np.shape, fresh), sep="/")
         found = traverse_util.flatten_dict(jax.tree.map(np.shape, loaded), sep="/")
         if expected != found:
             differing = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
@@ -208,7 +214,6 @@ class DPO(base.ExampleObjective):
                 + ", ".join(f"{k} {found.get(k)} there vs {expected.get(k)} here" for k in differing[:5])
                 + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
             )
-        return {"reference": jax.tree.map(np.asarray, loaded)}
 
     def init_params(self, params, frozen):
         """The policy starts as the reference."""

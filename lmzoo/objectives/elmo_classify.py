@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmzoo import weights
 from lmzoo.data import readers, transforms
 from lmzoo.layers.embeddings import embed_lookup
 from lmzoo.models import elmo
@@ -118,8 +117,8 @@ class ELMoClassify(base.ExampleObjective):
             model, elmo.ELMoClassifier(fields.num_classes, fields.head_dropout_rate), fields.features
         )
 
-    def load_frozen(self, frozen, *, trainer):
-        return {"bilm": weights.merge_pretrained(frozen["bilm"], self.fields.bilm, "elmo", self.config.model.to_dict())}
+    def frozen_roles(self):
+        return {"bilm": base.Role(self.fields.bilm, "elmo", self.config.model.to_dict())}
 
     def input_shapes(self, batch_size):
         shape = (batch_size, self.config.data.seq_len)

@@ -6,8 +6,8 @@ The recipe around the policy trainer (`lmzoo.trainers.rl`: rollout, scoring and 
 is the SFT decoder with a zero-initialised value head on its trunk (`heads.LMWithValueHead`), or beside a
 separate value network initialised from the reward model or the SFT trunk (`heads.LMWithValueModel`);
 `optim.groups` gives "value_head" / "value_model" its own learning rate. The reference and reward model are
-frozen subtrees read from `objective.sft` and `objective.reward_model` at every start (`lmzoo.weights`), never
-checkpointed, and the reward is normalised so SFT samples score mean 0, std 1. The data position (prompts
+frozen models declared as roles (`frozen_roles`: `objective.sft` and `objective.reward_model`) that the run reads at
+every start, never checkpointed; the trainer's setup then normalises the reward so SFT samples score mean 0, std 1. The data position (prompts
 and PPO-ptx demonstrations) is the step, so a resumed run continues exactly.
 """
 
@@ -270,29 +270,28 @@ class PPO(base.Objective):
     def real_tokens(self, batch):
         return int(np.sum(batch["prompt_mask"]))
 
-    def load_frozen(self, frozen, *, trainer):
-        """The SFT reference and the reward model from their workdirs, and the reward normalisation (gain, bias) that
-        gives `normalize_samples` SFT samples on training prompts mean 0 and std 1 (a fixed key: the same at every start)."""
-        o = self.fields
-        reference = weights.merge_pretrained(
-            frozen["reference"], o.sft, self.config.model_name, self.config.model.to_dict()
-        )
-        reward_params = weights.run_params(o.reward_model.removeprefix("ckpt:"), frozen["reward"])
-        expected, loaded = jax.tree.map(np.shape, frozen["reward"]), jax.tree.map(np.shape, reward_params)
-        if expected != loaded:
-            raise ValueError(
-                f"the reward model in {o.reward_model} does not fit config.model (a reward_model run on the same "
-                f"backbone config is needed): its parameter shapes {loaded} vs {expected}"
-            )
-        prompts = self._prompts(self.read()["train"], "train split")
-        normalization_prompts = {k: v[: o.normalize_samples] for k, v in prompts.items()}
-        gain, bias = trainer.reward_normalization(reference, reward_params, normalization_prompts)
+    def frozen_roles(self):
+        """The SFT reference (the policy's start) and the reward model, a reward_model run on this backbone config."""
+        o, cfg = self.fields, self.config
+
+        def check_reward(fresh, loaded):
+            expected, found = jax.tree.map(np.shape, fresh), jax.tree.map(np.shape, loaded)
+            if expected != found:
+                raise ValueError(
+                    f"the reward model in {o.reward_model} does not fit config.model (a reward_model run on the same "
+                    f"backbone config is needed): its parameter shapes {found} vs {expected}"
+                )
+
         return {
-            "reference": reference,
-            "reward": reward_params,
-            "reward_gain": np.float32(gain),
-            "reward_bias": np.float32(bias),
+            "reference": base.Role(o.sft, cfg.model_name, cfg.model.to_dict()),
+            "reward": base.Role(o.reward_model, cfg.model_name, cfg.model.to_dict(), read="run", check=check_reward),
         }
+
+    def setup_batch(self):
+        """The first `normalize_samples` distinct training prompts, whose SFT samples fix the reward normalisation
+        (`PPOTrainer.setup`)."""
+        prompts = self._prompts(self.read()["train"], "train split")
+        return {k: v[: self.fields.normalize_samples] for k, v in prompts.items()}
 
     def init_params(self, params, frozen):
         """The policy's decoder starts as the SFT reference. The value head stays at zero; a separate value network

@@ -1,5 +1,6 @@
 """Pure, jittable pieces of RLHF policy optimisation: PPO (Ziegler et al. 2019; Ouyang et al. 2022), REINFORCE and
-GRPO (Shao et al. 2024).
+GRPO (Shao et al. 2024), with GRPO's successors as keywords of `grpo_loss` and `group_advantages`: Dr. GRPO (Liu et
+al. 2025), DAPO (Yu et al. 2025), GSPO (Zheng et al. 2025) and truncated importance sampling for off-policy rollouts.
 
 Conventions. A rollout is B prompts, left-padded to a common length L_q, each followed by a
 response of T (static) sampled tokens. Every per-token array is [B, T] over response tokens;
@@ -20,6 +21,14 @@ Metrics = dict[str, tuple[jax.Array, jax.Array]]
 KL_ESTIMATORS = ("k1", "k2", "k3")
 EOS_PENALTIES = ("subtract", "replace")
 BASELINES = ("mean", "leave_one_out")
+GRPO_KL_ESTIMATORS = ("off", *KL_ESTIMATORS)  # "off": no KL term (DAPO, GSPO), no reference model needed
+AGGREGATIONS = ("token", "sequence", "constant")
+RATIO_LEVELS = ("token", "sequence")
+
+
+def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; choose one of {choices}")
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -311,33 +320,168 @@ def reinforce_advantages(returns: jax.Array, *, baseline: str = "leave_one_out")
     raise ValueError(f"unknown baseline {baseline!r}; choose one of {BASELINES}")
 
 
-def group_advantages(returns: jax.Array, *, eps: float = 1e-4) -> jax.Array:
+def group_advantages(returns: jax.Array, *, eps: float = 1e-4, scale_by_std: bool = True) -> jax.Array:
     """returns [P, G] of G responses per prompt -> GRPO advantages (R_i − mean_g R) / (std_g R + eps) [P, G]
-    (Shao et al. 2024), with trl's unbiased std and eps; a group of equal returns gets 0."""
+    (Shao et al. 2024), with trl's unbiased std and eps; a group of equal returns gets 0.
+
+    scale_by_std=False is Dr. GRPO's R_i − mean_g R (Liu et al. 2025, "Understanding R1-Zero-Like Training"):
+    dividing by the std weights groups whose rewards barely differ (too easy or too hard prompts) the most."""
     centred = returns - jnp.mean(returns, axis=1, keepdims=True)
+    if not scale_by_std:
+        return centred
     return centred / (jnp.std(returns, axis=1, keepdims=True, ddof=1) + eps)
+
+
+def informative_groups(returns: jax.Array) -> jax.Array:
+    """returns [P, G] -> bool [P], True where a group's returns are not all equal (DAPO's dynamic sampling, Yu et al.
+    2025): a group of equal returns has zero advantages and so no policy gradient; the caller drops it and refills
+    the batch with fresh groups."""
+    return jnp.any(returns != returns[:, :1], axis=1)
+
+
+def overlong_penalty(lengths: jax.Array, *, max_len: int, cache_len: int) -> jax.Array:
+    """DAPO's soft overlong punishment (Yu et al. 2025), added to the task reward: lengths [B] -> penalties [B] float.
+
+    With L_soft = max_len − cache_len: 0 if L ≤ L_soft; (L_soft − L) / cache_len, falling linearly from 0 to −1,
+    if L_soft < L ≤ max_len; −1 if L > max_len."""
+    if not 0 <= cache_len <= max_len:
+        raise ValueError(
+            f"overlong_penalty needs 0 <= cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}"
+        )
+    lengths = jnp.asarray(lengths, jnp.float32)
+    soft_len = max_len - cache_len
+    ramp = (soft_len - lengths) / max(cache_len, 1)
+    return jnp.where(lengths <= soft_len, 0.0, jnp.where(lengths <= max_len, ramp, -1.0))
+
+
+def truncated_is_weights(
+    old_logprobs: jax.Array, behaviour_logprobs: jax.Array, mask: jax.Array, *, cap: float
+) -> jax.Array:
+    """Truncated importance weights min(π_old / π_behaviour, cap) [B, T], 0 where mask is 0, held constant.
+
+    old_logprobs, behaviour_logprobs, mask [B, T]. For rollouts sampled by another policy than the one the clipped
+    ratio is taken against: an older version in asynchronous RL, or the same parameters in an inference engine whose
+    numerics differ ("Your efficient RL framework secretly brings you off-policy RL training", Yao et al. 2025;
+    truncated IS after Espeholt et al. 2018's IMPALA). The cap bounds the variance at the price of a small bias."""
+    weights = jnp.minimum(jnp.exp(old_logprobs - behaviour_logprobs), cap)
+    return jax.lax.stop_gradient(weights * mask)
+
+
+def aggregate_tokens(x: jax.Array, mask: jax.Array, *, aggregation: str = "token") -> jax.Array:
+    """Per-token losses x [B, T] -> a scalar, over the tokens where mask [B, T] is 1.
+
+    "token": Σ mask·x / Σ mask, every token of the minibatch weighs the same (DAPO's token-level loss, Yu et al.
+    2025); "sequence": each response's token mean, then the mean over the B responses (GRPO, Shao et al. 2024), so a
+    token of a long response weighs less; "constant": Σ mask·x / (B·T), T the response length (Dr. GRPO, Liu et al.
+    2025): a normaliser that depends on no response's length, so no length bias."""
+    _check_choice("aggregation", aggregation, AGGREGATIONS)
+    if aggregation == "token":
+        return masked_mean(x, mask)
+    if aggregation == "sequence":
+        return jnp.mean(jnp.sum(x * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0))
+    return jnp.sum(x * mask) / (mask.shape[0] * mask.shape[1])
+
+
+def sequence_log_ratio(logprobs: jax.Array, old_logprobs: jax.Array, mask: jax.Array) -> jax.Array:
+    """GSPO's length-normalised log-ratio log s_i = (1/|y_i|) Σ_t (log π(y_t) − log π_old(y_t)): [B, T] inputs -> [B]."""
+    return jnp.sum((logprobs - old_logprobs) * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+
+
+def gspo_token_ratio(logprobs: jax.Array, old_logprobs: jax.Array, mask: jax.Array) -> jax.Array:
+    """GSPO-token's ratio s_{i,t} = sg[s_i]·π(y_t)/sg[π(y_t)] [B, T] (Zheng et al. 2025, "Group Sequence Policy
+    Optimization"); logprobs, old_logprobs, mask [B, T].
+
+    Its value is the sequence ratio s_i = exp(log s_i) on every token of response i (clipping it clips the whole
+    response); its gradient is s_i·∇log π(y_t), per token. Averaged over a response's tokens with a per-token
+    advantage A_i it gives GSPO's gradient s_i·A_i·(1/|y_i|) Σ_t ∇log π(y_t)."""
+    log_ratio = jax.lax.stop_gradient(sequence_log_ratio(logprobs, old_logprobs, mask))[:, None]
+    return jnp.exp(log_ratio + (logprobs - jax.lax.stop_gradient(logprobs)))  # value exactly s_i
 
 
 def grpo_loss(
     logprobs: jax.Array,
-    ref_logprobs: jax.Array,
+    ref_logprobs: jax.Array | None,
     rollout: dict[str, jax.Array],
     *,
     clip_eps: float = 0.2,
     kl_coef: float = 0.04,
+    clip_eps_high: float | None = None,
+    aggregation: str = "token",
+    ratio_level: str = "token",
+    kl_estimator: str = "k3",
+    tis_cap: float | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """L = L_policy + β·KL for one minibatch, no value function: the clipped surrogate with each response's group
-    advantage on all its tokens, and the k3 estimate of KL(π ‖ π_ref) as a loss term (not in the reward).
+    advantage on all its tokens, and an estimate of KL(π ‖ π_ref) as a loss term (not in the reward).
 
-    logprobs, ref_logprobs [B, T]; rollout holds "old_logprobs", "mask" [B, T] and "sequence_advantages" [B]."""
-    mask = rollout["mask"]
+    logprobs, ref_logprobs [B, T]; rollout holds "old_logprobs", "mask" [B, T] and "sequence_advantages" [B], and for
+    truncated importance sampling "behaviour_logprobs" [B, T]. The default keywords are GRPO as before (Shao et al.
+    2024, with the token-level loss); each keyword switches one piece to a successor's:
+
+    clip_eps, clip_eps_high: the ratio is clipped to [1 − clip_eps, 1 + clip_eps_high]; clip_eps_high=None uses
+        clip_eps on both sides. A larger ε_high is DAPO's clip-higher (Yu et al. 2025: ε_low 0.2, ε_high 0.28), which
+        lets unlikely tokens with a positive advantage grow and so keeps the entropy from collapsing.
+    aggregation: how per-token terms (surrogate and KL alike) become a scalar, `aggregate_tokens`: "token" (DAPO),
+        "sequence" (GRPO's paper) or "constant" (Dr. GRPO, Liu et al. 2025).
+    ratio_level: "token", ρ_t = π(y_t)/π_old(y_t); "sequence", GSPO's s_i (Zheng et al. 2025) in its GSPO-token form
+        `gspo_token_ratio`, clipped per response. GSPO's loss −mean_i min(s_i·A_i, clip(s_i)·A_i) is
+        ratio_level="sequence" with aggregation="sequence" (value and gradient); "token" aggregation weighs each
+        response's term by its length instead.
+    kl_estimator: "k3" (GRPO), "k1", "k2" (`kl_estimate`) or "off": no KL term, β and ref_logprobs unused (None
+        allowed); DAPO and GSPO train without one.
+    tis_cap: when given, each token's surrogate is multiplied by `truncated_is_weights`(old_logprobs,
+        rollout["behaviour_logprobs"], cap=tis_cap), for rollouts sampled by another policy than π_old; None: weight
+        1 (any "behaviour_logprobs" unused). The KL term is not reweighted.
+
+    Metrics: "loss/policy", "loss/kl" (0 when off), "loss/total" as (value, 1); token means as (sum, count) pairs:
+    "policy/clipfrac" (tokens where the clipped term is the larger), split into "policy/clipfrac_low" (ratio below
+    1 − ε_low, A < 0) and "policy/clipfrac_high" (above 1 + ε_high, A > 0), "policy/approxkl" ½(log ρ_t)² and
+    "policy/policykl" −log ρ_t of the token ratio ρ_t whatever the ratio level, "policy/ratio" (the ratio clipped:
+    s_i on each token at the sequence level); with tis_cap, "policy/tis_weight" and "policy/tis_capped" (the
+    fraction of tokens at the cap)."""
+    _check_choice("aggregation", aggregation, AGGREGATIONS)
+    _check_choice("ratio level", ratio_level, RATIO_LEVELS)
+    _check_choice("KL estimator", kl_estimator, GRPO_KL_ESTIMATORS)
+    if kl_estimator != "off" and ref_logprobs is None:
+        raise ValueError(f"kl_estimator={kl_estimator!r} needs ref_logprobs; pass kl_estimator='off' to train without")
+    if tis_cap is not None and "behaviour_logprobs" not in rollout:
+        raise ValueError(f"tis_cap={tis_cap} needs rollout['behaviour_logprobs'], the sampler's log-probs [B, T]")
+    eps_low = clip_eps
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    mask, old_logprobs = rollout["mask"], rollout["old_logprobs"]
     advantages = jax.lax.stop_gradient(rollout["sequence_advantages"])[:, None] * mask
-    pg_loss, metrics = policy_loss(logprobs, rollout["old_logprobs"], advantages, mask, clip_eps=clip_eps)
-    kl_loss = masked_mean(kl_estimate(logprobs, ref_logprobs, "k3"), mask)
-    loss = pg_loss + kl_coef * kl_loss
+    log_ratio = logprobs - old_logprobs
+    if ratio_level == "token":
+        ratio = jnp.exp(log_ratio)
+    else:
+        ratio = gspo_token_ratio(logprobs, old_logprobs, mask)
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    surrogate = jnp.maximum(unclipped, clipped)
+    is_clipped = clipped > unclipped
+    metrics = {
+        "policy/clipfrac": masked_stats(is_clipped.astype(jnp.float32), mask),
+        "policy/clipfrac_low": masked_stats((is_clipped & (ratio < 1.0 - eps_low)).astype(jnp.float32), mask),
+        "policy/clipfrac_high": masked_stats((is_clipped & (ratio > 1.0 + eps_high)).astype(jnp.float32), mask),
+        "policy/approxkl": masked_stats(0.5 * jnp.square(log_ratio), mask),
+        "policy/policykl": masked_stats(-log_ratio, mask),
+        "policy/ratio": masked_stats(ratio, mask),
+    }
+    if tis_cap is not None:
+        weights = truncated_is_weights(old_logprobs, rollout["behaviour_logprobs"], mask, cap=tis_cap)
+        surrogate = surrogate * weights
+        metrics["policy/tis_weight"] = masked_stats(weights, mask)
+        metrics["policy/tis_capped"] = masked_stats((weights >= tis_cap).astype(jnp.float32), mask)
+    pg_loss = aggregate_tokens(surrogate, mask, aggregation=aggregation)
+    if kl_estimator == "off":
+        kl_loss = jnp.zeros((), jnp.float32)
+        loss = pg_loss
+    else:
+        kl_loss = aggregate_tokens(kl_estimate(logprobs, ref_logprobs, kl_estimator), mask, aggregation=aggregation)
+        loss = pg_loss + kl_coef * kl_loss
     one = jnp.ones((), jnp.float32)
     losses = {"loss/policy": (pg_loss, one), "loss/kl": (kl_loss, one), "loss/total": (loss, one)}
-    return loss, {**metrics, **jax.tree.map(jax.lax.stop_gradient, losses)}
+    return loss, jax.tree.map(jax.lax.stop_gradient, {**metrics, **losses})
 
 
 def reinforce_loss(logprobs: jax.Array, advantages: jax.Array, mask: jax.Array) -> tuple[jax.Array, Metrics]:

@@ -20,16 +20,15 @@ import flax.linen as nn
 import flax.traverse_util
 import jax
 import ml_collections
+import numpy as np
 from etils import epath
 
-from lmzoo import checkpoint, models, objectives, sharding, storage, tokenizers, weights
+from lmzoo import checkpoint, lora, models, objectives, sharding, storage, tokenizers, weights
 from lmzoo import config as config_lib
 from lmzoo import workdir as workdir_lib
 from lmzoo.data import loaders, readers
-from lmzoo.models import lora
 from lmzoo.objectives import base
 from lmzoo.trainers import base as trainers_base
-from lmzoo.trainers import lora as trainers_lora
 
 # What train.py, eval.py and the exporter report as one line: bad flags, config values, files and checkpoints,
 # a locked workdir, a full disk, a diverged loss. Each is raised before work that would be lost.
@@ -270,42 +269,64 @@ def assemble(
     )
 
 
+def read_role(name: str, role: base.Role, fresh: Any, trained: Any) -> Any:
+    """The frozen entry `name` read as `role` declares (`base.Role`), in the placement of `fresh` (host arrays);
+    `trained`: the state's abstract trained params, whose modules trained in full a LoRA base need not provide."""
+    if role.read == "run":
+        loaded = weights.run_params(role.source.removeprefix("ckpt:"), fresh)
+    else:
+        loaded = weights.read_params(
+            role.source,
+            role.model_name,
+            role.model_fields,
+            fresh.get("backbone", fresh),
+            allow_partial=role.allow_partial,
+        )
+    if role.check is not None:
+        role.check(fresh, loaded)
+    if name == lora.BASE:
+        _check_lora_base(role, fresh, loaded, trained)
+    if role.read == "merged":
+        return weights.merge_pretrained(fresh, loaded, role.model_name, role.model_fields, name=role.source)
+    return jax.tree.map(np.asarray, loaded)
+
+
+def _check_lora_base(role: base.Role, fresh: Any, loaded: Any, trained: Any) -> None:
+    """Refuses a LoRA base that leaves parameters as initialised, unless they are trained in full beside the
+    adapters: frozen at their random start they would never learn."""
+    prefix = ("backbone",) if "backbone" in fresh else ()
+    read = {(*prefix, *path) for path in flax.traverse_util.flatten_dict(loaded)}
+    full = lora.trained_in_full(trained)
+    missing = sorted(
+        "/".join(path) for path in flax.traverse_util.flatten_dict(fresh) if path not in read and path not in full
+    )
+    if missing:
+        raise ValueError(
+            f"LoRA (config.lora.targets) trains adapters over a frozen base, but config.init_from={role.source!r} "
+            f"leaves parameters that would stay as initialised ({', '.join(missing[:4])}): train them in full beside "
+            "the adapters (--config.lora.train_in_full='MODULE|...') or train this run without LoRA "
+            "(--config.lora.targets='')"
+        )
+
+
 def load_frozen(run: Run) -> Any:
-    """The frozen parameters, read from the paths the config names, sharded like the state's."""
+    """The frozen models the objective declares (`Objective.roles`), each read once from its source, held as LoRA's
+    frozen base where adapters adapt it, completed by the trainer's `setup` (PPO's reward normalisation) and
+    sharded like the state's."""
     if not jax.tree.leaves(run.compiled.abstract_state.frozen):
         return run.compiled.abstract_state.frozen
     with run.context():
         fresh = jax.device_get(run.compiled.init(jax.random.key(run.config.train.seed)).frozen)
-    frozen = run.objective.load_frozen(fresh, trainer=run.compiled.trainer)
+    trained = run.compiled.abstract_state.params
+    frozen = dict(fresh)
+    for name, role in run.objective.roles().items():
+        frozen[name] = read_role(name, role, fresh[name], trained)
     adapted = run.objective.lora_config()
-    if adapted is not None:  # the base LoRA adapts: init_from's weights, or a frozen tree the objective read
-        cfg, key = run.config, run.objective.lora_base
-        if key == trainers_lora.BASE:
-            target = frozen[key].get("backbone", frozen[key])
-            source = weights.read_params(
-                cfg.init_from, cfg.model_name, cfg.model.to_dict(), target, allow_partial=cfg.init_from_partial
-            )
-            prefix = ("backbone",) if "backbone" in frozen[key] else ()
-            loaded = {(*prefix, *path) for path in flax.traverse_util.flatten_dict(source)}
-            trained = lora.trained_in_full(run.compiled.abstract_state.params)
-            fresh = sorted(
-                "/".join(path)
-                for path in flax.traverse_util.flatten_dict(frozen[key])
-                if path not in loaded and path not in trained
-            )
-            if fresh:
-                raise ValueError(
-                    f"config.lora.targets={adapted.targets!r} trains adapters over a frozen base, but config.init_from="
-                    f"{cfg.init_from!r} leaves parameters that would stay as initialised ({', '.join(fresh[:4])}): "
-                    "train them in full beside the adapters (--config.lora.train_in_full='MODULE|...') or train this "
-                    "run without LoRA (--config.lora.targets='')"
-                )
-            base_params = weights.merge_pretrained(
-                frozen[key], source, cfg.model_name, cfg.model.to_dict(), name=cfg.init_from
-            )
-        else:
-            base_params = frozen[key]
-        frozen = {**frozen, key: lora.freeze(base_params, adapted)}
+    if adapted is not None:
+        frozen[run.objective.lora_base] = lora.freeze(frozen[run.objective.lora_base], adapted)
+    setup = getattr(run.compiled.trainer, "setup", None)
+    if setup is not None:
+        frozen = setup(frozen, run.objective.setup_batch())
     return jax.device_put(frozen, run.compiled.state_shardings.frozen)
 
 
@@ -323,7 +344,7 @@ def restore_or_init(run: Run) -> tuple[Any, dict]:
     # The params stay on the mesh: `init_from` weights are read tensor by tensor into each parameter's sharding
     # (`weights.merge_pretrained`), so no host holds the whole model.
     fresh = state.params
-    adapted = config_lib.lora_config(cfg) is not None  # adapters start as they are (B = 0: the base's function)
+    adapted = lora.from_config(cfg) is not None  # adapters start as they are (B = 0: the base's function)
     params = fresh if adapted else run.objective.init_params(fresh, frozen)
     if cfg.get("init_from") and not adapted:
         params = weights.merge_pretrained(
@@ -357,7 +378,7 @@ def load(workdir: str, step: int | None = None, *, mesh_shape: tuple[int, ...] |
     run = open_run(workdir, mesh_shape=mesh_shape, batches=False)
     try:
         # LoRA's params are adapters: the model's params are them merged into the frozen base, read again
-        step, state = restore_step(run, step, frozen=config_lib.lora_config(run.config) is not None)
+        step, state = restore_step(run, step, frozen=lora.from_config(run.config) is not None)
         params = run.compiled.host_params(state)
     finally:
         run.checkpointer.close()

@@ -17,11 +17,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
-from lmzoo import decoding
-from lmzoo.models import experts, heads, lora
+from lmzoo import decoding, lora
+from lmzoo.models import experts, heads
 from lmzoo.rl import policy_gradient, reward
 from lmzoo.trainers import base
 from lmzoo.trainers.state import LossFn, Metrics
@@ -176,10 +177,10 @@ class PPOTrainer:
             "mask": samples.mask.astype(jnp.float32),
         }
 
-    def reward_normalization(self, reference: Any, reward_params: Any, prompts: dict[str, Any]) -> tuple[float, float]:
-        """(gain, bias) of `score`'s normalisation: they give the reward model's raw scores of one reference sample
-        per prompt ("prompts", "prompt_mask" [N, P]) mean 0 and std 1. The key is fixed, so every start of a run
-        computes the same values."""
+    def setup(self, frozen: Any, prompts: dict[str, Any]) -> Any:
+        """The frozen tree with the reward normalisation filled in: (gain, bias) that give the reward model's raw scores
+        of one reference sample per prompt ("prompts", "prompt_mask" [N, P]) mean 0 and std 1. The key is fixed, so
+        every start of a run computes the same values."""
 
         @jax.jit
         def raw_scores(reference, reward_params, prompts):
@@ -188,13 +189,13 @@ class PPOTrainer:
             forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
             return self.reward_model.apply({"params": reward_params}, inputs["sequences"], **forward)[:, 0]
 
-        scores = raw_scores(reference, reward_params, prompts)
+        scores = raw_scores(frozen["reference"], frozen["reward"], prompts)
         gain, bias = reward.fit_normalization(scores)
         print(
             f"reward normalisation from {len(scores)} SFT samples: raw mean {float(jnp.mean(scores)):.4f} "
             f"std {float(jnp.std(scores)):.4f} -> gain {float(gain):.4f} bias {float(bias):.4f}"
         )
-        return float(gain), float(bias)
+        return {**frozen, "reward_gain": np.float32(gain), "reward_bias": np.float32(bias)}
 
     def score(self, params, frozen, kl_coef, samples: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], Metrics]:
         """Scores `generate`'s samples with the frozen reward model, reads the policy's and the reference's log-probs

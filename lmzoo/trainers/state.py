@@ -33,7 +33,7 @@ def own_params(params: PyTree, frozen: PyTree) -> PyTree:
 class Task:
     """init(rng, batch) -> (params, frozen); loss(params, frozen, carry, batch, rng, *, step, train);
     initial_carry(batch_size) -> carry ({} for models without recurrent state); model_params(params, frozen) -> the
-    model's params where the trained ones are not (LoRA adapters over a frozen base: `trainers.lora.lora_task`)."""
+    model's params where the trained ones are not (LoRA adapters over a frozen base: `lmzoo.lora.lora_task`)."""
 
     init: InitFn
     loss: LossFn

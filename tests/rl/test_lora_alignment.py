@@ -17,9 +17,8 @@ from flax import traverse_util
 
 import lmzoo
 from lmzoo import config as config_lib
-from lmzoo import objectives, weights
+from lmzoo import lora, objectives, weights
 from lmzoo.data import chat, comparisons
-from lmzoo.models import lora
 from lmzoo.objectives import base as objectives_base
 from lmzoo.train import loop
 from lmzoo.train import run as run_lib

@@ -15,9 +15,8 @@ from flax import traverse_util
 
 import lmzoo
 from lmzoo import config as config_lib
-from lmzoo import tokenizers
+from lmzoo import lora, tokenizers
 from lmzoo.data import chat, comparisons
-from lmzoo.models import lora
 from lmzoo.train import loop
 from lmzoo.train import run as run_lib
 
@@ -104,7 +103,7 @@ def test_sft_weights_exactly_the_assistant_turns(chain):
 
 def test_sft_trains_the_adapters_and_leaves_the_base(chain):
     saved = run_lib.load_saved(chain.sft)
-    adapted = config_lib.lora_config(saved)
+    adapted = lora.from_config(saved)
     run = run_lib.build(saved, chain.sft)
     _, state, _ = run.checkpointer.restore_latest(run.abstract_state)
     run.checkpointer.close()
@@ -143,7 +142,7 @@ def test_the_dpo_run_loads_as_the_sft_model_plus_its_adapters(chain):
     loaded = lmzoo.load(chain.dpo)
     assert step == loaded.step == 2 and loaded.config.objective.name == "dpo"
     sft = lmzoo.load(chain.sft).params
-    expected = jax.device_get(lora.merge(sft, jax.device_get(state.params), config_lib.lora_config(saved)))
+    expected = jax.device_get(lora.merge(sft, jax.device_get(state.params), lora.from_config(saved)))
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), loaded.params, expected)
     moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(sft), strict=True)]
     assert max(moved) > 0

@@ -11,9 +11,9 @@ import pytest
 from flax import traverse_util
 
 import lmzoo
-from lmzoo import testing, weights
+from lmzoo import lora, testing, weights
 from lmzoo.convert import export
-from lmzoo.models import build_model, lora
+from lmzoo.models import build_model
 from lmzoo.train import loop
 from lmzoo.train import run as run_lib
 
@@ -102,7 +102,7 @@ def test_a_llama_lora_run_exports_its_adapters_in_peft_format(tmp_path):
 
     from lmzoo import config as config_lib
     from lmzoo.cli import export as export_cli
-    from lmzoo.convert import peft
+    from lmzoo.lora import peft
 
     config = config_lib.load_config_file(pathlib.Path(__file__).resolve().parents[2] / "configs" / "llama.py", "tiny")
     model = build_model("llama", config.model.to_dict())

@@ -1,5 +1,5 @@
 """PEFT's LoRA adapter folders (adapter_config.json + adapter_model.safetensors) <-> lmzoo adapters
-(`lmzoo.models.lora`), for the families whose HF names `lmzoo.convert` tables: llama (Llama, Mistral, Qwen2).
+(`lmzoo.lora`), for the families whose HF names `lmzoo.convert` tables: llama (Llama, Mistral, Qwen2).
 
 PEFT keeps, per adapted nn.Linear of the HF model, lora_A [r, in] and lora_B [out, r] under
 "base_model.model.<module>.lora_{A,B}.weight", and adds scale * lora_B @ lora_A to the weight [out, in]. lmzoo's
@@ -22,7 +22,8 @@ from flax import traverse_util
 
 from lmzoo import storage
 from lmzoo.convert import llama, mapping
-from lmzoo.models import lora, make_config
+from lmzoo.lora import transform
+from lmzoo.models import make_config
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel wraps the base model as .base_model.model
@@ -61,7 +62,7 @@ def _family(model_name: str, model_fields: Any) -> tuple[Any, Any]:
     if model_name not in FAMILIES:
         raise ValueError(
             f"PEFT adapters are read and written for {sorted(FAMILIES)} (HF Llama, Mistral, Qwen2); model_name "
-            f"{model_name!r} has none: merge its adapters (lmzoo.models.lora.merge) and export the merged params"
+            f"{model_name!r} has none: merge its adapters (lmzoo.lora.merge) and export the merged params"
         )
     cfg = model_fields if hasattr(model_fields, "__dataclass_fields__") else make_config(model_name, model_fields)
     return FAMILIES[model_name], cfg
@@ -96,7 +97,7 @@ def _target_modules(adapted: list[tuple[str, ...]], table: Mapping[tuple[str, ..
 def save_peft(
     out_dir: str,
     adapters: Any,
-    config: lora.LoraConfig,
+    config: transform.LoraConfig,
     model_name: str,
     model_fields: Any,
     *,
@@ -107,14 +108,14 @@ def save_peft(
     Returns {"path", "tensors", "target_modules"}."""
     from safetensors.numpy import save as safetensors_bytes
 
-    full = lora.trained_in_full(adapters)
+    full = transform.trained_in_full(adapters)
     if full:
         raise ValueError(
             f"these adapters come with modules trained in full ({', '.join('/'.join(p) for p in list(full)[:4])}), "
             "which have no HF counterpart in a PEFT adapter folder of this family; export the merged model instead"
         )
     table = linears(model_name, model_fields)
-    pairs = lora.adapter_pairs(mapping.unstack_layers(jax.device_get(nn.unbox(adapters))))
+    pairs = transform.adapter_pairs(mapping.unstack_layers(jax.device_get(nn.unbox(adapters))))
     tensors, problems = {}, []
     for module, (a, b) in pairs.items():
         where = "/".join(module)
@@ -198,9 +199,9 @@ def _read_weights(folder: Any) -> dict[str, np.ndarray]:
     return {name: np.asarray(value, np.float32) for name, value in safetensors_load(storage.read_bytes(file)).items()}
 
 
-def load_peft(folder: str, params: Any, model_name: str, model_fields: Any) -> tuple[Any, lora.LoraConfig]:
+def load_peft(folder: str, params: Any, model_name: str, model_fields: Any) -> tuple[Any, transform.LoraConfig]:
     """(adapters, LoraConfig) of a PEFT LoRA folder for the model of `params` (its layer layout: per-layer or
-    scanned), as float32 numpy arrays; `lora.merge(params, adapters, config)` applies them.
+    scanned), as float32 numpy arrays; `transform.merge(params, adapters, config)` applies them.
 
     An adapter of another base (a module the model lacks, a tensor of another shape) is a ValueError naming every
     such tensor, its shape and the model's."""
@@ -244,16 +245,16 @@ def load_peft(folder: str, params: Any, model_name: str, model_fields: Any) -> t
         linear = table[module]
         a = pair["A"].T.reshape(*linear.shape[: linear.inputs], r)
         b = pair["B"].T.reshape(r, *linear.shape[linear.inputs :])
-        shaped[(*module, lora.LORA_A)], shaped[(*module, lora.LORA_B)] = a, b
+        shaped[(*module, transform.LORA_A)], shaped[(*module, transform.LORA_B)] = a, b
     adapters = _in_layout(traverse_util.unflatten_dict(shaped), nn.unbox(params), folder)
-    config = lora.LoraConfig(
+    config = transform.LoraConfig(
         targets=_targets(list(found), table),
         rank=r,
         alpha=float(adapter_config.get("lora_alpha", 8)),
         dropout=float(adapter_config.get("lora_dropout") or 0.0),
         rslora=bool(adapter_config.get("use_rslora", False)),
     )
-    jax.eval_shape(lambda p, a: lora.merge(p, a, config), nn.unbox(params), adapters)  # against the params
+    jax.eval_shape(lambda p, a: transform.merge(p, a, config), nn.unbox(params), adapters)  # against the params
     return adapters, config
 
 

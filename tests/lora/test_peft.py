@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters <-> lmzoo (`lmzoo.convert.peft`, `lmzoo.models.lora`): parity with `peft` on a random HF
+"""PEFT LoRA adapters <-> lmzoo (`lmzoo.lora.peft`, `lmzoo.lora`): parity with `peft` on a random HF
 Llama of odd shapes both ways, the merged export, a scanned model, and the errors for adapters of another base."""
 
 import functools
@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmzoo.convert import export, llama, peft
-from lmzoo.models import build_model, lora, make_config
+from lmzoo import lora
+from lmzoo.convert import export, llama
+from lmzoo.lora import peft
+from lmzoo.models import build_model, make_config
 
 TOL = 1e-5
 VOCAB = 61

@@ -1,4 +1,4 @@
-"""LoRA as a transform of the parameter tree (`lmzoo.models.lora`): the merged model equals the unmerged one computed
+"""LoRA as a transform of the parameter tree (`lmzoo.lora`): the merged model equals the unmerged one computed
 at the activations, scanned and per-layer stacks and experts get adapters of their own, only the adapters train, and
 bad input is a clear error."""
 
@@ -12,10 +12,11 @@ import numpy as np
 import optax
 import pytest
 
-from lmzoo import sharding
-from lmzoo.convert import mapping, peft
+from lmzoo import lora, sharding
+from lmzoo.convert import mapping
 from lmzoo.layers.linears import Einsum
-from lmzoo.models import build_model, lora
+from lmzoo.lora import peft
+from lmzoo.models import build_model
 
 TINY = dict(vocab_size=32, max_len=16, emb_dim=16, num_heads=2, num_kv_heads=1, num_layers=2, mlp_dim=24)
 ALL = "query|key|value|out|wi_0|wi_1|wo"

@@ -30,14 +30,14 @@ provides (a classifier's or reward model's "classifier", PPO's "value_head") can
 The trained tree holds them at their own paths next to the adapters, so `merge` puts them in place of the base's.
 
 PEFT's adapter files (adapter_config.json + adapter_model.safetensors) are read and written by
-`lmzoo.convert.peft`.
+`lmzoo.lora.peft`.
 """
 
 import contextlib
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -347,10 +347,17 @@ def count(adapters: Params) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.unbox(adapters)))
 
 
-def config_from_mapping(fields: Mapping[str, Any]) -> LoraConfig:
-    """A LoraConfig from a mapping (a config section); unknown keys name the valid ones."""
-    valid = [f.name for f in dataclasses.fields(LoraConfig)]
-    unknown = sorted(set(fields) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown LoRA field(s) {unknown}; valid: {valid}")
-    return LoraConfig(**dict(fields))
+def from_config(config: Any) -> LoraConfig | None:
+    """A run config's `lora` section (a ConfigDict, or the dict a run saved) as a LoraConfig; None when LoRA is off
+    (targets ""). Bad values are a ValueError naming the field."""
+    section = config.get("lora") if config is not None else None
+    if section is None:
+        return None
+    fields = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+    if not fields.get("targets"):
+        return None
+    fields["base_dtype"] = fields.get("base_dtype") or None
+    try:
+        return LoraConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.lora: {e}") from None

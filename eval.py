@@ -24,6 +24,11 @@ Other modes (each instead of scoring the split):
   --fewshot=TASK.jsonl  in-context multiple choice for each k of --fewshot_k, demonstrations drawn from
                         --fewshot_train (lmzoo/evaluation/fewshot.py), next to a majority-class baseline;
                         --dump_prompts=FILE writes the prompts used. Result: DIR/eval_fewshot_<task>.json.
+  --gsm8k=TEST.jsonl    a decoder's free-form answers to GSM8K-format rows {question, answer ending "#### N"}
+                        (lmzoo/evaluation/gsm8k.py): greedy accuracy and pass@k for each k of --gsm8k_k (k > 1:
+                        max(k) replies per problem sampled at --temperature > 0, the unbiased estimator), prompts
+                        --gsm8k_template, --batch_size a generate call, replies up to --max_new_tokens, EOS or
+                        "\\nQuestion:". Result: DIR/eval_gsm8k.json.
   --plot                PNG training curves from the run's TensorBoard event files (DIR/tb) into DIR/plots/:
                         one figure per metric group (loss, accuracy, schedule, throughput, ...), one panel
                         per metric with its train and validation series; expert_load (a mixture of
@@ -37,6 +42,7 @@ import codecs
 import json
 import pathlib
 import re
+import time
 
 from absl import app, flags, logging
 
@@ -62,7 +68,7 @@ flags.DEFINE_string(
 )
 flags.DEFINE_string("prompt_file", None, "Continue the text of this UTF-8 file, as it is (instead of --generate).")
 flags.DEFINE_integer("max_new_tokens", 200, f"Tokens to sample (at most {MAX_NEW_TOKENS:,}).")
-flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
+flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy. --gsm8k: that of the pass@k samples.")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
 flags.DEFINE_integer("seed", 0, "Sampling seed (sample i uses seed + i); --fewshot: demonstration seed.")
@@ -76,8 +82,14 @@ flags.DEFINE_list("fewshot_k", ["0"], "Numbers of demonstrations, e.g. 0,1,4,8."
 flags.DEFINE_string("fewshot_template", "{context}", "Prompt of one example; choices are appended to it.")
 flags.DEFINE_string("fewshot_separator", "\n\n", "Text between demonstrations.")
 flags.DEFINE_integer("fewshot_examples", None, "Evaluate the first N examples of the task (default: all).")
-flags.DEFINE_integer("batch_size", 16, "--fewshot: scored continuations per batch.")
+flags.DEFINE_integer("batch_size", 16, "--fewshot: scored continuations per batch; --gsm8k: prompts per generate call.")
 flags.DEFINE_string("dump_prompts", None, "--fewshot: write the prompts used here (JSONL: k, index, prompt).")
+flags.DEFINE_string("gsm8k", None, "GSM8K-format JSONL {question, answer ending '#### N'} to answer and score.")
+flags.DEFINE_integer("gsm8k_examples", None, "--gsm8k: evaluate the first N rows (default: all).")
+flags.DEFINE_string(
+    "gsm8k_template", "Question: {question}\nAnswer:", "--gsm8k: prompt, formatted with a row's fields."
+)
+flags.DEFINE_list("gsm8k_k", ["1"], "--gsm8k: pass@k for these k (1 = greedy accuracy, always reported), e.g. 1,4,16.")
 flags.DEFINE_bool("plot", False, "Write PNG training curves to DIR/plots/ and exit.")
 flags.DEFINE_string(
     "mesh_shape",
@@ -155,6 +167,65 @@ def run_fewshot(loaded) -> None:
     )
     if FLAGS.dump_prompts:
         storage.write_text(FLAGS.dump_prompts, "".join(json.dumps(d) + "\n" for d in dumped))
+
+
+def gsm8k_k_values() -> list[int]:
+    """--gsm8k_k as sorted distinct ints >= 1, 1 among them."""
+    try:
+        values = sorted({1, *(int(k) for k in FLAGS.gsm8k_k)})
+    except ValueError:
+        raise ValueError(f"--gsm8k_k={','.join(FLAGS.gsm8k_k)}: give whole numbers, e.g. 1,4,16") from None
+    if values[0] < 1:
+        raise ValueError(f"--gsm8k_k={','.join(FLAGS.gsm8k_k)}: each k must be >= 1 (pass@k of k replies)")
+    return values
+
+
+def run_gsm8k(mesh_shape) -> None:
+    from lmzoo.evaluation import gsm8k
+    from lmzoo.train import run as run_lib
+
+    k_values = gsm8k_k_values()
+    rows = gsm8k.read_rows(FLAGS.gsm8k)[: FLAGS.gsm8k_examples]
+    for index, row in enumerate(rows):  # a bad template is refused before the checkpoint is read
+        gsm8k.prompt_of(row, FLAGS.gsm8k_template, index)
+    loaded = run_lib.load(FLAGS.workdir, FLAGS.step, mesh_shape=mesh_shape)
+    start = time.perf_counter()
+    result = gsm8k.evaluate(
+        loaded.model,
+        loaded.params,
+        loaded.tokenizer,
+        rows,
+        template=FLAGS.gsm8k_template,
+        k_values=k_values,
+        max_new_tokens=FLAGS.max_new_tokens,
+        temperature=FLAGS.temperature,
+        top_k=FLAGS.top_k,
+        top_p=FLAGS.top_p,
+        batch_size=FLAGS.batch_size,
+        seed=FLAGS.seed,
+    )
+    seconds = time.perf_counter() - start
+    sampled = k_values[-1] > 1
+    line = json.dumps(
+        {
+            "step": loaded.step,
+            "data": FLAGS.gsm8k,
+            "template": FLAGS.gsm8k_template,
+            "max_new_tokens": FLAGS.max_new_tokens,
+            **({"temperature": FLAGS.temperature, "top_k": FLAGS.top_k, "top_p": FLAGS.top_p} if sampled else {}),
+            "seed": FLAGS.seed,
+            "seconds": round(seconds, 2),
+            **result,
+        }
+    )
+    print(line)
+    columns = ["accuracy", *(f"pass@{k}" for k in k_values if k > 1)]
+    cells = [f"{result[c]:.4f}" for c in columns] + [str(result["examples"]), f"{seconds:.1f}"]
+    names = [*columns, "examples", "seconds"]
+    widths = [max(len(n), len(c)) for n, c in zip(names, cells, strict=True)]
+    print("  ".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True)))
+    print("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    storage.write_text(storage.path(FLAGS.workdir) / "eval_gsm8k.json", line + "\n")
 
 
 def check_text_file(path: str, flag: str) -> None:
@@ -239,6 +310,26 @@ def check_flags() -> None:
         check_text_file(FLAGS.fewshot, "--fewshot")
         if FLAGS.fewshot_train:
             check_text_file(FLAGS.fewshot_train, "--fewshot_train")
+    if FLAGS.gsm8k:
+        if FLAGS.fewshot:
+            raise ValueError("--fewshot and --gsm8k are two evaluations; pass one of them")
+        k_values = gsm8k_k_values()
+        if k_values[-1] > 1 and not FLAGS.temperature > 0:
+            raise ValueError(
+                f"--gsm8k_k={','.join(FLAGS.gsm8k_k)} samples {k_values[-1]} replies per problem: pass --temperature > 0 "
+                f"(not {FLAGS.temperature}); k=1 is greedy whatever the temperature"
+            )
+        if not 1 <= FLAGS.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"--max_new_tokens={FLAGS.max_new_tokens}: ask for 1 to {MAX_NEW_TOKENS:,} new tokens")
+        if FLAGS.batch_size < 1 or (FLAGS.gsm8k_examples is not None and FLAGS.gsm8k_examples < 1):
+            raise ValueError(
+                f"--batch_size={FLAGS.batch_size} and --gsm8k_examples={FLAGS.gsm8k_examples} must be >= 1"
+            )
+        try:
+            decoding.check_sampling(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
+        except ValueError as e:
+            raise ValueError(f"--{e}") from None
+        check_text_file(FLAGS.gsm8k, "--gsm8k")
     if FLAGS.reconstruct < 0 or FLAGS.beam_size < 1:
         raise ValueError(f"--reconstruct={FLAGS.reconstruct} must be >= 0 and --beam_size={FLAGS.beam_size} >= 1")
     workdir = storage.path(FLAGS.workdir)
@@ -281,6 +372,8 @@ def evaluate() -> None:
     evaluation.check_scorable(objective)
     if FLAGS.reconstruct:
         evaluation.check_evaluator(objective, "reconstruction")
+    if FLAGS.gsm8k:
+        return run_gsm8k(mesh_shape)
     if FLAGS.fewshot:
         return run_fewshot(run_lib.load(FLAGS.workdir, FLAGS.step, mesh_shape=mesh_shape))
     run = run_lib.open_run(FLAGS.workdir, mesh_shape=mesh_shape, seq_len=FLAGS.seq_len)

@@ -49,6 +49,8 @@ def base_config() -> ml_collections.ConfigDict:
     # tokenized once into a store cached under cache_dir (default $LMZOO_CACHE, else ~/.cache/lmzoo).
     c.data.source = "python_stdlib"
     c.data.path = ""
+    # Problems with checkable answers (lmzoo.data.problems): the prompt each row becomes, its fields in braces.
+    c.data.prompt_template = "Question: {question}\nAnswer:"
     c.data.mixture = ()  # store: ((folder, weight), ...) instead of path; rows drawn by weight from (seed, step)
     c.data.cache_dir = ""
     # A store in a bucket (gs://, s3://) is read through a local cache under cache_dir/objects, bounded to this size.

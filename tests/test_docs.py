@@ -21,6 +21,20 @@
      as the other tests that read it are;
    - a module whose `--help` fails on a missing optional dependency (lm-eval: requirements-test.txt) is skipped.
 
+3. docs/RESULTS.md stays a file of tables a user can read (RESULTS RULES):
+   - it holds at most 400 lines (investigations, methods and history go to docs/notes/, one file per topic);
+   - a table is a run of lines starting with `|` whose second line is a delimiter row (`|---|...`); its window is
+     the lines after the nearest heading or table above it, through its own last line. In its window every table has
+     a command: a code line (indented 4 spaces outside a table, or inside a ``` fence) or an inline code span that
+     runs `python`, `python3`, `pytest` or `bash` (the word, e.g. `python bench/x.py`, `venv-trl/bin/python ...`,
+     `PYTHONPATH=... python3 ...`); a date (YYYY-MM-DD); and a machine: "AMD EPYC" (the 2-core CPU machine RESULTS'
+     header describes) or "H100" / "H200" (a device row);
+   - every relative link or image in RESULTS.md and in docs/notes/*.md resolves: its file or folder exists, and its
+     `#anchor` is a heading of that markdown file under GitHub's rule (lower-cased, punctuation but `-` and `_` dropped,
+     spaces to `-`, `-1`, `-2`, ... for repeats); and so does every link into RESULTS.md#ANCHOR from README.md,
+     docs/*.md and docs/notes/*.md (headings other docs link to keep their names).
+   The commands of docs/notes/*.md are checked as those of docs/*.md (2.).
+
 And eval.py's reading of escapes in --generate (with --prompt_file on a trained run in
 tests/evaluation/test_eval_cli.py).
 """
@@ -45,7 +59,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 CONFIGS_MD = ROOT / "docs" / "configs.md"
 EVALUATE_MD = ROOT / "docs" / "evaluate.md"
-DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "notes").glob("*.md"))]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
@@ -362,21 +376,55 @@ def test_generate_reads_escapes():
     assert EVAL.read_escapes("no escapes") == "no escapes"
 
 
+def _loop_values(tree: ast.AST) -> dict[str, list[str]]:
+    """name -> the strings a `for name in ("a", "b"):` loop of the module gives it."""
+    values: dict[str, list[str]] = {}
+    for loop in ast.walk(tree):
+        if (
+            isinstance(loop, ast.For)
+            and isinstance(loop.target, ast.Name)
+            and isinstance(loop.iter, ast.Tuple | ast.List)
+        ):
+            items = [e.value for e in loop.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            if len(items) == len(loop.iter.elts):
+                values.setdefault(loop.target.id, []).extend(items)
+    return values
+
+
+def _strings(node: ast.AST, loops: dict[str, list[str]]) -> list[str]:
+    """The strings a flag name's expression can be: a constant, or an f-string of constants and loop variables
+    (`f"--{side}_env"` in `for side in ("a", "b")`); none for anything else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if not isinstance(node, ast.JoinedStr):
+        return []
+    names = [""]
+    for part in node.values:
+        if isinstance(part, ast.Constant):
+            names = [n + part.value for n in names]
+        elif isinstance(part, ast.FormattedValue) and isinstance(part.value, ast.Name) and part.value.id in loops:
+            names = [n + v for n in names for v in loops[part.value.id]]
+        else:
+            return []
+    return names
+
+
 def _defined_flags(script: pathlib.Path) -> set[str]:
     """The --flags a script defines, read from its source and bench/common.py's (the parsers benchmarks share):
-    argparse's `add_argument("--name", ...)` and absl's `DEFINE_*("name", ...)`."""
+    argparse's `add_argument("--name", ...)` and absl's `DEFINE_*("name", ...)`, the name a constant or an f-string
+    over a loop's constants."""
     flags_found = set()
     for source in (script, ROOT / "bench" / "common.py"):
-        for call in ast.walk(ast.parse(source.read_text())):
+        tree = ast.parse(source.read_text())
+        loops = _loop_values(tree)
+        for call in ast.walk(tree):
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.args):
                 continue
-            first = call.args[0]
-            if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
-                continue
-            if call.func.attr == "add_argument" and first.value.startswith("--"):
-                flags_found.add(first.value)
-            elif call.func.attr.startswith("DEFINE_"):
-                flags_found.add(f"--{first.value}")
+            for name in _strings(call.args[0], loops):
+                if call.func.attr == "add_argument" and name.startswith("--"):
+                    flags_found.add(name)
+                elif call.func.attr.startswith("DEFINE_"):
+                    flags_found.add(f"--{name}")
     return flags_found
 
 
@@ -390,3 +438,189 @@ def test_documented_bench_command_names_its_script_and_flags(where, command):
     used = {w.split("=", 1)[0] for w in [*words[2:], *placeholders] if w.startswith("--")}
     missing = used - _defined_flags(script)
     assert not missing, f"{where}: {words[1]} has no flag {sorted(missing)}"
+
+
+# --- 3. docs/RESULTS.md: tables with their command, machine and date; links that resolve ---------------------------
+
+RESULTS = ROOT / "docs" / "RESULTS.md"
+NOTES = sorted((ROOT / "docs" / "notes").glob("*.md"))
+RESULTS_MAX_LINES = 400
+TABLE_DELIMITER = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$")
+COMMAND = re.compile(r"(?<![\w.-])(?:python3?|pytest|bash)(?![\w.-])")
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+MACHINE = re.compile(r"AMD\s+EPYC|\bH100\b|\bH200\b")
+
+
+def _code_lines(lines: list[str]) -> set[int]:
+    """Indices of code lines: inside a ``` fence, or indented 4 spaces (not a table row)."""
+    code, fenced = set(), False
+    for index, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            code.add(index)
+        elif fenced or (line.startswith("    ") and line.strip()):
+            code.add(index)
+    return code
+
+
+def _results_tables(lines: list[str]) -> list[tuple[int, int, int]]:
+    """(window start, table start, table end) of each table of RESULTS, as RESULTS RULES define them (0-based, end
+    inclusive)."""
+    code, tables, boundary, index = _code_lines(lines), [], 0, 0
+    while index < len(lines):
+        line = lines[index]
+        if index not in code and line.startswith("#"):
+            boundary = index + 1
+        elif (
+            index not in code
+            and line.startswith("|")
+            and index + 1 < len(lines)
+            and TABLE_DELIMITER.match(lines[index + 1].strip())
+        ):
+            end = index + 1
+            while end + 1 < len(lines) and lines[end + 1].startswith("|"):
+                end += 1
+            tables.append((boundary, index, end))
+            boundary, index = end + 1, end
+        index += 1
+    return tables
+
+
+def _has_command(lines: list[str], code: set[int], start: int, end: int) -> bool:
+    for index in range(start, end + 1):
+        if index in code and not lines[index].lstrip().startswith("```") and COMMAND.search(lines[index]):
+            return True
+    spans = re.findall(r"`([^`]+)`", "\n".join(lines[start : end + 1]))
+    return any(COMMAND.search(span) for span in spans)
+
+
+def test_results_md_is_at_most_400_lines():
+    count = len(_text(RESULTS).splitlines())
+    assert count <= RESULTS_MAX_LINES, (
+        f"docs/RESULTS.md has {count} lines (at most {RESULTS_MAX_LINES}): move investigations, methods and earlier "
+        "runs into docs/notes/ (one file per topic, linked from the table), keep the tables"
+    )
+
+
+def test_each_results_table_has_its_command_machine_and_date():
+    lines = _text(RESULTS).splitlines()
+    code, tables, problems = _code_lines(lines), _results_tables(lines), []
+    assert len(tables) >= 25, f"docs/RESULTS.md: only {len(tables)} tables found; is the table rule still right?"
+    for start, first, end in tables:
+        window = "\n".join(lines[start : end + 1])
+        missing = [
+            what
+            for what, ok in (
+                ("a command (python/pytest/bash in a code line or span)", _has_command(lines, code, start, end)),
+                ("a date (YYYY-MM-DD)", DATE.search(window)),
+                ("a machine (AMD EPYC, H100 or H200)", MACHINE.search(window)),
+            )
+            if not ok
+        ]
+        if missing:
+            problems.append(f"RESULTS.md:{first + 1} ({lines[first][:60]}...): no {', no '.join(missing)}")
+    assert not problems, "tables of docs/RESULTS.md lack, above them or in them:\n" + "\n".join(problems)
+
+
+def test_results_table_rule_on_an_example():
+    """The window of a table ends at the table above it: a command above that table does not count for the next."""
+    lines = [
+        "## A",
+        "    python train.py   # AMD EPYC, 2026-11-27",
+        "",
+        "| a | b |",
+        "|---|---|",
+        "| 1 | 2 |",
+        "",
+        "AMD EPYC, 2026-11-27, no command.",
+        "",
+        "| c | d |",
+        "| --- | :-: |",
+        "| 3 | `python bench/x.py` on the H200 |",
+    ]
+    tables = _results_tables(lines)
+    assert tables == [(1, 3, 5), (6, 9, 11)]
+    code = _code_lines(lines)
+    assert _has_command(lines, code, *tables[0][::2]) and _has_command(lines, code, *tables[1][::2])
+    assert not _has_command(lines[:9] + ["| c |", "|---|", "| 3 |"], code, 6, 11)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading's text."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@functools.cache
+def _anchors(path: pathlib.Path) -> frozenset[str]:
+    lines = _text(path).splitlines()
+    code, seen, anchors = _code_lines(lines), {}, set()
+    for index, line in enumerate(lines):
+        heading = re.match(r"#{1,6} (.*)", line)
+        if heading and index not in code:
+            slug = _slug(heading.group(1))
+            anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return frozenset(anchors)
+
+
+def _links(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, target) of each markdown link and image of `path` outside code, that is not a URL."""
+    lines = _text(path).splitlines()
+    code, found = _code_lines(lines), []
+    for index, line in enumerate(lines):
+        if index in code:
+            continue
+        for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line)):
+            if not re.match(r"[a-z]+:", target):
+                found.append((index + 1, target))
+    return found
+
+
+def _unresolved(path: pathlib.Path, target: str) -> str | None:
+    """Why `target`, a link of the file at `path`, does not resolve; None when it does."""
+    file_part, _, anchor = target.partition("#")
+    linked = (path.parent / file_part).resolve() if file_part else path
+    if not linked.exists():
+        return f"no {linked.relative_to(ROOT) if linked.is_relative_to(ROOT) else linked}"
+    if anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+        return f"no heading #{anchor} in {linked.relative_to(ROOT)}"
+    return None
+
+
+@pytest.mark.parametrize("path", [RESULTS, *NOTES], ids=lambda p: p.name)
+def test_results_and_notes_links_resolve(path):
+    broken = [
+        f"{path.name}:{line} ({target}): {why}" for line, target in _links(path) if (why := _unresolved(path, target))
+    ]
+    assert not broken, "links that do not resolve:\n" + "\n".join(broken)
+
+
+def test_results_md_links_into_docs_notes():
+    """RESULTS points into docs/notes/ (the investigations moved there), and each such link is to a file."""
+    into_notes = [t for _, t in _links(RESULTS) if t.startswith("notes/") and t.partition("#")[0] != "notes/"]
+    assert len(into_notes) >= 10, f"docs/RESULTS.md links into docs/notes/ only {len(into_notes)} times"
+    assert all((RESULTS.parent / t.partition("#")[0]).is_file() for t in into_notes)
+
+
+@pytest.mark.parametrize("path", [README, *sorted((ROOT / "docs").glob("*.md")), *NOTES], ids=lambda p: p.name)
+def test_links_into_results_md_resolve(path):
+    broken = [
+        f"{path.name}:{line} ({target}): {why}"
+        for line, target in _links(path)
+        if target.partition("#")[0].endswith("RESULTS.md") and (why := _unresolved(path, target))
+    ]
+    assert not broken, "links into docs/RESULTS.md that do not resolve:\n" + "\n".join(broken)
+
+
+def test_slugs_follow_github():
+    assert _slug("Object storage: stores, checkpoints and start-up in a bucket (`bench/storage_bench.py`)") == (
+        "object-storage-stores-checkpoints-and-start-up-in-a-bucket-benchstorage_benchpy"
+    )
+    assert _slug("Alignment: SFT -> reward model -> PPO on HH-RLHF") == "alignment-sft---reward-model---ppo-on-hh-rlhf"
+
+
+def test_defined_flags_reads_flags_made_in_a_loop():
+    """bench/step_ab.py defines --a, --b, --a_env, ... as f-strings in `for side in ("a", "b")`."""
+    assert {"--a", "--b", "--a_env", "--b_env", "--a_tree", "--b_tree", "--rounds"} <= _defined_flags(
+        ROOT / "bench" / "step_ab.py"
+    )

@@ -64,7 +64,7 @@ from lmzoo import config as config_lib
 from lmzoo import evaluation, models, objectives
 from lmzoo.cli import export as export_cli
 from lmzoo.convert import export
-from lmzoo.data import readers
+from lmzoo.data import problems, readers
 from lmzoo.models import kinds
 from lmzoo.objectives import ppo
 from lmzoo.train import loop
@@ -268,7 +268,8 @@ class Runs:
         if config.data.source == "store" and not config.data.path:
             config.data.path = self._store(case)
         path = config.data.get("path")
-        if path and not pathlib.Path(path).is_absolute() and not (ROOT / path).exists():
+        generated = path and path.startswith(problems.SYNTHETIC)  # made in memory (lmzoo.data.problems)
+        if path and not generated and not pathlib.Path(path).is_absolute() and not (ROOT / path).exists():
             config.data.path = self._scripted(case, path)
         return config
 

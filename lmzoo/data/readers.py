@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 
 from lmzoo import storage, tokenizers
-from lmzoo.data import chat, comparisons, prepare, sources, store, transforms
+from lmzoo.data import chat, comparisons, prepare, problems, sources, store, transforms
 
 Config = ml_collections.ConfigDict
 
@@ -215,6 +215,8 @@ COMPARISONS = Reader(
 
 
 def _conversation_file(config: Config, path: str) -> list:
+    if problems.is_problem_file(path):
+        return problems.read_problems(path, config.data.prompt_template)
     return chat.read_conversations(path) if chat.is_chat_file(path) else comparisons.read_comparisons(path)
 
 
@@ -229,13 +231,16 @@ def _conversation_splits(config: Config) -> dict[str, list]:
     return comparisons.read_splits(config.data.path, o.heldout_fraction, o.split_seed, read=read)
 
 
-# COMPARISONS, or chat rows (`lmzoo.data.chat`: `messages` conversations and conversational preference pairs, read
-# from .jsonl(.gz) or parquet) when config.data.path holds them, split alike by a hash of the prompt.
-CONVERSATIONS = Reader(
-    splits=_conversation_splits,
-    file=_conversation_file,
-    texts=lambda raw: chat.texts(raw) if chat.holds_conversations(raw) else COMPARISONS.texts(raw),
-)
+def _conversation_texts(raw: list) -> list[str]:
+    if problems.holds_problems(raw):
+        return [p.prompt + " " + problems.solution(p.fields) for p in raw]
+    return chat.texts(raw) if chat.holds_conversations(raw) else COMPARISONS.texts(raw)
+
+
+# COMPARISONS, chat rows (`lmzoo.data.chat`: `messages` conversations and conversational preference pairs, read
+# from .jsonl(.gz) or parquet) or problems with checkable answers (`lmzoo.data.problems`: GSM8K rows, synthetic
+# tasks) when config.data.path holds them, split alike by a hash of the prompt.
+CONVERSATIONS = Reader(splits=_conversation_splits, file=_conversation_file, texts=_conversation_texts)
 
 
 def _text_pairs(config: Config, path: str) -> list[tuple[str, str]]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from lmzoo import lora, models, tokenizers, weights
 from lmzoo.convert import hf
-from lmzoo.data import chat, comparisons, pipeline, readers
+from lmzoo.data import chat, comparisons, pipeline, problems, readers
 from lmzoo.data.loaders import Shard
 from lmzoo.trainers import optim, supervised
 from lmzoo.trainers.state import Task
@@ -326,11 +326,13 @@ def fixed_tokenizer(config) -> tokenizers.Tokenizer:
 
 
 def demonstration_rows(config, tokenizer, raw, where: str) -> dict[str, np.ndarray]:
-    """Packed rows [M, data.seq_len] of prompt -> chosen reply, weighted on the reply: HH-RLHF comparisons, or chat
-    rows rendered through the run's chat template (weighted on assistant turns). SFT's examples, PPO-ptx's
-    demonstrations."""
+    """Packed rows [M, data.seq_len] of prompt -> chosen reply, weighted on the reply: HH-RLHF comparisons, chat
+    rows rendered through the run's chat template (weighted on assistant turns), or problems -> their worked
+    solutions (GSM8K). SFT's examples, PPO-ptx's demonstrations."""
     seq_len, vocab_size = config.data.seq_len, config.model.vocab_size
-    if chat.holds_conversations(raw):
+    if problems.holds_problems(raw):
+        raw = [comparisons.Comparison(p.prompt, " " + problems.solution(p.fields), "") for p in raw]
+    elif chat.holds_conversations(raw):
         template = chat.template_for(config, hf.resolve_folder)
         return chat.sft_rows(raw, template, tokenizer, seq_len=seq_len, vocab_size=vocab_size, where=where)
     return comparisons.sft_rows(raw, tokenizer, seq_len=seq_len, vocab_size=vocab_size, where=where)

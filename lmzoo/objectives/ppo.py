@@ -11,6 +11,7 @@ every start, never checkpointed; the trainer's setup then normalises the reward 
 and PPO-ptx demonstrations) is the step, so a resumed run continues exactly.
 """
 
+import atexit
 import dataclasses
 
 import jax
@@ -18,13 +19,13 @@ import numpy as np
 
 from lmzoo import models, weights
 from lmzoo.convert import hf
-from lmzoo.data import chat, comparisons, pipeline, readers, transforms
+from lmzoo.data import chat, comparisons, pipeline, problems, readers, transforms
 from lmzoo.data.loaders import PromptsAndDemonstrations
 from lmzoo.models import heads
 from lmzoo.objectives import base, tasks
-from lmzoo.rl import policy_gradient, reward
+from lmzoo.rl import policy_gradient, reward, rewards
 from lmzoo.trainers import optim
-from lmzoo.trainers.rl import PTX_PREFIX, PPOTrainer, RLSettings
+from lmzoo.trainers.rl import PROBLEM_KEYS, PTX_PREFIX, PPOTrainer, RLSettings
 
 ALGORITHMS = ("ppo", "reinforce", "rloo", "grpo")
 VALUE_MODELS = ("head", "reward", "sft")
@@ -62,6 +63,19 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
         before the reply), the template prompts are rendered with, its generation prompt added: a
         tokenizer_config.json, a chat_template.jinja or the folder holding one; "" reads the one beside the run's
         tokenizer.json, as sft's does.
+    rewards: reward functions scoring each reply beside (or instead of) the reward model, comma-separated: built-ins
+        ("gsm8k": the final number equals the row's answer; "format": <think>…</think><answer>…</answer>; "length")
+        or the user's "module:function" (`lmzoo.rl.rewards`); they read the rows of a problems file
+        (`lmzoo.data.problems`: GSM8K's jsonl, "synthetic:addition"). reward_weights: their weights,
+        comma-separated ("" = all 1). reward_timeout: seconds one call may take (then it scores 0, counted);
+        reward_workers: processes they run in.
+    GRPO and its successors (algorithm "grpo"): scale_rewards (False: Dr. GRPO's advantages without the group's
+        std), loss_aggregation ("token": DAPO's token mean over the minibatch; "sequence": GRPO's mean of each
+        reply's token mean; "constant": Dr. GRPO's sum over B x response_len), clip_eps_high (DAPO's clip-higher
+        upper bound, 0 = clip_eps), ratio_level ("sequence": GSPO's length-normalised sequence ratio), kl_loss
+        ("off" | "k1" | "k3": the KL term of the loss), dynamic_sampling (DAPO: groups whose rewards are all equal
+        are dropped from the loss), overlong_cache (DAPO's soft overlong punishment over the last overlong_cache
+        tokens before response_len, times overlong_coef; 0 = off).
     """
 
     sft: str = ""
@@ -70,6 +84,10 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
     value_model: str = "head"
     ptx_batch_size: int = 8
     chat_template: str = ""
+    rewards: str = ""
+    reward_weights: str = ""
+    reward_timeout: float = 10.0
+    reward_workers: int = 2
 
     def __post_init__(self):
         super().__post_init__()
@@ -88,6 +106,20 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
             problems.append(f"value_model={self.value_model!r}: choose one of {VALUE_MODELS}")
         if self.ptx_coef < 0:
             problems.append(f"ptx_coef={self.ptx_coef}: must be >= 0 (0 = no pretraining mix)")
+        if self.loss_aggregation not in policy_gradient.AGGREGATIONS:
+            problems.append(f"loss_aggregation={self.loss_aggregation!r}: choose one of {policy_gradient.AGGREGATIONS}")
+        if self.ratio_level not in policy_gradient.RATIO_LEVELS:
+            problems.append(f"ratio_level={self.ratio_level!r}: choose one of {policy_gradient.RATIO_LEVELS}")
+        if self.kl_loss not in policy_gradient.GRPO_KL_ESTIMATORS:
+            problems.append(f"kl_loss={self.kl_loss!r}: choose one of {policy_gradient.GRPO_KL_ESTIMATORS}")
+        if self.clip_eps_high and self.clip_eps_high < self.clip_eps:
+            problems.append(f"clip_eps_high={self.clip_eps_high}: must be >= clip_eps={self.clip_eps} (0 = clip_eps)")
+        if self.overlong_cache < 0 or self.overlong_cache > self.response_len:
+            problems.append(f"overlong_cache={self.overlong_cache}: must lie in [0, response_len={self.response_len}]")
+        if self.reward_timeout <= 0 or self.reward_workers < 1:
+            problems.append(
+                f"reward_timeout={self.reward_timeout}, reward_workers={self.reward_workers}: must be > 0 and >= 1"
+            )
         if self.kl_estimator not in policy_gradient.KL_ESTIMATORS:
             problems.append(f"kl_estimator={self.kl_estimator!r}: choose one of {policy_gradient.KL_ESTIMATORS}")
         counts = ("prompt_len", "response_len", "samples_per_prompt", "epochs", "minibatches", "normalize_samples")
@@ -110,8 +142,55 @@ def _as_batch(rows, ids, epochs):
     return dict(rows)
 
 
+class VerifiableRewards:
+    """The reward functions of a run, called on the host between generation and scoring (`PPOTrainer.host_rewards`):
+    each sampled reply decoded and scored against the row of its problem by a `rewards.RewardPool`, started on first
+    use and stopped when the process exits."""
+
+    def __init__(self, objective: "PPO", tokenizer, functions: dict, weights: list[float]):
+        self.objective, self.tokenizer, self.functions, self.weights = objective, tokenizer, functions, weights
+        self._pool: rewards.RewardPool | None = None
+
+    def check_fields(self, rows: list) -> None:
+        """Refuses rows that lack a field a function reads, before anything is generated."""
+        fields = set(rows[0].fields)
+        for name, fn in self.functions.items():
+            missing = rewards.missing_fields(fn, fields)
+            if missing:
+                raise ValueError(
+                    f"reward function {name!r} reads field(s) {missing} that the problems' rows lack (they have "
+                    f"{sorted(fields)}); add them to the data or choose another function"
+                )
+
+    def __call__(self, responses, mask, split, ids) -> tuple[np.ndarray, np.ndarray]:
+        """responses, mask [B, T]; split, ids [B] -> (each function's rewards [F, B], failures per function [F])."""
+        if self._pool is None:
+            o = self.objective.fields
+            self._pool = rewards.RewardPool(
+                self.functions, self.weights, timeout_s=o.reward_timeout, workers=o.reward_workers
+            )
+            atexit.register(self._pool.close)
+        eos = self.tokenizer.eos_id
+        completions = [
+            self.tokenizer.decode([int(t) for t, m in zip(row, row_mask, strict=True) if m > 0 and t != eos])
+            for row, row_mask in zip(np.asarray(responses), np.asarray(mask), strict=True)
+        ]
+        problems_ = [
+            self.objective._tables[int(s)][int(i)] for s, i in zip(np.asarray(split), np.asarray(ids), strict=True)
+        ]
+        scores = self._pool.score([p.prompt for p in problems_], completions, [p.fields for p in problems_])
+        failures = np.asarray([scores.failures.get(name, 0) for name in scores.names], np.float32)
+        return scores.per_function.astype(np.float32), failures
+
+
 class PPO(base.Objective):
     """RLHF against a frozen reward model from the SFT policy (see the module docstring)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._problem_tables: dict[int, int] = {}  # id of a split's rows -> its index in `_tables`
+        self._tables: dict[int, list] = {}  # "problem_split" -> that split's problems
+        self._verifiable: VerifiableRewards | None = None
 
     name = "ppo"
     lora_base = "reference"  # with LoRA the policy is the frozen SFT reference plus adapters: held once
@@ -133,8 +212,21 @@ class PPO(base.Objective):
                 f"adapters and a value head; a separate value network (config.objective.value_model="
                 f"{o.value_model!r}) has no frozen base of its own: set --config.objective.value_model=head"
             )
+        if o.value_model == "reward" and not o.reward_model:
+            raise ValueError(
+                "config.objective.value_model='reward' starts the value network from the reward model: set "
+                "config.objective.reward_model, or value_model='head'"
+            )
+        if not o.rewards and not o.reward_model:
+            raise ValueError(
+                "config.objective: score replies with a reward model (reward_model='ckpt:WORKDIR'), reward functions "
+                "(rewards='gsm8k', or 'module:function'), or both"
+            )
+        if o.rewards:
+            rewards.resolve_all(o.rewards, o.reward_weights)  # an unknown name or module:function, before any work
+        # Without an SFT run the policy starts from its own initialisation, which is then the reference.
         for field in ("sft", "reward_model"):
-            if not getattr(o, field).startswith("ckpt:"):
+            if getattr(o, field) and not getattr(o, field).startswith("ckpt:"):
                 raise ValueError(
                     f"config.objective.{field}={getattr(o, field)!r}: set it to 'ckpt:WORKDIR' of the {field} run"
                 )
@@ -184,10 +276,15 @@ class PPO(base.Objective):
                 "PPO stops responses at <eos>: config.data.tokenizer needs an <eos> id distinct from <pad> (e.g. kind='byte')"
             )
         tx, schedule = optim.make_optimizer(self.config.optim)
-        reward_model = reward.reward_model(
-            models.build_model(self.config.model_name, self.config.model.to_dict()), self.config.model.emb_dim
-        )
         o = self.fields
+        reward_model = None
+        if o.reward_model:
+            backbone = models.build_model(self.config.model_name, self.config.model.to_dict())
+            reward_model = reward.reward_model(backbone, self.config.model.emb_dim)
+        functions = {}
+        if o.rewards:
+            functions, weights = rewards.resolve_all(o.rewards, o.reward_weights)
+            self._verifiable = VerifiableRewards(self, tokenizer, functions, weights)
         ptx_loss = tasks.causal_lm_task(model.decoder).loss if o.ptx_coef > 0 else None
         return PPOTrainer(
             policy=model,
@@ -201,6 +298,9 @@ class PPO(base.Objective):
             ptx_loss=ptx_loss,
             vocab_size=tokenizer.vocab_size,
             lora_config=self.lora_config(),
+            host_rewards=self._verifiable if functions else None,
+            reward_names=tuple(functions),
+            reward_weights=tuple(weights) if functions else (),
         )
 
     def step_summary(self):
@@ -215,6 +315,8 @@ class PPO(base.Objective):
         shape = (batch_size, self.fields.prompt_len)
         shapes = {"prompts": base.int_inputs(shape), "prompt_mask": base.int_inputs(shape)}
         o = self.fields
+        if o.rewards:
+            shapes.update({key: base.int_inputs((batch_size,)) for key in PROBLEM_KEYS})
         if o.ptx_coef > 0:
             rows = (o.ptx_batch_size, self.config.data.seq_len)
             for key in ("inputs", "targets", "segment_ids", "positions"):
@@ -223,10 +325,15 @@ class PPO(base.Objective):
         return shapes
 
     def _prompts(self, raw, where):
-        """Left-padded prompt ids [N, prompt_len] of the split's distinct prompts: HH-RLHF's text, or chat rows'
-        prompt messages rendered through the chat template with its generation prompt (what trl's GRPO samples from)."""
+        """Left-padded prompt ids [N, prompt_len] of the split's distinct prompts: HH-RLHF's text, chat rows' prompt
+        messages rendered through the chat template with its generation prompt (what trl's GRPO samples from), or
+        problems' prompts, each with which split and row it is ("problem_split", "problem_ids" [N]: what the reward
+        functions read)."""
         tokenizer = base.fixed_tokenizer(self.config)
-        if chat.holds_conversations(raw):
+        rows = None
+        if problems.holds_problems(raw):
+            prompts, rows = [p.prompt for p in raw], raw
+        elif chat.holds_conversations(raw):
             template = chat.template_for(self.config, hf.resolve_folder)
             texts = [template.render(c.prompt, where=c.where, add_generation_prompt=True)[0] for c in raw]
             prompts = list(dict.fromkeys(texts))
@@ -236,6 +343,18 @@ class PPO(base.Objective):
             prompts, tokenizer.encode, prompt_len=self.fields.prompt_len, pad_id=tokenizer.pad_id
         )
         transforms.check_token_ids(arrays["prompts"], self.config.model.vocab_size, where=where)
+        if self.fields.rewards:
+            if rows is None:
+                raise ValueError(
+                    f"config.objective.rewards={self.fields.rewards!r} score replies against their problems' rows: "
+                    f"config.data.path must hold problems (GSM8K-style jsonl rows with 'question' and 'answer', or "
+                    f"'synthetic:addition'), the {where} holds comparisons or conversations"
+                )
+            split = self._problem_tables.setdefault(id(rows), len(self._problem_tables))
+            self._tables[split] = rows
+            self._verifiable.check_fields(rows)
+            arrays["problem_split"] = np.full(len(rows), split, np.int32)
+            arrays["problem_ids"] = np.arange(len(rows), dtype=np.int32)
         return arrays
 
     def train_loader(self, tokenizer, raw, shard):
@@ -282,14 +401,20 @@ class PPO(base.Objective):
                     f"backbone config is needed): its parameter shapes {found} vs {expected}"
                 )
 
-        return {
-            "reference": base.Role(o.sft, cfg.model_name, cfg.model.to_dict()),
-            "reward": base.Role(o.reward_model, cfg.model_name, cfg.model.to_dict(), read="run", check=check_reward),
-        }
+        roles = {}
+        if o.sft:
+            roles["reference"] = base.Role(o.sft, cfg.model_name, cfg.model.to_dict())
+        if o.reward_model:
+            roles["reward"] = base.Role(
+                o.reward_model, cfg.model_name, cfg.model.to_dict(), read="run", check=check_reward
+            )
+        return roles
 
     def setup_batch(self):
         """The first `normalize_samples` distinct training prompts, whose SFT samples fix the reward normalisation
-        (`PPOTrainer.setup`)."""
+        (`PPOTrainer.setup`); None without a reward model."""
+        if not self.fields.reward_model:
+            return None
         prompts = self._prompts(self.read()["train"], "train split")
         return {k: v[: self.fields.normalize_samples] for k, v in prompts.items()}
 

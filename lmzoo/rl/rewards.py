@@ -349,6 +349,12 @@ class _Function:
         return given if self.takes is None else {k: v for k, v in given.items() if k in self.takes}
 
 
+def missing_fields(fn: RewardFunction, fields: Iterable[str]) -> list[str]:
+    """The row fields `fn` requires (named in its signature without a default) that `fields` lacks."""
+    spec = _Function.of(reward_name(fn), fn)
+    return sorted(spec.requires - set(spec.texts) - set(fields))
+
+
 @dataclasses.dataclass
 class _Job:
     """Calls of one function on some samples of the batch, as one worker runs them in order."""

@@ -324,9 +324,9 @@ def load_frozen(run: Run) -> Any:
     adapted = run.objective.lora_config()
     if adapted is not None:
         frozen[run.objective.lora_base] = lora.freeze(frozen[run.objective.lora_base], adapted)
-    setup = getattr(run.compiled.trainer, "setup", None)
-    if setup is not None:
-        frozen = setup(frozen, run.objective.setup_batch())
+    setup, batch = getattr(run.compiled.trainer, "setup", None), run.objective.setup_batch()
+    if setup is not None and batch is not None:
+        frozen = setup(frozen, batch)
     return jax.device_put(frozen, run.compiled.state_shardings.frozen)
 
 

@@ -28,6 +28,7 @@ from lmzoo.trainers import base
 from lmzoo.trainers.state import LossFn, Metrics
 
 PTX_PREFIX = "ptx_"  # batch keys of the PPO-ptx demonstrations
+PROBLEM_KEYS = ("problem_split", "problem_ids")  # which row of which split a prompt is: what reward functions read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,17 @@ class RLSettings:
     missing_eos_penalty: float = 1.0
     whiten_rewards: bool = False
     ptx_coef: float = 0.0
+    # GRPO and its successors (`policy_gradient.grpo_loss`): Dr. GRPO (scale_rewards=False, loss_aggregation=
+    # "constant"), DAPO (clip_eps_high, loss_aggregation="token", dynamic_sampling, overlong_cache), GSPO
+    # (ratio_level="sequence", loss_aggregation="sequence"), the KL term of the loss (kl_loss "off" | "k1" | "k3").
+    scale_rewards: bool = True
+    loss_aggregation: str = "token"
+    clip_eps_high: float = 0.0
+    ratio_level: str = "token"
+    kl_loss: str = "k3"
+    dynamic_sampling: bool = False
+    overlong_cache: int = 0
+    overlong_coef: float = 1.0
 
 
 @struct.dataclass
@@ -87,7 +99,7 @@ class PPOTrainer:
     benchmark times them apart) and the KL controller; `eval_step` = a rollout on held-out prompts with a fixed key."""
 
     policy: heads.LMWithValueHead | heads.LMWithValueModel
-    reward_model: heads.SequenceClassifier
+    reward_model: heads.SequenceClassifier | None  # None: the reward functions alone score
     settings: RLSettings
     tx: optax.GradientTransformation
     schedule: optax.Schedule
@@ -99,6 +111,12 @@ class PPOTrainer:
     # LoRA: the trained params are adapters over the frozen reference (the policy's start) and the modules its
     # train_in_full selects (the value head); the policy runs on them merged (`policy_params`).
     lora_config: lora.LoraConfig | None = None
+    # Verifiable rewards computed on the host between generation and scoring (the objective's reward functions):
+    # (responses [B, T], mask [B, T], problem_split [B], problem_ids [B]) -> (rewards [F, B], failures [F]), float32;
+    # each function's rewards weighted by `reward_weights` [F] and summed.
+    host_rewards: Any = None
+    reward_names: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] = ()
 
     @property
     def decoder(self):
@@ -111,12 +129,11 @@ class PPOTrainer:
         params = self.policy.init(policy_rng, tokens)["params"]
         if self.lora_config is not None:
             params = lora.init_adapters(jax.random.fold_in(policy_rng, 1), params, self.lora_config)
-        frozen = {
-            "reference": self.decoder.init(reference_rng, tokens)["params"],
-            "reward": self.reward_model.init(reward_rng, tokens, segment_ids=jnp.ones_like(tokens))["params"],
-            "reward_gain": jnp.ones((), jnp.float32),
-            "reward_bias": jnp.zeros((), jnp.float32),
-        }
+        frozen = {"reference": self.decoder.init(reference_rng, tokens)["params"]}
+        if self.reward_model is not None:
+            frozen["reward"] = self.reward_model.init(reward_rng, tokens, segment_ids=jnp.ones_like(tokens))["params"]
+            frozen["reward_gain"] = jnp.ones((), jnp.float32)
+            frozen["reward_bias"] = jnp.zeros((), jnp.float32)
         return PPOState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -170,7 +187,9 @@ class PPOTrainer:
             pad_id=self.pad_id,
             vocab_size=self.vocab_size,
         )
+        problems = {k: jnp.repeat(batch[k], samples_per_prompt, axis=0) for k in PROBLEM_KEYS if k in batch}
         return {
+            **problems,
             "prompts": prompts,
             "prompt_mask": prompt_mask,
             "responses": samples.tokens,
@@ -198,7 +217,8 @@ class PPOTrainer:
         return {**frozen, "reward_gain": np.float32(gain), "reward_bias": np.float32(bias)}
 
     def score(self, params, frozen, kl_coef, samples: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], Metrics]:
-        """Scores `generate`'s samples with the frozen reward model, reads the policy's and the reference's log-probs
+        """Scores `generate`'s samples (`_scores`: the frozen reward model, the reward functions), reads the policy's and
+        the reference's log-probs
         and the values, shapes the rewards and runs GAE -> the fixed targets of the updates (every array [B·K, ...])
         with the rollout metrics."""
         s = self.settings
@@ -208,12 +228,12 @@ class PPOTrainer:
         forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
         logits, values = self.policy.apply({"params": params}, inputs["sequences"], **forward)
         logprobs, entropy = self._logprobs(logits, responses)
-        ref_logits = self.decoder.apply({"params": frozen["reference"]}, inputs["sequences"], **forward)
-        ref_logprobs, _ = self._logprobs(ref_logits, responses)
-        raw_scores = self.reward_model.apply({"params": frozen["reward"]}, inputs["sequences"], **forward)[:, 0]
-        scores = reward.normalize(raw_scores, frozen["reward_gain"], frozen["reward_bias"])
-        if s.missing_eos_penalty > 0:
-            scores = policy_gradient.penalize_missing_eos(scores, has_eos, penalty=s.missing_eos_penalty)
+        if s.algorithm == "grpo" and s.kl_loss == "off":  # no KL anywhere: the reference is never run
+            ref_logprobs = jax.lax.stop_gradient(logprobs)
+        else:
+            ref_logits = self.decoder.apply({"params": frozen["reference"]}, inputs["sequences"], **forward)
+            ref_logprobs, _ = self._logprobs(ref_logits, responses)
+        scores, raw_scores, reward_metrics = self._scores(frozen, inputs, forward, samples, has_eos)
         targets, metrics = policy_gradient.ppo_rollout_targets(
             scores,
             has_eos,
@@ -231,6 +251,7 @@ class PPOTrainer:
         rows = jnp.asarray(scores.shape[0], jnp.float32)
         metrics = {
             **metrics,
+            **reward_metrics,
             "objective/raw_scores": (jnp.sum(raw_scores), rows),
             "objective/entropy": (jnp.sum(-logprobs * mask), rows),
             "policy/rollout_entropy": policy_gradient.masked_stats(entropy, mask),
@@ -245,7 +266,48 @@ class PPOTrainer:
         }
         if s.algorithm == "grpo":
             rollout["ref_logprobs"] = ref_logprobs
+            if s.dynamic_sampling:
+                informative = policy_gradient.informative_groups(sequence_returns.reshape(-1, s.samples_per_prompt))
+                groups = jnp.asarray(informative.shape[0], jnp.float32)
+                metrics["objective/informative_groups"] = (jnp.sum(informative.astype(jnp.float32)), groups)
         return jax.tree.map(jax.lax.stop_gradient, rollout), metrics
+
+    def _scores(self, frozen, inputs, forward, samples, has_eos) -> tuple[jax.Array, jax.Array, Metrics]:
+        """(scores [B], raw scores [B], metrics): the reward model's score normalised (`setup`), plus each reward
+        function's weighted reward (on the host, through a callback), the missing-EOS penalty and DAPO's overlong
+        shaping."""
+        s = self.settings
+        rows = jnp.asarray(samples["responses"].shape[0], jnp.float32)
+        raw_scores = scores = jnp.zeros(samples["responses"].shape[0], jnp.float32)
+        metrics = {}
+        if self.reward_model is not None:
+            raw_scores = self.reward_model.apply({"params": frozen["reward"]}, inputs["sequences"], **forward)[:, 0]
+            scores = reward.normalize(raw_scores, frozen["reward_gain"], frozen["reward_bias"])
+        if self.host_rewards is not None:
+            count, batch = len(self.reward_names), samples["responses"].shape[0]
+            shapes = (jax.ShapeDtypeStruct((count, batch), jnp.float32), jax.ShapeDtypeStruct((count,), jnp.float32))
+            per_function, failures = jax.pure_callback(
+                self.host_rewards,
+                shapes,
+                samples["responses"],
+                samples["mask"],
+                samples["problem_split"],
+                samples["problem_ids"],
+            )
+            functions = jnp.asarray(self.reward_weights, jnp.float32) @ per_function
+            raw_scores = raw_scores + functions
+            scores = scores + functions
+            for i, name in enumerate(self.reward_names):
+                metrics[f"rewards/{name}"] = (jnp.sum(per_function[i]), rows)
+                metrics[f"rewards/{name}_failures"] = (failures[i], jnp.ones((), jnp.float32))
+        if s.missing_eos_penalty > 0:
+            scores = policy_gradient.penalize_missing_eos(scores, has_eos, penalty=s.missing_eos_penalty)
+        if s.overlong_cache > 0:
+            lengths = jnp.sum(samples["mask"], axis=1)
+            penalty = policy_gradient.overlong_penalty(lengths, max_len=s.response_len, cache_len=s.overlong_cache)
+            scores = scores + s.overlong_coef * penalty
+            metrics["objective/overlong_penalty"] = (jnp.sum(penalty), rows)
+        return scores, raw_scores, metrics
 
     def rollout(
         self, params, frozen, kl_coef, batch, rng, *, samples_per_prompt: int
@@ -307,8 +369,17 @@ class PPOTrainer:
                 entropy_coef=s.entropy_coef,
             )
         if s.algorithm == "grpo":
-            ref_logprobs = minibatch["ref_logprobs"]
-            return policy_gradient.grpo_loss(logprobs, ref_logprobs, minibatch, clip_eps=s.clip_eps, kl_coef=s.kl_coef)
+            return policy_gradient.grpo_loss(
+                logprobs,
+                None if s.kl_loss == "off" else minibatch["ref_logprobs"],
+                minibatch,
+                clip_eps=s.clip_eps,
+                kl_coef=s.kl_coef,
+                clip_eps_high=s.clip_eps_high or None,
+                aggregation=s.loss_aggregation,
+                ratio_level=s.ratio_level,
+                kl_estimator=s.kl_loss,
+            )
         mask = minibatch["mask"]
         loss, metrics = policy_gradient.reinforce_loss(logprobs, minibatch["sequence_advantages"], mask)
         loss = loss - s.entropy_coef * policy_gradient.masked_mean(entropy, mask)
@@ -335,7 +406,10 @@ class PPOTrainer:
         if s.algorithm != "ppo":
             grouped = rollout["sequence_returns"].reshape(-1, s.samples_per_prompt)
             if s.algorithm == "grpo":
-                advantages = policy_gradient.group_advantages(grouped)
+                advantages = policy_gradient.group_advantages(grouped, scale_by_std=s.scale_rewards)
+                if s.dynamic_sampling:  # DAPO: groups of equal rewards teach nothing and only dilute the token mean
+                    informative = jnp.repeat(policy_gradient.informative_groups(grouped), s.samples_per_prompt)
+                    rollout = {**rollout, "mask": rollout["mask"] * informative[:, None].astype(rollout["mask"].dtype)}
             else:
                 baseline = "mean" if s.algorithm == "reinforce" else "leave_one_out"
                 advantages = policy_gradient.reinforce_advantages(grouped, baseline=baseline)

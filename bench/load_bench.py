@@ -50,7 +50,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from lmzoo import checkpoint, sharding, weights  # noqa: E402
 from lmzoo.convert import llama as llama_convert  # noqa: E402
-from lmzoo.convert import mapping  # noqa: E402
+from lmzoo.convert import mapping, safetensors_reader  # noqa: E402
 from lmzoo.models import build_model, make_config  # noqa: E402
 
 GB = 1e9
@@ -129,7 +129,7 @@ def read_bytes(folder: pathlib.Path) -> dict:
         # As many bytes written into memory not touched before, in the loader's own blocks and copy threads: the
         # simulated devices' buffers are such memory, so no load here can place the parameters faster.
         for first in range(0, total, READ_CHUNK):
-            blocks.append(mapping._fresh_empty((min(READ_CHUNK, total - first),), np.dtype(np.uint8)))
+            blocks.append(mapping.fresh_empty((min(READ_CHUNK, total - first),), np.dtype(np.uint8)))
             mapping._copy_all([(blocks[-1], source[: len(blocks[-1])])])
     else:
         device = jax.devices()[0]
@@ -236,7 +236,7 @@ def run_child(mode: str, folder: pathlib.Path, platform: str = "cpu", cold: bool
 
 
 def largest_tensor_bytes(folder: pathlib.Path) -> int:
-    _, tensors = mapping.read_safetensors_dir(folder)
+    _, tensors = safetensors_reader.read_safetensors_dir(folder)
     return max(int(np.prod(t.shape)) * t.dtype.itemsize for t in tensors.values())
 
 

@@ -4,8 +4,9 @@
 `path(user_path)` turns what the user typed into an `etils.epath.Path`, the path type orbax takes, so the same object
 can go into a checkpoint manager. The functions below read and write through it with the guarantees lmzoo relies on:
 - `write_bytes` / `write_text` replace a file or object whole: a reader sees the old content or the new, never a part
-  (local: a temporary file in the same folder, then `os.replace`; bucket: one upload, which the store makes visible
-  only once it is complete);
+  (local: a temporary file in the same folder, flushed to disk and renamed over it, `replace_local`, which also puts a
+  local file or folder staged elsewhere in place; bucket: one upload, which the store makes visible only once it is
+  complete);
 - `create_if_absent` creates a file or object only where there is none, atomically against every other writer
   (local: `O_CREAT | O_EXCL`; GCS: an upload with the precondition `ifGenerationMatch=0`; S3: a conditional put,
   `If-None-Match: *`) and says whether this call created it: the primitive of a one-writer lock;
@@ -39,7 +40,7 @@ import shutil
 import sys
 import tempfile
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from etils import epath
@@ -216,26 +217,79 @@ def write_bytes(user_path: str | os.PathLike, data: bytes) -> None:
         with _unreachable_named(location):
             _filesystem(location).pipe_file(location, data)
         return
-    folder, name = os.path.split(location)
-    os.makedirs(folder, exist_ok=True)
-    temporary = _temporary_name(location)
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(descriptor, "wb") as file:
+
+    def fill(temporary: str) -> None:
+        with open(temporary, "xb") as file:
             file.write(data)
-            file.flush()
-            # On disk before the name points at it: after a crash the name holds the old content or all of the new.
-            os.fsync(file.fileno())
-        os.replace(temporary, location)
+
+    _write_local(location, fill)
+
+
+def write_text(user_path: str | os.PathLike, text: str) -> None:
+    """`write_bytes` of `text` encoded as UTF-8."""
+    write_bytes(user_path, text.encode("utf-8"))
+
+
+# A folder `replace_local` renamed aside holds this in its name (".NAME.old-PID") until it is deleted; one a crash left
+# behind is the caller's to remove (lmzoo.workdir.remove_leftovers).
+ASIDE_MARK = ".old-"
+
+
+def replace_local(staged: str | os.PathLike, location: str | os.PathLike) -> None:
+    """Puts the complete local file or folder `staged` in place of `location`, on the same file system (beside it, or
+    in a staging folder next to it): `staged` is flushed to disk (a folder with everything in it), renamed to
+    `location`, and the folder's entry flushed too. A reader, or a process that reads after a crash, finds at
+    `location` the old content or all of the new, never part of either.
+
+    rename(2) replaces a file in one step but not a non-empty folder: an old folder at `location` is first renamed aside
+    (".NAME.old-PID", `ASIDE_MARK`) and deleted once the new one is in place, so `location` is always either the old
+    folder or the new one, never a mix."""
+    staged, location = os.fspath(staged), os.path.abspath(location)
+    folder = os.path.dirname(location)
+    aside = None
+    if os.path.isdir(staged):
+        _fsync_tree(staged)
+        if os.path.exists(location):
+            aside = os.path.join(folder, f".{os.path.basename(location)}{ASIDE_MARK}{os.getpid()}")
+            os.replace(location, aside)
+    else:
+        _fsync(staged)
+    os.replace(staged, location)
+    _fsync(folder)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _write_local(location: str, fill: Callable[[str], None]) -> None:
+    """`fill(temporary)` writes a new temporary file beside `location` (".NAME.<12 hex digits>.tmp", which listings
+    leave out), which then replaces it (`replace_local`); local folders are created as needed. The temporary file is
+    removed if anything fails."""
+    os.makedirs(os.path.dirname(location), exist_ok=True)
+    temporary = _temporary_name(location)
+    try:
+        fill(temporary)
+        replace_local(temporary, location)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temporary)
         raise
 
 
-def write_text(user_path: str | os.PathLike, text: str) -> None:
-    """`write_bytes` of `text` encoded as UTF-8."""
-    write_bytes(user_path, text.encode("utf-8"))
+def _fsync(location: str) -> None:
+    """Flushes a local file's content, or a folder's entries, to disk."""
+    descriptor = os.open(location, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_tree(folder: str) -> None:
+    """`_fsync` of every file and folder below `folder`, and of `folder` itself."""
+    for parent, folders, files in os.walk(folder, topdown=False):
+        for name in [*files, *folders]:
+            _fsync(os.path.join(parent, name))
+    _fsync(folder)
 
 
 def create_if_absent(user_path: str | os.PathLike, data: bytes) -> bool:
@@ -388,17 +442,7 @@ def upload(local_file: str | os.PathLike, user_path: str | os.PathLike) -> None:
         with _unreachable_named(location):
             _filesystem(location).put_file(os.fspath(local_file), location)
         return
-    os.makedirs(os.path.dirname(location), exist_ok=True)
-    temporary = _temporary_name(location)
-    try:
-        shutil.copyfile(local_file, temporary)
-        with open(temporary, "rb+") as file:
-            os.fsync(file.fileno())
-        os.replace(temporary, location)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(temporary)
-        raise
+    _write_local(location, lambda temporary: shutil.copyfile(local_file, temporary))
 
 
 def read_ranges(user_path: str | os.PathLike, ranges: list[tuple[int, int]]) -> list[bytes]:

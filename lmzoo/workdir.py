@@ -30,7 +30,7 @@ heartbeat. The lease rule:
 `StagedRunState` collects the files and folders a run writes at start (config.json, data.json, tokenizer/) before
 they are checked, and `commit()` puts them into the workdir only after validation succeeded, so a failed start
 leaves the workdir as it was. In a local workdir they are staged in a folder inside it and moved into place by
-renames (a folder replaced whole). A bucket has no rename: they are staged in a local temporary folder, and
+renames (`storage.replace_local`: flushed to disk first, a folder replaced whole). A bucket has no rename: they are staged in a local temporary folder, and
 `commit()` writes each file as one whole object (visible only when complete), the tokenizer's files first and
 config.json last. A kill between two objects leaves a mix the next start handles: a tokenizer is written only by
 a start that finds no checkpoint, and is read back only with checkpoints, which come after the commit, so a start
@@ -72,36 +72,6 @@ class WorkdirLockedError(RuntimeError):
 
 class LeaseLostError(WorkdirLockedError):
     """A bucket workdir's lock was lost while the run held it: the run must write nothing more there."""
-
-
-def _fsync_path(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: pathlib.Path) -> None:
-    for path in sorted(root.rglob("*")):
-        _fsync_path(path)
-    _fsync_path(root)
-
-
-def replace_directory(staged: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Moves the complete folder `staged` to `target`, replacing any folder there.
-
-    rename(2) cannot replace a non-empty folder, so an old `target` is first renamed aside and removed
-    after the new one is in place: `target` is always either the old or the new folder, never a mix.
-    """
-    staged, target = pathlib.Path(staged), pathlib.Path(target)
-    _fsync_tree(staged)
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    if target.exists():
-        os.replace(target, old)
-    os.replace(staged, target)
-    _fsync_path(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,13 +378,7 @@ class StagedRunState:
             self._write_objects(names)
         else:
             for name in names:
-                staged, target = self.root / name, pathlib.Path(self.workdir) / name
-                if staged.is_dir():
-                    replace_directory(staged, target)
-                else:
-                    _fsync_path(staged)
-                    os.replace(staged, target)
-            _fsync_path(pathlib.Path(self.workdir))
+                storage.replace_local(self.root / name, pathlib.Path(self.workdir) / name)
         self.discard()
         return names
 
@@ -455,7 +419,7 @@ def remove_leftovers(workdir: str | os.PathLike) -> list[str]:
     if storage.is_remote(workdir):
         return removed
     root = pathlib.Path(workdir)
-    leftovers = [p for p in root.glob(".*") if p.name.startswith(STAGING_PREFIX) or ".old-" in p.name]
+    leftovers = [p for p in root.glob(".*") if p.name.startswith(STAGING_PREFIX) or storage.ASIDE_MARK in p.name]
     for p in leftovers:
         if p.is_dir():
             shutil.rmtree(p)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from lmzoo import decoding, models, testing, tokenizers
-from lmzoo.convert import mapping
+from lmzoo.convert import safetensors_reader
 from lmzoo.models import lstm, vae_lm
 from lmzoo.train import loop
 
@@ -317,10 +317,10 @@ def test_truncated_or_foreign_safetensors_name_the_file(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_text("PK\x03\x04 a zip file under that name")
     with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file \(.*\)"):
-        mapping.read_safetensors_dir(tmp_path)
+        safetensors_reader.read_safetensors_dir(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
-        mapping.read_safetensors_dir(tmp_path)
+        safetensors_reader.read_safetensors_dir(tmp_path)
 
 
 def test_hf_architectures_disagreeing_with_model_type_are_refused(tmp_path):

@@ -84,17 +84,6 @@ def test_lock_is_exclusive_within_one_process_too(tmp_path):
             workdir.lock(tmp_path)
 
 
-def test_replace_directory_swaps_whole_folders(tmp_path):
-    (tmp_path / "tokenizer").mkdir()
-    (tmp_path / "tokenizer" / "old.model").write_text("old")
-    staged = tmp_path / "staged"
-    staged.mkdir()
-    (staged / "spec.json").write_text("{}")
-    workdir.replace_directory(staged, tmp_path / "tokenizer")
-    assert sorted(p.name for p in (tmp_path / "tokenizer").iterdir()) == ["spec.json"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer"]
-
-
 def test_failed_start_leaves_the_workdir_as_it_was(tmp_path):
     (tmp_path / "config.json").write_text("good")
     with pytest.raises(ValueError, match="validation failed"):

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from lmzoo.convert import mapping
-from lmzoo.convert.mapping import Entry, Params
+from lmzoo.convert import mapping, tables
+from lmzoo.convert.tables import Entry, Params
 from lmzoo.models.bert import BertConfig
 
 # config.model field -> (HF config.json key, HF class default; None = required).
@@ -150,31 +150,33 @@ def entries(cfg: BertConfig, model_type: str) -> list[Entry]:
     """Every tensor of the HF model of `cfg`: encoder, pooler and sentence head as cfg enables, MLM head."""
     names = _MODULES[model_type]
     h, e, f, v = cfg.emb_dim, cfg.embed_dim, cfg.mlp_dim, cfg.vocab_size
-    tables = {"word_embeddings": v, "position_embeddings": cfg.max_len}
+    embeddings = {"word_embeddings": v, "position_embeddings": cfg.max_len}
     if cfg.type_vocab_size:
-        tables["token_type_embeddings"] = cfg.type_vocab_size
-    table = [entry for name, rows in tables.items() for entry in mapping.table(f"embeddings.{name}", (name,), rows, e)]
-    table += mapping.norm("embeddings.LayerNorm", ("ln_embed",), e)
+        embeddings["token_type_embeddings"] = cfg.type_vocab_size
+    table = [
+        entry for name, rows in embeddings.items() for entry in tables.table(f"embeddings.{name}", (name,), rows, e)
+    ]
+    table += tables.norm("embeddings.LayerNorm", ("ln_embed",), e)
     if cfg.embed_projection:
-        table += mapping.linear(names["embed_projection"], ("embed_projection",), e, h)
+        table += tables.linear(names["embed_projection"], ("embed_projection",), e, h)
     blocks = {"shared": 0} if cfg.share_layers else {f"layer_{i}": i for i in range(cfg.num_layers)}
     heads = (cfg.num_heads, cfg.head_dim)
     for block, i in blocks.items():
         prefix, path = names["layer"].format(i=i), ("blocks", block)
         for qkv in ("query", "key", "value"):
-            table += mapping.linear(prefix + names[qkv], (*path, "attn", qkv), h, h, out_shape=heads)
-        table += mapping.linear(prefix + names["out"], (*path, "attn", "out"), h, h, in_shape=heads)
-        table += mapping.norm(prefix + names["ln_attn"], (*path, "ln_attn"), h)
-        table += mapping.linear(prefix + names["wi"], (*path, "mlp", "wi"), h, f)
-        table += mapping.linear(prefix + names["wo"], (*path, "mlp", "wo"), f, h)
-        table += mapping.norm(prefix + names["ln_mlp"], (*path, "ln_mlp"), h)
+            table += tables.linear(prefix + names[qkv], (*path, "attn", qkv), h, h, out_shape=heads)
+        table += tables.linear(prefix + names["out"], (*path, "attn", "out"), h, h, in_shape=heads)
+        table += tables.norm(prefix + names["ln_attn"], (*path, "ln_attn"), h)
+        table += tables.linear(prefix + names["wi"], (*path, "mlp", "wi"), h, f)
+        table += tables.linear(prefix + names["wo"], (*path, "mlp", "wo"), f, h)
+        table += tables.norm(prefix + names["ln_mlp"], (*path, "ln_mlp"), h)
     if cfg.pooler:
-        table += mapping.linear(names["pooler"], ("pooler",), h, h, group="pooler")
+        table += tables.linear(names["pooler"], ("pooler",), h, h, group="pooler")
     if cfg.sentence_head:
         head = names["sentence_classifier"]
-        table += mapping.linear(head, ("sentence_classifier",), h, 2, group="sentence_classifier")
-    table += mapping.linear(names["mlm_dense"], ("mlm_dense",), h, e, group="mlm")
-    table += mapping.norm(names["mlm_norm"], ("mlm_norm",), e, group="mlm")
+        table += tables.linear(head, ("sentence_classifier",), h, 2, group="sentence_classifier")
+    table += tables.linear(names["mlm_dense"], ("mlm_dense",), h, e, group="mlm")
+    table += tables.norm(names["mlm_norm"], ("mlm_norm",), e, group="mlm")
     return table + [Entry(names["mlm_bias"], ("mlm_bias",), (v,), (v,), group="mlm")]
 
 
@@ -223,22 +225,22 @@ def config_from_hf(
     """
     model_type = hf_config.get("model_type")
     if model_type not in _HF_KEYS:
-        raise mapping.ConfigError(
+        raise tables.ConfigError(
             f"HF config has model_type={model_type!r}; the bert converter reads {sorted(_HF_KEYS)}"
         )
     keys = _HF_KEYS[model_type]
     missing = [key for key, default in keys.values() if default is None and key not in hf_config]
     if missing:
-        raise mapping.ConfigError(f"HF {model_type} config lacks {missing}")
+        raise tables.ConfigError(f"HF {model_type} config lacks {missing}")
     for key, supported in _FIXED_HF_OPTIONS[model_type].items():
         if hf_config.get(key, supported) != supported:
-            raise mapping.ConfigError(
+            raise tables.ConfigError(
                 f"HF {model_type} config has {key}={hf_config[key]!r}; lmzoo's bert supports only {supported!r}"
             )
     hf_activation = hf_config.get(*keys["activation"])
-    if hf_activation not in mapping.ACTIVATION_FROM_HF:
-        raise mapping.ConfigError(
-            f"HF activation {hf_activation!r} has no lmzoo equivalent; supported: {sorted(mapping.ACTIVATION_FROM_HF)}"
+    if hf_activation not in tables.ACTIVATION_FROM_HF:
+        raise tables.ConfigError(
+            f"HF activation {hf_activation!r} has no lmzoo equivalent; supported: {sorted(tables.ACTIVATION_FROM_HF)}"
         )
     # Each value takes the type of the BertConfig default (int, float).
     fields = {
@@ -254,10 +256,10 @@ def config_from_hf(
         "share_layers": model_type == "albert",
         "pooler": pooler,
         "sentence_head": (pooler and model_type in ("bert", "albert")) if sentence_head is None else sentence_head,
-        "activation": mapping.ACTIVATION_FROM_HF[hf_activation],
+        "activation": tables.ACTIVATION_FROM_HF[hf_activation],
         "layer_norm_epsilon": fields.get("layer_norm_epsilon", 1e-12),
     }
-    _check_family(mapping.checkpoint_config("bert", fields), model_type)
+    _check_family(tables.checkpoint_config("bert", fields), model_type)
     return fields
 
 
@@ -265,11 +267,11 @@ def config_to_hf(cfg: BertConfig, *, model_type: str) -> dict[str, Any]:
     """An HF `model_type` config.json dict for a "bert" config; "architectures" names the heads
     (*ForPreTraining with a sentence head, else *ForMaskedLM)."""
     _check_family(cfg, model_type)
-    if cfg.activation not in mapping.ACTIVATION_TO_HF:
+    if cfg.activation not in tables.ACTIVATION_TO_HF:
         raise ValueError(
-            f"activation {cfg.activation!r} has no HF equivalent; supported: {sorted(mapping.ACTIVATION_TO_HF)}"
+            f"activation {cfg.activation!r} has no HF equivalent; supported: {sorted(tables.ACTIVATION_TO_HF)}"
         )
-    activation = mapping.ACTIVATION_TO_HF[cfg.activation]
+    activation = tables.ACTIVATION_TO_HF[cfg.activation]
     values = dataclasses.asdict(cfg) | {"embedding_dim": cfg.embed_dim, "activation": activation}
     head = "ForPreTraining" if cfg.sentence_head else "ForMaskedLM"
     hf_config = {"model_type": model_type, "architectures": [_CLASS_PREFIX[model_type] + head]}
@@ -279,10 +281,10 @@ def config_to_hf(cfg: BertConfig, *, model_type: str) -> dict[str, Any]:
     return hf_config | _FIXED_HF_OPTIONS[model_type]
 
 
-def layout(model_type: str, *, heads: frozenset[str] = frozenset(), tied: bool = True) -> mapping.Layout:
+def layout(model_type: str, *, heads: frozenset[str] = frozenset(), tied: bool = True) -> tables.Layout:
     """Naming around the entries; `heads`: the names outside the `{model_type}.` body; tied: fold the MLM
     decoder copies."""
-    return mapping.Layout(
+    return tables.Layout(
         name=f"HF {model_type}",
         family="bert",
         prefix=f"{model_type}.",
@@ -311,7 +313,7 @@ def from_hf(state_dict: Mapping[str, Any], cfg: BertConfig, *, model_type: str) 
 def _sources(state_dict: Mapping[str, Any], cfg: BertConfig, model_type: str) -> Params:
     _check_family(cfg, model_type)
     table = entries(cfg, model_type)
-    params = mapping.to_sources(*mapping.read_hf(state_dict, layout(model_type), table, optional=("mlm",)))
+    params = tables.to_sources(*tables.read_hf(state_dict, layout(model_type), table, optional=("mlm",)))
     params.setdefault("mlm_bias", np.zeros(cfg.vocab_size, np.float32))
     return params
 
@@ -328,10 +330,10 @@ def classifier_from_hf(state_dict: Mapping[str, Any], cfg: BertConfig, *, model_
     out_weight = f"{_CLASSIFIER_MODULES[model_type]['classifier']}.weight"
     num_labels = np.shape(state_dict[out_weight])[0] if out_weight in state_dict else 0
     table = _classifier_entries(cfg, model_type, num_labels)
-    tensors, table = mapping.read_hf(state_dict, layout(model_type, tied=False), table)
-    backbone = mapping.to_sources(tensors, [entry for entry in table if entry.group != "classifier"])
+    tensors, table = tables.read_hf(state_dict, layout(model_type, tied=False), table)
+    backbone = tables.to_sources(tensors, [entry for entry in table if entry.group != "classifier"])
     backbone["mlm_bias"] = np.zeros(cfg.vocab_size, np.float32)
-    head = mapping.to_sources(tensors, [entry for entry in table if entry.group == "classifier"])
+    head = tables.to_sources(tensors, [entry for entry in table if entry.group == "classifier"])
     return mapping.materialize({"backbone": backbone, **head})
 
 
@@ -340,7 +342,7 @@ def _classifier_entries(cfg: BertConfig, model_type: str, num_labels: int) -> li
     table = [entry for entry in entries(cfg, model_type) if entry.group != "mlm"]
     for name, module in _CLASSIFIER_MODULES[model_type].items():
         n_out = num_labels if name == "classifier" else cfg.emb_dim
-        table += mapping.linear(module, (name,), cfg.emb_dim, n_out, group="classifier")
+        table += tables.linear(module, (name,), cfg.emb_dim, n_out, group="classifier")
     return table
 
 
@@ -356,7 +358,7 @@ def classifier_to_hf(
     head = {name: params[name] for name in _CLASSIFIER_MODULES[model_type]}
     table = _classifier_entries(cfg, model_type, np.shape(params["classifier"]["kernel"])[-1])
     heads = frozenset(entry.hf for entry in table if entry.group == "classifier")
-    return hf_config, mapping.to_hf({**backbone, **head}, layout(model_type, heads=heads, tied=False), table)
+    return hf_config, tables.to_hf({**backbone, **head}, layout(model_type, heads=heads, tied=False), table)
 
 
 def to_hf(params: Params, cfg: BertConfig, *, model_type: str) -> dict[str, np.ndarray]:
@@ -373,11 +375,11 @@ def to_hf(params: Params, cfg: BertConfig, *, model_type: str) -> dict[str, np.n
         params = {key: value for key, value in params.items() if key != "mlm_bias"}
     heads = frozenset(entry.hf for entry in table if entry.group in ("mlm", "sentence_classifier"))
     naming = layout(model_type, heads=heads | set(_tied(model_type)), tied=with_mlm)
-    return mapping.to_hf(params, naming, table, prefixed=with_mlm or cfg.sentence_head)
+    return tables.to_hf(params, naming, table, prefixed=with_mlm or cfg.sentence_head)
 
 
 def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params as lazy `mapping` leaves, read only when placed) of any BERT-family checkpoint
+    """(config.model fields, params as lazy leaves, read only when placed) of any BERT-family checkpoint
     (by config.json model_type), pooler and NSP/SOP head as the checkpoint has them."""
     fields = config_from_hf(hf_config)
     model_type = hf_config["model_type"]
@@ -386,7 +388,7 @@ def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, An
     modules = (names["pooler"], names["sentence_classifier"])
     pooler, sentence = (module is not None and f"{module}.weight" in keys for module in modules)
     fields |= {"pooler": pooler, "sentence_head": sentence}
-    return fields, _sources(state_dict, mapping.checkpoint_config("bert", fields), model_type)
+    return fields, _sources(state_dict, tables.checkpoint_config("bert", fields), model_type)
 
 
 def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:

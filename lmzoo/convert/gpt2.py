@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from lmzoo.convert import mapping
-from lmzoo.convert.mapping import Entry, Params
+from lmzoo.convert import mapping, tables
+from lmzoo.convert.tables import Entry, Params
 from lmzoo.models.gpt2 import GPT2Config
 
 # HF GPT-2 switches that lmzoo's decoder does not implement, with the only supported value.
@@ -30,22 +30,22 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """config.model fields of the "gpt2" family from an HF GPT-2 config.json dict."""
     model_type = hf_config.get("model_type", "gpt2")
     if model_type != "gpt2":
-        raise mapping.ConfigError(
+        raise tables.ConfigError(
             f"HF config has model_type={model_type!r}; the gpt2 converter reads only 'gpt2' checkpoints"
         )
     missing = [key for key in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer") if key not in hf_config]
     if missing:
-        raise mapping.ConfigError(f"HF GPT-2 config lacks {missing}")
+        raise tables.ConfigError(f"HF GPT-2 config lacks {missing}")
     for key, supported in _FIXED_HF_OPTIONS.items():
         if hf_config.get(key, supported) != supported:
-            raise mapping.ConfigError(
+            raise tables.ConfigError(
                 f"HF GPT-2 config has {key}={hf_config[key]!r}; lmzoo's gpt2 supports only {supported!r}"
             )
     hf_activation = hf_config.get("activation_function", "gelu_new")
-    if hf_activation not in mapping.ACTIVATION_FROM_HF:
-        raise mapping.ConfigError(
+    if hf_activation not in tables.ACTIVATION_FROM_HF:
+        raise tables.ConfigError(
             f"HF activation_function {hf_activation!r} has no lmzoo equivalent; "
-            f"supported: {sorted(mapping.ACTIVATION_FROM_HF)}"
+            f"supported: {sorted(tables.ACTIVATION_FROM_HF)}"
         )
     n_embd, n_inner = int(hf_config["n_embd"]), hf_config.get("n_inner")
     return {
@@ -60,7 +60,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         "pre_norm": True,
         "use_bias": True,
         "tie_embeddings": bool(hf_config.get("tie_word_embeddings", True)),
-        "activation": mapping.ACTIVATION_FROM_HF[hf_activation],
+        "activation": tables.ACTIVATION_FROM_HF[hf_activation],
         "layer_norm_epsilon": float(hf_config.get("layer_norm_epsilon", 1e-5)),
     }
 
@@ -71,9 +71,9 @@ def config_to_hf(cfg: GPT2Config) -> dict[str, Any]:
         raise ValueError("HF GPT-2 is pre-norm; a pre_norm=False (original GPT) model has no HF GPT-2 equivalent")
     if not cfg.use_bias:
         raise ValueError("HF GPT-2 has biases everywhere; a use_bias=False model has no HF GPT-2 equivalent")
-    if cfg.activation not in mapping.ACTIVATION_TO_HF:
+    if cfg.activation not in tables.ACTIVATION_TO_HF:
         raise ValueError(
-            f"activation {cfg.activation!r} has no HF GPT-2 equivalent; supported: {sorted(mapping.ACTIVATION_TO_HF)}"
+            f"activation {cfg.activation!r} has no HF GPT-2 equivalent; supported: {sorted(tables.ACTIVATION_TO_HF)}"
         )
     return {
         "model_type": "gpt2",
@@ -84,7 +84,7 @@ def config_to_hf(cfg: GPT2Config) -> dict[str, Any]:
         "n_head": cfg.num_heads,
         "n_layer": cfg.num_layers,
         "n_inner": cfg.mlp_dim,
-        "activation_function": mapping.ACTIVATION_TO_HF[cfg.activation],
+        "activation_function": tables.ACTIVATION_TO_HF[cfg.activation],
         "resid_pdrop": cfg.dropout_rate,
         "embd_pdrop": cfg.dropout_rate,
         "attn_pdrop": cfg.attention_dropout_rate,
@@ -98,26 +98,26 @@ def entries(cfg: GPT2Config) -> list[Entry]:
     """Every tensor of HF GPT2LMHeadModel for `cfg` in state-dict order (without "transformer."), tied copy excluded."""
     d, f, v = cfg.emb_dim, cfg.mlp_dim, cfg.vocab_size
     heads = (cfg.num_heads, cfg.head_dim)
-    table = mapping.table("wte", ("wte",), v, d) + mapping.table("wpe", ("wpe",), cfg.max_len, d)
+    table = tables.table("wte", ("wte",), v, d) + tables.table("wpe", ("wpe",), cfg.max_len, d)
     for i in range(cfg.num_layers):
         prefix, path = f"h.{i}.", ("blocks", f"layer_{i}")
-        table += mapping.norm(prefix + "ln_1", (*path, "ln_attn"), d)
+        table += tables.norm(prefix + "ln_1", (*path, "ln_attn"), d)
         for index, name in enumerate(("query", "key", "value")):
-            table += mapping.conv1d(
+            table += tables.conv1d(
                 prefix + "attn.c_attn", (*path, "attn", name), d, d, out_shape=heads, part=(index, 3)
             )
-        table += mapping.conv1d(prefix + "attn.c_proj", (*path, "attn", "out"), d, d, in_shape=heads)
-        table += mapping.norm(prefix + "ln_2", (*path, "ln_mlp"), d)
-        table += mapping.conv1d(prefix + "mlp.c_fc", (*path, "mlp", "wi"), d, f)
-        table += mapping.conv1d(prefix + "mlp.c_proj", (*path, "mlp", "wo"), f, d)
-    table += mapping.norm("ln_f", ("ln_final",), d)
+        table += tables.conv1d(prefix + "attn.c_proj", (*path, "attn", "out"), d, d, in_shape=heads)
+        table += tables.norm(prefix + "ln_2", (*path, "ln_mlp"), d)
+        table += tables.conv1d(prefix + "mlp.c_fc", (*path, "mlp", "wi"), d, f)
+        table += tables.conv1d(prefix + "mlp.c_proj", (*path, "mlp", "wo"), f, d)
+    table += tables.norm("ln_f", ("ln_final",), d)
     if not cfg.tie_embeddings:
-        table += mapping.linear("lm_head", ("lm_head",), d, v, bias=False)
+        table += tables.linear("lm_head", ("lm_head",), d, v, bias=False)
     return table
 
 
-def layout(cfg: GPT2Config) -> mapping.Layout:
-    return mapping.Layout(
+def layout(cfg: GPT2Config) -> tables.Layout:
+    return tables.Layout(
         name="HF GPT-2",
         family="gpt2",
         prefix="transformer.",
@@ -130,7 +130,7 @@ def layout(cfg: GPT2Config) -> mapping.Layout:
 
 
 def _sources(state_dict: Mapping[str, Any], cfg: GPT2Config) -> Params:
-    return mapping.to_sources(*mapping.read_hf(state_dict, layout(cfg), entries(cfg)))
+    return tables.to_sources(*tables.read_hf(state_dict, layout(cfg), entries(cfg)))
 
 
 def from_hf(state_dict: Mapping[str, Any], cfg: GPT2Config) -> Params:
@@ -145,7 +145,7 @@ def from_hf(state_dict: Mapping[str, Any], cfg: GPT2Config) -> Params:
 def to_hf(params: Params, cfg: GPT2Config) -> dict[str, np.ndarray]:
     """lmzoo "gpt2" params (per-layer or scanned) -> HF GPT2LMHeadModel state dict of float32 numpy arrays."""
     config_to_hf(cfg)
-    return mapping.to_hf(params, layout(cfg), entries(cfg))
+    return tables.to_hf(params, layout(cfg), entries(cfg))
 
 
 def classifier_to_hf(params: Params, cfg: GPT2Config) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -167,15 +167,15 @@ def classifier_to_hf(params: Params, cfg: GPT2Config) -> tuple[dict[str, Any], d
     backbone["ln_final"] = {**backbone["ln_final"], "bias": ln_bias}
     backbone.pop("lm_head", None)  # an untied LM head is not part of the classifier
     table = entries(dataclasses.replace(cfg, tie_embeddings=True))  # without an lm_head
-    table += mapping.linear("score", ("score",), cfg.emb_dim, kernel.shape[1], bias=False)
+    table += tables.linear("score", ("score",), cfg.emb_dim, kernel.shape[1], bias=False)
     naming = layout(cfg)._replace(heads=frozenset({"score.weight"}), tied={})
-    return hf_config, mapping.to_hf({**backbone, "score": {"kernel": kernel}}, naming, table)
+    return hf_config, tables.to_hf({**backbone, "score": {"kernel": kernel}}, naming, table)
 
 
 def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params as lazy `mapping` leaves, read only when placed) of an HF GPT-2 checkpoint."""
+    """(config.model fields, params as lazy leaves, read only when placed) of an HF GPT-2 checkpoint."""
     fields = config_from_hf(hf_config)
-    return fields, _sources(state_dict, mapping.checkpoint_config("gpt2", fields))
+    return fields, _sources(state_dict, tables.checkpoint_config("gpt2", fields))
 
 
 def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:

@@ -9,7 +9,8 @@ pretraining head the target does not have (the MLM head of a classifier's backbo
 without an error. Only then is each parameter read, tensor by tensor, converted once to the target's dtype and
 built in the target's sharding (`mapping.place`): host memory never holds the checkpoint whole.
 
-The per-family tables live in gpt2.py, bert.py, seq2seq.py and llama.py; the mechanism in mapping.py.
+The per-family tables live in gpt2.py, bert.py, seq2seq.py and llama.py; the mechanism in tables.py (entries, the
+validator), safetensors_reader.py (the folder's files) and mapping.py (layer layout and placement).
 """
 
 import dataclasses
@@ -22,9 +23,9 @@ import flax.linen as nn
 import jax
 
 from lmzoo import storage
-from lmzoo.convert import bert, gpt2, llama, mapping, seq2seq
-from lmzoo.convert.mapping import Params
+from lmzoo.convert import bert, gpt2, llama, mapping, safetensors_reader, seq2seq, tables
 from lmzoo.convert.seq2seq import t5_config_to_hf, t5_from_hf  # noqa: F401  (used by bench/seq2seq_bench.py)
+from lmzoo.convert.tables import Params
 from lmzoo.models import make_config
 
 # model_name -> converter module with checkpoint_sources(hf_config, state_dict) -> (config.model fields, lazy params).
@@ -118,7 +119,7 @@ def _read(spec: str, model_name: str) -> tuple[dict[str, Any], Params]:
     if model_name not in FAMILIES:
         raise ValueError(f"no HF converter for model_name {model_name!r}; available: {sorted(FAMILIES)}")
     folder = resolve_folder(spec.removeprefix("hf:"))
-    hf_config, tensors = mapping.read_safetensors_dir(folder)
+    hf_config, tensors = safetensors_reader.read_safetensors_dir(folder)
     model_type = str(hf_config.get("model_type", ""))
     # The architecture names the model type without its underscores (qwen2_moe: Qwen2MoeForCausalLM).
     stem = model_type.lower().replace("_", "")
@@ -130,8 +131,8 @@ def _read(spec: str, model_name: str) -> tuple[dict[str, Any], Params]:
         )
     try:
         return FAMILIES[model_name].checkpoint_sources(hf_config, tensors)
-    except mapping.ConfigError as e:
-        raise mapping.ConfigError(f"{folder}/config.json: {e}") from None
+    except tables.ConfigError as e:
+        raise tables.ConfigError(f"{folder}/config.json: {e}") from None
 
 
 def convert_pretrained(
@@ -152,7 +153,7 @@ def convert_pretrained(
     target_config = model_config if dataclasses.is_dataclass(model_config) else make_config(model_name, model_config)
     target = nn.unbox(target_params)
     found, wanted = mapping.flatten(mapping.to_layout(params, target)), mapping.flatten(target)
-    diff = mapping.diff_tensors({k: v.shape for k, v in found.items()}, {k: v.shape for k, v in wanted.items()})
+    diff = tables.diff_tensors({k: v.shape for k, v in found.items()}, {k: v.shape for k, v in wanted.items()})
     initialised = [*diff.missing, *diff.misshapen]
     differing = differing_fields(fields, target_config)
     report = LoadReport(

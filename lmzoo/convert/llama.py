@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from lmzoo.convert import mapping
-from lmzoo.convert.mapping import Entry, Params
+from lmzoo.convert import mapping, tables
+from lmzoo.convert.tables import Entry, Params
 from lmzoo.models.llama import LlamaConfig
 
 ARCHITECTURES = {
@@ -56,7 +56,7 @@ def _rope(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     theta = rope.get("rope_theta", hf_config.get("rope_theta", 10_000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise mapping.ConfigError(
+        raise tables.ConfigError(
             f"HF config has {field}.partial_rotary_factor={rope['partial_rotary_factor']!r}; "
             "lmzoo's llama rotates the whole head (1.0)"
         )
@@ -65,7 +65,7 @@ def _rope(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     if rope_type == "default":
         return fields
     if rope_type != "llama3":
-        raise mapping.ConfigError(
+        raise tables.ConfigError(
             f"HF config has {field} rope_type {rope_type!r}; lmzoo's llama implements only 'default' and 'llama3'"
         )
     return fields | {
@@ -88,7 +88,7 @@ def _sliding_window(hf_config: Mapping[str, Any], model_type: str, num_layers: i
         default = ["sliding_attention" if i % 2 == 0 and i < limit else "full_attention" for i in range(num_layers)]
         kinds = hf_config.get("layer_types") or default
         if len(set(kinds)) > 1:
-            raise mapping.ConfigError(
+            raise tables.ConfigError(
                 f"HF qwen2_moe config has use_sliding_window=True with max_window_layers={limit}: only some layers "
                 f"slide (layer_types {kinds}); lmzoo's llama applies one sliding_window to every layer or none "
                 "(use_sliding_window False)"
@@ -101,7 +101,7 @@ def _sliding_window(hf_config: Mapping[str, Any], model_type: str, num_layers: i
     if set(kinds) == {"full_attention"}:
         return 0
     if set(kinds) != {"sliding_attention"}:
-        raise mapping.ConfigError(
+        raise tables.ConfigError(
             f"HF Qwen2 config has use_sliding_window=True with max_window_layers={first_sliding} < "
             f"num_hidden_layers={num_layers}: only some layers slide (layer_types {kinds}); lmzoo's llama applies "
             "one sliding_window to every layer (max_window_layers 0) or none (use_sliding_window False)"
@@ -110,7 +110,9 @@ def _sliding_window(hf_config: Mapping[str, Any], model_type: str, num_layers: i
 
 
 def _moe_fields(hf_config: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    """The mixture-of-experts fields of an HF Mixtral or Qwen2-MoE config (num_experts 0 for the dense models).
+    """The mixture-of-experts fields (`layers.mlp.MoeFields`) an HF Mixtral or Qwen2-MoE config fixes, read from its
+    keys for them (num_experts 0 for the dense models); the others (moe_form, capacity_factor, router_z_loss_coef) are
+    the run's choice, as dropout is.
 
     Every layer must be sparse: Qwen2-MoE's dense layers among sparse ones (`decoder_sparse_step` > 1,
     `mlp_only_layers`) have no lmzoo form, and neither has a Qwen2-MoE without a shared expert."""
@@ -120,19 +122,19 @@ def _moe_fields(hf_config: Mapping[str, Any], model_type: str, num_layers: int) 
     size_keys = [size_key, "shared_expert_intermediate_size"] if model_type == "qwen2_moe" else [size_key]
     missing = [key for key in (count_key, "num_experts_per_tok", *size_keys) if key not in hf_config]
     if missing:
-        raise mapping.ConfigError(f"HF {model_type} config lacks {missing}")
+        raise tables.ConfigError(f"HF {model_type} config lacks {missing}")
     num_experts, top_k = int(hf_config[count_key]), int(hf_config["num_experts_per_tok"])
     if num_experts < 1:
-        raise mapping.ConfigError(f"HF {model_type} config has {count_key}={num_experts}; it must be >= 1")
+        raise tables.ConfigError(f"HF {model_type} config has {count_key}={num_experts}; it must be >= 1")
     if not 1 <= top_k <= num_experts:
-        raise mapping.ConfigError(
+        raise tables.ConfigError(
             f"HF {model_type} config has num_experts_per_tok={top_k} with {count_key}={num_experts}; the router "
             f"picks each token's top num_experts_per_tok of the experts, so it must be in [1, {num_experts}]"
         )
     sizes = {key: int(hf_config[key]) for key in size_keys}
     bad = {key: size for key, size in sizes.items() if size < 1}
     if bad:
-        raise mapping.ConfigError(
+        raise tables.ConfigError(
             f"HF {model_type} config has {bad}; lmzoo's experts need sizes >= 1"
             + (" (lmzoo reads Qwen2-MoE with a shared expert only)" if "shared_expert_intermediate_size" in bad else "")
         )
@@ -149,7 +151,7 @@ def _moe_fields(hf_config: Mapping[str, Any], model_type: str, num_layers: int) 
         step, only = int(hf_config.get("decoder_sparse_step", 1)), list(hf_config.get("mlp_only_layers") or [])
         dense = [i for i in range(num_layers) if i in only or step < 1 or (i + 1) % step]
         if dense:
-            raise mapping.ConfigError(
+            raise tables.ConfigError(
                 f"HF qwen2_moe config has decoder_sparse_step={step} and mlp_only_layers={only}: layers {dense} are "
                 "dense MLPs among the mixture-of-experts layers; lmzoo's llama makes every layer sparse "
                 "(decoder_sparse_step 1, mlp_only_layers [])"
@@ -162,13 +164,13 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     dict."""
     model_type = hf_config.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise mapping.ConfigError(
+        raise tables.ConfigError(
             f"HF config has model_type={model_type!r} (architectures {hf_config.get('architectures')}); the llama "
             f"converter reads {', '.join(ARCHITECTURES.values())} (model_type {', '.join(ARCHITECTURES)})"
         )
     unsupported = [a for a in hf_config.get("architectures") or () if a != ARCHITECTURES[model_type]]
     if unsupported:
-        raise mapping.ConfigError(
+        raise tables.ConfigError(
             f"HF architecture {unsupported} is not supported; the llama converter reads {ARCHITECTURES[model_type]}"
         )
     keys = (
@@ -181,17 +183,17 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     )
     missing = [key for key in keys if key not in hf_config]
     if missing:
-        raise mapping.ConfigError(f"HF {model_type} config lacks {missing}")
+        raise tables.ConfigError(f"HF {model_type} config lacks {missing}")
     for key, supported in _FIXED_HF_OPTIONS.items():
         if hf_config.get(key, supported) != supported:
-            raise mapping.ConfigError(
+            raise tables.ConfigError(
                 f"HF {model_type} config has {key}={hf_config[key]!r}; lmzoo's llama supports only {supported!r}"
             )
     emb_dim, num_heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
     num_layers = int(hf_config["num_hidden_layers"])
     kv_heads, head_dim = int(hf_config.get("num_key_value_heads") or num_heads), hf_config.get("head_dim")
     if num_heads % kv_heads:
-        raise mapping.ConfigError(
+        raise tables.ConfigError(
             f"HF {model_type} config has num_key_value_heads={kv_heads}, which does not divide "
             f"num_attention_heads={num_heads} (each key/value head serves a whole group of query heads)"
         )
@@ -317,9 +319,9 @@ def _swiglu(module: str, path: tuple[str, ...], d: int, f: int) -> list[Entry]:
     """An HF gated MLP's gate_proj, up_proj, down_proj -> wi_0, wi_1, wo kernels (Llama's MLP, Qwen2-MoE's shared
     expert)."""
     return [
-        *mapping.linear(f"{module}.gate_proj", (*path, "wi_0"), d, f, bias=False),
-        *mapping.linear(f"{module}.up_proj", (*path, "wi_1"), d, f, bias=False),
-        *mapping.linear(f"{module}.down_proj", (*path, "wo"), f, d, bias=False),
+        *tables.linear(f"{module}.gate_proj", (*path, "wi_0"), d, f, bias=False),
+        *tables.linear(f"{module}.up_proj", (*path, "wi_1"), d, f, bias=False),
+        *tables.linear(f"{module}.down_proj", (*path, "wo"), f, d, bias=False),
     ]
 
 
@@ -330,10 +332,10 @@ def _feed_forward(prefix: str, path: tuple[str, ...], cfg: LlamaConfig, model_ty
     if moe is None:
         return _swiglu(prefix + "mlp", path, d, cfg.mlp_dim)
     module, f = prefix + _FEED_FORWARD[model_type], moe.expert_mlp_dim
-    table = mapping.linear(f"{module}.gate", (*path, "router"), d, moe.num_experts, bias=False)
+    table = tables.linear(f"{module}.gate", (*path, "router"), d, moe.num_experts, bias=False)
     kernels = zip(_EXPERT_KERNELS, _EXPERT_TENSORS[model_type], ((d, f), (d, f), (f, d)), strict=True)
     for kernel, name, (n_in, n_out) in kernels:
-        # HF [out, in] -> [in, out], as mapping.linear, one leaf per expert
+        # HF [out, in] -> [in, out], as tables.linear, one leaf per expert
         for e in range(moe.num_experts):
             hf_name = f"{module}.experts.{e}.{name}.weight"
             table.append(Entry(hf_name, (*path, kernel, str(e)), (n_out, n_in), (n_in, n_out), transpose=True))
@@ -350,31 +352,31 @@ def entries(cfg: LlamaConfig) -> list[Entry]:
     d, v, h = cfg.emb_dim, cfg.vocab_size, cfg.head_size
     model_type = hf_model_type(cfg)
     n, k = cfg.num_heads, cfg.kv_heads
-    table = mapping.table("embed_tokens", ("embed",), v, d)
+    table = tables.table("embed_tokens", ("embed",), v, d)
     for i in range(cfg.num_layers):
         prefix, path = f"layers.{i}.", ("blocks", f"layer_{i}")
         attn = (*path, "attn")
-        table += mapping.linear(
+        table += tables.linear(
             prefix + "self_attn.q_proj", (*attn, "query"), d, n * h, out_shape=(n, h), bias=cfg.qkv_bias
         )
-        table += mapping.linear(
+        table += tables.linear(
             prefix + "self_attn.k_proj", (*attn, "key"), d, k * h, out_shape=(k, h), bias=cfg.qkv_bias
         )
-        table += mapping.linear(
+        table += tables.linear(
             prefix + "self_attn.v_proj", (*attn, "value"), d, k * h, out_shape=(k, h), bias=cfg.qkv_bias
         )
-        table += mapping.linear(prefix + "self_attn.o_proj", (*attn, "out"), n * h, d, in_shape=(n, h), bias=False)
+        table += tables.linear(prefix + "self_attn.o_proj", (*attn, "out"), n * h, d, in_shape=(n, h), bias=False)
         table += _feed_forward(prefix, (*path, "mlp"), cfg, model_type)
-        table += mapping.norm(prefix + "input_layernorm", (*path, "ln_attn"), d, bias=False)
-        table += mapping.norm(prefix + "post_attention_layernorm", (*path, "ln_mlp"), d, bias=False)
-    table += mapping.norm("norm", ("norm",), d, bias=False)
+        table += tables.norm(prefix + "input_layernorm", (*path, "ln_attn"), d, bias=False)
+        table += tables.norm(prefix + "post_attention_layernorm", (*path, "ln_mlp"), d, bias=False)
+    table += tables.norm("norm", ("norm",), d, bias=False)
     if not cfg.tie_embeddings:
-        table += mapping.linear("lm_head", ("lm_head",), d, v, bias=False)
+        table += tables.linear("lm_head", ("lm_head",), d, v, bias=False)
     return table
 
 
-def layout(cfg: LlamaConfig) -> mapping.Layout:
-    return mapping.Layout(
+def layout(cfg: LlamaConfig) -> tables.Layout:
+    return tables.Layout(
         name=f"HF {ARCHITECTURES[hf_model_type(cfg)]}",
         family="llama",
         prefix="model.",
@@ -405,7 +407,7 @@ def _stack_experts(params: Params, cfg: LlamaConfig) -> Params:
 
 def _split_experts(params: Params, cfg: LlamaConfig) -> Params:
     """The reverse of `_stack_experts` for lmzoo params in any layer layout: per-layer, each expert's kernels a leaf of
-    their own (a leaf that is not [E, ...] is left for `mapping.to_hf` to report)."""
+    their own (a leaf that is not [E, ...] is left for `tables.to_hf` to report)."""
     if cfg.moe is None:
         return params
     params = mapping.unstack_layers(params)  # new dicts down to the leaves: editing them leaves the caller's alone
@@ -419,7 +421,7 @@ def _split_experts(params: Params, cfg: LlamaConfig) -> Params:
 
 
 def _sources(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
-    return _stack_experts(mapping.to_sources(*mapping.read_hf(state_dict, layout(cfg), entries(cfg))), cfg)
+    return _stack_experts(tables.to_sources(*tables.read_hf(state_dict, layout(cfg), entries(cfg))), cfg)
 
 
 def from_hf(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
@@ -434,14 +436,14 @@ def from_hf(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
 def to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:
     """lmzoo "llama" params (per-layer or scanned) -> HF *ForCausalLM state dict of float32 numpy arrays (experts
     one tensor each, the layout safetensors files hold)."""
-    return mapping.to_hf(_split_experts(params, cfg), layout(cfg), entries(cfg))
+    return tables.to_hf(_split_experts(params, cfg), layout(cfg), entries(cfg))
 
 
 def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params as lazy `mapping` leaves, read only when placed) of an HF Llama, Mistral,
+    """(config.model fields, params as lazy leaves, read only when placed) of an HF Llama, Mistral,
     Qwen2, Mixtral or Qwen2-MoE checkpoint."""
     fields = config_from_hf(hf_config)
-    return fields, _sources(state_dict, mapping.checkpoint_config("llama", fields))
+    return fields, _sources(state_dict, tables.checkpoint_config("llama", fields))
 
 
 def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:

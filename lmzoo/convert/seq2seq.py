@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from lmzoo.convert import mapping
-from lmzoo.convert.mapping import Entry, Params
+from lmzoo.convert import mapping, tables
+from lmzoo.convert.tables import Entry, Params
 from lmzoo.models.seq2seq import Seq2SeqConfig
 
 # config.model field -> (HF config.json key, HF class default; None = required).
@@ -81,18 +81,18 @@ def _t5_activations(feed_forward_proj: str) -> tuple[str, ...]:
     *gate, name = feed_forward_proj.split("-")
     if feed_forward_proj == "gated-gelu":
         name = "gelu_new"  # HF's backward-compatible reading
-    if gate not in ([], ["gated"]) or name not in mapping.ACTIVATION_FROM_HF:
-        raise mapping.ConfigError(
+    if gate not in ([], ["gated"]) or name not in tables.ACTIVATION_FROM_HF:
+        raise tables.ConfigError(
             f"HF T5 feed_forward_proj {feed_forward_proj!r} has no lmzoo equivalent; use ACT or gated-ACT with ACT "
-            f"one of {sorted(mapping.ACTIVATION_FROM_HF)}"
+            f"one of {sorted(tables.ACTIVATION_FROM_HF)}"
         )
-    return (mapping.ACTIVATION_FROM_HF[name], "linear") if gate else (mapping.ACTIVATION_FROM_HF[name],)
+    return (tables.ACTIVATION_FROM_HF[name], "linear") if gate else (tables.ACTIVATION_FROM_HF[name],)
 
 
 def _t5_feed_forward_proj(activations: tuple[str, ...]) -> str | None:
     """Inverse of `_t5_activations`; None when HF T5 cannot express the activations."""
     if len(activations) == 1:
-        return mapping.ACTIVATION_TO_HF.get(activations[0])
+        return tables.ACTIVATION_TO_HF.get(activations[0])
     if len(activations) == 2 and activations[1] == "linear":
         return _T5_GATED_TO_HF.get(activations[0])
     return None
@@ -107,14 +107,14 @@ def _check(cfg: Seq2SeqConfig, model_type: str) -> None:
             "tie_embeddings when scale_tied_logits (the decoder output is scaled only for a head tied to the embedding)": (
                 cfg.tie_embeddings or not cfg.scale_tied_logits
             ),
-            f"activations (ACT,) with ACT in {sorted(mapping.ACTIVATION_TO_HF)} or (ACT, 'linear') with ACT in "
+            f"activations (ACT,) with ACT in {sorted(tables.ACTIVATION_TO_HF)} or (ACT, 'linear') with ACT in "
             f"{sorted(_T5_GATED_TO_HF)}": _t5_feed_forward_proj(cfg.activations) is not None,
         }
     else:
         rules = {
             "head_dim * num_heads == emb_dim": cfg.head_dim * cfg.num_heads == cfg.emb_dim,
-            f"one activation in {sorted(mapping.ACTIVATION_TO_HF)}": len(cfg.activations) == 1
-            and cfg.activations[0] in mapping.ACTIVATION_TO_HF,
+            f"one activation in {sorted(tables.ACTIVATION_TO_HF)}": len(cfg.activations) == 1
+            and cfg.activations[0] in tables.ACTIVATION_TO_HF,
         }
     broken += [rule for rule, ok in rules.items() if not ok]
     if broken:
@@ -124,10 +124,10 @@ def _check(cfg: Seq2SeqConfig, model_type: str) -> None:
 def _typed_fields(hf_config: Mapping[str, Any], model_type: str, keys: Mapping[str, tuple[str, Any]]) -> dict[str, Any]:
     """The fields of `keys` from an HF config dict (None values take the HF default), typed like Seq2SeqConfig."""
     if hf_config.get("model_type", model_type) != model_type:
-        raise mapping.ConfigError(f"HF config has model_type={hf_config['model_type']!r}; expected {model_type!r}")
+        raise tables.ConfigError(f"HF config has model_type={hf_config['model_type']!r}; expected {model_type!r}")
     missing = [key for key, default in keys.values() if default is None and hf_config.get(key) is None]
     if missing:
-        raise mapping.ConfigError(f"HF {model_type} config lacks {missing}")
+        raise tables.ConfigError(f"HF {model_type} config lacks {missing}")
     fields = {}
     for field, (key, default) in keys.items():
         value = hf_config.get(key)
@@ -190,15 +190,15 @@ def bart_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     fields = _typed_fields(hf_config, "bart", _BART_HF_KEYS | {"max_len": ("max_position_embeddings", None)})
     for key, same in (("decoder_attention_heads", "encoder_attention_heads"), ("decoder_ffn_dim", "encoder_ffn_dim")):
         if hf_config.get(key, hf_config[same]) != hf_config[same]:
-            raise mapping.ConfigError(
+            raise tables.ConfigError(
                 f"HF bart config has {key}={hf_config[key]} != {same}={hf_config[same]}; lmzoo's seq2seq uses one value"
             )
     if not hf_config.get("tie_word_embeddings", True):
-        raise mapping.ConfigError("HF bart config has tie_word_embeddings=False; lmzoo reads BART with its head tied")
+        raise tables.ConfigError("HF bart config has tie_word_embeddings=False; lmzoo reads BART with its head tied")
     activation = hf_config.get("activation_function", "gelu")
-    if activation not in mapping.ACTIVATION_FROM_HF:
-        raise mapping.ConfigError(
-            f"HF activation {activation!r} has no lmzoo equivalent; supported: {sorted(mapping.ACTIVATION_FROM_HF)}"
+    if activation not in tables.ACTIVATION_FROM_HF:
+        raise tables.ConfigError(
+            f"HF activation {activation!r} has no lmzoo equivalent; supported: {sorted(tables.ACTIVATION_FROM_HF)}"
         )
     return (
         fields
@@ -206,7 +206,7 @@ def bart_config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         | {
             "head_dim": fields["emb_dim"] // fields["num_heads"],
             "max_len": fields["max_len"] + _BART_FIXED["position_offset"],  # HF adds the offset rows itself
-            "activations": (mapping.ACTIVATION_FROM_HF[activation],),
+            "activations": (tables.ACTIVATION_FROM_HF[activation],),
             "init_scheme": "normal",  # BART's std init_std (0.02) for every weight
         }
     )
@@ -222,7 +222,7 @@ def bart_config_to_hf(cfg: Seq2SeqConfig) -> dict[str, Any]:
         "decoder_attention_heads": cfg.num_heads,
         "decoder_ffn_dim": cfg.mlp_dim,
         "max_position_embeddings": cfg.max_len - cfg.position_offset,
-        "activation_function": mapping.ACTIVATION_TO_HF[cfg.activations[0]],
+        "activation_function": tables.ACTIVATION_TO_HF[cfg.activations[0]],
         "activation_dropout": 0.0,
         "tie_word_embeddings": True,
         "is_encoder_decoder": True,
@@ -237,8 +237,8 @@ def _attention_entries(
     n = cfg.num_heads * cfg.head_dim
     entries = []
     for name, hf_name in zip(("query", "key", "value"), names[:3], strict=True):
-        entries += mapping.linear(f"{module}.{hf_name}", (*path, name), d, n, out_shape=heads, bias=bias)
-    return entries + mapping.linear(f"{module}.{names[3]}", (*path, "out"), n, d, in_shape=heads, bias=bias)
+        entries += tables.linear(f"{module}.{hf_name}", (*path, name), d, n, out_shape=heads, bias=bias)
+    return entries + tables.linear(f"{module}.{names[3]}", (*path, "out"), n, d, in_shape=heads, bias=bias)
 
 
 def _t5_entries(cfg: Seq2SeqConfig) -> list[Entry]:
@@ -246,47 +246,47 @@ def _t5_entries(cfg: Seq2SeqConfig) -> list[Entry]:
     d, f, v = cfg.emb_dim, cfg.mlp_dim, cfg.vocab_size
     wis = ("wi",) if len(cfg.activations) == 1 else ("wi_0", "wi_1")
     qkvo = ("q", "k", "v", "o")
-    entries = mapping.table("shared", ("embed",), v, d)
+    entries = tables.table("shared", ("embed",), v, d)
     for stack, num_layers in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
         relpos = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"
-        entries += mapping.table(relpos, (f"{stack}_relpos",), cfg.relative_buckets, cfg.num_heads)
+        entries += tables.table(relpos, (f"{stack}_relpos",), cfg.relative_buckets, cfg.num_heads)
         for i in range(num_layers):
             prefix, path = f"{stack}.block.{i}.layer.", (stack, f"layer_{i}")
             entries += _attention_entries(prefix + "0.SelfAttention", (*path, "attn"), cfg, qkvo)
-            entries += mapping.norm(prefix + "0.layer_norm", (*path, "ln_attn"), d, bias=False)
+            entries += tables.norm(prefix + "0.layer_norm", (*path, "ln_attn"), d, bias=False)
             mlp = prefix + "1."
             if stack == "decoder":
                 entries += _attention_entries(prefix + "1.EncDecAttention", (*path, "cross_attn"), cfg, qkvo)
-                entries += mapping.norm(prefix + "1.layer_norm", (*path, "ln_cross"), d, bias=False)
+                entries += tables.norm(prefix + "1.layer_norm", (*path, "ln_cross"), d, bias=False)
                 mlp = prefix + "2."
             for wi in wis:
-                entries += mapping.linear(f"{mlp}DenseReluDense.{wi}", (*path, "mlp", wi), d, f, bias=False)
-            entries += mapping.linear(f"{mlp}DenseReluDense.wo", (*path, "mlp", "wo"), f, d, bias=False)
-            entries += mapping.norm(mlp + "layer_norm", (*path, "ln_mlp"), d, bias=False)
-        entries += mapping.norm(f"{stack}.final_layer_norm", (f"{stack}_final_norm",), d, bias=False)
+                entries += tables.linear(f"{mlp}DenseReluDense.{wi}", (*path, "mlp", wi), d, f, bias=False)
+            entries += tables.linear(f"{mlp}DenseReluDense.wo", (*path, "mlp", "wo"), f, d, bias=False)
+            entries += tables.norm(mlp + "layer_norm", (*path, "ln_mlp"), d, bias=False)
+        entries += tables.norm(f"{stack}.final_layer_norm", (f"{stack}_final_norm",), d, bias=False)
     if not cfg.tie_embeddings:
-        entries += mapping.linear("lm_head", ("lm_head",), d, v, bias=False)
+        entries += tables.linear("lm_head", ("lm_head",), d, v, bias=False)
     return entries
 
 
 def _bart_entries(cfg: Seq2SeqConfig) -> list[Entry]:
     """Every tensor of HF BartForConditionalGeneration for `cfg` (without the "model." prefix), tied copies excluded."""
     d, f, v = cfg.emb_dim, cfg.mlp_dim, cfg.vocab_size
-    entries = mapping.table("shared", ("embed",), v, d)
+    entries = tables.table("shared", ("embed",), v, d)
     for stack, num_layers in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
-        entries += mapping.table(f"{stack}.embed_positions", (f"{stack}_positions",), cfg.max_len, d)
-        entries += mapping.norm(f"{stack}.layernorm_embedding", (f"{stack}_embed_norm",), d)
+        entries += tables.table(f"{stack}.embed_positions", (f"{stack}_positions",), cfg.max_len, d)
+        entries += tables.norm(f"{stack}.layernorm_embedding", (f"{stack}_embed_norm",), d)
         for i in range(num_layers):
             prefix, path = f"{stack}.layers.{i}.", (stack, f"layer_{i}")
             projections = ("q_proj", "k_proj", "v_proj", "out_proj")
             entries += _attention_entries(prefix + "self_attn", (*path, "attn"), cfg, projections)
-            entries += mapping.norm(prefix + "self_attn_layer_norm", (*path, "ln_attn"), d)
+            entries += tables.norm(prefix + "self_attn_layer_norm", (*path, "ln_attn"), d)
             if stack == "decoder":
                 entries += _attention_entries(prefix + "encoder_attn", (*path, "cross_attn"), cfg, projections)
-                entries += mapping.norm(prefix + "encoder_attn_layer_norm", (*path, "ln_cross"), d)
-            entries += mapping.linear(prefix + "fc1", (*path, "mlp", "wi"), d, f)
-            entries += mapping.linear(prefix + "fc2", (*path, "mlp", "wo"), f, d)
-            entries += mapping.norm(prefix + "final_layer_norm", (*path, "ln_mlp"), d)
+                entries += tables.norm(prefix + "encoder_attn_layer_norm", (*path, "ln_cross"), d)
+            entries += tables.linear(prefix + "fc1", (*path, "mlp", "wi"), d, f)
+            entries += tables.linear(prefix + "fc2", (*path, "mlp", "wo"), f, d)
+            entries += tables.norm(prefix + "final_layer_norm", (*path, "ln_mlp"), d)
     return entries + [Entry("final_logits_bias", ("final_logits_bias",), (1, v), (v,), group="bias")]
 
 
@@ -294,11 +294,11 @@ def _entries(cfg: Seq2SeqConfig, model_type: str) -> list[Entry]:
     return _t5_entries(cfg) if model_type == "t5" else _bart_entries(cfg)
 
 
-def _layout(cfg: Seq2SeqConfig, model_type: str) -> mapping.Layout:
+def _layout(cfg: Seq2SeqConfig, model_type: str) -> tables.Layout:
     """Naming around the entries: "model." body for BART, embed_tokens (and a tied lm_head) as copies of shared."""
     prefix, ignored = _LAYOUT[model_type]
     copies = ["encoder.embed_tokens.weight", "decoder.embed_tokens.weight"] + ["lm_head.weight"] * cfg.tie_embeddings
-    return mapping.Layout(
+    return tables.Layout(
         name=f"HF {model_type}",
         family="seq2seq",
         prefix=prefix,
@@ -313,7 +313,7 @@ def _layout(cfg: Seq2SeqConfig, model_type: str) -> mapping.Layout:
 def _sources(state_dict: Mapping[str, Any], cfg: Seq2SeqConfig, model_type: str) -> Params:
     _check(cfg, model_type)
     table = _entries(cfg, model_type)
-    params = mapping.to_sources(*mapping.read_hf(state_dict, _layout(cfg, model_type), table, optional=("bias",)))
+    params = tables.to_sources(*tables.read_hf(state_dict, _layout(cfg, model_type), table, optional=("bias",)))
     if model_type == "bart":  # as in HF, a checkpoint without final_logits_bias (a bare BartModel) has zeros
         params.setdefault("final_logits_bias", np.zeros(cfg.vocab_size, np.float32))
     return params
@@ -321,7 +321,7 @@ def _sources(state_dict: Mapping[str, Any], cfg: Seq2SeqConfig, model_type: str)
 
 def _to_hf(params: Params, cfg: Seq2SeqConfig, model_type: str) -> dict[str, np.ndarray]:
     _check(cfg, model_type)
-    return mapping.to_hf(params, _layout(cfg, model_type), _entries(cfg, model_type))
+    return tables.to_hf(params, _layout(cfg, model_type), _entries(cfg, model_type))
 
 
 def t5_from_hf(state_dict: Mapping[str, Any], cfg: Seq2SeqConfig) -> Params:
@@ -352,11 +352,11 @@ _CONFIG_FROM_HF = {"t5": t5_config_from_hf, "bart": bart_config_from_hf}
 
 
 def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params as lazy `mapping` leaves, read only when placed) of an HF T5 or BART checkpoint
+    """(config.model fields, params as lazy leaves, read only when placed) of an HF T5 or BART checkpoint
     (by config.json model_type)."""
     model_type = hf_config.get("model_type")
     if model_type not in _CONFIG_FROM_HF:
-        raise mapping.ConfigError(
+        raise tables.ConfigError(
             f"HF config has model_type={model_type!r}; the seq2seq converter reads {sorted(_CONFIG_FROM_HF)}"
         )
     fields = _CONFIG_FROM_HF[model_type](hf_config)
@@ -364,7 +364,7 @@ def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, An
         # transformers 5 ties an unscaled (v1.1) head to the embedding unless a checkpoint's lm_head differs, and then
         # saves no lm_head.weight; it reloads as that shared layer, which lmzoo's tied, unscaled head computes.
         fields["tie_embeddings"] = True
-    return fields, _sources(state_dict, mapping.checkpoint_config("seq2seq", fields), model_type)
+    return fields, _sources(state_dict, tables.checkpoint_config("seq2seq", fields), model_type)
 
 
 def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:

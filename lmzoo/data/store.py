@@ -570,24 +570,17 @@ class StoreWriter:
 
     def _finish_shard(self, chunk_end: int) -> None:
         shard = self.current
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
         starts = np.concatenate(shard.starts) if shard.starts else np.zeros(0, np.int64)
-        with open(self._shard_path(shard, ".starts"), "wb") as f:
-            f.write(starts.astype("<i8").tobytes())
-            f.flush()
-            os.fsync(f.fileno())
+        storage.write_bytes(self._shard_path(shard, ".starts"), starts.astype("<i8").tobytes())
         entry = {"split": shard.split, "name": shard.name, "tokens": shard.tokens, "documents": shard.documents}
         if self.header.get("sentences"):
             sentences = np.concatenate([np.zeros(0, np.int64), *shard.sentence_starts])
-            with open(self._shard_path(shard, ".sentences"), "wb") as f:
-                f.write(sentences.astype("<i8").tobytes())
-                f.flush()
-                os.fsync(f.fileno())
+            storage.write_bytes(self._shard_path(shard, ".sentences"), sentences.astype("<i8").tobytes())
             entry["sentences"] = len(sentences)
-        os.replace(self._shard_path(shard, ".partial"), self._shard_path(shard, ".tokens"))
+        # The token ids last: a shard whose .tokens file is there has all its files.
+        storage.replace_local(self._shard_path(shard, ".partial"), self._shard_path(shard, ".tokens"))
         if self._staging is not None:
             # The token ids last: a shard whose .tokens object is there has all its objects.
             for suffix in (".starts", ".sentences", ".tokens"):

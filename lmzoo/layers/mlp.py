@@ -1,5 +1,5 @@
 """Activations, the position-wise feed-forward block (`MlpBlock`) and the mixture-of-experts feed-forward
-(`MoeConfig`, `MoeBlock`) with the same call: [B, T, D] -> [B, T, D].
+(`MoeFields`, `MoeConfig`, `MoeBlock`) with the same call: [B, T, D] -> [B, T, D].
 
 Einsum letters besides the shared ones: E experts, R a token's routed choices (the router's top-k), C an expert's
 capacity per sequence.
@@ -81,14 +81,15 @@ MOE_FORMS = ("dropless", "capacity")
 
 
 @dataclasses.dataclass(frozen=True)
-class MoeConfig:
-    """The fields of one mixture-of-experts feed-forward, declared once: `MoeBlock` and the blocks that build it take
-    this, and a family's config exposes the same names as `config.model` keys.
+class MoeFields:
+    """The fields of a mixture-of-experts feed-forward, declared once: `MoeConfig`, what `MoeBlock` and the blocks
+    that build it take, has them, and a family config that offers experts inherits them as `config.model` keys
+    (Llama's), where num_experts 0 means a dense feed-forward and expert_mlp_dim 0 the model's mlp_dim.
 
     Attributes:
         num_experts: E.
-        expert_mlp_dim: F of each expert.
         experts_per_token: R, the router's top-k (Mixtral 2).
+        expert_mlp_dim: F of each expert.
         shared_expert_mlp_dim: F of a shared expert every token goes through, scaled by a sigmoid gate (Qwen2-MoE);
             0 = none.
         moe_form: "dropless" or "capacity" (`MoeBlock`).
@@ -100,15 +101,21 @@ class MoeConfig:
             norm_topk_prob), else use them as they are.
     """
 
-    num_experts: int
-    expert_mlp_dim: int
+    num_experts: int = 0
     experts_per_token: int = 2
+    expert_mlp_dim: int = 0
     shared_expert_mlp_dim: int = 0
     moe_form: str = "dropless"
     capacity_factor: float = 1.25
     router_z_loss_coef: float = 1e-3
     load_balance_coef: float = 1e-2
     renormalize_expert_weights: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig(MoeFields):
+    """The `MoeFields` of one `MoeBlock`: num_experts >= 1 and expert_mlp_dim the experts' own F (`problems` names
+    every field out of range)."""
 
     def problems(self) -> list[tuple[str, str, str]]:
         """(field, what is wrong, a valid value) for every out-of-range field; empty when the config is valid."""

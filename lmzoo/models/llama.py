@@ -25,13 +25,13 @@ from lmzoo.models import kinds
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(mlp.MoeFields):
     """Decoder hyper-parameters; the field names are exactly the keys of `config.model`.
 
     head_dim 0 means emb_dim // num_heads; num_kv_heads 0 means num_heads; sliding_window 0 means none;
     rope_scaling_factor 0 means no scaling, else Llama 3's scaling with the three fields after it.
-    num_experts 0 means a dense SwiGLU; above 0, the fields after it are `layers.mlp.MoeConfig`'s (expert_mlp_dim 0
-    means mlp_dim).
+    The mixture-of-experts fields are `layers.mlp.MoeFields`' (declared there): num_experts 0 means a dense SwiGLU,
+    expert_mlp_dim 0 means mlp_dim.
     """
 
     vocab_size: int = 32000
@@ -42,15 +42,6 @@ class LlamaConfig:
     head_dim: int = 0
     num_layers: int = 32
     mlp_dim: int = 11008
-    num_experts: int = 0
-    experts_per_token: int = 2
-    expert_mlp_dim: int = 0
-    shared_expert_mlp_dim: int = 0
-    moe_form: str = "dropless"
-    capacity_factor: float = 1.25
-    router_z_loss_coef: float = 1e-3
-    load_balance_coef: float = 1e-2
-    renormalize_expert_weights: bool = True
     rope_theta: float = 10_000.0
     rope_scaling_factor: float = 0.0
     rope_low_freq_factor: float = 1.0
@@ -101,7 +92,7 @@ class LlamaConfig:
         """The MoE fields as `layers.mlp.MoeConfig`; None for a dense model (num_experts 0)."""
         if not self.num_experts:
             return None
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(mlp.MoeConfig)}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(mlp.MoeFields)}
         return mlp.MoeConfig(**{**fields, "expert_mlp_dim": self.expert_mlp_dim or self.mlp_dim})
 
     def check_expert_axis(self) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from lmzoo.convert import bert, gpt2, hf, mapping
+from lmzoo.convert import bert, gpt2, hf, mapping, safetensors_reader
 from lmzoo.models import build_model, make_config
 
 GPT2 = dict(vocab_size=32, max_len=8, emb_dim=16, num_heads=2, num_layers=1, mlp_dim=32)
@@ -70,7 +70,7 @@ def test_every_differing_field_is_listed(tmp_path):
 
 def test_partial_load_reports_dropped_layers(tmp_path, capsys):
     spec = save_gpt2(tmp_path / "ckpt", num_layers=3)
-    _, source = mapping.read_safetensors_dir(spec.removeprefix("hf:"))
+    _, source = safetensors_reader.read_safetensors_dir(spec.removeprefix("hf:"))
     cfg = make_config("gpt2", GPT2)
     target = init_params("gpt2", cfg)
     params, report = hf.convert_pretrained(spec, "gpt2", cfg, target, allow_partial=True)

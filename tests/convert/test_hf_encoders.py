@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmzoo.convert import bert, hf, mapping
+from lmzoo.convert import bert, hf, safetensors_reader
 from lmzoo.models import build_model, heads, make_config
 from lmzoo.tokenizers import HFTokenizer
 
@@ -354,7 +354,7 @@ def test_all_minilm_l6_v2_sentence_embeddings_match_hf(monkeypatch):
     tokens = np.array([row + [pad] * (length - len(row)) for row in rows], dtype=np.int64)
     mask = (np.arange(length)[None] < np.array([len(row) for row in rows])[:, None]).astype(np.int64)
 
-    hf_config_dict, state_dict = mapping.read_safetensors_dir(model_dir)
+    hf_config_dict, state_dict = safetensors_reader.read_safetensors_dir(model_dir)
     assert "embeddings.word_embeddings.weight" in state_dict  # bare BertModel keys
     cfg = make_config("bert", bert.config_from_hf(hf_config_dict, sentence_head=False))
     params = bert.from_hf(state_dict, cfg, model_type="bert")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmzoo.convert import gpt2, hf, mapping
+from lmzoo.convert import gpt2, hf, safetensors_reader
 from lmzoo.decoding import generate
 from lmzoo.models import build_model, make_config
 
@@ -92,7 +92,7 @@ def test_load_pretrained_safetensors_scanned(tmp_path, tokens, max_shard_size):
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(tmp_path, safe_serialization=True, **kwargs)
     assert (tmp_path / "model.safetensors.index.json").exists() == (max_shard_size is not None)
-    hf_config, state_dict = mapping.read_safetensors_dir(tmp_path)
+    hf_config, state_dict = safetensors_reader.read_safetensors_dir(tmp_path)
     assert hf_config["n_embd"] == 64 and "transformer.wte.weight" in state_dict
     cfg = lmzoo_config(model, scan_layers=True)
     params, report = hf.convert_pretrained(f"hf:{tmp_path}", "gpt2", cfg, target_params(cfg))
@@ -182,7 +182,7 @@ def test_errors(tmp_path):
     (pickled / "config.json").write_text(json.dumps(model.config.to_dict()))
     (pickled / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(ValueError, match=r"(?s)pickle.*safetensors"):
-        mapping.read_safetensors_dir(pickled)
+        safetensors_reader.read_safetensors_dir(pickled)
     with pytest.raises(ValueError, match=r"(?s)pickle.*safetensors"):
         hf.convert_pretrained(f"hf:{pickled}", "gpt2", {}, {})
 
@@ -197,7 +197,7 @@ def test_errors(tmp_path):
 
     missing = tmp_path / "nowhere"
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        mapping.read_safetensors_dir(missing)
+        safetensors_reader.read_safetensors_dir(missing)
     with pytest.raises(FileNotFoundError, match="nowhere"):
         hf.convert_pretrained(f"hf:{missing}", "gpt2", {}, {})
     with pytest.raises(ValueError, match="hf:PATH"):

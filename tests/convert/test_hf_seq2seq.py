@@ -12,7 +12,7 @@ from flax import traverse_util
 from safetensors.numpy import save_file
 
 from lmzoo import decoding
-from lmzoo.convert import hf, mapping, seq2seq
+from lmzoo.convert import hf, safetensors_reader, seq2seq
 from lmzoo.models import build_model, make_config
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install -r requirements-test.txt)")
@@ -228,7 +228,7 @@ def test_v1_1_head_shared_with_the_embedding_loads_as_transformers_saves_it(tmp_
             param.normal_(0.0, 0.5 if "shared" in name else 0.3)
     assert model.lm_head.weight is model.shared.weight
     model.save_pretrained(tmp_path)
-    hf_dict, state_dict = mapping.read_safetensors_dir(str(tmp_path))
+    hf_dict, state_dict = safetensors_reader.read_safetensors_dir(str(tmp_path))
     assert "lm_head.weight" not in state_dict and not hf_dict.get("scale_decoder_outputs", True)
     fields, params = seq2seq.read_checkpoint(hf_dict, state_dict)
     assert fields["tie_embeddings"] and not fields["scale_tied_logits"]
@@ -430,7 +430,7 @@ def test_load_pretrained_scanned(tmp_path, data):
     [layers, B*K, ...]) and the way back to HF."""
     model = random_hf_model("t5_v1_0")
     model.save_pretrained(tmp_path, safe_serialization=True)
-    hf_dict, state_dict = mapping.read_safetensors_dir(tmp_path)
+    hf_dict, state_dict = safetensors_reader.read_safetensors_dir(tmp_path)
     fields = seq2seq.t5_config_from_hf(hf_dict)
     module = build_model("seq2seq", fields | {"scan_layers": True})
     tokens = jnp.zeros((1, 4), jnp.int32)

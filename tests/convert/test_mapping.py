@@ -3,17 +3,17 @@
 import numpy as np
 import pytest
 
-from lmzoo.convert import mapping
+from lmzoo.convert import mapping, tables
 
-LAYOUT = mapping.Layout(name="HF toy", family="toy", prefix="body.", heads=frozenset({"head.weight"}))
+LAYOUT = tables.Layout(name="HF toy", family="toy", prefix="body.", heads=frozenset({"head.weight"}))
 
 
-def toy_entries() -> list[mapping.Entry]:
+def toy_entries() -> list[tables.Entry]:
     """A fused Conv1D query/key/value [4, 3 * 4] and an nn.Linear head [5, 4]."""
     table = []
     for index, name in enumerate(("query", "key", "value")):
-        table += mapping.conv1d("qkv", ("attn", name), 4, 4, out_shape=(2, 2), part=(index, 3))
-    return table + mapping.linear("head", ("head",), 4, 5, bias=False)
+        table += tables.conv1d("qkv", ("attn", name), 4, 4, out_shape=(2, 2), part=(index, 3))
+    return table + tables.linear("head", ("head",), 4, 5, bias=False)
 
 
 def toy_state_dict() -> dict[str, np.ndarray]:
@@ -27,17 +27,17 @@ def toy_state_dict() -> dict[str, np.ndarray]:
 
 def test_layouts_round_trip():
     state_dict = toy_state_dict()
-    params = mapping.materialize(mapping.to_sources(*mapping.read_hf(state_dict, LAYOUT, toy_entries())))
+    params = mapping.materialize(tables.to_sources(*tables.read_hf(state_dict, LAYOUT, toy_entries())))
     np.testing.assert_array_equal(
         params["attn"]["key"]["kernel"], state_dict["body.qkv.weight"][:, 4:8].reshape(4, 2, 2)
     )
     np.testing.assert_array_equal(params["attn"]["value"]["bias"], state_dict["body.qkv.bias"][8:].reshape(2, 2))
     np.testing.assert_array_equal(params["head"]["kernel"], state_dict["head.weight"].T)
-    back = mapping.to_hf(params, LAYOUT, toy_entries())
+    back = tables.to_hf(params, LAYOUT, toy_entries())
     assert list(back) == list(state_dict)
     for key, value in state_dict.items():
         np.testing.assert_array_equal(back[key], value, err_msg=key)
-    unprefixed = mapping.to_hf(params, LAYOUT, toy_entries(), prefixed=False)
+    unprefixed = tables.to_hf(params, LAYOUT, toy_entries(), prefixed=False)
     assert sorted(unprefixed) == ["head.weight", "qkv.bias", "qkv.weight"]
 
 
@@ -50,9 +50,9 @@ def test_one_validator_both_directions():
     }
     message = r"HF toy state dict does not match the config: unexpected keys \['extra'\], missing keys \['qkv.bias'\], misshapen qkv.weight: \(3, 12\) \(expected \(4, 12\)\)"
     with pytest.raises(ValueError, match=message):
-        mapping.read_hf(broken, LAYOUT, toy_entries())
+        tables.read_hf(broken, LAYOUT, toy_entries())
 
-    params = mapping.materialize(mapping.to_sources(*mapping.read_hf(state_dict, LAYOUT, toy_entries())))
+    params = mapping.materialize(tables.to_sources(*tables.read_hf(state_dict, LAYOUT, toy_entries())))
     params["attn"]["query"]["kernel"] = np.zeros((4, 4))
     params["attn"]["key"].pop("bias")
     params["lm_head"] = {"kernel": np.zeros((4, 5))}
@@ -61,7 +61,7 @@ def test_one_validator_both_directions():
         r"\['attn/key/bias'\], misshapen attn/query/kernel: \(4, 4\) \(expected \(4, 2, 2\)\)"
     )
     with pytest.raises(ValueError, match=message):
-        mapping.to_hf(params, LAYOUT, toy_entries())
+        tables.to_hf(params, LAYOUT, toy_entries())
 
 
 def test_scanned_layout_round_trip():

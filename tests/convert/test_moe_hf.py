@@ -12,7 +12,7 @@ import test_llama_hf as dense  # the padded batch, logits and differences of the
 import test_streamed_loading as streamed  # loading the way an accelerator's blocks are built
 from safetensors.numpy import save_file
 
-from lmzoo.convert import export, hf, llama, mapping
+from lmzoo.convert import export, hf, llama, mapping, safetensors_reader, tables
 from lmzoo.models import make_config
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install -r requirements-test.txt)")
@@ -74,7 +74,7 @@ def random_hf_model(case: str, seed: int = 0):
 def saved(model, folder, **kwargs):
     """(config.json dict, lazy state dict) of `model` saved as safetensors: experts one tensor each."""
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
-    return mapping.read_safetensors_dir(folder)
+    return safetensors_reader.read_safetensors_dir(folder)
 
 
 @pytest.mark.parity
@@ -229,7 +229,7 @@ def test_bad_moe_configs_are_refused_naming_the_field():
         r"hidden_act='gelu'": mixtral | {"hidden_act": "gelu"},
     }
     for message, config in refused.items():
-        with pytest.raises(mapping.ConfigError, match=message):
+        with pytest.raises(tables.ConfigError, match=message):
             llama.config_from_hf(config)
     # Lmzoo models HF has no class for are refused on export, naming the field to set.
     cfg = make_config("llama", llama.config_from_hf(mixtral) | {"qkv_bias": True})
@@ -255,7 +255,7 @@ def test_folder_errors_blame_config_json_and_name_missing_experts(tmp_path):
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(broken[0]))
         save_file(broken[1], str(folder / "model.safetensors"))
-    with pytest.raises(mapping.ConfigError, match=r"num_experts_per_tok=7 with num_local_experts=5") as error:
+    with pytest.raises(tables.ConfigError, match=r"num_experts_per_tok=7 with num_local_experts=5") as error:
         hf.convert_pretrained(f"hf:{tmp_path / 'top_k'}", "llama", cfg, dense.target_params(cfg))
     assert str(error.value).startswith(f"{tmp_path / 'top_k'}/config.json: HF mixtral config has"), error.value
     with pytest.raises(ValueError, match=r"missing keys \['layers.1.block_sparse_moe.experts.3.w2.weight'\]"):

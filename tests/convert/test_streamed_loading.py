@@ -1,6 +1,6 @@
-"""Streamed HF loading (`mapping.read_safetensors_dir` + `mapping.place`): any box of a converted leaf equals that box
-of the whole conversion, a streamed load equals a whole-file load bit for bit, each parameter is built in its
-target's sharding on 8 simulated devices, host memory grows by the parameters plus about one tensor, and a bad
+"""Streamed HF loading (`safetensors_reader.read_safetensors_dir` + `mapping.place`): any box of a converted leaf
+equals that box of the whole conversion, a streamed load equals a whole-file load bit for bit, each parameter is built
+in its target's sharding on 8 simulated devices, host memory grows by the parameters plus about one tensor, and a bad
 checkpoint (an integer weight, an impossible config.json) is refused in one line naming its file.
 
 Checkpoints are written by lmzoo's own exporters (no torch). The multi-device checks run in a subprocess with 8
@@ -26,7 +26,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from lmzoo import sharding, testing, weights
-from lmzoo.convert import gpt2, hf, llama, mapping
+from lmzoo.convert import gpt2, hf, llama, mapping, safetensors_reader, tables
 from lmzoo.models import build_model, make_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -88,13 +88,13 @@ def test_every_box_of_a_converted_leaf_is_that_box_of_the_whole_conversion(tmp_p
     }
     save_file(stored, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text("{}")
-    _, tensors = mapping.read_safetensors_dir(tmp_path)
+    _, tensors = safetensors_reader.read_safetensors_dir(tmp_path)
     entries = [
-        *mapping.linear("q", ("q",), 8, 12, out_shape=(3, 4), bias=False),
-        *mapping.linear("wide", ("wide",), 300, 150, out_shape=(3, 50), bias=False),
-        *mapping.linear("o", ("o",), 12, 8, in_shape=(3, 4), bias=False),
-        mapping.conv1d("qkv", ("k",), 8, 12, out_shape=(3, 4), part=(1, 3))[0],
-        mapping.Entry("bias", ("bias",), (1, 10), (10,)),
+        *tables.linear("q", ("q",), 8, 12, out_shape=(3, 4), bias=False),
+        *tables.linear("wide", ("wide",), 300, 150, out_shape=(3, 50), bias=False),
+        *tables.linear("o", ("o",), 12, 8, in_shape=(3, 4), bias=False),
+        tables.conv1d("qkv", ("k",), 8, 12, out_shape=(3, 4), part=(1, 3))[0],
+        tables.Entry("bias", ("bias",), (1, 10), (10,)),
     ]
     whole = {
         "q": stored["q.weight"].T.reshape(8, 3, 4),
@@ -104,7 +104,7 @@ def test_every_box_of_a_converted_leaf_is_that_box_of_the_whole_conversion(tmp_p
         "bias": stored["bias"].reshape(10),
     }
     for entry in entries:
-        leaf, expected = mapping.Converted(tensors[entry.hf], entry), whole[entry.path[0]]
+        leaf, expected = tables.Converted(tensors[entry.hf], entry), whole[entry.path[0]]
         np.testing.assert_array_equal(np.asarray(leaf), expected, err_msg=entry.hf)
         for _ in range(20):
             starts = [int(rng.integers(0, n)) for n in expected.shape]
@@ -209,13 +209,13 @@ def check_sharded_loads(folder: pathlib.Path) -> None:
     merging into fresh sharded params keeps their shardings. Each also as an accelerator's blocks are built: put on
     the devices piece by piece and assembled there (`mapping._place_in_pieces`), reading the stored bytes once for
     all the devices, as many as the host's way reads (an 8-device host once read each byte once per device)."""
-    read_bytes, read = [0], mapping.StoredTensor._read
+    read_bytes, read = [0], safetensors_reader.StoredTensor._read
 
     def counted(tensor, first, count, buffer):
         read_bytes[0] += count * tensor.dtype.itemsize
         return read(tensor, first, count, buffer)
 
-    mapping.StoredTensor._read = counted
+    safetensors_reader.StoredTensor._read = counted
     for family, (_, fields) in FAMILIES.items():
         spec, cfg = (
             f"hf:{folder / family}",
@@ -316,13 +316,13 @@ def check_two_hosts(folder: pathlib.Path, process: int, port: int) -> None:
     target = jax.tree.map(
         lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where), nn.unbox(boxed), shardings
     )
-    read_bytes, read = [0], mapping.StoredTensor._read
+    read_bytes, read = [0], safetensors_reader.StoredTensor._read
 
     def counted(tensor, first, count, buffer):
         read_bytes[0] += count * tensor.dtype.itemsize
         return read(tensor, first, count, buffer)
 
-    mapping.StoredTensor._read = counted
+    safetensors_reader.StoredTensor._read = counted
     reads, shards = {}, 0
     for way, on_devices in (("host", mapping._assembled_on_devices), ("accelerator", lambda where: True)):
         mapping._assembled_on_devices = on_devices
@@ -334,7 +334,7 @@ def check_two_hosts(folder: pathlib.Path, process: int, port: int) -> None:
             for shard in leaf.addressable_shards:
                 np.testing.assert_array_equal(shard.data, flat_host[path][shard.index], err_msg=f"{way} {path}")
                 shards += 1
-    _, tensors = mapping.read_safetensors_dir(folder)
+    _, tensors = safetensors_reader.read_safetensors_dir(folder)
     tensor_bytes = sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors.values())
     print("two hosts ok")
     print(json.dumps({"read": reads, "tensor_bytes": tensor_bytes, "shards": shards, "parameters": len(flat_host)}))
@@ -421,7 +421,7 @@ def test_kv_heads_not_dividing_heads_is_blamed_on_config_json(tmp_path):
     spec = testing.save_hf_checkpoint(
         tmp_path / "ckpt", hf_config, {"model.norm.weight": np.ones(32, np.float32)}, shards=1
     )
-    with pytest.raises(mapping.ConfigError) as error:
+    with pytest.raises(tables.ConfigError) as error:
         hf.convert_pretrained(spec, "llama", cfg, nn.unbox(abstract_params("llama", cfg)))
     message = str(error.value)
     assert message.startswith(f"{tmp_path / 'ckpt'}/config.json: HF llama config has num_key_value_heads=3"), message

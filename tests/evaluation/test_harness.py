@@ -17,7 +17,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from lmzoo import tokenizers  # noqa: E402
 from lmzoo.cli import harness as cli_harness  # noqa: E402
-from lmzoo.convert import gpt2, llama, mapping  # noqa: E402
+from lmzoo.convert import gpt2, llama, safetensors_reader  # noqa: E402
 from lmzoo.evaluation import harness  # noqa: E402
 from lmzoo.models import build_model, make_config  # noqa: E402
 from lmzoo.train import run as run_lib  # noqa: E402
@@ -103,7 +103,7 @@ def hf_folder(request, tmp_path_factory):
 def models(hf_folder):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    hf_config, state_dict = mapping.read_safetensors_dir(str(hf_folder))
+    hf_config, state_dict = safetensors_reader.read_safetensors_dir(str(hf_folder))
     family = hf_config["model_type"]
     fields, params = CONVERTERS[family].read_checkpoint(hf_config, state_dict)
     tokenizer = tokenizers.HFTokenizer.from_file(str(hf_folder / "tokenizer.json"))

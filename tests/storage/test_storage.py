@@ -111,6 +111,17 @@ def _umask() -> int:
     return current
 
 
+def test_replace_local_swaps_whole_folders(tmp_path):
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "old.model").write_text("old")
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    (staged / "spec.json").write_text("{}")
+    storage.replace_local(staged, tmp_path / "tokenizer")
+    assert sorted(p.name for p in (tmp_path / "tokenizer").iterdir()) == ["spec.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer"]
+
+
 def test_create_if_absent(root):
     lock = f"{root}/run/lock"
     assert storage.create_if_absent(lock, b"holder-1")

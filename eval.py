@@ -181,13 +181,14 @@ def gsm8k_k_values() -> list[int]:
 
 
 def run_gsm8k(mesh_shape) -> None:
+    from lmzoo.data import problems
     from lmzoo.evaluation import gsm8k
     from lmzoo.train import run as run_lib
 
     k_values = gsm8k_k_values()
     rows = gsm8k.read_rows(FLAGS.gsm8k)[: FLAGS.gsm8k_examples]
     for index, row in enumerate(rows):  # a bad template is refused before the checkpoint is read
-        gsm8k.prompt_of(row, FLAGS.gsm8k_template, index)
+        problems.format_prompt(FLAGS.gsm8k_template, row, index)
     loaded = run_lib.load(FLAGS.workdir, FLAGS.step, mesh_shape=mesh_shape)
     start = time.perf_counter()
     result = gsm8k.evaluate(

@@ -17,6 +17,7 @@ run the encoder once and feed the decoder one token per step against its KV cach
 the logits in float32: the sampling filters, softmax, log-probs and beam scores are float32."""
 
 import functools
+from collections.abc import Sequence
 
 import flax.linen as nn
 import flax.struct
@@ -244,6 +245,18 @@ def sample(
         pad_id=pad_id,
         vocab_size=vocab_size,
     )
+
+
+def reply_text(tokenizer, tokens: Sequence[int], mask: Sequence[int], stops: Sequence[str] = ()) -> str:
+    """One sampled row's reply (`Samples.tokens`, `Samples.mask` rows [T]): the tokens its mask keeps, up to (not
+    including) the tokenizer's EOS, decoded and cut before the first of `stops`."""
+    ids = [int(t) for t, m in zip(tokens, mask, strict=True) if m]
+    if tokenizer.eos_id in ids:
+        ids = ids[: ids.index(tokenizer.eos_id)]
+    text = tokenizer.decode(ids)
+    for stop in stops:
+        text = text.split(stop, 1)[0] if stop else text
+    return text
 
 
 def window_passed(model: nn.Module, prompt_len: int, max_new_tokens: int) -> bool:

@@ -82,12 +82,7 @@ def is_chat_file(path: str) -> bool:
         return True
     if not name.endswith((".jsonl", ".jsonl.gz")):
         return False
-    with storage.open_read(path, text=True) as f:
-        first = next((line for line in f if line.strip()), "")
-    try:
-        row = json.loads(first)
-    except ValueError:
-        return False  # the reader of comparisons names the line
+    row = sources.first_json_row(path)
     return isinstance(row, dict) and (
         "messages" in row or isinstance(row.get("chosen"), list) or isinstance(row.get("prompt"), list)
     )

@@ -6,7 +6,6 @@ Each row becomes a `Problem`: the prompt the policy continues (`config.data.prom
 row's fields) and the row itself, which the reward functions read beside the completion (`lmzoo.rl.rewards`)."""
 
 import dataclasses
-import json
 import re
 import urllib.parse
 
@@ -38,12 +37,7 @@ def is_problem_file(path: str) -> bool:
         return True
     if not storage.path(path).name.endswith((".jsonl", ".jsonl.gz")) or not storage.exists(path):
         return False
-    with storage.open_read(path, text=True) as f:
-        first = next((line for line in f if line.strip()), "")
-    try:
-        row = json.loads(first)
-    except ValueError:
-        return False
+    row = sources.first_json_row(path)
     return isinstance(row, dict) and isinstance(row.get(QUESTION), str)
 
 
@@ -52,13 +46,14 @@ def solution(row: dict) -> str:
     return _CALCULATION.sub("", str(row.get("answer", "")))
 
 
-def _format(template: str, row: dict, where: str) -> str:
+def format_prompt(template: str, row: dict, index: int = 0) -> str:
+    """`template` formatted with the row's fields; an error names the row (`index`, from 0) and the fields it has."""
     try:
         return template.format(**row)
-    except (KeyError, IndexError) as e:
+    except (KeyError, IndexError, ValueError) as e:
         raise ValueError(
-            f"{where}: config.data.prompt_template={template!r} names field {e} that the row lacks (it has "
-            f"{sorted(row)}); name the row's fields in braces, e.g. '{{question}}'"
+            f"template {template!r} cannot be formatted with row {index + 1}'s fields {sorted(row)} "
+            f"({type(e).__name__}: {e}); name fields as {{question}}"
         ) from None
 
 
@@ -96,4 +91,4 @@ def read_problems(path: str, template: str) -> list[Problem]:
             raise FileNotFoundError(f"problems file {path!r} does not exist")
         fix = 'each row needs "question" and "answer" (GSM8K\'s form)'
         rows = sources.read_jsonl(storage.path(path), (QUESTION, "answer"), fix)
-    return [Problem(_format(template, row, f"{path}, row {i + 1}"), row) for i, row in enumerate(rows)]
+    return [Problem(format_prompt(template, row, i), row) for i, row in enumerate(rows)]

@@ -158,6 +158,17 @@ def iter_jsonl(path: pathlib.Path, fields: tuple[str, ...], fix: str) -> Iterato
             yield row
 
 
+def first_json_row(path) -> object:
+    """The first non-blank line of a text file (local or in a bucket) parsed as JSON; None when it is not JSON (the
+    reader that reads the file names the line)."""
+    with storage.open_read(path, text=True) as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        return json.loads(first)
+    except ValueError:
+        return None
+
+
 def read_jsonl(path: pathlib.Path, fields: tuple[str, ...], fix: str) -> list[dict]:
     """Every row of `iter_jsonl`."""
     return list(iter_jsonl(path, fields, fix))

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from lmzoo import decoding, storage, tokenizers
-from lmzoo.data import sources
+from lmzoo.data import problems, sources
 from lmzoo.evaluation import scoring
 from lmzoo.models import kinds
 from lmzoo.rl import rewards
@@ -34,7 +34,6 @@ from lmzoo.rl import rewards
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 STOP = "\nQuestion:"
 FIELDS = ("question", "answer")
-PAD_MULTIPLE = 16
 
 
 def read_rows(path: str) -> list[dict]:
@@ -64,27 +63,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def prompt_of(row: dict, template: str, index: int = 0) -> str:
-    """`template` formatted with the row's fields; an error names the row and the fields it has."""
-    try:
-        return template.format(**row)
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(
-            f"template {template!r} cannot be formatted with row {index + 1}'s fields {sorted(row)} "
-            f"({type(e).__name__}: {e}); name fields as {{question}}"
-        ) from None
-
-
-def reply_text(tokenizer: tokenizers.Tokenizer, tokens: Sequence[int], mask: Sequence[int], stop: str = STOP) -> str:
-    """The reply of one sampled row: the tokens its mask keeps, up to (not including) EOS, decoded and cut before
-    the first `stop`."""
-    ids = [int(t) for t, m in zip(tokens, mask, strict=True) if m]
-    if tokenizer.eos_id in ids:
-        ids = ids[: ids.index(tokenizer.eos_id)]
-    text = tokenizer.decode(ids)
-    return text.split(stop, 1)[0] if stop else text
-
-
 def _stop_sequences(tokenizer: tokenizers.Tokenizer, stop: str) -> tuple[tuple[int, ...], ...]:
     """`stop`'s ids as a stop sequence for the sampler, when they decode back to it (a character vocabulary that
     lacks one of its characters would otherwise stop at a different text)."""
@@ -110,16 +88,9 @@ def generate_replies(
     """([prompts][samples] replies, the number of prompts truncated to fit): `batch_size` prompts a call, each
     repeated `samples` times, through `decoding.sample` (left-padded, KV cache)."""
     eos, pad = tokenizer.eos_id, tokenizer.pad_id or 0
-    limit = scoring.max_positions(model)
-    keep = None if limit is None else limit - max_new_tokens
-    if keep is not None and keep < 1:
-        raise ValueError(
-            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's {limit} positions; "
-            f"ask for fewer than {limit}"
-        )
+    keep = scoring.prompt_room(model, max_new_tokens, "max_new_tokens")
     encoded = [tokenizer.encode(p) or [eos] for p in prompts]
     truncated = sum(keep is not None and len(ids) > keep for ids in encoded)
-    rows = [ids if keep is None else ids[-keep:] for ids in encoded]
     settings = dict(
         max_new_tokens=max_new_tokens,
         temperature=float(temperature),
@@ -130,21 +101,16 @@ def generate_replies(
         pad_id=pad,
         vocab_size=tokenizer.vocab_size,
     )
-    size = min(batch_size, len(rows))
+    size = min(batch_size, len(encoded))
     replies = []
-    for index, start in enumerate(range(0, len(rows), size)):
-        chunk = rows[start : start + size]
-        filled = chunk + [chunk[-1]] * (size - len(chunk))
-        width = -(-max(len(r) for r in filled) // PAD_MULTIPLE) * PAD_MULTIPLE
-        width = width if keep is None else min(width, keep)
-        tokens, mask = np.full((size, width), pad, np.int32), np.zeros((size, width), np.int32)
-        for i, row in enumerate(filled):
-            tokens[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    for index, start in enumerate(range(0, len(encoded), size)):
+        chunk = encoded[start : start + size]
+        tokens, mask = scoring.generation_prompts(chunk + [chunk[-1]] * (size - len(chunk)), keep=keep, pad_id=pad)
         tokens, mask = np.repeat(tokens, samples, axis=0), np.repeat(mask, samples, axis=0)
         rng = jax.random.fold_in(jax.random.key(seed), index)
         out = decoding.sample(model, params, tokens, mask, rng, **settings)
         new, new_mask = jax.device_get((out.tokens, out.mask))
-        texts = [reply_text(tokenizer, t, m, stop) for t, m in zip(new, new_mask, strict=True)]
+        texts = [decoding.reply_text(tokenizer, t, m, (stop,)) for t, m in zip(new, new_mask, strict=True)]
         replies += [texts[i * samples : (i + 1) * samples] for i in range(len(chunk))]
     return replies, truncated
 
@@ -190,7 +156,7 @@ def evaluate(
         decoding.check_sampling(temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=tokenizer.vocab_size)
     if not rows:
         raise ValueError("no GSM8K rows to evaluate")
-    prompts = [prompt_of(row, template, i) for i, row in enumerate(rows)]
+    prompts = [problems.format_prompt(template, row, i) for i, row in enumerate(rows)]
     common = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, stop=stop)
     greedy, truncated = generate_replies(
         model, params, tokenizer, prompts, samples=1, temperature=0.0, seed=seed, **common

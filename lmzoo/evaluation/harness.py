@@ -12,7 +12,6 @@ encoder-decoder's context is encoded with EOS appended), so a checkpoint exporte
 import collections
 
 import jax
-import numpy as np
 from lm_eval.api.model import LM
 
 from lmzoo import decoding
@@ -105,30 +104,14 @@ class LmzooLM(LM):
             vocab_size=self.tokenizer.vocab_size,
         )
         rows = [self.tokenizer.encode(c) + ([eos] if self.is_seq2seq else []) or [eos] for c in contexts]
-        limit = scoring.max_positions(self.model)
-        keep = None if limit is None else limit - (0 if self.is_seq2seq else max_new)
-        if keep is not None and keep < 1:
-            raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt in the model's {limit} positions")
-        rows = [row[-keep:] if keep else row for row in rows]
-        width = -(-max(len(r) for r in rows) // 16) * 16
-        width = width if keep is None else min(width, keep)
-        prompts, mask = np.full((len(rows), width), pad, np.int32), np.zeros((len(rows), width), np.int32)
-        for i, row in enumerate(rows):
-            if self.is_seq2seq:  # encoder inputs: right-padded
-                prompts[i, : len(row)], mask[i, : len(row)] = row, 1
-            else:  # decoder prompts: left-padded
-                prompts[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+        keep = scoring.prompt_room(self.model, max_new, "max_gen_toks")
+        prompts, mask = scoring.generation_prompts(rows, keep=keep, pad_id=pad, left=not self.is_seq2seq)
         rng = jax.random.key(int(kwargs.get("seed", 0)))
         if self.is_seq2seq:
             samples = decoding.sample_seq2seq(self.model, self.params, prompts, mask, rng, **settings)
         else:
             samples = decoding.sample(self.model, self.params, prompts, mask, rng, **settings)
         tokens, keep_mask = jax.device_get((samples.tokens, samples.mask))
-        texts = []
-        for row, row_mask in zip(tokens, keep_mask, strict=True):
-            ids = [int(t) for t, m in zip(row, row_mask, strict=True) if m and t != eos]
-            text = self.tokenizer.decode(ids)
-            for stop in until:
-                text = text.split(stop)[0] if stop else text
-            texts.append(text)
-        return texts
+        return [
+            decoding.reply_text(self.tokenizer, row, mask, until) for row, mask in zip(tokens, keep_mask, strict=True)
+        ]

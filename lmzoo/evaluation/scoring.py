@@ -68,6 +68,35 @@ def _padded_length(length: int, multiple: int, limit: int | None) -> int:
     return length if limit is None else min(length, limit)
 
 
+def prompt_room(model: nn.Module, max_new_tokens: int, flag: str) -> int | None:
+    """Prompt tokens that fit beside `max_new_tokens` generated ones in the model's positions (None: no limit); a
+    ValueError naming `flag` when none do."""
+    limit = max_positions(model)
+    if limit is None or kinds.kind_of(model) == kinds.ENCODER_DECODER:  # the encoder's positions are its own
+        return limit
+    if limit - max_new_tokens < 1:
+        raise ValueError(
+            f"{flag}={max_new_tokens} leaves no room for a prompt in the model's {limit} positions; "
+            f"ask for fewer than {limit}"
+        )
+    return limit - max_new_tokens
+
+
+def generation_prompts(
+    rows: Sequence[Sequence[int]], *, keep: int | None, pad_id: int, left: bool = True, length_multiple: int = 16
+) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt ids [N, W] and their mask (1 on real tokens) for the samplers: each row's last `keep` tokens, W the
+    longest rounded up to `length_multiple` (at most `keep`), left-padded (decoder prompts: every reply starts at
+    column W) or right-padded (encoder inputs)."""
+    rows = [list(row) if keep is None else list(row)[-keep:] for row in rows]
+    width = _padded_length(max(len(r) for r in rows), length_multiple, keep)
+    tokens, mask = np.full((len(rows), width), pad_id, np.int32), np.zeros((len(rows), width), np.int32)
+    for i, row in enumerate(rows):
+        where = slice(width - len(row), width) if left else slice(0, len(row))
+        tokens[i, where], mask[i, where] = row, 1
+    return tokens, mask
+
+
 def decoder_rows(
     pairs: Sequence[Pair], *, max_len: int, length_multiple: int = 16, pad_id: int = 0
 ) -> dict[str, np.ndarray]:

@@ -167,6 +167,26 @@ def _trained_in_full(config: LoraConfig, leaf: tuple[str, ...]) -> bool:
     return any(_matches(pattern, leaf[:end]) for end in range(1, len(leaf)))
 
 
+def check_base(config: LoraConfig, source: str, fresh: Params, loaded: Params) -> None:
+    """Refuses a base read from `source` (`loaded`, into a model whose fresh params are `fresh`; a classifier's base
+    is its backbone) that leaves parameters as initialised outside the modules trained in full: frozen at their
+    random start they would never learn."""
+    prefix = ("backbone",) if "backbone" in fresh else ()
+    read = {(*prefix, *path) for path in traverse_util.flatten_dict(loaded)}
+    missing = sorted(
+        "/".join(path)
+        for path in traverse_util.flatten_dict(fresh)
+        if path not in read and not _trained_in_full(config, path)
+    )
+    if missing:
+        raise ValueError(
+            f"config.lora.targets={config.targets!r} trains adapters over a frozen base, but config.init_from="
+            f"{source!r} leaves parameters that would stay as initialised ({', '.join(missing[:4])}): train them in "
+            "full beside the adapters (--config.lora.train_in_full='MODULE|...') or train this run without LoRA "
+            "(--config.lora.targets='')"
+        )
+
+
 def find_kernels(params: Params, config: LoraConfig) -> dict[tuple[str, ...], Kernel]:
     """The kernels `config.targets` selects, by module path, outside the modules trained in full; params boxed (names
     known) or not (2-D kernels only). A pattern that matches no kernel, or a rank above a kernel's min(inputs,

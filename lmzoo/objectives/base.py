@@ -9,6 +9,7 @@ trainer, frozen subtrees loaded from elsewhere (a distillation teacher), and the
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -231,11 +232,12 @@ class Objective:
     def roles(self) -> dict[str, Role]:
         """Every frozen model the run reads: the objective's (`frozen_roles`) and, under LoRA, the base its adapters
         adapt when no role of the objective holds it (`lora_base`: config.init_from's weights)."""
-        roles = dict(self.frozen_roles())
-        if self.lora_config() is not None and self.lora_base == lora.BASE:
+        roles, adapted = dict(self.frozen_roles()), self.lora_config()
+        if adapted is not None and self.lora_base == lora.BASE:
             cfg = self.config
+            check = functools.partial(lora.check_base, adapted, cfg.init_from)
             roles[lora.BASE] = Role(
-                cfg.init_from, cfg.model_name, cfg.model.to_dict(), allow_partial=cfg.init_from_partial
+                cfg.init_from, cfg.model_name, cfg.model.to_dict(), allow_partial=cfg.init_from_partial, check=check
             )
         return roles
 

@@ -17,7 +17,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from lmzoo import models, weights
+from lmzoo import decoding, models, weights
 from lmzoo.convert import hf
 from lmzoo.data import chat, comparisons, pipeline, problems, readers, transforms
 from lmzoo.data.loaders import PromptsAndDemonstrations
@@ -145,40 +145,41 @@ def _as_batch(rows, ids, epochs):
 class VerifiableRewards:
     """The reward functions of a run, called on the host between generation and scoring (`PPOTrainer.host_rewards`):
     each sampled reply decoded and scored against the row of its problem by a `rewards.RewardPool`, started on first
-    use and stopped when the process exits."""
+    use and stopped when the process exits.
 
-    def __init__(self, objective: "PPO", tokenizer, functions: dict, weights: list[float]):
-        self.objective, self.tokenizer, self.functions, self.weights = objective, tokenizer, functions, weights
+    Attributes:
+        names, weights: the F functions' names and weights.
+        tables: the problems of each split the objective has made prompts of, by "problem_split".
+    """
+
+    def __init__(self, tokenizer, functions: dict, weights: list[float], *, timeout_s: float, workers: int):
+        self.tokenizer, self.functions = tokenizer, functions
+        self.names, self.weights = tuple(functions), tuple(weights)
+        self.tables: list[list[problems.Problem]] = []
+        self._pool_settings = dict(timeout_s=timeout_s, workers=workers)
         self._pool: rewards.RewardPool | None = None
 
-    def check_fields(self, rows: list) -> None:
-        """Refuses rows that lack a field a function reads, before anything is generated."""
-        fields = set(rows[0].fields)
-        for name, fn in self.functions.items():
-            missing = rewards.missing_fields(fn, fields)
-            if missing:
-                raise ValueError(
-                    f"reward function {name!r} reads field(s) {missing} that the problems' rows lack (they have "
-                    f"{sorted(fields)}); add them to the data or choose another function"
-                )
+    def register(self, rows: list[problems.Problem]) -> int:
+        """The "problem_split" of a split's problems (checked for the fields the functions read, before anything is
+        generated), registered once."""
+        for split, table in enumerate(self.tables):
+            if table is rows:
+                return split
+        rewards.check_fields(self.functions, rows[0].fields)
+        self.tables.append(rows)
+        return len(self.tables) - 1
 
     def __call__(self, responses, mask, split, ids) -> tuple[np.ndarray, np.ndarray]:
         """responses, mask [B, T]; split, ids [B] -> (each function's rewards [F, B], failures per function [F])."""
         if self._pool is None:
-            o = self.objective.fields
-            self._pool = rewards.RewardPool(
-                self.functions, self.weights, timeout_s=o.reward_timeout, workers=o.reward_workers
-            )
+            self._pool = rewards.RewardPool(self.functions, self.weights, **self._pool_settings)
             atexit.register(self._pool.close)
-        eos = self.tokenizer.eos_id
         completions = [
-            self.tokenizer.decode([int(t) for t, m in zip(row, row_mask, strict=True) if m > 0 and t != eos])
+            decoding.reply_text(self.tokenizer, row, row_mask)
             for row, row_mask in zip(np.asarray(responses), np.asarray(mask), strict=True)
         ]
-        problems_ = [
-            self.objective._tables[int(s)][int(i)] for s, i in zip(np.asarray(split), np.asarray(ids), strict=True)
-        ]
-        scores = self._pool.score([p.prompt for p in problems_], completions, [p.fields for p in problems_])
+        rows = [self.tables[int(s)][int(i)] for s, i in zip(np.asarray(split), np.asarray(ids), strict=True)]
+        scores = self._pool.score([p.prompt for p in rows], completions, [p.fields for p in rows])
         failures = np.asarray([scores.failures.get(name, 0) for name in scores.names], np.float32)
         return scores.per_function.astype(np.float32), failures
 
@@ -188,9 +189,7 @@ class PPO(base.Objective):
 
     def __init__(self, config):
         super().__init__(config)
-        self._problem_tables: dict[int, int] = {}  # id of a split's rows -> its index in `_tables`
-        self._tables: dict[int, list] = {}  # "problem_split" -> that split's problems
-        self._verifiable: VerifiableRewards | None = None
+        self._verifiable: VerifiableRewards | None = None  # the reward functions, made with the trainer
 
     name = "ppo"
     lora_base = "reference"  # with LoRA the policy is the frozen SFT reference plus adapters: held once
@@ -281,10 +280,11 @@ class PPO(base.Objective):
         if o.reward_model:
             backbone = models.build_model(self.config.model_name, self.config.model.to_dict())
             reward_model = reward.reward_model(backbone, self.config.model.emb_dim)
-        functions = {}
         if o.rewards:
             functions, weights = rewards.resolve_all(o.rewards, o.reward_weights)
-            self._verifiable = VerifiableRewards(self, tokenizer, functions, weights)
+            self._verifiable = VerifiableRewards(
+                tokenizer, functions, weights, timeout_s=o.reward_timeout, workers=o.reward_workers
+            )
         ptx_loss = tasks.causal_lm_task(model.decoder).loss if o.ptx_coef > 0 else None
         return PPOTrainer(
             policy=model,
@@ -298,9 +298,7 @@ class PPO(base.Objective):
             ptx_loss=ptx_loss,
             vocab_size=tokenizer.vocab_size,
             lora_config=self.lora_config(),
-            host_rewards=self._verifiable if functions else None,
-            reward_names=tuple(functions),
-            reward_weights=tuple(weights) if functions else (),
+            host_rewards=self._verifiable,
         )
 
     def step_summary(self):
@@ -350,9 +348,7 @@ class PPO(base.Objective):
                     f"config.data.path must hold problems (GSM8K-style jsonl rows with 'question' and 'answer', or "
                     f"'synthetic:addition'), the {where} holds comparisons or conversations"
                 )
-            split = self._problem_tables.setdefault(id(rows), len(self._problem_tables))
-            self._tables[split] = rows
-            self._verifiable.check_fields(rows)
+            split = self._verifiable.register(rows)
             arrays["problem_split"] = np.full(len(rows), split, np.int32)
             arrays["problem_ids"] = np.arange(len(rows), dtype=np.int32)
         return arrays

@@ -349,10 +349,21 @@ class _Function:
         return given if self.takes is None else {k: v for k, v in given.items() if k in self.takes}
 
 
-def missing_fields(fn: RewardFunction, fields: Iterable[str]) -> list[str]:
-    """The row fields `fn` requires (named in its signature without a default) that `fields` lacks."""
-    spec = _Function.of(reward_name(fn), fn)
-    return sorted(spec.requires - set(spec.texts) - set(fields))
+def _refuse_missing_fields(specs: Iterable["_Function"], fields: Iterable[str]) -> None:
+    fields = set(fields)
+    for fn in specs:
+        missing = sorted(fn.requires - set(fn.texts) - fields)
+        if missing:
+            raise ValueError(
+                f"reward function {fn.name!r} takes the row field(s) {', '.join(map(repr, missing))}, which the "
+                f"rows lack; they have: {', '.join(sorted(fields)) or 'no fields'}"
+            )
+
+
+def check_fields(functions: Mapping[str, RewardFunction], fields: Iterable[str]) -> None:
+    """Raises ValueError if a function ({name: function}) requires a row field `fields` lacks: at set-up, before
+    generating."""
+    _refuse_missing_fields([_Function.of(name, fn) for name, fn in functions.items()], fields)
 
 
 @dataclasses.dataclass
@@ -470,14 +481,7 @@ class RewardPool:
 
     def check_fields(self, fields: Iterable[str]) -> None:
         """Raises ValueError if a function requires a field the rows lack; call it at set-up, before generating."""
-        fields = set(fields)
-        for fn in self._functions:
-            missing = sorted(fn.requires - set(fn.texts) - fields)
-            if missing:
-                raise ValueError(
-                    f"reward function {fn.name!r} takes the row field(s) {', '.join(map(repr, missing))}, which the "
-                    f"rows lack; they have: {', '.join(sorted(fields)) or 'no fields'}"
-                )
+        _refuse_missing_fields(self._functions, fields)
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], rows: Sequence[dict]) -> Scores:
         """N prompts, completions and their dataset rows -> Scores (total [N], per_function [F, N], failures)."""

@@ -17,7 +17,6 @@ import sys
 from typing import Any
 
 import flax.linen as nn
-import flax.traverse_util
 import jax
 import ml_collections
 import numpy as np
@@ -269,44 +268,21 @@ def assemble(
     )
 
 
-def read_role(name: str, role: base.Role, fresh: Any, trained: Any) -> Any:
-    """The frozen entry `name` read as `role` declares (`base.Role`), in the placement of `fresh` (host arrays);
-    `trained`: the state's abstract trained params, whose modules trained in full a LoRA base need not provide."""
+def read_role(role: base.Role, fresh: Any) -> Any:
+    """A frozen entry read as `role` declares (`base.Role`), in the placement of `fresh` (host arrays), checked by the
+    role's `check`."""
     if role.read == "run":
         loaded = weights.run_params(role.source.removeprefix("ckpt:"), fresh)
     else:
+        target = fresh.get("backbone", fresh)
         loaded = weights.read_params(
-            role.source,
-            role.model_name,
-            role.model_fields,
-            fresh.get("backbone", fresh),
-            allow_partial=role.allow_partial,
+            role.source, role.model_name, role.model_fields, target, allow_partial=role.allow_partial
         )
     if role.check is not None:
         role.check(fresh, loaded)
-    if name == lora.BASE:
-        _check_lora_base(role, fresh, loaded, trained)
     if role.read == "merged":
         return weights.merge_pretrained(fresh, loaded, role.model_name, role.model_fields, name=role.source)
     return jax.tree.map(np.asarray, loaded)
-
-
-def _check_lora_base(role: base.Role, fresh: Any, loaded: Any, trained: Any) -> None:
-    """Refuses a LoRA base that leaves parameters as initialised, unless they are trained in full beside the
-    adapters: frozen at their random start they would never learn."""
-    prefix = ("backbone",) if "backbone" in fresh else ()
-    read = {(*prefix, *path) for path in flax.traverse_util.flatten_dict(loaded)}
-    full = lora.trained_in_full(trained)
-    missing = sorted(
-        "/".join(path) for path in flax.traverse_util.flatten_dict(fresh) if path not in read and path not in full
-    )
-    if missing:
-        raise ValueError(
-            f"LoRA (config.lora.targets) trains adapters over a frozen base, but config.init_from={role.source!r} "
-            f"leaves parameters that would stay as initialised ({', '.join(missing[:4])}): train them in full beside "
-            "the adapters (--config.lora.train_in_full='MODULE|...') or train this run without LoRA "
-            "(--config.lora.targets='')"
-        )
 
 
 def load_frozen(run: Run) -> Any:
@@ -317,10 +293,9 @@ def load_frozen(run: Run) -> Any:
         return run.compiled.abstract_state.frozen
     with run.context():
         fresh = jax.device_get(run.compiled.init(jax.random.key(run.config.train.seed)).frozen)
-    trained = run.compiled.abstract_state.params
     frozen = dict(fresh)
     for name, role in run.objective.roles().items():
-        frozen[name] = read_role(name, role, fresh[name], trained)
+        frozen[name] = read_role(role, fresh[name])
     adapted = run.objective.lora_config()
     if adapted is not None:
         frozen[run.objective.lora_base] = lora.freeze(frozen[run.objective.lora_base], adapted)

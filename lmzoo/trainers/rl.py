@@ -113,10 +113,8 @@ class PPOTrainer:
     lora_config: lora.LoraConfig | None = None
     # Verifiable rewards computed on the host between generation and scoring (the objective's reward functions):
     # (responses [B, T], mask [B, T], problem_split [B], problem_ids [B]) -> (rewards [F, B], failures [F]), float32;
-    # each function's rewards weighted by `reward_weights` [F] and summed.
+    # each function's rewards weighted by its `.weights` [F] and summed, reported under its `.names`.
     host_rewards: Any = None
-    reward_names: tuple[str, ...] = ()
-    reward_weights: tuple[float, ...] = ()
 
     @property
     def decoder(self):
@@ -284,7 +282,7 @@ class PPOTrainer:
             raw_scores = self.reward_model.apply({"params": frozen["reward"]}, inputs["sequences"], **forward)[:, 0]
             scores = reward.normalize(raw_scores, frozen["reward_gain"], frozen["reward_bias"])
         if self.host_rewards is not None:
-            count, batch = len(self.reward_names), samples["responses"].shape[0]
+            count, batch = len(self.host_rewards.names), samples["responses"].shape[0]
             shapes = (jax.ShapeDtypeStruct((count, batch), jnp.float32), jax.ShapeDtypeStruct((count,), jnp.float32))
             per_function, failures = jax.pure_callback(
                 self.host_rewards,
@@ -294,10 +292,10 @@ class PPOTrainer:
                 samples["problem_split"],
                 samples["problem_ids"],
             )
-            functions = jnp.asarray(self.reward_weights, jnp.float32) @ per_function
+            functions = jnp.asarray(self.host_rewards.weights, jnp.float32) @ per_function
             raw_scores = raw_scores + functions
             scores = scores + functions
-            for i, name in enumerate(self.reward_names):
+            for i, name in enumerate(self.host_rewards.names):
                 metrics[f"rewards/{name}"] = (jnp.sum(per_function[i]), rows)
                 metrics[f"rewards/{name}_failures"] = (failures[i], jnp.ones((), jnp.float32))
         if s.missing_eos_penalty > 0:

@@ -15,7 +15,8 @@ import sys
 import pytest
 from absl import flags
 
-from lmzoo import testing, tokenizers
+from lmzoo import decoding, testing, tokenizers
+from lmzoo.data import problems
 from lmzoo.evaluation import gsm8k
 from lmzoo.train import loop
 from lmzoo.train import run as run_lib
@@ -72,16 +73,18 @@ def test_read_rows_and_their_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         gsm8k.read_rows(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match=r"row 1's fields \['answer', 'question'\] \(KeyError: 'problem'\)"):
-        gsm8k.prompt_of({"question": "q", "answer": "#### 1"}, "{problem}")
+        problems.format_prompt("{problem}", {"question": "q", "answer": "#### 1"})
 
 
 def test_a_reply_ends_at_eos_and_before_the_next_question():
     tokenizer = tokenizers.ByteTokenizer()
     ids = tokenizer.encode(" 6 * 7 = 42\nQuestion: and then?") + [tokenizer.eos_id] + tokenizer.encode("43")
-    assert gsm8k.reply_text(tokenizer, ids, [1] * len(ids)) == " 6 * 7 = 42"
+    assert decoding.reply_text(tokenizer, ids, [1] * len(ids), (gsm8k.STOP,)) == " 6 * 7 = 42"
     ids = tokenizer.encode(" #### 42") + [tokenizer.eos_id] + tokenizer.encode("\nQuestion: 43")
-    assert gsm8k.reply_text(tokenizer, ids, [1] * len(ids)) == " #### 42"
-    assert gsm8k.reply_text(tokenizer, ids, [1] * 4 + [0] * (len(ids) - 4)) == " ###"  # the sampler's mask
+    assert decoding.reply_text(tokenizer, ids, [1] * len(ids), (gsm8k.STOP,)) == " #### 42"
+    assert (
+        decoding.reply_text(tokenizer, ids, [1] * 4 + [0] * (len(ids) - 4), (gsm8k.STOP,)) == " ###"
+    )  # the sampler's mask
 
 
 def test_sampled_pass_at_k_needs_a_temperature(loaded):

@@ -84,7 +84,12 @@ flags.DEFINE_string("fewshot_separator", "\n\n", "Text between demonstrations.")
 flags.DEFINE_integer("fewshot_examples", None, "Evaluate the first N examples of the task (default: all).")
 flags.DEFINE_integer("batch_size", 16, "--fewshot: scored continuations per batch; --gsm8k: prompts per generate call.")
 flags.DEFINE_string("dump_prompts", None, "--fewshot: write the prompts used here (JSONL: k, index, prompt).")
-flags.DEFINE_string("gsm8k", None, "GSM8K-format JSONL {question, answer ending '#### N'} to answer and score.")
+flags.DEFINE_string(
+    "gsm8k",
+    None,
+    "GSM8K-format JSONL {question, answer ending '#### N'} to answer and score, or a synthetic task "
+    "('synthetic:addition?digits=2&n=500&seed=1', lmzoo/data/problems.py).",
+)
 flags.DEFINE_integer("gsm8k_examples", None, "--gsm8k: evaluate the first N rows (default: all).")
 flags.DEFINE_string(
     "gsm8k_template", "Question: {question}\nAnswer:", "--gsm8k: prompt, formatted with a row's fields."
@@ -284,6 +289,7 @@ def generation_prompt() -> str | None:
 def check_flags() -> None:
     """Flag values eval.py refuses before restoring anything."""
     from lmzoo import decoding
+    from lmzoo.data import problems
 
     if FLAGS.seq_len is not None and FLAGS.seq_len < 1:
         raise ValueError(f"--seq_len={FLAGS.seq_len}: must be >= 1 (omit it to use the run's config.data.seq_len)")
@@ -330,7 +336,8 @@ def check_flags() -> None:
             decoding.check_sampling(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
         except ValueError as e:
             raise ValueError(f"--{e}") from None
-        check_text_file(FLAGS.gsm8k, "--gsm8k")
+        if not FLAGS.gsm8k.startswith(problems.SYNTHETIC):  # generated in memory: nothing to check on disk
+            check_text_file(FLAGS.gsm8k, "--gsm8k")
     if FLAGS.reconstruct < 0 or FLAGS.beam_size < 1:
         raise ValueError(f"--reconstruct={FLAGS.reconstruct} must be >= 0 and --beam_size={FLAGS.beam_size} >= 1")
     workdir = storage.path(FLAGS.workdir)

@@ -13,6 +13,8 @@ Variants:
 - `addition_sft`, `addition`: the same two stages on a CPU-sized synthetic task, `digits`-digit sums
   ("synthetic:addition", generated in memory): `addition` runs GRPO from `--config.objective.sft=ckpt:` of the
   `addition_sft` run, 8 samples per prompt, the answer reward only, Dr. GRPO's advantages and DAPO's clip-higher.
+- `calculator`: the GRPO stage with the calculator tool (`<calc>48/2</calc>` -> `<result>24</result>`, its answers
+  in the context but not in the loss), up to 4 policy turns of at most 128 tokens.
 - `tiny`: GRPO with the answer reward from nothing (no SFT run: the policy starts from its initialisation, which is
   the reference), a few steps of a 1-layer model, in under a minute.
 """
@@ -36,7 +38,7 @@ def _model(size: str) -> dict:
 
 
 def get_config(arg: str | None = None):
-    variants = check_variants(arg, ("sft", "addition_sft", "addition", "tiny"))
+    variants = check_variants(arg, ("sft", "addition_sft", "addition", "calculator", "tiny"))
     addition = bool({"addition", "addition_sft", "tiny"} & set(variants))
     c = base_config()
     c.model = model_section("gpt2", **_model("tiny" if "tiny" in variants else "small" if addition else "gsm8k"))
@@ -70,6 +72,8 @@ def get_config(arg: str | None = None):
         clip_eps_high=0.28,  # DAPO's clip-higher
         heldout_fraction=0.05,
     )
+    if "calculator" in variants:
+        objective.update(environment="calculator", max_turns=4, turn_len=128, observation_len=32)
     if "tiny" in variants:
         objective.update(samples_per_prompt=4, prompt_len=8, response_len=4, reward_workers=1)
     c.objective = objective_section("grpo", **objective)

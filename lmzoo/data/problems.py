@@ -81,14 +81,17 @@ def synthetic_rows(spec: str) -> list[dict]:
     return rows
 
 
-def read_problems(path: str, template: str) -> list[Problem]:
-    """The problems of a file or synthetic task (see the module docstring), in order; every row needs a string
-    "question" and "answer" (errors name the file and line)."""
+def read_rows(path: str) -> list[dict]:
+    """The rows of a problems file (local or in a bucket) or synthetic task (see the module docstring), in order;
+    every row needs a string "question" and "answer" (errors name the file and line)."""
     if path.startswith(SYNTHETIC):
-        rows = synthetic_rows(path)
-    else:
-        if not storage.exists(path):
-            raise FileNotFoundError(f"problems file {path!r} does not exist")
-        fix = 'each row needs "question" and "answer" (GSM8K\'s form)'
-        rows = sources.read_jsonl(storage.path(path), (QUESTION, "answer"), fix)
-    return [Problem(format_prompt(template, row, i), row) for i, row in enumerate(rows)]
+        return synthetic_rows(path)
+    if not storage.exists(path):
+        raise FileNotFoundError(f"problems file {path!r} does not exist")
+    fix = 'rows are {"question": str, "answer": str} (GSM8K\'s form, the answer ending in "#### N")'
+    return sources.read_jsonl(storage.path(path), (QUESTION, "answer"), fix)
+
+
+def read_problems(path: str, template: str) -> list[Problem]:
+    """`read_rows`, each with its prompt: `template` formatted with the row's fields."""
+    return [Problem(format_prompt(template, row, i), row) for i, row in enumerate(read_rows(path))]

@@ -25,23 +25,21 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from lmzoo import decoding, storage, tokenizers
-from lmzoo.data import problems, sources
+from lmzoo import decoding, tokenizers
+from lmzoo.data import problems
 from lmzoo.evaluation import scoring
 from lmzoo.models import kinds
 from lmzoo.rl import rewards
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 STOP = "\nQuestion:"
-FIELDS = ("question", "answer")
 
 
 def read_rows(path: str) -> list[dict]:
-    """The rows of a GSM8K-format jsonl file (local or in a bucket), each with string "question" and "answer" and an
-    answer that states a final number (it scores itself 1); errors name the file and the line or row."""
-    rows = sources.read_jsonl(
-        storage.path(path), FIELDS, 'GSM8K rows are {"question": str, "answer": str ending in "#### N"}'
-    )
+    """The rows of a GSM8K-format jsonl file (local or in a bucket) or a synthetic task (`lmzoo.data.problems`), each
+    with string "question" and "answer" and an answer that states a final number (it scores itself 1); errors name
+    the file and the line or row."""
+    rows = problems.read_rows(path)
     if not rows:
         raise ValueError(f"{path} holds no rows")
     for number, row in enumerate(rows, 1):

@@ -23,7 +23,7 @@ from lmzoo.data import chat, comparisons, pipeline, problems, readers, transform
 from lmzoo.data.loaders import PromptsAndDemonstrations
 from lmzoo.models import heads
 from lmzoo.objectives import base, tasks
-from lmzoo.rl import policy_gradient, reward, rewards
+from lmzoo.rl import environments, policy_gradient, reward, rewards
 from lmzoo.trainers import optim
 from lmzoo.trainers.rl import PROBLEM_KEYS, PTX_PREFIX, PPOTrainer, RLSettings
 
@@ -76,6 +76,10 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
         ("off" | "k1" | "k3": the KL term of the loss), dynamic_sampling (DAPO: groups whose rewards are all equal
         are dropped from the loss), overlong_cache (DAPO's soft overlong punishment over the last overlong_cache
         tokens before response_len, times overlong_coef; 0 = off).
+    environment: a tool the policy talks to over up to max_turns turns ("calculator": <calc>48/2</calc> ->
+        <result>24</result>; or the user's "module:Class", `lmzoo.rl.environments`), each turn up to turn_len tokens
+        (0 = response_len) ending at the tool's stop string; its answers (at most observation_len tokens) are in the
+        context but not in the loss; all turns share response_len.
     """
 
     sft: str = ""
@@ -88,6 +92,8 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
     reward_weights: str = ""
     reward_timeout: float = 10.0
     reward_workers: int = 2
+    environment: str = ""
+    observation_len: int = 32
 
     def __post_init__(self):
         super().__post_init__()
@@ -116,6 +122,13 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
             problems.append(f"clip_eps_high={self.clip_eps_high}: must be >= clip_eps={self.clip_eps} (0 = clip_eps)")
         if self.overlong_cache < 0 or self.overlong_cache > self.response_len:
             problems.append(f"overlong_cache={self.overlong_cache}: must lie in [0, response_len={self.response_len}]")
+        if self.max_turns < 1 or not 0 <= self.turn_len <= self.response_len or self.observation_len < 1:
+            problems.append(
+                f"max_turns={self.max_turns}, turn_len={self.turn_len}, observation_len={self.observation_len}: "
+                f"need max_turns >= 1, 0 <= turn_len <= response_len={self.response_len}, observation_len >= 1"
+            )
+        if self.max_turns > 1 and not self.environment:
+            problems.append(f"max_turns={self.max_turns}: turns alternate with an environment; set environment")
         if self.reward_timeout <= 0 or self.reward_workers < 1:
             problems.append(
                 f"reward_timeout={self.reward_timeout}, reward_workers={self.reward_workers}: must be > 0 and >= 1"
@@ -142,6 +155,26 @@ def _as_batch(rows, ids, epochs):
     return dict(rows)
 
 
+class ProblemTables:
+    """The problems of each split the objective has made prompts of, by "problem_split": what the host callbacks
+    (reward functions, environments) look a sample's row up in."""
+
+    def __init__(self):
+        self.tables: list[list[problems.Problem]] = []
+
+    def register(self, rows: list[problems.Problem]) -> int:
+        """The "problem_split" of a split's problems, registered once."""
+        for split, table in enumerate(self.tables):
+            if table is rows:
+                return split
+        self.tables.append(rows)
+        return len(self.tables) - 1
+
+    def rows(self, split, ids) -> list[problems.Problem]:
+        """The problems of "problem_split", "problem_ids" [B]."""
+        return [self.tables[int(s)][int(i)] for s, i in zip(np.asarray(split), np.asarray(ids), strict=True)]
+
+
 class VerifiableRewards:
     """The reward functions of a run, called on the host between generation and scoring (`PPOTrainer.host_rewards`):
     each sampled reply decoded and scored against the row of its problem by a `rewards.RewardPool`, started on first
@@ -149,25 +182,17 @@ class VerifiableRewards:
 
     Attributes:
         names, weights: the F functions' names and weights.
-        tables: the problems of each split the objective has made prompts of, by "problem_split".
     """
 
-    def __init__(self, tokenizer, functions: dict, weights: list[float], *, timeout_s: float, workers: int):
-        self.tokenizer, self.functions = tokenizer, functions
+    def __init__(self, tokenizer, tables: ProblemTables, functions: dict, weights: list[float], **pool_settings):
+        self.tokenizer, self.tables, self.functions = tokenizer, tables, functions
         self.names, self.weights = tuple(functions), tuple(weights)
-        self.tables: list[list[problems.Problem]] = []
-        self._pool_settings = dict(timeout_s=timeout_s, workers=workers)
+        self._pool_settings = pool_settings
         self._pool: rewards.RewardPool | None = None
 
-    def register(self, rows: list[problems.Problem]) -> int:
-        """The "problem_split" of a split's problems (checked for the fields the functions read, before anything is
-        generated), registered once."""
-        for split, table in enumerate(self.tables):
-            if table is rows:
-                return split
+    def check(self, rows: list[problems.Problem]) -> None:
+        """Refuses rows without a field a function reads, before anything is generated."""
         rewards.check_fields(self.functions, rows[0].fields)
-        self.tables.append(rows)
-        return len(self.tables) - 1
 
     def __call__(self, responses, mask, split, ids) -> tuple[np.ndarray, np.ndarray]:
         """responses, mask [B, T]; split, ids [B] -> (each function's rewards [F, B], failures per function [F])."""
@@ -178,10 +203,54 @@ class VerifiableRewards:
             decoding.reply_text(self.tokenizer, row, row_mask)
             for row, row_mask in zip(np.asarray(responses), np.asarray(mask), strict=True)
         ]
-        rows = [self.tables[int(s)][int(i)] for s, i in zip(np.asarray(split), np.asarray(ids), strict=True)]
+        rows = self.tables.rows(split, ids)
         scores = self._pool.score([p.prompt for p in rows], completions, [p.fields for p in rows])
         failures = np.asarray([scores.failures.get(name, 0) for name in scores.names], np.float32)
         return scores.per_function.astype(np.float32), failures
+
+
+class ToolEpisodes:
+    """The environment of a run's multi-turn episodes, on the host (`PPOTrainer.environment`): one environment per
+    rollout row, reset on its problem's row, stepped with each policy turn's text; observations encoded, cut to
+    `observation_len` tokens.
+
+    Attributes:
+        stop_sequences: the environment's stop strings as token ids (a turn ends after one).
+        observation_len: the tokens an observation may take.
+    """
+
+    def __init__(self, tokenizer, tables: ProblemTables, factory, observation_len: int):
+        self.tokenizer, self.tables, self.factory, self.observation_len = tokenizer, tables, factory, observation_len
+        stops = factory().stop_strings
+        self.stop_sequences = tuple(tuple(tokenizer.encode(stop)) for stop in stops if tokenizer.encode(stop))
+        self._episodes: list = []
+
+    def _encoded(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        tokens = np.full((len(texts), self.observation_len), self.tokenizer.pad_id, np.int32)
+        mask = np.zeros((len(texts), self.observation_len), np.int32)
+        for i, text in enumerate(texts):
+            ids = self.tokenizer.encode(text)[: self.observation_len] if text else []
+            tokens[i, : len(ids)], mask[i, : len(ids)] = ids, 1
+        return tokens, mask
+
+    def __call__(self, tokens, mask, turn, split, ids):
+        """A turn's tokens, mask [B, L] (turn -1: reset the episodes) -> (observation tokens, mask [B, O], done [B],
+        reward [B])."""
+        if int(turn) < 0:
+            self._episodes = [self.factory() for _ in range(len(np.asarray(ids)))]
+            texts = [
+                env.reset(row.fields) for env, row in zip(self._episodes, self.tables.rows(split, ids), strict=True)
+            ]
+            done, reward = np.zeros(len(texts), bool), np.zeros(len(texts), np.float32)
+        else:
+            steps = [
+                env.step(decoding.reply_text(self.tokenizer, row, row_mask)) if np.any(row_mask) else None
+                for env, row, row_mask in zip(self._episodes, np.asarray(tokens), np.asarray(mask), strict=True)
+            ]
+            texts = [step.observation if step else "" for step in steps]
+            done = np.asarray([step.done if step else True for step in steps], bool)
+            reward = np.asarray([step.reward if step else 0.0 for step in steps], np.float32)
+        return (*self._encoded(texts), done, reward)
 
 
 class PPO(base.Objective):
@@ -189,6 +258,7 @@ class PPO(base.Objective):
 
     def __init__(self, config):
         super().__init__(config)
+        self._tables = ProblemTables()  # the rows the reward functions and the environment read
         self._verifiable: VerifiableRewards | None = None  # the reward functions, made with the trainer
 
     name = "ppo"
@@ -223,6 +293,11 @@ class PPO(base.Objective):
             )
         if o.rewards:
             rewards.resolve_all(o.rewards, o.reward_weights)  # an unknown name or module:function, before any work
+        if o.environment:
+            environments.resolve(o.environment)
+            # a turn is sampled after the prompt and the episode so far: prompt_len + response_len + turn_len positions
+            turn = o.turn_len or o.response_len
+            base.check_length(self.config, "prompt_len + response_len + turn_len", o.prompt_len + o.response_len + turn)
         # Without an SFT run the policy starts from its own initialisation, which is then the reference.
         for field in ("sft", "reward_model"):
             if getattr(o, field) and not getattr(o, field).startswith("ckpt:"):
@@ -283,8 +358,12 @@ class PPO(base.Objective):
         if o.rewards:
             functions, weights = rewards.resolve_all(o.rewards, o.reward_weights)
             self._verifiable = VerifiableRewards(
-                tokenizer, functions, weights, timeout_s=o.reward_timeout, workers=o.reward_workers
+                tokenizer, self._tables, functions, weights, timeout_s=o.reward_timeout, workers=o.reward_workers
             )
+        episodes = None
+        if o.environment:
+            factory = environments.resolve(o.environment)
+            episodes = ToolEpisodes(tokenizer, self._tables, factory, o.observation_len)
         ptx_loss = tasks.causal_lm_task(model.decoder).loss if o.ptx_coef > 0 else None
         return PPOTrainer(
             policy=model,
@@ -299,6 +378,7 @@ class PPO(base.Objective):
             vocab_size=tokenizer.vocab_size,
             lora_config=self.lora_config(),
             host_rewards=self._verifiable,
+            environment=episodes,
         )
 
     def step_summary(self):
@@ -313,7 +393,7 @@ class PPO(base.Objective):
         shape = (batch_size, self.fields.prompt_len)
         shapes = {"prompts": base.int_inputs(shape), "prompt_mask": base.int_inputs(shape)}
         o = self.fields
-        if o.rewards:
+        if o.rewards or o.environment:
             shapes.update({key: base.int_inputs((batch_size,)) for key in PROBLEM_KEYS})
         if o.ptx_coef > 0:
             rows = (o.ptx_batch_size, self.config.data.seq_len)
@@ -341,14 +421,17 @@ class PPO(base.Objective):
             prompts, tokenizer.encode, prompt_len=self.fields.prompt_len, pad_id=tokenizer.pad_id
         )
         transforms.check_token_ids(arrays["prompts"], self.config.model.vocab_size, where=where)
-        if self.fields.rewards:
+        o = self.fields
+        if o.rewards or o.environment:
             if rows is None:
                 raise ValueError(
-                    f"config.objective.rewards={self.fields.rewards!r} score replies against their problems' rows: "
-                    f"config.data.path must hold problems (GSM8K-style jsonl rows with 'question' and 'answer', or "
-                    f"'synthetic:addition'), the {where} holds comparisons or conversations"
+                    f"config.objective.rewards={o.rewards!r} and environment={o.environment!r} read their problems' "
+                    "rows: config.data.path must hold problems (GSM8K-style jsonl rows with 'question' and 'answer', "
+                    f"or 'synthetic:addition'), the {where} holds comparisons or conversations"
                 )
-            split = self._verifiable.register(rows)
+            if self._verifiable is not None:
+                self._verifiable.check(rows)
+            split = self._tables.register(rows)
             arrays["problem_split"] = np.full(len(rows), split, np.int32)
             arrays["problem_ids"] = np.arange(len(rows), dtype=np.int32)
         return arrays

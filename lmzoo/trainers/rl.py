@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax.experimental import io_callback
 
 from lmzoo import decoding, lora
 from lmzoo.models import experts, heads
@@ -66,6 +67,11 @@ class RLSettings:
     dynamic_sampling: bool = False
     overlong_cache: int = 0
     overlong_coef: float = 1.0
+    # Multi-turn episodes with a tool (`PPOTrainer.environment`): at most max_turns policy turns of at most
+    # turn_len tokens (0 = response_len) each, the environment's observations between them; all of them share
+    # the response_len tokens of a response.
+    max_turns: int = 1
+    turn_len: int = 0
 
 
 @struct.dataclass
@@ -78,6 +84,49 @@ class PPOState:
     rng: jax.Array
     frozen: Any  # {"reference", "reward", "reward_gain", "reward_bias"}: never checkpointed
     kl_coef: jax.Array
+
+
+def left_aligned(tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """tokens, mask [B, N] with real tokens anywhere -> the same real tokens, in order, at the right end of each row
+    (what the samplers read: left-padded prompts whose last column is a real token)."""
+    order = jnp.argsort(mask > 0, axis=1, stable=True)  # padding first, then the real tokens in their order
+    return jnp.take_along_axis(tokens, order, axis=1), jnp.take_along_axis(mask, order, axis=1)
+
+
+@struct.dataclass
+class Episode:
+    """A multi-turn response being written: tokens [B, T] filled from the left, "loss_mask" [B, T] (float; 1 on the
+    policy's tokens), "context_mask" [B, T] (float; 1 on every written token) and "filled" [B] (tokens written)."""
+
+    tokens: jax.Array
+    loss_mask: jax.Array
+    context_mask: jax.Array
+    filled: jax.Array
+
+    @classmethod
+    def empty(cls, batch: int, length: int, pad_id: int) -> "Episode":
+        zeros = jnp.zeros((batch, length), jnp.float32)
+        return cls(jnp.full((batch, length), pad_id, jnp.int32), zeros, zeros, jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def full(self) -> jax.Array:
+        return self.filled >= self.tokens.shape[1]
+
+    def append(self, tokens: jax.Array, keep: jax.Array, *, policy: bool) -> "Episode":
+        """The episode with each row's kept tokens (tokens, keep [B, L]; keep a prefix of 1s) written after its
+        `filled` ones, as far as the row has room; `policy`: whether the loss counts them."""
+        length = self.tokens.shape[1]
+        where = self.filled[:, None] + jnp.cumsum(keep > 0, axis=1) - 1  # [B, L]: the column each kept token lands in
+        valid = (keep > 0) & (where < length)
+        lands = valid[:, :, None] & (where[:, :, None] == jnp.arange(length)[None, None])  # [B, L, T]
+        written = jnp.any(lands, axis=1)
+        values = jnp.sum(jnp.where(lands, tokens[:, :, None], 0), axis=1)
+        return Episode(
+            tokens=jnp.where(written, values, self.tokens).astype(jnp.int32),
+            loss_mask=jnp.where(written, float(policy), self.loss_mask),
+            context_mask=jnp.where(written, 1.0, self.context_mask),
+            filled=self.filled + jnp.sum(valid, axis=1).astype(jnp.int32),
+        )
 
 
 def rollout_inputs(
@@ -115,6 +164,10 @@ class PPOTrainer:
     # (responses [B, T], mask [B, T], problem_split [B], problem_ids [B]) -> (rewards [F, B], failures [F]), float32;
     # each function's rewards weighted by its `.weights` [F] and summed, reported under its `.names`.
     host_rewards: Any = None
+    # A tool the policy talks to over several turns (the objective's environment, on the host through a callback):
+    # (turn tokens [B, L], turn mask [B, L], turn index (-1: reset), problem_split [B], problem_ids [B]) ->
+    # (observation tokens [B, O], observation mask [B, O], done [B], reward [B]); `.stop_sequences` end a turn.
+    environment: Any = None
 
     @property
     def decoder(self):
@@ -169,11 +222,16 @@ class PPOTrainer:
 
     def generate(self, params, batch, rng, *, samples_per_prompt: int) -> dict[str, jax.Array]:
         """`samples_per_prompt` responses to each of batch "prompts"/"prompt_mask" [B, P] from the KV-cache sampler ->
-        "prompts", "prompt_mask" [B·K, P], "responses" [B·K, T] (pad after the EOS) and "mask" [B·K, T] (float)."""
+        "prompts", "prompt_mask" [B·K, P], "responses" [B·K, T] (pad after the EOS) and "mask" [B·K, T] (float); with
+        an environment, episodes of several turns (`_episodes`), adding "context_mask" [B·K, T]."""
         s = self.settings
         prompts = jnp.repeat(batch["prompts"], samples_per_prompt, axis=0)
         prompt_mask = jnp.repeat(batch["prompt_mask"], samples_per_prompt, axis=0)
-        samples = decoding.sample(
+        problems = {k: jnp.repeat(batch[k], samples_per_prompt, axis=0) for k in PROBLEM_KEYS if k in batch}
+        samples = {**problems, "prompts": prompts, "prompt_mask": prompt_mask}
+        if self.environment is not None:
+            return {**samples, **self._episodes(params, prompts, prompt_mask, problems, rng)}
+        sampled = decoding.sample(
             self.decoder,
             params["decoder"],
             prompts,
@@ -185,14 +243,70 @@ class PPOTrainer:
             pad_id=self.pad_id,
             vocab_size=self.vocab_size,
         )
-        problems = {k: jnp.repeat(batch[k], samples_per_prompt, axis=0) for k in PROBLEM_KEYS if k in batch}
+        return {**samples, "responses": sampled.tokens, "mask": sampled.mask.astype(jnp.float32)}
+
+    def _episodes(self, params, prompts, prompt_mask, problems, rng) -> dict[str, jax.Array]:
+        """Episodes of up to max_turns policy turns, each sampled (up to turn_len tokens, to EOS or one of the
+        environment's stop sequences) after the prompt and the episode so far, the environment's observation
+        inserted after it; a row ends at EOS, when the environment says done, at max_turns or when its response_len
+        tokens are full. -> "responses" [B, T] (policy and environment tokens, in order), "mask" [B, T] (1 on the
+        policy's tokens: the loss's), "context_mask" [B, T] (1 on both: what the policy conditions on),
+        "environment_rewards" [B] (the turns' rewards summed) and "turns" [B]."""
+        s, env = self.settings, self.environment
+        batch, length = prompts.shape[0], s.response_len
+        episode = Episode.empty(batch, length, self.pad_id)
+        ids = (problems["problem_split"], problems["problem_ids"])
+        observation = self._observe(jnp.full((batch, 1), self.pad_id), jnp.zeros((batch, 1), jnp.int32), -1, *ids)
+        episode = episode.append(observation[0], observation[1], policy=False)
+        active, rewards, turns = jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,))
+        for turn in range(s.max_turns):
+            context, context_mask = left_aligned(
+                jnp.concatenate([prompts, episode.tokens], axis=1),
+                jnp.concatenate([prompt_mask, episode.context_mask.astype(prompt_mask.dtype)], axis=1),
+            )
+            sampled = decoding.sample(
+                self.decoder,
+                params["decoder"],
+                context,
+                context_mask,
+                jax.random.fold_in(rng, turn),
+                max_new_tokens=s.turn_len or length,
+                temperature=s.temperature,
+                eos_id=self.eos_id,
+                stop_sequences=env.stop_sequences,
+                pad_id=self.pad_id,
+                vocab_size=self.vocab_size,
+            )
+            kept = sampled.mask * active[:, None]
+            episode = episode.append(sampled.tokens, kept, policy=True)
+            turns = turns + active
+            active = active & ~jnp.any((sampled.tokens == self.eos_id) & (kept > 0), axis=1) & ~episode.full
+            if turn == s.max_turns - 1:
+                break
+            tokens, mask, done, reward = self._observe(sampled.tokens, kept, turn, *ids)
+            episode = episode.append(tokens, mask * active[:, None], policy=False)
+            rewards = rewards + reward * active
+            active = active & ~done & ~episode.full
         return {
-            **problems,
-            "prompts": prompts,
-            "prompt_mask": prompt_mask,
-            "responses": samples.tokens,
-            "mask": samples.mask.astype(jnp.float32),
+            "responses": episode.tokens,
+            "mask": episode.loss_mask,
+            "context_mask": episode.context_mask,
+            "environment_rewards": rewards,
+            "turns": turns,
         }
+
+    def _observe(self, tokens, mask, turn: int, problem_split, problem_ids):
+        """The environment's answer to a turn (turn -1: its reset), on the host, in order with the other turns."""
+        batch, length = tokens.shape[0], self.environment.observation_len
+        shapes = (
+            jax.ShapeDtypeStruct((batch, length), jnp.int32),
+            jax.ShapeDtypeStruct((batch, length), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), bool),
+            jax.ShapeDtypeStruct((batch,), jnp.float32),
+        )
+        return io_callback(
+            self.environment, shapes, tokens, mask, jnp.int32(turn), problem_split, problem_ids, ordered=True
+        )
 
     def setup(self, frozen: Any, prompts: dict[str, Any]) -> Any:
         """The frozen tree with the reward normalisation filled in: (gain, bias) that give the reward model's raw scores
@@ -202,7 +316,8 @@ class PPOTrainer:
         @jax.jit
         def raw_scores(reference, reward_params, prompts):
             samples = self.generate({"decoder": reference}, prompts, jax.random.key(1), samples_per_prompt=1)
-            inputs = rollout_inputs(samples["prompts"], samples["prompt_mask"], samples["responses"], samples["mask"])
+            context = samples.get("context_mask", samples["mask"])
+            inputs = rollout_inputs(samples["prompts"], samples["prompt_mask"], samples["responses"], context)
             forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
             return self.reward_model.apply({"params": reward_params}, inputs["sequences"], **forward)[:, 0]
 
@@ -222,7 +337,8 @@ class PPOTrainer:
         s = self.settings
         prompts, prompt_mask, responses, mask = (samples[k] for k in ("prompts", "prompt_mask", "responses", "mask"))
         has_eos = jnp.any((responses == self.eos_id) & (mask > 0), axis=1)
-        inputs = rollout_inputs(prompts, prompt_mask, responses, mask)
+        # An episode's environment tokens are in the context the policy reads, never in its loss (`mask`).
+        inputs = rollout_inputs(prompts, prompt_mask, responses, samples.get("context_mask", mask))
         forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
         logits, values = self.policy.apply({"params": params}, inputs["sequences"], **forward)
         logprobs, entropy = self._logprobs(logits, responses)
@@ -288,7 +404,7 @@ class PPOTrainer:
                 self.host_rewards,
                 shapes,
                 samples["responses"],
-                samples["mask"],
+                samples.get("context_mask", samples["mask"]),  # an episode's text includes the tool's answers
                 samples["problem_split"],
                 samples["problem_ids"],
             )
@@ -298,10 +414,16 @@ class PPOTrainer:
             for i, name in enumerate(self.host_rewards.names):
                 metrics[f"rewards/{name}"] = (jnp.sum(per_function[i]), rows)
                 metrics[f"rewards/{name}_failures"] = (failures[i], jnp.ones((), jnp.float32))
+        if "environment_rewards" in samples:
+            scores = scores + samples["environment_rewards"]
+            limit = jnp.asarray(s.max_turns, jnp.float32)
+            metrics["episode/turns"] = (jnp.sum(samples["turns"]), rows)
+            metrics["episode/turn_limit"] = (jnp.sum((samples["turns"] >= limit).astype(jnp.float32)), rows)
+            metrics["episode/environment_tokens"] = (jnp.sum(samples["context_mask"] - samples["mask"]), rows)
         if s.missing_eos_penalty > 0:
             scores = policy_gradient.penalize_missing_eos(scores, has_eos, penalty=s.missing_eos_penalty)
         if s.overlong_cache > 0:
-            lengths = jnp.sum(samples["mask"], axis=1)
+            lengths = jnp.sum(samples.get("context_mask", samples["mask"]), axis=1)
             penalty = policy_gradient.overlong_penalty(lengths, max_len=s.response_len, cache_len=s.overlong_cache)
             scores = scores + s.overlong_coef * penalty
             metrics["objective/overlong_penalty"] = (jnp.sum(penalty), rows)

@@ -93,7 +93,7 @@ def test_reward_functions_score_the_decoded_replies_inside_the_jitted_scoring(tm
     trainer, built = _trainer_and_objective(rewards="gsm8k,my_rewards:digits", reward_weights="1.0,0.5")
     rows = built._prompts(built.read()["train"], "train split")  # registers the split's problems
     split = int(rows["problem_split"][0])
-    table = built._verifiable.tables[split]
+    table = built._tables.tables[split]
     answers = [table[i].fields["answer"] for i in range(4)]
     replies = [answers[0], str(int(answers[1]) + 1), "x", f"{answers[3]}"]
     samples = _samples(built, replies, [0, 1, 2, 3], split)

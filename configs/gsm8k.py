@@ -10,9 +10,10 @@ replies are byte-level, so the GSM8K recipe is sized for an accelerator (docs/rl
 
 Variants:
 - `sft`: the SFT stage (prompt -> worked solution without its <<calculator>> annotations, loss on the solution).
-- `addition_sft`, `addition`: the same two stages on a CPU-sized synthetic task, `digits`-digit sums
-  ("synthetic:addition", generated in memory): `addition` runs GRPO from `--config.objective.sft=ckpt:` of the
-  `addition_sft` run, 8 samples per prompt, the answer reward only, Dr. GRPO's advantages and DAPO's clip-higher.
+- `addition_sft`, `addition`: the same two stages on a CPU-sized synthetic task, 2-digit sums generated in memory
+  ("synthetic:addition", half of the SFT demonstrations wrong by 1 to 9): `addition` runs 400 GRPO steps from
+  `--config.objective.sft=ckpt:` of the `addition_sft` run, 8 samples per prompt, the answer reward only, Dr.
+  GRPO's advantages and DAPO's clip-higher (docs/rl.md: greedy accuracy on fresh sums before and after).
 - `calculator`: the GRPO stage with the calculator tool (`<calc>48/2</calc>` -> `<result>24</result>`, its answers
   in the context but not in the loss), up to 4 policy turns of at most 128 tokens.
 - `tiny`: GRPO with the answer reward from nothing (no SFT run: the policy starts from its initialisation, which is
@@ -25,7 +26,9 @@ from lmzoo.config import base_config, check_variants, model_section
 from lmzoo.objectives import objective_section
 
 GSM8K = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-ADDITION = "synthetic:addition?digits=2&n=4000"
+# Half of the SFT demonstrations are off by 1 to 9 (the rewards check the true sum): demonstrations with errors,
+# which the reward then teaches the policy to leave behind.
+ADDITION = "synthetic:addition?digits=2&n=4000&noise=50"
 
 
 def _model(size: str) -> dict:
@@ -77,16 +80,17 @@ def get_config(arg: str | None = None):
     if "tiny" in variants:
         objective.update(samples_per_prompt=4, prompt_len=8, response_len=4, reward_workers=1)
     c.objective = objective_section("grpo", **objective)
-    c.optim.learning_rate, c.optim.min_learning_rate = (3e-4, 3e-4) if addition else (1e-5, 1e-5)
+    c.optim.learning_rate, c.optim.min_learning_rate = (1e-4, 1e-4) if addition else (1e-5, 1e-5)
+    c.optim.warmup_steps = 10  # Adam's first steps are the size of the learning rate whatever the gradient's noise
     c.optim.grad_clip = 1.0
     c.train.batch_size = 16 if addition else 8
-    c.train.steps = c.optim.decay_steps = 100 if addition else 500
+    c.train.steps = c.optim.decay_steps = 400 if addition else 500
     c.train.log_every = 5
-    c.train.eval_every = c.train.checkpoint_every = 50
+    c.train.eval_every = c.train.checkpoint_every = 100 if addition else 50
     c.eval.batch_size, c.eval.max_batches = 64, 2
     if "tiny" in variants:
         c.train.steps, c.train.batch_size = 3, 4
-        c.optim.decay_steps = c.train.steps
+        c.optim.decay_steps, c.optim.warmup_steps = c.train.steps, 0
         c.train.eval_every = c.train.checkpoint_every = 3
         c.eval.batch_size, c.eval.max_batches = 8, 1
     return c

@@ -42,8 +42,9 @@ def is_problem_file(path: str) -> bool:
 
 
 def solution(row: dict) -> str:
-    """The worked solution a model is fine-tuned to write: the row's answer without GSM8K's calculator annotations."""
-    return _CALCULATION.sub("", str(row.get("answer", "")))
+    """The worked solution a model is fine-tuned to write: the row's "solution" if it has one (a demonstration that
+    may be wrong, "synthetic:...&noise="), else its answer; without GSM8K's calculator annotations."""
+    return _CALCULATION.sub("", str(row.get("solution", row.get("answer", ""))))
 
 
 def format_prompt(template: str, row: dict, index: int = 0) -> str:
@@ -59,11 +60,13 @@ def format_prompt(template: str, row: dict, index: int = 0) -> str:
 
 def synthetic_rows(spec: str) -> list[dict]:
     """The rows of "synthetic:TASK?key=value&...": "addition" (digits, default 2; n rows, default 2000; seed,
-    default 0): {"question": "12+345", "answer": "357"}, the operands' lengths drawn from 1..digits."""
+    default 0; noise, in percent, default 0): {"question": "12+345", "answer": "357"}, the operands' lengths drawn from
+    1..digits; with noise, that share of the rows also carries a wrong "solution" (the sum off by 1 to 9), the
+    demonstration SFT learns from, while rewards check "answer": demonstrations with errors, as real ones have."""
     task, _, query = spec.removeprefix(SYNTHETIC).partition("?")
     if task not in SYNTHETIC_TASKS:
         raise ValueError(f"config.data.path={spec!r}: unknown synthetic task {task!r}; choose one of {SYNTHETIC_TASKS}")
-    options = {"digits": 2, "n": 2000, "seed": 0}
+    options = {"digits": 2, "n": 2000, "seed": 0, "noise": 0}
     for key, values in urllib.parse.parse_qs(query, strict_parsing=bool(query)).items():
         if key not in options:
             raise ValueError(f"config.data.path={spec!r}: unknown option {key!r}; options: {sorted(options)}")
@@ -71,13 +74,16 @@ def synthetic_rows(spec: str) -> list[dict]:
             options[key] = int(values[-1])
         except ValueError:
             raise ValueError(f"config.data.path={spec!r}: {key}={values[-1]!r} is not an integer") from None
-    if options["digits"] < 1 or options["n"] < 2:
-        raise ValueError(f"config.data.path={spec!r}: digits must be >= 1 and n >= 2")
+    if options["digits"] < 1 or options["n"] < 2 or not 0 <= options["noise"] <= 100:
+        raise ValueError(f"config.data.path={spec!r}: digits must be >= 1, n >= 2 and noise in 0..100")
     rng = np.random.default_rng(options["seed"])
     rows = []
     for _ in range(options["n"]):
         a, b = (int(rng.integers(0, 10 ** int(rng.integers(1, options["digits"] + 1)))) for _ in range(2))
-        rows.append({QUESTION: f"{a}+{b}", "answer": str(a + b)})
+        row = {QUESTION: f"{a}+{b}", "answer": str(a + b)}
+        if options["noise"] and rng.random() * 100 < options["noise"]:
+            row["solution"] = str(a + b + int(rng.choice([-1, 1])) * int(rng.integers(1, 10)))
+        rows.append(row)
     return rows
 
 

@@ -79,6 +79,8 @@ def get_config(arg: str | None = None):
         objective.update(environment="calculator", max_turns=4, turn_len=128, observation_len=32)
     if "tiny" in variants:
         objective.update(samples_per_prompt=4, prompt_len=8, response_len=4, reward_workers=1)
+        if "calculator" in variants:
+            objective.update(max_turns=2, turn_len=2)
     c.objective = objective_section("grpo", **objective)
     c.optim.learning_rate, c.optim.min_learning_rate = (1e-4, 1e-4) if addition else (1e-5, 1e-5)
     c.optim.warmup_steps = 10  # Adam's first steps are the size of the learning rate whatever the gradient's noise

@@ -76,6 +76,9 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
         ("off" | "k1" | "k3": the KL term of the loss), dynamic_sampling (DAPO: groups whose rewards are all equal
         are dropped from the loss), overlong_cache (DAPO's soft overlong punishment over the last overlong_cache
         tokens before response_len, times overlong_coef; 0 = off).
+    max_staleness: asynchronous GRPO: the update of step s learns from the rollout drawn at step s - max_staleness (the
+        first max_staleness steps only draw), corrected by truncated importance sampling min(π_old / π_behaviour,
+        tis_cap) per token; 0 = synchronous, the same run as without it.
     environment: a tool the policy talks to over up to max_turns turns ("calculator": <calc>48/2</calc> ->
         <result>24</result>; or the user's "module:Class", `lmzoo.rl.environments`), each turn up to turn_len tokens
         (0 = response_len) ending at the tool's stop string; its answers (at most observation_len tokens) are in the
@@ -126,6 +129,13 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
             problems.append(
                 f"max_turns={self.max_turns}, turn_len={self.turn_len}, observation_len={self.observation_len}: "
                 f"need max_turns >= 1, 0 <= turn_len <= response_len={self.response_len}, observation_len >= 1"
+            )
+        if self.max_staleness < 0 or self.tis_cap <= 0:
+            problems.append(f"max_staleness={self.max_staleness}, tis_cap={self.tis_cap}: must be >= 0 and > 0")
+        if self.max_staleness and (self.algorithm != "grpo" or self.environment):
+            problems.append(
+                f"max_staleness={self.max_staleness}: asynchronous rollouts are for GRPO without an environment "
+                f"(algorithm={self.algorithm!r}, environment={self.environment!r}); set max_staleness=0"
             )
         if self.max_turns > 1 and not self.environment:
             problems.append(f"max_turns={self.max_turns}: turns alternate with an environment; set environment")

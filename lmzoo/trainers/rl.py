@@ -72,6 +72,10 @@ class RLSettings:
     # the response_len tokens of a response.
     max_turns: int = 1
     turn_len: int = 0
+    # Asynchronous GRPO: the update of step s uses the rollout drawn at step s - max_staleness by that step's policy
+    # (its log-probs kept), corrected by truncated importance sampling capped at tis_cap; 0 = synchronous.
+    max_staleness: int = 0
+    tis_cap: float = 2.0
 
 
 @struct.dataclass
@@ -84,6 +88,9 @@ class PPOState:
     rng: jax.Array
     frozen: Any  # {"reference", "reward", "reward_gain", "reward_bias"}: never checkpointed
     kl_coef: jax.Array
+    # max_staleness > 0: the rollouts drawn but not yet learnt from, [max_staleness, rows, ...], slot step % k, each
+    # row's "version" the step that drew it (-1: none yet); checkpointed, so a resumed run learns from them exactly.
+    pending: Any = struct.field(default_factory=dict)
 
 
 def left_aligned(tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -192,7 +199,28 @@ class PPOTrainer:
             rng=jax.random.key_data(state_rng),
             frozen=frozen,
             kl_coef=jnp.asarray(s.kl_coef, jnp.float32),
+            pending=self._no_pending(),
         )
+
+    def _no_pending(self) -> dict:
+        """The empty rollout queue of asynchronous GRPO: max_staleness slots of a rollout's rows, version -1."""
+        s, k = self.settings, self.settings.max_staleness
+        if k == 0:
+            return {}
+        rows = self.batch_size * s.samples_per_prompt
+        ints = lambda *shape: jnp.zeros((k, rows, *shape), jnp.int32)  # noqa: E731
+        floats = lambda *shape: jnp.zeros((k, rows, *shape), jnp.float32)  # noqa: E731
+        pending = {
+            "prompts": ints(s.prompt_len),
+            "prompt_mask": ints(s.prompt_len),
+            "responses": ints(s.response_len),
+            "mask": floats(s.response_len),
+            "behaviour_logprobs": floats(s.response_len),
+            "version": jnp.full((k, rows), -1, jnp.int32),
+        }
+        if self.host_rewards is not None:
+            pending.update({key: ints() for key in PROBLEM_KEYS})
+        return pending
 
     def initial_carry(self, batch_size: int) -> dict:
         return {}
@@ -243,7 +271,11 @@ class PPOTrainer:
             pad_id=self.pad_id,
             vocab_size=self.vocab_size,
         )
-        return {**samples, "responses": sampled.tokens, "mask": sampled.mask.astype(jnp.float32)}
+        mask = sampled.mask.astype(jnp.float32)
+        samples = {**samples, "responses": sampled.tokens, "mask": mask}
+        if s.max_staleness:  # the drawing policy's log-probs, for the importance weights of a later update
+            samples["behaviour_logprobs"] = sampled.log_probs * mask
+        return samples
 
     def _episodes(self, params, prompts, prompt_mask, problems, rng) -> dict[str, jax.Array]:
         """Episodes of up to max_turns policy turns, each sampled (up to turn_len tokens, to EOS or one of the
@@ -378,6 +410,8 @@ class PPOTrainer:
             "sequence_kl": jnp.sum((logprobs - ref_logprobs) * mask, axis=1),
             "sequence_returns": sequence_returns,
         }
+        if "behaviour_logprobs" in samples:
+            rollout["behaviour_logprobs"] = samples["behaviour_logprobs"]
         if s.algorithm == "grpo":
             rollout["ref_logprobs"] = ref_logprobs
             if s.dynamic_sampling:
@@ -499,6 +533,7 @@ class PPOTrainer:
                 aggregation=s.loss_aggregation,
                 ratio_level=s.ratio_level,
                 kl_estimator=s.kl_loss,
+                tis_cap=s.tis_cap if s.max_staleness else None,
             )
         mask = minibatch["mask"]
         loss, metrics = policy_gradient.reinforce_loss(logprobs, minibatch["sequence_advantages"], mask)
@@ -572,15 +607,27 @@ class PPOTrainer:
     def run_phase(self, name: str, state: PPOState, batch, carry):
         """One part of `step`: "rollout" -> `generate`'s samples; "scoring" (carry: the samples) -> (`score`'s
         targets, metrics); "update" (carry: those) -> (the next state, metrics). Every phase reads `state` as it was
-        before the step; the loop times them apart."""
+        before the step; the loop times them apart. With max_staleness k > 0, "rollout" draws this step's rollout and
+        hands on the one drawn k steps ago (`state.pending`), which "scoring" scores with today's policy and "update"
+        learns from (no update while the queue fills), queueing today's in its place."""
         s = self.settings
         rng, sample_rng, shuffle_rng = jax.random.split(jax.random.wrap_key_data(state.rng), 3)
         if name == "rollout":
             policy = self.policy_params(state.params, state.frozen)
-            return self.generate(policy, batch, sample_rng, samples_per_prompt=s.samples_per_prompt)
+            drawn = self.generate(policy, batch, sample_rng, samples_per_prompt=s.samples_per_prompt)
+            if not s.max_staleness:
+                return drawn
+            drawn = {**drawn, "version": jnp.full(drawn["mask"].shape[:1], state.step, jnp.int32)}
+            slot = state.step % s.max_staleness
+            return {"stale": jax.tree.map(lambda queued: queued[slot], state.pending), "drawn": drawn}
         if name == "scoring":
-            return self.score(self.policy_params(state.params, state.frozen), state.frozen, state.kl_coef, carry)
-        rollout, metrics = carry
+            samples = carry["stale"] if s.max_staleness else carry
+            scored = self.score(self.policy_params(state.params, state.frozen), state.frozen, state.kl_coef, samples)
+            return (scored, carry["drawn"], samples["version"]) if s.max_staleness else scored
+        if s.max_staleness:
+            (rollout, metrics), drawn, version = carry
+        else:
+            rollout, metrics = carry
         params, opt_state, update_metrics = self.update(
             state.params, state.opt_state, rollout, shuffle_rng, self.demonstrations(batch), state.frozen
         )
@@ -590,12 +637,24 @@ class PPOTrainer:
         ).kl_coef
         one = jnp.ones((), jnp.float32)
         metrics = {**metrics, **update_metrics, "learning_rate": (self.schedule(state.step), one)}
+        pending = state.pending
+        if s.max_staleness:
+            learnt = version[0] >= 0  # a slot is filled whole: its rows share their version
+            params, opt_state = jax.tree.map(
+                lambda new, old: jnp.where(learnt, new, old), (params, opt_state), (state.params, state.opt_state)
+            )
+            slot = state.step % s.max_staleness
+            pending = jax.tree.map(lambda queued, new: queued.at[slot].set(new), state.pending, drawn)
+            staleness = jnp.where(learnt, (state.step - version[0]).astype(jnp.float32), 0.0)
+            metrics["async/staleness"] = (staleness * learnt, learnt.astype(jnp.float32))
+            metrics["async/updates"] = (learnt.astype(jnp.float32), one)
         new_state = state.replace(
             step=state.step + 1,
             params=params,
             opt_state=opt_state,
             rng=jax.random.key_data(rng),
             kl_coef=jnp.asarray(kl_coef, jnp.float32),
+            pending=pending,
         )
         return new_state, metrics
 

@@ -420,7 +420,7 @@ def evaluate() -> None:
             if FLAGS.num_samples > 1:
                 print(f"--- sample {index + 1} (seed {FLAGS.seed + index}) ---")
             print(prompt + text)
-        run.checkpointer.close()
+        run.close()
         return
     result = {"step": step, "split": split, **({"data": FLAGS.data} if FLAGS.data else {})}
     if FLAGS.max_batches is not None:
@@ -460,7 +460,7 @@ def evaluate() -> None:
         print(f"--- example {i} ---")
         for key in ("corrupted", "reconstruction", "original"):
             print(f"[{key}]\n{example[key]}")
-    run.checkpointer.close()
+    run.close()
 
 
 if __name__ == "__main__":

@@ -413,7 +413,7 @@ def run_lockstep(args) -> None:
         model.eval()
         torch_val = torch_loss_on_lmzoo_batches(model, run.eval_batches("validation"))
         print(f"whole-split validation loss on lmzoo's eval batches: lmzoo {lmzoo_val:.5f}, torch {torch_val:.5f}")
-        run.checkpointer.close()
+        run.close()
 
 
 def main():

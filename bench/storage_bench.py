@@ -561,7 +561,7 @@ def checkpoint_child(args: argparse.Namespace) -> dict:
     save_call_s = time.perf_counter() - start
     run.checkpointer.wait()
     save_s = time.perf_counter() - start
-    run.checkpointer.close()
+    run.close()
     saved_at = time.time()
 
     reader = checkpoint.Checkpointer(

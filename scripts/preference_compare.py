@@ -140,7 +140,7 @@ def make_judge(args, sft: str, rm: str) -> alignment.PolicyJudge:
         config.data.path = args.data
     run = run_lib.build(config, str(pathlib.Path(args.out) / "judge"))
     state, _ = run_lib.restore_or_init(run)
-    run.checkpointer.close()
+    run.close()
     batches = list(run.eval_batches("validation"))[: args.eval_batches]
     return alignment.PolicyJudge(run, state, batches, samples_per_prompt=args.samples_per_prompt)
 
@@ -163,7 +163,7 @@ def judge_checkpoints(judge: alignment.PolicyJudge, runs: dict[str, dict], sampl
                 print(f"{name} step {step}: {json.dumps(rows[-1])}", flush=True)
             lines[name] = judge.sample_lines(rollout, samples)
         finally:
-            run.checkpointer.close()
+            run.close()
     return rows, lines
 
 

@@ -46,7 +46,7 @@ def main() -> None:
             flush=True,
         )
     recurrent.evaluate_samples(run, state)
-    run.checkpointer.close()
+    run.close()
 
 
 if __name__ == "__main__":

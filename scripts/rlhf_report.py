@@ -52,7 +52,7 @@ def plot(runs: dict[str, str], path: pathlib.Path) -> None:
 def samples(name: str, workdir: str, count: int) -> None:
     run = run_lib.open_run(workdir)
     _, state = run_lib.restore_step(run)
-    run.checkpointer.close()
+    run.close()
     judge = alignment.PolicyJudge(run, state, [next(iter(run.eval_batches("validation")))])
     rollout = judge.rollouts(state.params["decoder"])
     print(

@@ -101,7 +101,7 @@ def test_eval_generate_on_a_bf16_run(bf16_run):
         text = sample_text(run, params, "def ", max_new_tokens=6, temperature=0.8, top_k=0, top_p=0.95, seed=0)
         assert isinstance(text, str)
     finally:
-        run.checkpointer.close()
+        run.close()
 
 
 def test_fewshot_scores_of_a_bf16_run_are_close_to_float32(bf16_loaded):

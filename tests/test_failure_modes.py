@@ -190,7 +190,7 @@ def test_missing_metadata_falls_back_to_the_previous_step_naming_the_file(traine
     try:
         step, _, data_state = run.checkpointer.restore_latest(run.abstract_state)
     finally:
-        run.checkpointer.close()
+        run.close()
     assert step == 2 and data_state == {"step": 2}
     assert "checkpoints/4/state/_METADATA: no parameter metadata" in caplog.text
 
@@ -223,7 +223,7 @@ def test_a_chosen_damaged_step_drops_the_reports_of_abandoned_futures(trained, t
         with pytest.raises(checkpoint.CheckpointReadError, match="checkpoints/4 cannot be read"):
             run.checkpointer.restore_step(4, run.abstract_state)
     finally:
-        run.checkpointer.close()
+        run.close()
     logging.getLogger("asyncio").error("Task exception was never retrieved\nfuture: <Task finished ...>")
     assert not [r for r in caplog.records if "exception was never retrieved" in r.getMessage()]
 
@@ -358,7 +358,7 @@ def test_start_summary_reports_a_decay_past_the_last_step(trained):
     try:
         summary = loop.start_summary(run, run.train_loader(), 0)
     finally:
-        run.checkpointer.close()
+        run.close()
     assert "note: optim.decay_steps=4 > train.steps=3: the run ends before the learning rate decays" in summary
     assert "pass --config.optim.decay_steps=3 to decay fully" in summary
 

@@ -47,7 +47,7 @@ def convert(config, source: str, out: str) -> dict:
             run.checkpointer.save(0, {"params": params}, {"step": 0}, force=True)
             run.checkpointer.wait()
         finally:
-            run.checkpointer.close()
+            run.close()
         record = json.loads(config.to_json_best_effort()) | {"converted_from": source}
         storage.write_text(storage.path(out) / "config.json", json.dumps(record, indent=2))
     sizes = [leaf.size for leaf in jax.tree.leaves(params)]

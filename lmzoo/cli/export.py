@@ -69,7 +69,7 @@ def export_adapters(workdir: str, out_dir: str, step: int | None = None, *, over
         step, state = run_lib.restore_step(run, step, frozen=False)
         adapters = jax.device_get(state.params)
     finally:
-        run.checkpointer.close()
+        run.close()
     base = run.config.init_from.removeprefix("hf:") if run.config.init_from.startswith("hf:") else None
     summary = peft.save_peft(
         out_dir, adapters, adapted, run.config.model_name, run.config.model.to_dict(), base_model_name_or_path=base

@@ -251,6 +251,9 @@ class Objective:
         state holds them (arrays in their shardings); what this returns is placed in the params' shardings."""
         return params
 
+    def close(self) -> None:
+        """Releases what the objective holds beyond its run's arrays (PPO: its reward functions' worker processes)."""
+
     def real_tokens(self, batch: Batch) -> int:
         """Non-padding tokens of a host batch (what tokens_per_sec counts)."""
         if "segment_ids" in batch:
@@ -308,20 +311,32 @@ def sentence_step_summary(config: ml_collections.ConfigDict, length_multiple: in
     )
 
 
+CORPUS_KINDS = ("char", "word", "sentencepiece")  # tokenizer kinds learnt from the run's data unless given a path
+
+
+def configured_tokenizer(config, corpus: Callable[[], list[str]] | None = None) -> tokenizers.Tokenizer:
+    """The tokenizer config.data.tokenizer describes, built anew: config.init_from's (kind "init_from"), a token
+    store's own (source "store"), or built by kind, a kind learnt from the run's data reading `corpus()`."""
+    spec = config.data.tokenizer.to_dict()
+    kind = spec.pop("kind")
+    if kind == "init_from":  # the tokenizer that comes with config.init_from's weights
+        return weights.pretrained_tokenizer(config.init_from)
+    if config.data.source == "store":
+        return readers.open_stores(config)[0].tokenizer()
+    learnt = corpus is not None and kind in CORPUS_KINDS and not spec.get("path")
+    return tokenizers.build_tokenizer(kind, corpus=corpus() if learnt else None, **spec)
+
+
 def fixed_tokenizer(config) -> tokenizers.Tokenizer:
     """The run's tokenizer when it needs no corpus (byte, or a file given by path): the reward model and PPO read
     its special ids while building their task, before any data is read."""
     spec = config.data.tokenizer.to_dict()
-    kind = spec.pop("kind")
-    if kind == "init_from":
-        tokenizer = weights.pretrained_tokenizer(config.init_from)
-    elif kind != "byte" and not spec.get("path"):
+    if spec["kind"] not in ("init_from", "byte") and not spec.get("path"):
         raise ValueError(
             f"objective {config.objective.name!r} needs a tokenizer fixed before reading data: "
             "set config.data.tokenizer.kind='byte' or give config.data.tokenizer.path"
         )
-    else:
-        tokenizer = tokenizers.build_tokenizer(kind, **spec)
+    tokenizer = configured_tokenizer(config)
     if tokenizer.pad_id is None:
         raise ValueError(f"objective {config.objective.name!r} needs a tokenizer with a <pad> id (e.g. kind='byte')")
     return tokenizer

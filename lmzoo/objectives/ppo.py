@@ -200,6 +200,12 @@ class VerifiableRewards:
         self._pool_settings = pool_settings
         self._pool: rewards.RewardPool | None = None
 
+    def close(self) -> None:
+        """Stops the worker processes (started again on the next call)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
     def check(self, rows: list[problems.Problem]) -> None:
         """Refuses rows without a field a function reads, before anything is generated."""
         rewards.check_fields(self.functions, rows[0].fields)
@@ -208,7 +214,7 @@ class VerifiableRewards:
         """responses, mask [B, T]; split, ids [B] -> (each function's rewards [F, B], failures per function [F])."""
         if self._pool is None:
             self._pool = rewards.RewardPool(self.functions, self.weights, **self._pool_settings)
-            atexit.register(self._pool.close)
+            atexit.register(self.close)
         completions = [
             decoding.reply_text(self.tokenizer, row, row_mask)
             for row, row_mask in zip(np.asarray(responses), np.asarray(mask), strict=True)
@@ -278,6 +284,10 @@ class PPO(base.Objective):
     Config = PPOConfig
     reader = readers.CONVERSATIONS
     loss_is_token_nll = False  # the policy-gradient surrogate
+
+    def close(self):
+        if self._verifiable is not None:
+            self._verifiable.close()
 
     def check(self):
         o = self.fields

@@ -255,7 +255,7 @@ def _start(objective: Objective, workdir: str, stage: workdir_lib.StagedRunState
         if next(iter(run.eval_batches("validation")), None) is None:
             raise ValueError("the validation split has no examples; use more data or a larger validation split")
     except BaseException:
-        run.checkpointer.close()
+        run.close()
         raise
     if data_state["step"] > 0 and jax.process_index() == 0:  # said once every check passed, never before a refusal
         print(f"resumed from {run.checkpointer.directory / str(data_state['step'])}")
@@ -476,4 +476,4 @@ def _train(
         progress.close()
         stop_signals.close()
         writer.close()
-        run.checkpointer.close()
+        run.close()

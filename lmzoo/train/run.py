@@ -25,7 +25,7 @@ from etils import epath
 from lmzoo import checkpoint, lora, models, objectives, sharding, storage, tokenizers, weights
 from lmzoo import config as config_lib
 from lmzoo import workdir as workdir_lib
-from lmzoo.data import loaders, readers
+from lmzoo.data import loaders
 from lmzoo.objectives import base
 from lmzoo.trainers import base as trainers_base
 
@@ -145,6 +145,11 @@ class Run:
     def train_loader(self):
         return self.objective.train_loader(self.tokenizer, self.raw("train"), self.shard)
 
+    def close(self) -> None:
+        """Waits for the checkpoints being written and releases what the objective holds (PPO's reward workers)."""
+        self.checkpointer.close()
+        self.objective.close()
+
     def eval_batches(self, split: str):
         return self.objective.eval_batches(self.tokenizer, self.raw(split), self.shard)
 
@@ -173,18 +178,12 @@ def _tokenizer(
     if storage.exists(saved) and has_checkpoints(workdir):
         with storage.local_copy(saved.parent) as folder:  # tokenizer libraries read local files
             return tokenizers.from_spec(json.loads(storage.read_text(saved)), folder)
-    spec = config.data.tokenizer.to_dict()
-    kind = spec.pop("kind")
-    corpus = None
-    if kind == "init_from":  # the tokenizer that comes with config.init_from's weights
-        tokenizer = weights.pretrained_tokenizer(config.init_from)
-    elif config.data.source == "store":
-        tokenizer = readers.open_stores(config)[0].tokenizer()
-    else:
-        if kind in ("char", "word", "sentencepiece") and not spec.get("path"):
-            run_splits.update(objective.read())
-            corpus = objective.corpus(run_splits["train"]) + objective.corpus(run_splits["validation"])
-        tokenizer = tokenizers.build_tokenizer(kind, corpus=corpus, **spec)
+
+    def corpus() -> list[str]:
+        run_splits.update(objective.read())
+        return objective.corpus(run_splits["train"]) + objective.corpus(run_splits["validation"])
+
+    tokenizer = base.configured_tokenizer(config, corpus)
     if stage is not None:
         stage.write_folder(
             "tokenizer", lambda folder: storage.write_text(f"{folder}/spec.json", json.dumps(tokenizer.save(folder)))
@@ -356,7 +355,7 @@ def load(workdir: str, step: int | None = None, *, mesh_shape: tuple[int, ...] |
         step, state = restore_step(run, step, frozen=lora.from_config(run.config) is not None)
         params = run.compiled.host_params(state)
     finally:
-        run.checkpointer.close()
+        run.close()
     return Loaded(model=run.model, params=params, tokenizer=run.tokenizer, config=run.config, step=step)
 
 

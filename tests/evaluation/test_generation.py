@@ -56,4 +56,4 @@ def test_generation_evaluator_decodes_greedily_to_eos_and_scores_references(tmp_
     )[0].tolist()
     expected = tokens[: tokens.index(eos)] if eos in tokens else tokens
     assert examples[0]["generation"] == run.tokenizer.decode([t for t in expected if t != run.tokenizer.pad_id])
-    run.checkpointer.close()
+    run.close()

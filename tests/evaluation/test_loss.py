@@ -33,7 +33,7 @@ def scored(tmp_path_factory):
     data.write_text(DATA)
     run.add_split("data", str(data))
     yield run, state
-    run.checkpointer.close()
+    run.close()
 
 
 def _plain(run, state) -> tuple[float, float, int]:

@@ -156,4 +156,4 @@ def _classify_on_frozen_features(tmp_path, bilm_config):
             assert set(state.params) == {"head"}
             frozen = run_lib.load_frozen(run)["bilm"]
             jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), frozen, pretrained)
-        run.checkpointer.close()
+        run.close()

@@ -128,7 +128,7 @@ def test_word_dropout_in_the_training_loader_only(tmp_path):
         np.testing.assert_array_equal(
             batch["inputs"], vae_lm_objective.with_inputs(batch, run.tokenizer.eos_id)["inputs"]
         )
-    run.checkpointer.close()
+    run.close()
 
 
 def test_vae_lm_trains_with_annealing_and_reports_latent_metrics(tmp_path):

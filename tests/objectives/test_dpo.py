@@ -282,8 +282,8 @@ def test_dpo_raises_the_implicit_reward_margin_of_the_pairs_it_trained_on(sft_ru
         return metrics_lib.summarize(jax.tree.map(lambda *x: sum(x), *totals), token_nll=False)
 
     before, after = summary(initial), summary(trained)
-    run.checkpointer.close()
-    start.checkpointer.close()
+    run.close()
+    start.close()
     # The policy starts as the reference: every margin 0, the loss log 2.
     assert before["loss"] == pytest.approx(math.log(2.0), abs=1e-6)
     assert before["rewards/margin"] == 0.0 and before["rewards/accuracy"] == 0.0
@@ -297,7 +297,7 @@ def test_dpo_raises_the_implicit_reward_margin_of_the_pairs_it_trained_on(sft_ru
     restored = run_lib.open_run(workdir)
     assert jax.tree.leaves(run_lib.restore_step(restored, frozen=False)[1].frozen) == []
     reference = jax.device_get(run_lib.restore_step(restored)[1].frozen["reference"])
-    restored.checkpointer.close()
+    restored.close()
     jax.tree.map(np.testing.assert_array_equal, reference, run_lib.load(sft_run["sft"]).params)
 
 
@@ -310,7 +310,7 @@ def test_resumed_dpo_continues_exactly(sft_run):
     for workdir in (straight, resumed):
         run = run_lib.open_run(workdir)
         arrays[workdir] = _state_arrays(run_lib.restore_step(run)[1])
-        run.checkpointer.close()
+        run.close()
     assert arrays[straight].keys() == arrays[resumed].keys()
     for key, value in arrays[straight].items():
         np.testing.assert_array_equal(arrays[resumed][key], value, err_msg=key)

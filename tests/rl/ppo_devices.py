@@ -28,7 +28,7 @@ def main(devices: int, job: dict) -> None:
     loop.train_and_evaluate(config, job["workdir"])
     run = run_lib.open_run(job["workdir"], mesh_shape=tuple(job["mesh"]))
     _, state = run_lib.restore_step(run, frozen=False)
-    run.checkpointer.close()
+    run.close()
     np.savez(job["npz"], **state_arrays(state))
 
 

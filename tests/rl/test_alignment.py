@@ -61,7 +61,7 @@ def test_sft_trains_on_replies_of_training_prompts_only(stages):
     batch = run.train_loader().batch(0)
     assert set(batch) >= {"inputs", "targets", "weights", "segment_ids", "positions"}
     assert 0 < batch["weights"].sum() < np.count_nonzero(batch["segment_ids"])  # prompts carry no loss
-    run.checkpointer.close()
+    run.close()
     validation = [r for r in _rows(stages["sft"]) if r["split"] == "validation"]
     assert validation and np.isfinite(validation[-1]["loss"])
 
@@ -70,7 +70,7 @@ def test_reward_model_starts_from_sft_and_reports_accuracy_next_to_length_baseli
     sft_params = run_lib.load(stages["sft"]).params
     run = run_lib.open_run(stages["rm"])
     _, state = run_lib.restore_step(run, 2)
-    run.checkpointer.close()
+    run.close()
     assert set(state.params) == {"backbone", "classifier"}
     assert state.params["backbone"]["wpe"]["embedding"].shape == sft_params["wpe"]["embedding"].shape
     final = stages["rm_final"]
@@ -119,7 +119,7 @@ def test_ppo_iteration_starts_at_the_reference_and_updates_only_the_policy(stage
         again = jax.device_put(before, run.compiled.state_shardings)
         phased, phased_metrics = loop.run_timed_phases(run.compiled.phases, again, batch)
     summary = metrics_lib.summarize(metrics)
-    run.checkpointer.close()
+    run.close()
     # The loop runs the step as its jitted phases, timing each: the same iteration as the one-program step.
     assert list(run.compiled.phases) == ["rollout", "scoring", "update"]
     assert all(phased_metrics[f"time/{name}_ms"][0] > 0 for name in run.compiled.phases)
@@ -156,7 +156,7 @@ def straight_ppo(stages, request):
     )
     run = run_lib.open_run(workdir)
     _, state = run_lib.restore_step(run, frozen=False)
-    run.checkpointer.close()
+    run.close()
     return {"workdir": workdir, "arrays": state_arrays(state), "objective": objective, "variant": variant}
 
 
@@ -171,7 +171,7 @@ def test_resumed_ppo_continues_exactly(stages, straight_ppo):
     )
     run = run_lib.open_run(workdir)
     _, state = run_lib.restore_step(run, frozen=False)
-    run.checkpointer.close()
+    run.close()
     resumed = state_arrays(state)
     assert resumed.keys() == straight_ppo["arrays"].keys()
     if "value_model" in variant:
@@ -200,7 +200,7 @@ def test_grpo_keeps_the_kl_out_of_the_reward_and_resumes_exactly(stages):
     for workdir in (straight, resumed):
         run = run_lib.open_run(workdir)
         arrays[workdir] = state_arrays(run_lib.restore_step(run, frozen=False)[1])
-        run.checkpointer.close()
+        run.close()
     for key, value in arrays[straight].items():
         np.testing.assert_array_equal(arrays[resumed][key], value, err_msg=key)
     # The value head gets no loss: it stays at its zero initialisation.
@@ -272,7 +272,7 @@ def test_the_ppo_policy_samples_like_its_decoder(straight_ppo):
 
     run = run_lib.open_run(straight_ppo["workdir"])
     _, state = run_lib.restore_step(run, frozen=False)
-    run.checkpointer.close()
+    run.close()
     params = run.compiled.host_params(state)
     text = sample_text(run, params, "Human:", max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=0)
     ids = run.tokenizer.encode("Human:")

@@ -80,6 +80,7 @@ def test_each_update_learns_from_the_rollout_drawn_k_steps_before(tmp_path, monk
     assert "policy/tis_weight" in metrics2
     changed = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), state1.params, state2.params)
     assert not all(jax.tree.leaves(changed))
+    built.close()  # its reward workers
 
 
 def test_an_asynchronous_run_resumes_exactly(tmp_path):

@@ -45,7 +45,7 @@ def flat(tree) -> dict[str, np.ndarray]:
 def latest(workdir):
     run = run_lib.build(run_lib.load_saved(str(workdir)), str(workdir))
     step, state, _ = run.checkpointer.restore_latest(run.abstract_state)
-    run.checkpointer.close()
+    run.close()
     return step, jax.device_get(state)
 
 

@@ -112,6 +112,7 @@ def test_turns_alternate_with_the_environment_which_the_loss_leaves_out(echo_env
     )
     later = slice(prompt_len + 5, prompt_len + 12)
     assert not np.allclose(np.asarray(logits(rollout))[:, later], np.asarray(logits(other))[:, later])
+    built.close()  # its reward workers
 
 
 def test_the_calculator_answers_a_call_and_ends_at_an_answer():

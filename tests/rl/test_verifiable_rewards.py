@@ -105,6 +105,7 @@ def test_reward_functions_score_the_decoded_replies_inside_the_jitted_scoring(tm
     digit_counts = np.asarray([sum(c.isdigit() for c in r[: built.fields.response_len - 1]) for r in replies])
     np.testing.assert_allclose(np.asarray(scores), correct + 0.5 * digit_counts)
     assert float(metrics["rewards/gsm8k"][0]) == 2.0 and float(metrics["rewards/gsm8k_failures"][0]) == 0.0
+    built.close()  # its reward workers
 
 
 def test_the_successors_flags_reach_the_loss():

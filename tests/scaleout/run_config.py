@@ -65,7 +65,7 @@ def main(devices: int, jobs: list[dict]) -> None:
             config.sharding.mesh_shape = tuple(job["mesh"])
         run = run_lib.build(config, job["workdir"])
         state, data_state = run_lib.restore_or_init(run)
-        run.checkpointer.close()
+        run.close()
         leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
         device0 = jax.devices()[0]
         print(

@@ -100,7 +100,7 @@ def restore_latest(workdir: pathlib.Path, mesh_shape=None):
         config.sharding.mesh_shape = mesh_shape
     run = run_lib.build(config, str(workdir))
     state, data_state = run_lib.restore_or_init(run)
-    run.checkpointer.close()
+    run.close()
     return data_state["step"], jax.device_get(state)
 
 
@@ -295,7 +295,7 @@ def test_sampling_in_the_mesh_equals_one_device(mesh_runs, workspace):
     config.sharding.mesh_shape = (1, 1, 1)
     one_device = run_lib.build(config, str(workspace / "2x2x2"))
     state, _ = run_lib.restore_or_init(one_device)
-    one_device.checkpointer.close()
+    one_device.close()
     expected = sample_from_checkpoint(one_device, state.params)
     np.testing.assert_array_equal(sharded["tokens"], expected["tokens"])
     np.testing.assert_allclose(sharded["log_probs"], expected["log_probs"], atol=1e-5)

@@ -66,7 +66,7 @@ def _rows(run_dir: str) -> list[dict]:
 def _final_state(run_dir: str):
     run = run_lib.build(run_lib.load_saved(run_dir), run_dir)
     step, state, data_state = run.checkpointer.restore_latest(run.abstract_state)
-    run.checkpointer.close()
+    run.close()
     return step, jax.device_get(state), data_state
 
 

@@ -43,7 +43,7 @@ def test_converted_checkpoint_restores_sharded_and_equals_the_hf_conversion(wher
 
     run = run_lib.build(config, str(tmp_path / "target"), batches=False)
     target = run.compiled.abstract_state.params
-    run.checkpointer.close()
+    run.close()
     restored = weights.read_params(f"ckpt:{root}/converted", "llama", config.model.to_dict(), target)
     converted = weights.read_params(f"hf:{tmp_path / 'hf'}", "llama", config.model.to_dict(), target)
     for ours, theirs, like in zip(

@@ -86,7 +86,7 @@ def assistant_bytes(sequence: np.ndarray) -> np.ndarray:
 
 def test_sft_weights_exactly_the_assistant_turns(chain):
     run = run_lib.build(run_lib.load_saved(chain.sft), chain.sft)
-    run.checkpointer.close()
+    run.close()
     raw = run.objective.read()["train"]
     rows = run.objective.examples(tokenizers.build_tokenizer("byte"), raw, "train split")
     segments = 0
@@ -106,7 +106,7 @@ def test_sft_trains_the_adapters_and_leaves_the_base(chain):
     adapted = lora.from_config(saved)
     run = run_lib.build(saved, chain.sft)
     _, state, _ = run.checkpointer.restore_latest(run.abstract_state)
-    run.checkpointer.close()
+    run.close()
     adapters = traverse_util.flatten_dict(jax.device_get(state.params))
     assert {path[-1] for path in adapters} == {"lora_a", "lora_b"}  # the checkpoint holds the adapters alone
     assert len(adapters) == 2 * 7 * saved.model.num_layers  # all seven projections of every layer
@@ -126,7 +126,7 @@ def test_sft_trains_the_adapters_and_leaves_the_base(chain):
 def test_dpo_starts_from_the_sft_model_as_its_reference(chain):
     run = run_lib.build(run_lib.load_saved(chain.dpo), chain.dpo)
     reference = jax.device_get(run_lib.load_frozen(run)["reference"])
-    run.checkpointer.close()
+    run.close()
     sft = lmzoo.load(chain.sft).params
     jax.tree.map(np.testing.assert_array_equal, reference, sft)
     first = json.loads((pathlib.Path(chain.dpo) / "metrics.jsonl").read_text().splitlines()[0])
@@ -138,7 +138,7 @@ def test_the_dpo_run_loads_as_the_sft_model_plus_its_adapters(chain):
     saved = run_lib.load_saved(chain.dpo)
     run = run_lib.build(saved, chain.dpo)
     step, state, _ = run.checkpointer.restore_latest(run.abstract_state)
-    run.checkpointer.close()
+    run.close()
     loaded = lmzoo.load(chain.dpo)
     assert step == loaded.step == 2 and loaded.config.objective.name == "dpo"
     sft = lmzoo.load(chain.sft).params

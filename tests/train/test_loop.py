@@ -25,7 +25,7 @@ def _tiny_config(**train):
 def _params(workdir):
     run = run_lib.build(run_lib.load_saved(workdir), workdir)
     step, state, data_state = run.checkpointer.restore_latest(run.abstract_state)
-    run.checkpointer.close()
+    run.close()
     return step, jax.device_get(state), data_state
 
 

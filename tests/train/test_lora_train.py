@@ -39,7 +39,7 @@ def lora_config(base_folder, **train):
 def restored(workdir):
     run = run_lib.build(run_lib.load_saved(workdir), workdir)
     step, state, data_state = run.checkpointer.restore_latest(run.abstract_state)
-    run.checkpointer.close()
+    run.close()
     return step, jax.device_get(state)
 
 

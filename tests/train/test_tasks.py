@@ -66,7 +66,7 @@ def test_gpt_classifier_fine_tunes_from_a_decoder_checkpoint(tmp_path):
     batch = next(iter(run.eval_batches("validation")))
     extract = batch["inputs"][np.arange(len(batch["inputs"])), batch["segment_ids"].sum(axis=1) - 1]
     assert (batch["inputs"][:, 0] == 258).all() and (extract == 260).all() and "token_types" not in batch
-    run.checkpointer.close()
+    run.close()
     pretrained = run_lib.load(str(tmp_path / "pretrain")).params["wte"]["embedding"]
     tuned = run_lib.load(str(tmp_path / "finetune")).params["backbone"]["wte"]["embedding"]
     assert pretrained.shape == (258, 32) and tuned.shape == (261, 32)
@@ -79,7 +79,7 @@ def test_distillation_trains_student_against_frozen_teacher(tmp_path, bert_tiny)
     assert np.isfinite(final["distill_loss"]) and 0.0 <= final["cosine_loss"] <= 2.0
     student = run_lib.open_run(str(tmp_path / "student"))
     state, _ = run_lib.restore_or_init(student)
-    student.checkpointer.close()
+    student.close()
     teacher = run_lib.load(str(bert_tiny[0]))
     for a, b in zip(jax.tree.leaves(state.frozen["teacher"]), jax.tree.leaves(teacher.params), strict=True):
         np.testing.assert_array_equal(a, b)  # the teacher never changes: read again from its workdir on resume
@@ -128,7 +128,7 @@ def test_denoising_pretraining_runs(tmp_path, capsys, name, beam_size):
         seed=0,
     )
     assert isinstance(text, str) and len(run.tokenizer.encode(text)) <= 4
-    run.checkpointer.close()
+    run.close()
     out = run_eval(capsys, f"--workdir={tmp_path}", "--reconstruct=3", f"--beam_size={beam_size}", "--max_batches=1")
     line = json.loads(out.splitlines()[0])
     assert line["reconstruct_examples"] == 3 and line["beam_size"] == beam_size and 0.0 <= line["bleu"] <= 100.0
@@ -157,4 +157,4 @@ def test_llama_trains_through_the_loop_and_samples_past_its_context(tmp_path, va
     kwargs = dict(max_new_tokens=80, temperature=0.0, top_k=0, top_p=1.0, seed=0, note_window=False)
     text = sample_text(run, run.compiled.host_params(state), "ROMEO:", **kwargs)
     assert len(run.tokenizer.encode(text)) == 80
-    run.checkpointer.close()
+    run.close()

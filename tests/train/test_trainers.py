@@ -226,7 +226,7 @@ def test_counting_trainer_fits_without_gradients_and_resumes(tmp_path):
         b["weights"].sum() for b in batches
     )
     assert final["loss"] == pytest.approx(direct, rel=1e-5)
-    run.checkpointer.close()
+    run.close()
     _, resumed = run_lib.restore_step(run_lib.open_run(str(tmp_path / "resumed")))
     np.testing.assert_array_equal(resumed.params, state.params)
 

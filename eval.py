@@ -20,7 +20,10 @@ Other modes (each instead of scoring the split):
                         escapes \\n (newline), \\t (tab) and \\\\ (a backslash), so --generate="ROMEO:\\n" ends
                         in a newline. --prompt_file=FILE instead takes the prompt from a UTF-8 file, as it is
                         (nanoGPT's --start=FILE:). Past the model's positions a decoder slides its window
-                        (`lmzoo.decoding.generate`), and a note says so.
+                        (`lmzoo.decoding.generate`), and a note says so. --chat sends the prompt as the user's turn
+                        through the run's chat template (config.objective.chat_template, else its checkpoint's) and
+                        prints the assistant's reply, which ends at the template's end of turn or any of the
+                        tokenizer's eos ids (a checkpoint's generation_config.json may list several).
   --fewshot=TASK.jsonl  in-context multiple choice for each k of --fewshot_k, demonstrations drawn from
                         --fewshot_train (lmzoo/evaluation/fewshot.py), next to a majority-class baseline;
                         --dump_prompts=FILE writes the prompts used. Result: DIR/eval_fewshot_<task>.json.
@@ -67,6 +70,12 @@ flags.DEFINE_string(
     "generate", None, "Prompt to continue; \\n, \\t and \\\\ in it are a newline, a tab and a backslash."
 )
 flags.DEFINE_string("prompt_file", None, "Continue the text of this UTF-8 file, as it is (instead of --generate).")
+flags.DEFINE_bool(
+    "chat",
+    False,
+    "--generate / --prompt_file: send the prompt as the user's turn through the run's chat template and print the "
+    "assistant's reply, up to the end of its turn.",
+)
 flags.DEFINE_integer("max_new_tokens", 200, f"Tokens to sample (at most {MAX_NEW_TOKENS:,}).")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy. --gsm8k: that of the pass@k samples.")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
@@ -295,6 +304,8 @@ def check_flags() -> None:
         raise ValueError(f"--seq_len={FLAGS.seq_len}: must be >= 1 (omit it to use the run's config.data.seq_len)")
     if FLAGS.max_batches is not None and FLAGS.max_batches < 1:
         raise ValueError(f"--max_batches={FLAGS.max_batches}: must be >= 1 (omit it to evaluate the whole split)")
+    if FLAGS.chat and FLAGS.generate is None and FLAGS.prompt_file is None:
+        raise ValueError("--chat sends --generate's (or --prompt_file's) prompt as the user's turn: pass one of them")
     if FLAGS.generate is not None or FLAGS.prompt_file is not None:
         if not 1 <= FLAGS.max_new_tokens <= MAX_NEW_TOKENS:
             raise ValueError(
@@ -351,15 +362,18 @@ def check_flags() -> None:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from lmzoo.train import compilation_cache
     from lmzoo.train import run as run_lib
 
     logging.set_verbosity(logging.WARNING)
+    compilation_cache.enable()  # programs train.py (or an earlier eval.py) compiled are read, not compiled again
     with run_lib.user_errors():
         evaluate()
 
 
 def evaluate() -> None:
     from lmzoo import evaluation, objectives
+    from lmzoo.data import chat
     from lmzoo.evaluation.generation import sample_text
     from lmzoo.train import run as run_lib
 
@@ -401,6 +415,10 @@ def evaluate() -> None:
             f"--top_k={FLAGS.top_k}: the run's vocabulary has {run.tokenizer.vocab_size} tokens; pass at most "
             f"{run.tokenizer.vocab_size} (0 keeps every token)"
         )
+    stops, shown = (), prompt
+    if prompt is not None and FLAGS.chat:  # the template is read before the checkpoint
+        prompt, end_of_turn = chat.user_turn(chat.run_template(run.config, run.tokenizer), prompt)
+        stops, shown = tuple(s for s in (end_of_turn,) if s), ""
     # sampling needs only the params, unless they are LoRA adapters: the model is them merged into the frozen base
     step, state = run_lib.restore_step(run, FLAGS.step, frozen=prompt is None or bool(run.config.lora.targets))
     if prompt is not None:
@@ -416,10 +434,12 @@ def evaluate() -> None:
                 top_p=FLAGS.top_p,
                 seed=FLAGS.seed + index,
                 note_window=index == 0,
+                stop_ids=run.tokenizer.eos_ids if FLAGS.chat else (),
+                stops=stops,
             )
             if FLAGS.num_samples > 1:
                 print(f"--- sample {index + 1} (seed {FLAGS.seed + index}) ---")
-            print(prompt + text)
+            print(shown + text)
         run.close()
         return
     result = {"step": step, "split": split, **({"data": FLAGS.data} if FLAGS.data else {})}

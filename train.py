@@ -3,9 +3,13 @@
 The workdir defaults to runs/NAME[_ARG] (runs/default for the default config). Restarting with the same workdir
 resumes from its latest checkpoint. `python train.py --objectives` lists
 every objective (config.objective.name) with its fields and defaults. A config path that does not exist
-where train.py runs is looked up in the repository (so `configs/NAME.py` works from any folder). `--dry_run`
-parses the flags and checks the config as a run does before its first write (`dry_run`), then exits: no data is
-read and the workdir is not touched.
+where train.py runs is looked up in the repository (so `configs/NAME.py` works from any folder). With
+`--config.init_from=hf:CHECKPOINT`, config.model takes the checkpoint's config.json as transformers' `from_pretrained`
+does: the config file's model fields are defaults it replaces (one line says which), and only a `--config.model.*`
+override that contradicts it is an error. A model whose state (params, optimizer state, frozen models) would not fit
+the memory it lives in is refused before it is built. `--dry_run` parses the flags and checks the config as a run does
+before its first write (`dry_run`, the memory estimate included), then exits: no data is read and the workdir is not
+touched.
 
 Exit status: 0 trained to config.train.steps; 2 a user error (a bad flag, config value, file or checkpoint, a
 full disk: one line `error: ...`, refused before work that would be lost); 1 an unexpected failure; 75
@@ -48,18 +52,42 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS, argv: list[str] | 
     )
 
 
-def dry_run(config, workdir: str) -> str:
-    """The config checks a run makes before its first write (the objective's and every value that needs no devices:
-    batch splits over the mesh are checked when the run starts); raises ValueError. Returns a one-line summary."""
+def command_line_overrides(flag_values: flags.FlagValues = flags.FLAGS) -> set[str]:
+    """The config keys given on the command line (`--config.model.num_layers=2` gives "model.num_layers")."""
+    return set(config_flags.get_override_values(flag_values["config"]))
+
+
+def take_pretrained_fields(config, command_line: set[str], *, missing_ok: bool = False) -> str:
+    """config.model takes an `init_from=hf:` checkpoint's config.json (`config.take_pretrained_fields`: a config file
+    sets defaults, a contradicting command-line override is an error). missing_ok (the dry run): a checkpoint not on
+    this machine is a note in the returned text instead of an error."""
+    from lmzoo import config as config_lib
+
+    try:
+        config_lib.take_pretrained_fields(config, command_line)
+    except FileNotFoundError as e:
+        if not missing_ok:
+            raise
+        return f"; config.model is the config file's, not the checkpoint's: {e}"
+    return ""
+
+
+def dry_run(config, workdir: str, command_line: set[str] = frozenset()) -> str:
+    """The config checks a run makes before its first write (the checkpoint's fields for `init_from=hf:`, the
+    objective's checks, every value that needs no devices: batch splits over the mesh are checked when the run starts,
+    and the state's memory against this machine's, `run.dry_memory_check`); raises ValueError. Returns a one-line
+    summary."""
     from lmzoo import config as config_lib
     from lmzoo.train import run as run_lib
 
+    note = take_pretrained_fields(config, command_line, missing_ok=True)
     objective = run_lib.validated_objective(config)
     problems = objective.value_problems(data_parallel_size=1, batches=False)
     config_lib.check_values(config, data_parallel_size=1, batches=False, more_problems=tuple(problems))
+    memory = run_lib.dry_memory_check(objective) if not note else "memory not estimated"
     return (
         f"dry run: config ok (model {config.model_name}, objective {objective.name}, {config.train.steps} steps, "
-        f"workdir {workdir}); no data was read and the workdir was not touched"
+        f"workdir {workdir}{note}); {memory}; no data was read and the workdir was not touched"
     )
 
 
@@ -91,15 +119,17 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from lmzoo import sharding
     from lmzoo.kernels import host_memory
-    from lmzoo.train import loop
+    from lmzoo.train import compilation_cache, loop
     from lmzoo.train import run as run_lib
 
     logging.set_verbosity(logging.WARNING)
     if flags.FLAGS.dry_run:
         with run_lib.user_errors():
-            print(dry_run(flags.FLAGS.config, flags.FLAGS.workdir or default_workdir(sys.argv)))
+            workdir = flags.FLAGS.workdir or default_workdir(sys.argv)
+            print(dry_run(flags.FLAGS.config, workdir, command_line_overrides()))
         return
     host_memory.run_on_calling_thread()  # before JAX's CPU client exists: one-device steps keep their buffers
+    compilation_cache.enable()  # programs an earlier run compiled are read, not compiled again
     try:
         with run_lib.user_errors():
             config = flags.FLAGS.config  # validated once, by the run it builds, before any work
@@ -110,6 +140,7 @@ def main(argv):
             sharding.initialize_distributed(
                 **{k: config.distributed[k] for k in ("coordinator_address", "num_processes", "process_id")}
             )
+            take_pretrained_fields(config, command_line_overrides())
             final = loop.train_and_evaluate(config, flags.FLAGS.workdir or default_workdir(sys.argv))
     except loop.TrainingStopped as stopped:
         print(stopped, file=sys.stderr)

@@ -8,6 +8,8 @@ and `validate` checks the model section against the family's dataclass.
 import json
 import os
 import pathlib
+from collections.abc import Collection
+from typing import Any
 
 import ml_collections
 
@@ -230,6 +232,71 @@ def check_overrides(argv: list[str], flag: str = "config", default: str = "confi
                 valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
                 raise ValueError(f"unknown config key {'.'.join(keys)!r} in {arg!r}; valid keys of {section}: {valid}")
             node, seen = node[key], seen + [key]
+
+
+def take_pretrained_fields(
+    config: ml_collections.ConfigDict, command_line: Collection[str] = ()
+) -> dict[str, tuple[Any, Any]]:
+    """`from_pretrained` for config.init_from="hf:..." (a folder, a cached Hub id, a bucket prefix): config.model's
+    fields set, in place, to what the checkpoint fixes (its config.json: `convert.hf.checkpoint_fields`), so what a
+    config file sets is a default the checkpoint replaces. The changed fields are printed as one line (field: from ->
+    to). A field given on the command line (`command_line`: the overridden keys, e.g. "model.num_layers", as
+    config_flags records them) that contradicts the checkpoint is an error naming both values, unless
+    config.init_from_partial loads only what fits (the field then stays as given). Returns {field: (from, to)};
+    nothing is read or changed for other init_from values."""
+    from lmzoo.convert import hf
+
+    if not str(config.get("init_from") or "").startswith("hf:"):
+        return {}
+    fields = hf.checkpoint_fields(config.init_from, config.model_name)
+    given = {key.removeprefix("model.") for key in command_line if key.startswith("model.")}
+
+    def comparable(value: Any) -> Any:
+        return tuple(value) if isinstance(value, list | tuple) else value
+
+    differing = {
+        field: (config.model.get(field), value)
+        for field, value in fields.items()
+        if field not in config.model or comparable(config.model[field]) != comparable(value)
+    }
+    contradicted = {field: change for field, change in differing.items() if field in given}
+    if contradicted and not config.init_from_partial:
+        raise ValueError(
+            f"--config.model.{next(iter(contradicted))}: checkpoint {config.init_from!r} does not fit the command "
+            "line's model: "
+            + "; ".join(
+                f"config.model.{f}={ours!r}, checkpoint {theirs!r}" for f, (ours, theirs) in contradicted.items()
+            )
+            + ". Drop the override(s) to take the checkpoint's values, or pass --config.init_from_partial=True to load "
+            "only the parameters that fit"
+        )
+    changes = {field: change for field, change in differing.items() if field not in given}
+    with config.unlocked():
+        for field, (_, value) in changes.items():
+            if field in config.model and type(config.model[field]) is not type(value):
+                del config.model[field]  # an int the file wrote where the checkpoint gives a float, or back
+            config.model[field] = value
+    import jax  # after `sharding.initialize_distributed`: the processes of one run say it once
+
+    if changes and jax.process_index() == 0:
+        print(
+            f"{config.init_from}: config.model takes the checkpoint's config.json: "
+            + ", ".join(f"{field} {before!r}->{after!r}" for field, (before, after) in changes.items())
+        )
+    return changes
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory available to a new allocation (/proc/meminfo's MemAvailable: free memory and reclaimable
+    caches); None where there is no /proc/meminfo."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def check_variants(arg: str | None, known: tuple[str, ...], *, single: bool = False) -> tuple[str, ...]:

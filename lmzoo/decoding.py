@@ -8,11 +8,12 @@ a prompt plus new tokens longer than the model's `max_len` positions; `generate`
 sliding window (`window_passed` says when it will), silently: a caller that wants to say so checks `window_passed`,
 as `eval.py --generate` does with its note.
 
-Decoder-only prompts are left-padded to a common length P (`prompt_mask` marks real tokens), so
-every row's last prompt token sits at column P-1 and new tokens are written in lockstep. Both samplers
-run the one loop `_sample_loop`, a `lax.while_loop`; with `use_cache=False` each step recomputes the
-full forward pass (the reference the KV-cache path is tested and benchmarked against). Encoder-decoders
-run the encoder once and feed the decoder one token per step against its KV cache, starting from
+Decoder-only prompts are left-padded to a common length P (`prompt_mask` marks real tokens), so every row's
+last prompt token sits at column P-1 and new tokens are written in lockstep. With the KV cache, `sample` runs the
+generation engine's device loop (`lmzoo.serving.slots`: each prompt prefilled once, however many samples it has);
+`use_cache=False` and the encoder-decoders run `_sample_loop`, a `lax.while_loop` whose step recomputes the full
+forward pass (the reference the KV-cache path is tested and benchmarked against) or, for encoder-decoders, feeds
+the decoder one token per step against its KV cache after running the encoder once, starting from
 `model.config.decoder_start_id`. Whatever the model's dtype (bfloat16 compute or params), the loops carry
 the logits in float32: the sampling filters, softmax, log-probs and beam scores are float32."""
 
@@ -20,10 +21,12 @@ import functools
 from collections.abc import Sequence
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from lmzoo.serving import slots
+from lmzoo.serving.slots import Samples, check_sampling, init_cache, mask_padded_vocab
 
 
 def _check_ids(model: nn.Module, tokens: jax.Array, what: str) -> None:
@@ -32,29 +35,6 @@ def _check_ids(model: nn.Module, tokens: jax.Array, what: str) -> None:
         raise ValueError(
             f"{what} contains token ids outside [0, {vocab_size}); was it encoded with this model's tokenizer?"
         )
-
-
-def check_sampling(*, temperature: float, top_k: int, top_p: float, vocab_size: int | None = None) -> None:
-    """Raises on settings that do not sample the model's distribution or a truncation of it (a negative
-    temperature would sample the inverted one), or that keep more tokens than the `vocab_size` there are."""
-    if not temperature >= 0:
-        raise ValueError(f"temperature={temperature}: must be >= 0 (0 is greedy, 1 the model's distribution)")
-    if top_k < 0:
-        raise ValueError(f"top_k={top_k}: must be >= 0 (0 keeps every token)")
-    if vocab_size is not None and top_k > vocab_size:
-        raise ValueError(
-            f"top_k={top_k}: the vocabulary has {vocab_size} tokens; keep at most {vocab_size} (0 keeps every token)"
-        )
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p}: must be in (0, 1] (1 keeps every token)")
-
-
-def mask_padded_vocab(logits: jax.Array, vocab_size: int | None) -> jax.Array:
-    """logits [..., V] with ids >= vocab_size at -inf: a model's vocabulary padded beyond its tokenizer's
-    (`config.model.vocab_size` rounded up, or larger than a small corpus needs) has ids no tokenizer decodes."""
-    if vocab_size is None or vocab_size >= logits.shape[-1]:
-        return logits
-    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
 
 
 def sample_logits(
@@ -78,24 +58,6 @@ def sample_logits(
         cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return jax.random.categorical(rng, logits, axis=-1)
-
-
-def _init_cache(model: nn.Module, batch: int, length: int, *args, **kwargs):
-    """A zero KV cache for [batch, length] tokens; extra arguments go to `model.init` after the tokens."""
-    tokens = jnp.zeros((batch, length), jnp.int32)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, *args, decode=True, **kwargs)["cache"])
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-@flax.struct.dataclass
-class Samples:
-    """Sampled continuations. tokens [B, N] (`pad_id` after a row stopped); log_probs [B, N]: log-softmax of the
-    temperature-scaled logits (before top-k/top-p) at each sampled token, 0 where mask is 0; mask [B, N]: 1 up to
-    and including the EOS or the last token of a stop sequence, 0 after."""
-
-    tokens: jax.Array
-    log_probs: jax.Array
-    mask: jax.Array
 
 
 def _ends_with(tokens: jax.Array, last: jax.Array, sequence: tuple[int, ...]) -> jax.Array:
@@ -163,7 +125,7 @@ _SAMPLING_ARGS = (
 )
 
 
-@functools.partial(jax.jit, static_argnames=("model", *_SAMPLING_ARGS, "use_cache"))
+@functools.partial(jax.jit, static_argnames=("model", *_SAMPLING_ARGS, "use_cache", "samples_per_prompt"))
 def sample(
     model: nn.Module,
     params,
@@ -180,12 +142,19 @@ def sample(
     pad_id: int = 0,
     vocab_size: int | None = None,
     use_cache: bool = True,
+    samples_per_prompt: int = 1,
 ) -> Samples:
     """Decoder sampling, a pure function usable inside `jax.jit` (and under a mesh with sharded params).
 
-    prompts [B, P] int, left-padded (prompt_mask [B, P]: 1 for real tokens) -> Samples of [B, max_new_tokens].
-    temperature 0 is greedy (see `sample_logits`); no id >= vocab_size (the tokenizer's) is drawn. A row stops after `eos_id` or after the last token of any
-    of `stop_sequences` (token-id tuples matched within the new tokens); the loop ends when every row stopped.
+    prompts [B, P] int, left-padded (prompt_mask [B, P]: 1 for real tokens) -> Samples of [B·G, max_new_tokens],
+    G = samples_per_prompt replies to each prompt (prompt b's in rows b·G .. b·G+G-1). temperature 0 is greedy (see
+    `sample_logits`); no id >= vocab_size (the tokenizer's) is drawn. A row stops after `eos_id` or after the last
+    token of any of `stop_sequences` (token-id tuples matched within the new tokens); the loop ends when every row
+    stopped.
+
+    With the KV cache this is the generation engine's device loop (`lmzoo.serving.slots.sample_groups`: each prompt
+    prefilled once for its G samples); `use_cache=False` recomputes the whole sequence every step, the reference
+    the cache is tested against.
     """
     batch, prompt_len = prompts.shape
     max_len = getattr(model.config, "max_len", None)
@@ -194,48 +163,7 @@ def sample(
             f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
             f"max_len {max_len}; shorten the prompt or ask for fewer tokens"
         )
-    total = prompt_len + max_new_tokens
-    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
-    segment_ids = prompt_mask.astype(jnp.int32)
-    all_positions = jnp.concatenate([positions, positions[:, -1:] + 1 + jnp.arange(max_new_tokens)[None]], axis=1)
-
-    if use_cache:
-        logits, variables = model.apply(
-            {"params": params, "cache": _init_cache(model, batch, total)},
-            prompts,
-            positions=positions,
-            segment_ids=segment_ids,
-            decode=True,
-            mutable=["cache"],
-        )
-
-        def step(cache, token, i):
-            logits, variables = model.apply(
-                {"params": params, "cache": cache},
-                token[:, None],
-                positions=jax.lax.dynamic_slice_in_dim(all_positions, prompt_len + i, 1, axis=1),
-                segment_ids=jnp.ones((batch, 1), jnp.int32),
-                decode=True,
-                mutable=["cache"],
-            )
-            return logits[:, 0], variables["cache"]
-
-        state = variables["cache"]
-    else:
-        logits = model.apply({"params": params}, prompts, positions=positions, segment_ids=segment_ids)
-        all_segments = jnp.concatenate([segment_ids, jnp.ones((batch, max_new_tokens), jnp.int32)], axis=1)
-
-        def step(tokens, token, i):
-            tokens = jax.lax.dynamic_update_slice(tokens, token[:, None].astype(tokens.dtype), (0, prompt_len + i))
-            logits = model.apply({"params": params}, tokens, positions=all_positions, segment_ids=all_segments)
-            return jax.lax.dynamic_index_in_dim(logits, prompt_len + i, axis=1, keepdims=False), tokens
-
-        state = jnp.concatenate([prompts, jnp.full((batch, max_new_tokens), pad_id, prompts.dtype)], axis=1)
-    return _sample_loop(
-        step,
-        logits[:, -1],
-        state,
-        rng,
+    settings = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
@@ -245,6 +173,27 @@ def sample(
         pad_id=pad_id,
         vocab_size=vocab_size,
     )
+    if use_cache:
+        return slots.sample_groups(
+            model, params, prompts, prompt_mask, rng, samples_per_prompt=samples_per_prompt, **settings
+        )
+    if samples_per_prompt > 1:
+        prompts = jnp.repeat(prompts, samples_per_prompt, axis=0)
+        prompt_mask = jnp.repeat(prompt_mask, samples_per_prompt, axis=0)
+        batch *= samples_per_prompt
+    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
+    segment_ids = prompt_mask.astype(jnp.int32)
+    all_positions = jnp.concatenate([positions, positions[:, -1:] + 1 + jnp.arange(max_new_tokens)[None]], axis=1)
+    logits = model.apply({"params": params}, prompts, positions=positions, segment_ids=segment_ids)
+    all_segments = jnp.concatenate([segment_ids, jnp.ones((batch, max_new_tokens), jnp.int32)], axis=1)
+
+    def step(tokens, token, i):
+        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None].astype(tokens.dtype), (0, prompt_len + i))
+        logits = model.apply({"params": params}, tokens, positions=all_positions, segment_ids=all_segments)
+        return jax.lax.dynamic_index_in_dim(logits, prompt_len + i, axis=1, keepdims=False), tokens
+
+    state = jnp.concatenate([prompts, jnp.full((batch, max_new_tokens), pad_id, prompts.dtype)], axis=1)
+    return _sample_loop(step, logits[:, -1], state, rng, **settings)
 
 
 def reply_text(tokenizer, tokens: Sequence[int], mask: Sequence[int], stops: Sequence[str] = ()) -> str:
@@ -383,7 +332,7 @@ def _next_step(step_fn, cache, tokens, step, logits, steps):
 
 
 def _init_decoder_cache(model, encoded, max_decode_len):
-    return _init_cache(model, encoded.shape[0], max_decode_len, encoded, max_decode_len=max_decode_len, method="decode")
+    return init_cache(model, encoded.shape[0], max_decode_len, encoded, max_decode_len=max_decode_len, method="decode")
 
 
 @functools.partial(jax.jit, static_argnames=("model", *_SAMPLING_ARGS))
@@ -477,7 +426,7 @@ def _reorder_cache(cache, rows: jax.Array, batch_axis: int):
     """Self-attention cache leaves with rows [B*K] gathered by `rows` [B*K] along their batch axis.
 
     `rows` only picks among an example's own beams, whose cross-attention keys/values (projected from
-    the same encoder output) are identical, so those are left in place; cache_index has no batch axis."""
+    the same encoder output) are identical, so those are left in place, as is cache_index (equal in every row)."""
 
     def take(path, leaf):
         name = getattr(path[-1], "key", None)

@@ -82,7 +82,8 @@ def _split_before_word_space(text: str, near: int) -> int | None:
 
 
 class Tokenizer(abc.ABC):
-    """Text <-> ids. Special ids are None when the vocabulary has no such token."""
+    """Text <-> ids. Special ids are None when the vocabulary has no such token; `eos_ids` are every id that ends a
+    generation (`eos_id` first)."""
 
     eos_id: int | None = None
     pad_id: int | None = None
@@ -91,10 +92,19 @@ class Tokenizer(abc.ABC):
     mask_id: int | None = None
     cls_id: int | None = None
     sep_id: int | None = None
+    # Ids besides eos_id that end a generation: a checkpoint's generation_config.json may list several eos ids (Llama 3
+    # Instruct: <|eot_id|> ends a turn, <|end_of_text|> a text).
+    extra_eos_ids: tuple[int, ...] = ()
 
     def _set_specials(self, ids: Mapping[str, int | None]) -> None:
         for role, i in ids.items():
             setattr(self, f"{role}_id", i)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation: eos_id, then `extra_eos_ids`."""
+        first = () if self.eos_id is None else (self.eos_id,)
+        return first + tuple(dict.fromkeys(i for i in self.extra_eos_ids if i not in first))
 
     @property
     def special_ids(self) -> dict[str, int]:
@@ -540,21 +550,133 @@ def _cuts_before_word_space(tokenizer: hf.Tokenizer) -> bool:
     )
 
 
+# The files of a Hugging Face checkpoint folder beside tokenizer.json that say which tokens are special, how a
+# conversation is rendered and when generation stops; an HFTokenizer keeps those it was read with, and writes them back.
+TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP = "tokenizer_config.json", "special_tokens_map.json"
+GENERATION_CONFIG, CHAT_TEMPLATE = "generation_config.json", "chat_template.jinja"
+PRETRAINED_FILES = (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, GENERATION_CONFIG, CHAT_TEMPLATE)
+# The roles a tokenizer_config.json names as `<role>_token`.
+_CONFIG_ROLES = ("bos", "eos", "pad", "unk", "mask", "cls", "sep")
+
+
+def read_pretrained_files(folder: str) -> dict[str, object]:
+    """The PRETRAINED_FILES present in a local `folder`: JSON files parsed (a file that is not a JSON object is a
+    ValueError naming it), chat_template.jinja as text."""
+    files: dict[str, object] = {}
+    for name in PRETRAINED_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if name == CHAT_TEMPLATE:
+            files[name] = text
+            continue
+        try:
+            files[name] = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
+        if not isinstance(files[name], dict):
+            raise ValueError(f"{path} holds no JSON object")
+    return files
+
+
+def _token_content(value: object) -> str | None:
+    """A token as tokenizer_config.json / special_tokens_map.json give it: a string, or an added token's
+    {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _ids(value: object) -> list[int]:
+    """generation_config.json's token id field: one id, a list of them, or null."""
+    values = value if isinstance(value, list) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def pretrained_special_ids(
+    tokenizer: hf.Tokenizer, files: Mapping[str, object]
+) -> tuple[dict[str, int], tuple[int, ...]]:
+    """(role -> id, every id that ends a generation) as transformers reads a checkpoint folder (`read_pretrained_files`).
+
+    Each role's token is tokenizer_config.json's `<role>_token` (bos, eos, pad, unk, mask, cls, sep), else
+    special_tokens_map.json's; where neither names bos, eos or pad, generation_config.json's `<role>_token_id`. A role
+    the files leave out has no id: names are not guessed, as transformers guesses none. The eos ids are the eos
+    token's, then generation_config.json's `eos_token_id` (one id or a list).
+
+    No pad token (Llama 3, Llama 2, GPT-2): pad is, in order, an added special token named for padding
+    (`<|finetune_right_pad_id|>`, `<pad>`), the first reserved special token (`<|reserved_special_token_0|>`), the unk
+    token (Llama 2's and Mistral's `<unk>`, which their byte fallback never produces), else the eos token, as HF users
+    set `tokenizer.pad_token = tokenizer.eos_token`. The first three keep pad apart from eos, which DPO, reward models
+    and PPO need to tell a reply's end from its padding (with eos as pad they refuse the tokenizer, saying so)."""
+    token_files = [files.get(TOKENIZER_CONFIG) or {}, files.get(SPECIAL_TOKENS_MAP) or {}]
+    generation = files.get(GENERATION_CONFIG) or {}
+    ids: dict[str, int] = {}
+    for role in _CONFIG_ROLES:
+        for names in token_files:
+            content = _token_content(names.get(f"{role}_token"))
+            found = None if content is None else tokenizer.token_to_id(content)
+            if found is not None:
+                ids[role] = found
+                break
+        if role not in ids and role in ("bos", "eos", "pad") and _ids(generation.get(f"{role}_token_id")):
+            ids[role] = _ids(generation[f"{role}_token_id"])[0]
+    eos_ids = tuple(dict.fromkeys([*([ids["eos"]] if "eos" in ids else []), *_ids(generation.get("eos_token_id"))]))
+    if "pad" not in ids:
+        added = sorted((i, t.content) for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        taken = {*eos_ids, ids.get("bos")}
+        free = [(i, content.lower()) for i, content in added if i not in taken]
+        fallback = [i for i, content in free if "pad" in content] + [i for i, content in free if "reserved" in content]
+        fallback += [ids["unk"]] if "unk" in ids and ids["unk"] not in taken else []
+        if fallback or eos_ids:
+            ids["pad"] = (fallback or eos_ids)[0]
+    return ids, eos_ids
+
+
 class HFTokenizer(Tokenizer):
     """A HuggingFace `tokenizers.Tokenizer`; padding and truncation are switched off on the wrapped object.
 
-    Special ids are found by SPECIAL_TOKEN_NAMES unless given. Post-processor templates are not applied:
-    e.g. `wordpiece` encodes plain word pieces and callers add [CLS]/[SEP] themselves.
+    Special ids, unless given: from the Hugging Face files read with it (`files`: tokenizer_config.json,
+    special_tokens_map.json, generation_config.json, as `pretrained_special_ids` reads them), else found by
+    SPECIAL_TOKEN_NAMES. `files` (PRETRAINED_FILES, chat_template.jinja included) are kept and saved with it, so an
+    export writes them back. Post-processor templates are not applied: e.g. `wordpiece` encodes plain word pieces and
+    callers add [CLS]/[SEP] themselves.
     """
 
-    def __init__(self, tokenizer: hf.Tokenizer, special_ids: Mapping[str, int] | None = None):
+    def __init__(
+        self,
+        tokenizer: hf.Tokenizer,
+        special_ids: Mapping[str, int] | None = None,
+        *,
+        eos_ids: Sequence[int] | None = None,
+        files: Mapping[str, object] | None = None,
+    ):
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self.tokenizer = tokenizer
+        self.files = dict(files or {})
         self._char_lengths: np.ndarray | None = None
         self._tiktoken = tiktoken_encoding(tokenizer)
         self._cuts_before_word_space = _cuts_before_word_space(tokenizer)
-        self._set_specials(_discover_specials(tokenizer.token_to_id) if special_ids is None else special_ids)
+        found, found_eos = {}, ()
+        if any(name in self.files for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, GENERATION_CONFIG)):
+            found, found_eos = pretrained_special_ids(tokenizer, self.files)
+        elif special_ids is None:
+            found = _discover_specials(tokenizer.token_to_id)
+        self._set_specials(found if special_ids is None else special_ids)
+        self.extra_eos_ids = tuple(found_eos if eos_ids is None else eos_ids)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template of the files it was read with: chat_template.jinja, else tokenizer_config.json's
+        `chat_template` (a string, or the "default" of named ones), as transformers reads a folder."""
+        if isinstance(self.files.get(CHAT_TEMPLATE), str):
+            return self.files[CHAT_TEMPLATE]
+        template = (self.files.get(TOKENIZER_CONFIG) or {}).get("chat_template")
+        if isinstance(template, list):
+            template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+        return template if isinstance(template, str) and template else None
 
     @classmethod
     def gpt2(cls, vocab_json: str, merges_txt: str) -> HFTokenizer:
@@ -579,9 +701,14 @@ class HFTokenizer(Tokenizer):
         return cls(tok)
 
     @classmethod
-    def from_file(cls, tokenizer_json: str, special_ids: Mapping[str, int] | None = None) -> HFTokenizer:
+    def from_file(
+        cls, tokenizer_json: str, special_ids: Mapping[str, int] | None = None, eos_ids: Sequence[int] | None = None
+    ) -> HFTokenizer:
+        """A tokenizer.json with the Hugging Face files beside it (`read_pretrained_files`), as transformers'
+        `AutoTokenizer.from_pretrained` reads the folder."""
         _require_files([tokenizer_json], "HF tokenizer needs a tokenizer.json")
-        return cls(hf.Tokenizer.from_file(tokenizer_json), special_ids)
+        files = read_pretrained_files(os.path.dirname(os.path.abspath(tokenizer_json)))
+        return cls(hf.Tokenizer.from_file(tokenizer_json), special_ids, eos_ids=eos_ids, files=files)
 
     @property
     def vocab_size(self) -> int:
@@ -665,9 +792,16 @@ class HFTokenizer(Tokenizer):
         return lengths
 
     def save(self, directory: str) -> dict:
+        """tokenizer.json and the Hugging Face files it was read with (`files`)."""
         os.makedirs(directory, exist_ok=True)
         self.tokenizer.save(os.path.join(directory, "tokenizer.json"))
-        return {"kind": "hf_json", "path": "tokenizer.json", "special_ids": self.special_ids}
+        for name, content in self.files.items():
+            with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+                f.write(content if isinstance(content, str) else json.dumps(content, indent=2, ensure_ascii=False))
+        spec = {"kind": "hf_json", "path": "tokenizer.json", "special_ids": self.special_ids}
+        if self.eos_ids[1:]:  # several (a spec without them reads as before: the stores it fingerprints keep theirs)
+            spec["eos_ids"] = list(self.eos_ids)
+        return spec
 
 
 def from_spec(spec: dict, base_dir: str | None = None) -> Tokenizer:
@@ -685,7 +819,7 @@ def from_spec(spec: dict, base_dir: str | None = None) -> Tokenizer:
     if kind == "sentencepiece":
         return SentencePieceTokenizer.load(path, extra_ids=spec.get("extra_ids", 0))
     if kind == "hf_json":
-        return HFTokenizer.from_file(path, special_ids=spec.get("special_ids"))
+        return HFTokenizer.from_file(path, special_ids=spec.get("special_ids"), eos_ids=spec.get("eos_ids"))
     raise ValueError(f"unknown tokenizer spec kind {kind!r}; expected char, word, byte, sentencepiece or hf_json")
 
 

@@ -52,7 +52,9 @@ def saved_objective(workdir: str) -> str | None:
 
 def pretrained_tokenizer(spec: str) -> tokenizers.Tokenizer:
     """The tokenizer that comes with pretrained weights (config.data.tokenizer.kind "init_from"): the tokenizer.json of
-    an "hf:" checkpoint (a folder, a bucket prefix or a cached Hub id), or the saved tokenizer of a "ckpt:" run."""
+    an "hf:" checkpoint (a folder, a bucket prefix or a cached Hub id) with its special tokens, chat template and
+    generation settings (`tokenizers.PRETRAINED_FILES`, as transformers reads the folder), or the saved tokenizer of a
+    "ckpt:" run."""
     if spec.startswith("hf:"):
         folder = hf.resolve_folder(spec.removeprefix("hf:"))
         if not storage.exists(f"{folder}/tokenizer.json"):
@@ -63,7 +65,9 @@ def pretrained_tokenizer(spec: str) -> tokenizers.Tokenizer:
         if not storage.is_remote(folder):
             return tokenizers.build_tokenizer("hf_json", path=f"{folder}/tokenizer.json")
         with tempfile.TemporaryDirectory(prefix="lmzoo-tokenizer-") as local:  # tokenizers read local files, eagerly
-            storage.write_bytes(f"{local}/tokenizer.json", storage.read_bytes(f"{folder}/tokenizer.json"))
+            for name in ("tokenizer.json", *tokenizers.PRETRAINED_FILES):
+                if name == "tokenizer.json" or storage.exists(f"{folder}/{name}"):
+                    storage.write_bytes(f"{local}/{name}", storage.read_bytes(f"{folder}/{name}"))
             return tokenizers.build_tokenizer("hf_json", path=f"{local}/tokenizer.json")
     if spec.startswith("ckpt:"):
         saved = storage.path(spec.removeprefix("ckpt:")) / "tokenizer"

@@ -198,17 +198,22 @@ def test_seq2seq_input_checks():
 
 
 def reference_sample(model, params, tokens, mask, rng, *, new_tokens, eos_id=None, stop=(), pad_id=0, **settings):
-    """A plain host loop: full forward pass per step, the same rng split per step as `decoding.sample`.
-    -> (tokens [B, N], log-probs of the temperature-scaled logits [B, N], mask [B, N])."""
+    """A plain host loop: full forward pass per step, the random stream of `decoding.sample` (row b's token t drawn
+    with fold_in(split(rng, B)[b], t)). -> (tokens [B, N], log-probs of the temperature-scaled logits [B, N], mask
+    [B, N])."""
     batch = tokens.shape[0]
     sequence, segments = np.asarray(tokens), np.asarray(mask)
     done = np.zeros(batch, bool)
     out, log_probs, out_mask = [], [], []
-    for _ in range(new_tokens):
-        rng, step_rng = jax.random.split(rng)
+    row_keys = jax.random.split(rng, batch)
+    for step in range(new_tokens):
         positions = np.maximum(np.cumsum(segments, axis=1) - 1, 0)
         logits = model.apply({"params": params}, sequence, positions=positions, segment_ids=segments)[:, -1]
-        token = np.where(done, pad_id, np.asarray(decoding.sample_logits(step_rng, logits, **settings)))
+        drawn = [
+            decoding.sample_logits(jax.random.fold_in(row_keys[b], step), logits[b : b + 1], **settings)[0]
+            for b in range(batch)
+        ]
+        token = np.where(done, pad_id, np.asarray(drawn))
         temperature = settings["temperature"] or 1.0
         log_prob = np.asarray(jax.nn.log_softmax(logits / temperature))[np.arange(batch), token]
         out.append(token), log_probs.append(np.where(done, 0.0, log_prob)), out_mask.append(~done)

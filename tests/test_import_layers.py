@@ -20,6 +20,7 @@ LAYERS = (
             "lmzoo.workdir",
             "lmzoo.tokenizers",
             "lmzoo.decoding",
+            "lmzoo.serving",  # the generation engine: its device loop is decoding.sample's
             "lmzoo.metrics",
         ),
     ),

@@ -17,8 +17,9 @@ from typing import Any
 
 import jax
 
-from lmzoo import lora, storage
+from lmzoo import lora, storage, tokenizers
 from lmzoo.convert import export
+from lmzoo.data import chat
 from lmzoo.lora import peft
 from lmzoo.models import heads
 from lmzoo.train import run as run_lib
@@ -32,7 +33,8 @@ def export_workdir(
     *,
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Exports a train.py run's latest (or `step`'s) checkpoint with its tokenizer; adds "step" to the summary.
+    """Exports a train.py run's latest (or `step`'s) checkpoint with its tokenizer (an HF tokenizer with its special
+    tokens, generation settings and the run's chat template: `export.save_tokenizer`); adds "step" to the summary.
     A run whose model is a SequenceClassifier exports as one (labels: its class names). `out_dir` is checked
     (`export.check_out_dir`) before the checkpoint is read. Either may be local or in a bucket (gs://, s3://)."""
     export.check_out_dir(
@@ -40,6 +42,9 @@ def export_workdir(
     )
     loaded = run_lib.load(workdir, step)
     params, classifier = export.exported_part(loaded.model, loaded.params)
+    template = None  # an HF tokenizer's own template is written with it; a run's own template replaces it
+    if isinstance(loaded.tokenizer, tokenizers.HFTokenizer) and loaded.config.objective.get("chat_template"):
+        template = chat.run_template(loaded.config, loaded.tokenizer).text
     summary = export.export_hf(
         loaded.config.model_name,
         loaded.config.model.to_dict(),
@@ -49,6 +54,7 @@ def export_workdir(
         classifier=classifier,
         labels=labels,
         overwrite=overwrite,
+        chat_template=template,
     )
     if isinstance(loaded.model, heads.LMWithValueHead | heads.LMWithValueModel):
         summary["left_out"] = "the value head or value network (PPO's value estimate)"

@@ -14,8 +14,10 @@ id2label (`--labels`, default LABEL_0, LABEL_1, ...) go to config.json. A PPO po
 the language model (its value head or separate value network is left out).
 The weights and config.json come from the per-family tables of gpt2.py, bert.py, seq2seq.py and llama.py, which
 refuse a config HF cannot express. A run's HF tokenizer (GPT-2 BPE, WordPiece, tokenizer.json) is written
-as tokenizer.json + tokenizer_config.json that `AutoTokenizer` reads; others (char, byte, word,
-sentencepiece) have no HF form and are left out, which `export_hf` reports. Tensors are written in float32
+as tokenizer.json + tokenizer_config.json that `AutoTokenizer` reads, with the special tokens, chat template and
+generation settings (generation_config.json: every eos id, pad) of the checkpoint it came from, so that
+`apply_chat_template` and `generate` work on the export as on that checkpoint (`save_tokenizer`); others (char, byte,
+word, sentencepiece) have no HF form and are left out, which `export_hf` reports. Tensors are written in float32
 (config.json `torch_dtype` "float32") whatever the run's param_dtype: bfloat16 params are upcast exactly.
 
 --out must be a new or empty folder; `--overwrite` replaces a folder's whole contents (no file of an earlier
@@ -174,16 +176,41 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
-def save_tokenizer(tokenizer: tokenizers.Tokenizer, out: pathlib.Path) -> bool:
-    """Writes tokenizer.json + tokenizer_config.json for an HF tokenizer; False (nothing written) for others."""
+def generation_ids(tokenizer: tokenizers.Tokenizer) -> dict[str, Any]:
+    """bos_token_id, eos_token_id (a list where the tokenizer ends a generation at several ids) and pad_token_id, as
+    generation_config.json holds them (a role the tokenizer lacks is left out)."""
+    eos = list(tokenizer.eos_ids)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos if len(eos) > 1 else tokenizer.eos_id}
+    return {key: value for key, value in {**ids, "pad_token_id": tokenizer.pad_id}.items() if value is not None}
+
+
+def save_tokenizer(tokenizer: tokenizers.Tokenizer, out: pathlib.Path, chat_template: str | None = None) -> bool:
+    """Writes an HF tokenizer as transformers' `AutoTokenizer` and `generate` read it: tokenizer.json,
+    tokenizer_config.json (the checkpoint's, when the tokenizer came with one, with its special tokens: bos, eos, pad,
+    ...), special_tokens_map.json, generation_config.json (the checkpoint's settings, its eos ids, all of them, and pad)
+    and the chat template (`chat_template`, the run's, else the one the tokenizer came with) as chat_template.jinja.
+    False (nothing written) for other tokenizers."""
     if not isinstance(tokenizer, tokenizers.HFTokenizer):
         return False
+    files = tokenizer.files
     tokenizer.tokenizer.save(str(out / "tokenizer.json"))
     specials = {f"{role}_token": tokenizer.tokenizer.id_to_token(i) for role, i in tokenizer.special_ids.items()}
-    if tokenizer.bos_id is None and tokenizer.eos_id is not None:
-        specials["bos_token"] = specials["eos_token"]  # GPT-2: <|endoftext|> is both
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **specials}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer.bos_id is None and tokenizer.eos_id is not None and not files:
+        specials["bos_token"] = specials["eos_token"]  # GPT-2 built here: <|endoftext|> is both
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        **(files.get(tokenizers.TOKENIZER_CONFIG) or {}),
+        **specials,
+    }
+    template = chat_template or tokenizer.chat_template
+    if template is not None:
+        config.pop("chat_template", None)  # chat_template.jinja holds it, as transformers 5 saves it
+        (out / tokenizers.CHAT_TEMPLATE).write_text(template)
+    (out / tokenizers.TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (out / tokenizers.SPECIAL_TOKENS_MAP).write_text(json.dumps(specials, indent=2, ensure_ascii=False) + "\n")
+    generation = {**(files.get(tokenizers.GENERATION_CONFIG) or {}), **generation_ids(tokenizer)}
+    (out / tokenizers.GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
     return True
 
 
@@ -197,12 +224,14 @@ def export_hf(
     classifier: heads.SequenceClassifier | None = None,
     labels: Sequence[str] | None = None,
     overwrite: bool = False,
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
     """Writes an HF folder for `params` of family `model_name` (config.model fields or dataclass) to `out_dir`,
     a new or empty folder (with `overwrite`, any folder: its contents are replaced; see `check_out_dir`).
 
     classifier: the SequenceClassifier `params` belong to (a *ForSequenceClassification export); labels: its
-    class names (default LABEL_0, LABEL_1, ...). Returns {"path", "model_type", "architecture", "tensors",
+    class names (default LABEL_0, LABEL_1, ...). chat_template: the run's (written with an HF tokenizer; default the
+    one the tokenizer came with, `save_tokenizer`). Returns {"path", "model_type", "architecture", "tensors",
     "tokenizer"} (tokenizer: whether tokenizer files were written), plus "labels" for a classifier."""
     from safetensors.numpy import save_file
 
@@ -222,7 +251,7 @@ def export_hf(
         hf_config.update(
             {f"{role}_token_id": i for role, i in tokenizer.special_ids.items() if role in ("eos", "pad", "bos")}
         )
-        if tokenizer.bos_id is None and tokenizer.eos_id is not None:
+        if tokenizer.bos_id is None and tokenizer.eos_id is not None and not getattr(tokenizer, "files", None):
             hf_config["bos_token_id"] = tokenizer.eos_id  # as save_tokenizer's bos_token (GPT-2: <|endoftext|>)
     wrote_tokenizer = False
 
@@ -236,7 +265,7 @@ def export_hf(
             metadata={"format": "pt"},
         )
         weights.chmod(_file_mode())  # safetensors creates it 0600
-        wrote_tokenizer = tokenizer is not None and save_tokenizer(tokenizer, folder)
+        wrote_tokenizer = tokenizer is not None and save_tokenizer(tokenizer, folder, chat_template)
 
     _replace_prefix(out, write) if isinstance(out, str) else _replace_folder(out, write)
     summary = {

@@ -135,6 +135,14 @@ def _read(spec: str, model_name: str) -> tuple[dict[str, Any], Params]:
         raise tables.ConfigError(f"{folder}/config.json: {e}") from None
 
 
+def checkpoint_fields(spec: str, model_name: str) -> dict[str, Any]:
+    """The config.model fields of family `model_name` that checkpoint "hf:PATH" fixes (its config.json, and the heads
+    its tensors hold), without UNCOMPARED_FIELDS (regularisation, initialisation, heads: the run's choice). Reads
+    config.json and the safetensors headers, no tensor."""
+    fields, _ = _read(spec, model_name)
+    return {field: value for field, value in fields.items() if field not in UNCOMPARED_FIELDS}
+
+
 def convert_pretrained(
     spec: str, model_name: str, model_config: Any, target_params: Any, *, allow_partial: bool = False
 ) -> tuple[Params, LoadReport]:

@@ -1,17 +1,19 @@
-"""HF Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE (*ForCausalLM) <-> lmzoo "llama": config translation and
-tensor tables.
+"""HF Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen2-MoE / Qwen3-MoE (*ForCausalLM) <-> lmzoo "llama": config
+translation and tensor tables.
 
-All five are the same decoder to lmzoo: Mistral adds a sliding window, Qwen2 q/k/v biases; Mixtral (a window too) and
-Qwen2-MoE (q/k/v biases) make every layer's SwiGLU a mixture of experts (`num_experts` > 0, `layers.mlp.MoeBlock`).
-HF's nn.Linear weights are [out, in] and are transposed: q_proj [N*H, D] -> query (D, N, H), k_proj / v_proj
-[K*H, D] -> (D, K, H), o_proj [D, N*H] -> out (N, H, D); gate_proj, up_proj, down_proj -> wi_0, wi_1, wo.
+All seven are the same decoder to lmzoo: Mistral adds a sliding window, Qwen2 q/k/v biases, Qwen3 a per-head RMSNorm of
+queries and keys (`qk_norm`); Mixtral (a window too), Qwen2-MoE (q/k/v biases, a shared expert) and Qwen3-MoE (Qwen3's
+attention, routed experts alone) make every layer's SwiGLU a mixture of experts (`num_experts` > 0,
+`layers.mlp.MoeBlock`). HF's nn.Linear weights are [out, in] and are transposed: q_proj [N*H, D] -> query (D, N, H),
+k_proj / v_proj [K*H, D] -> (D, K, H), o_proj [D, N*H] -> out (N, H, D); gate_proj, up_proj, down_proj -> wi_0, wi_1,
+wo; Qwen3's q_norm / k_norm [H] -> query_norm / key_norm scale [H].
 
 Experts are read and written one HF tensor per expert, as safetensors files hold them (transformers 5 fuses them in
 memory into experts.gate_up_proj [E, 2F, D] and experts.down_proj [E, D, F], and splits them again in
-save_pretrained): Mixtral's block_sparse_moe.experts.e.{w1, w3, w2} and Qwen2-MoE's mlp.experts.e.{gate_proj,
-up_proj, down_proj}, each [F, D] or [D, F], become slice e of wi_0, wi_1 [E, D, F] and wo [E, F, D]; the router
-(gate [E, D]) becomes router/kernel [D, E]; Qwen2-MoE's shared expert is a SwiGLU "shared" and its sigmoid gate
-shared_expert_gate [1, D] the kernel [D] of "shared_gate".
+save_pretrained): Mixtral's block_sparse_moe.experts.e.{w1, w3, w2} and Qwen2-MoE's and Qwen3-MoE's
+mlp.experts.e.{gate_proj, up_proj, down_proj}, each [F, D] or [D, F], become slice e of wi_0, wi_1 [E, D, F] and wo
+[E, F, D]; the router (gate [E, D]) becomes router/kernel [D, E]; Qwen2-MoE's shared expert is a SwiGLU "shared"
+and its sigmoid gate shared_expert_gate [1, D] the kernel [D] of "shared_gate".
 """
 
 import re
@@ -28,21 +30,31 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-# Switches lmzoo's llama does not implement, with the only supported value. Llama's attention_bias also biases
-# o_proj, which lmzoo's attention has no parameter for; Qwen2's q/k/v biases are implied by its model_type.
+# The model types whose attention RMS-normalises each head's queries and keys before the rotation (`qk_norm`).
+_QK_NORM = ("qwen3", "qwen3_moe")
+# Switches lmzoo's llama does not implement, with the only supported value. Llama's and Qwen3's attention_bias also
+# biases o_proj, which lmzoo's attention has no parameter for; Qwen2's q/k/v biases are implied by its model_type.
 # Mixtral's router jitter (training only) multiplies the router's input by noise; lmzoo's router has none.
 _FIXED_HF_OPTIONS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "router_jitter_noise": 0.0}
 # The HF config.json keys of each mixture-of-experts layout: (number of experts, experts' F), and the names of the
-# experts' tensors of wi_0, wi_1, wo under its feed-forward module.
+# experts' tensors of wi_0, wi_1, wo under its feed-forward module. (transformers 5 writes Qwen3-MoE's num_experts as
+# num_local_experts, its attribute's name; the released config.json files say num_experts: either is read.)
 _MOE_KEYS = {
     "mixtral": ("num_local_experts", "intermediate_size"),
     "qwen2_moe": ("num_experts", "moe_intermediate_size"),
+    "qwen3_moe": ("num_experts", "moe_intermediate_size"),
 }
-_FEED_FORWARD = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp"}
-_EXPERT_TENSORS = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
+_FEED_FORWARD = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp"}
+_EXPERT_TENSORS = {
+    "mixtral": ("w1", "w3", "w2"),
+    "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+}
 _EXPERT_KERNELS = ("wi_0", "wi_1", "wo")
 # Rotary inverse frequencies that checkpoints converted by older transformers versions saved with the weights.
 _BUFFER = re.compile(r"layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -77,12 +89,14 @@ def _rope(hf_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _sliding_window(hf_config: Mapping[str, Any], model_type: str, num_layers: int) -> int:
-    """The window every layer uses (0: none); Qwen2 models whose layers differ are refused."""
+    """The window every layer uses (0: none); Qwen2 and Qwen3 models whose layers differ are refused."""
     window = hf_config.get("sliding_window")
     if model_type in ("mistral", "mixtral"):
         return int(window or 0)
     if model_type == "llama" or not hf_config.get("use_sliding_window", False) or not window:
         return 0
+    if model_type == "qwen3_moe":  # every layer slides (transformers' Qwen3-MoE has no max_window_layers)
+        return int(window)
     if model_type == "qwen2_moe":  # transformers' default: layers 0, 2, 4, ... below max_window_layers slide
         limit = int(hf_config.get("max_window_layers", 28))
         default = ["sliding_attention" if i % 2 == 0 and i < limit else "full_attention" for i in range(num_layers)]
@@ -102,7 +116,7 @@ def _sliding_window(hf_config: Mapping[str, Any], model_type: str, num_layers: i
         return 0
     if set(kinds) != {"sliding_attention"}:
         raise tables.ConfigError(
-            f"HF Qwen2 config has use_sliding_window=True with max_window_layers={first_sliding} < "
+            f"HF {model_type} config has use_sliding_window=True with max_window_layers={first_sliding} < "
             f"num_hidden_layers={num_layers}: only some layers slide (layer_types {kinds}); lmzoo's llama applies "
             "one sliding_window to every layer (max_window_layers 0) or none (use_sliding_window False)"
         )
@@ -110,15 +124,18 @@ def _sliding_window(hf_config: Mapping[str, Any], model_type: str, num_layers: i
 
 
 def _moe_fields(hf_config: Mapping[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    """The mixture-of-experts fields (`layers.mlp.MoeFields`) an HF Mixtral or Qwen2-MoE config fixes, read from its
-    keys for them (num_experts 0 for the dense models); the others (moe_form, capacity_factor, router_z_loss_coef) are
-    the run's choice, as dropout is.
+    """The mixture-of-experts fields (`layers.mlp.MoeFields`) an HF Mixtral, Qwen2-MoE or Qwen3-MoE config fixes, read
+    from its keys for them (num_experts 0 for the dense models); the others (moe_form, capacity_factor,
+    router_z_loss_coef) are the run's choice, as dropout is.
 
-    Every layer must be sparse: Qwen2-MoE's dense layers among sparse ones (`decoder_sparse_step` > 1,
-    `mlp_only_layers`) have no lmzoo form, and neither has a Qwen2-MoE without a shared expert."""
+    Every layer must be sparse: Qwen2-MoE's and Qwen3-MoE's dense layers among sparse ones (`decoder_sparse_step` > 1,
+    `mlp_only_layers`) have no lmzoo form, and neither has a Qwen2-MoE without a shared expert. Qwen3-MoE has none
+    (its class builds no shared expert, whatever the config says)."""
     if model_type not in _MOE_KEYS:
         return {"num_experts": 0}
     count_key, size_key = _MOE_KEYS[model_type]
+    if model_type == "qwen3_moe" and count_key not in hf_config and "num_local_experts" in hf_config:
+        count_key = "num_local_experts"
     size_keys = [size_key, "shared_expert_intermediate_size"] if model_type == "qwen2_moe" else [size_key]
     missing = [key for key in (count_key, "num_experts_per_tok", *size_keys) if key not in hf_config]
     if missing:
@@ -147,12 +164,12 @@ def _moe_fields(hf_config: Mapping[str, Any], model_type: str, num_layers: int) 
         "renormalize_expert_weights": model_type == "mixtral" or bool(hf_config.get("norm_topk_prob", False)),
         "load_balance_coef": float(hf_config.get("router_aux_loss_coef", 0.001)),
     }
-    if model_type == "qwen2_moe":
+    if model_type in ("qwen2_moe", "qwen3_moe"):
         step, only = int(hf_config.get("decoder_sparse_step", 1)), list(hf_config.get("mlp_only_layers") or [])
         dense = [i for i in range(num_layers) if i in only or step < 1 or (i + 1) % step]
         if dense:
             raise tables.ConfigError(
-                f"HF qwen2_moe config has decoder_sparse_step={step} and mlp_only_layers={only}: layers {dense} are "
+                f"HF {model_type} config has decoder_sparse_step={step} and mlp_only_layers={only}: layers {dense} are "
                 "dense MLPs among the mixture-of-experts layers; lmzoo's llama makes every layer sparse "
                 "(decoder_sparse_step 1, mlp_only_layers [])"
             )
@@ -160,8 +177,8 @@ def _moe_fields(hf_config: Mapping[str, Any], model_type: str, num_layers: int) 
 
 
 def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """config.model fields of the "llama" family from an HF Llama, Mistral, Qwen2, Mixtral or Qwen2-MoE config.json
-    dict."""
+    """config.model fields of the "llama" family from an HF Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or
+    Qwen3-MoE config.json dict."""
     model_type = hf_config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise tables.ConfigError(
@@ -191,7 +208,9 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
             )
     emb_dim, num_heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
     num_layers = int(hf_config["num_hidden_layers"])
-    kv_heads, head_dim = int(hf_config.get("num_key_value_heads") or num_heads), hf_config.get("head_dim")
+    kv_heads = int(hf_config.get("num_key_value_heads") or num_heads)
+    # Where config.json leaves head_dim out, Qwen3Config's default is 128; the others' is hidden_size / heads.
+    head_dim = hf_config.get("head_dim", 128 if model_type == "qwen3" else None)
     if num_heads % kv_heads:
         raise tables.ConfigError(
             f"HF {model_type} config has num_key_value_heads={kv_heads}, which does not divide "
@@ -212,6 +231,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         "sliding_window": _sliding_window(hf_config, model_type, num_layers),
         # Qwen2-MoE's config.json says qkv_bias since transformers 5; earlier ones always had the biases.
         "qkv_bias": model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf_config.get("qkv_bias", True))),
+        "qk_norm": model_type in _QK_NORM,
         "tie_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
         "norm_epsilon": float(hf_config.get("rms_norm_eps", 1e-6)),
         "init_std": float(hf_config.get("initializer_range", 0.02)),
@@ -221,10 +241,20 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def hf_model_type(cfg: LlamaConfig) -> str:
-    """With experts: qwen2_moe for a shared expert, else mixtral. Without: qwen2 for q/k/v biases, else mistral for a
-    sliding window, else llama. Raises for experts HF has no model for (no shared expert, with q/k/v biases or
+    """With experts: qwen3_moe for qk_norm, else qwen2_moe for a shared expert, else mixtral. Without: qwen3 for
+    qk_norm, else qwen2 for q/k/v biases, else mistral for a sliding window, else llama. Raises for models HF has no
+    class for (qk_norm with q/k/v biases or a shared expert; experts without a shared expert, with q/k/v biases or
     top-k weights not renormalised)."""
+    if cfg.qk_norm and (cfg.qkv_bias or (cfg.num_experts and cfg.shared_expert_mlp_dim)):
+        raise ValueError(
+            f"a llama with qk_norm, qkv_bias={cfg.qkv_bias} and shared_expert_mlp_dim={cfg.shared_expert_mlp_dim} "
+            "has no HF counterpart: Qwen3ForCausalLM and Qwen3MoeForCausalLM (the HF models with q/k norms) have no "
+            "q/k/v biases (their attention_bias also biases o_proj) and Qwen3-MoE no shared expert; set "
+            "config.model.qkv_bias=False and config.model.shared_expert_mlp_dim=0, or qk_norm=False"
+        )
     if cfg.num_experts:
+        if cfg.qk_norm:
+            return "qwen3_moe"
         if cfg.shared_expert_mlp_dim:
             return "qwen2_moe"
         if cfg.qkv_bias or not cfg.renormalize_expert_weights:
@@ -235,13 +265,16 @@ def hf_model_type(cfg: LlamaConfig) -> str:
                 "(config.model.shared_expert_mlp_dim > 0)"
             )
         return "mixtral"
+    if cfg.qk_norm:
+        return "qwen3"
     if cfg.qkv_bias:
         return "qwen2"
     return "mistral" if cfg.sliding_window else "llama"
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    """An HF config.json dict (Llama, Mistral, Qwen2, Mixtral or Qwen2-MoE: `hf_model_type`) for a "llama" config.
+    """An HF config.json dict (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE: `hf_model_type`) for a
+    "llama" config.
 
     Residual dropout has no HF field (HF's decoders have none); it does not change the exported model's function.
     Nor have the MoE form, its capacity and the router z-loss: HF computes every assignment (the dropless form).
@@ -293,6 +326,20 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
             "sliding_window": cfg.sliding_window or None,
         }
     window = cfg.sliding_window or None
+    if model_type == "qwen3_moe":
+        moe = cfg.moe
+        return hf_config | {
+            "attention_bias": False,
+            "use_sliding_window": window is not None,
+            "sliding_window": window,
+            "num_experts": moe.num_experts,
+            "num_experts_per_tok": moe.experts_per_token,
+            "moe_intermediate_size": moe.expert_mlp_dim,
+            "norm_topk_prob": moe.renormalize_expert_weights,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": moe.load_balance_coef,
+        }
     hf_config |= {
         "use_sliding_window": window is not None,
         "sliding_window": window,
@@ -301,6 +348,8 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     }
     if model_type == "qwen2":
         return hf_config
+    if model_type == "qwen3":
+        return hf_config | {"attention_bias": False}
     moe = cfg.moe
     return hf_config | {
         "qkv_bias": cfg.qkv_bias,
@@ -366,6 +415,9 @@ def entries(cfg: LlamaConfig) -> list[Entry]:
             prefix + "self_attn.v_proj", (*attn, "value"), d, k * h, out_shape=(k, h), bias=cfg.qkv_bias
         )
         table += tables.linear(prefix + "self_attn.o_proj", (*attn, "out"), n * h, d, in_shape=(n, h), bias=False)
+        if cfg.qk_norm:
+            table += tables.norm(prefix + "self_attn.q_norm", (*attn, "query_norm"), h, bias=False)
+            table += tables.norm(prefix + "self_attn.k_norm", (*attn, "key_norm"), h, bias=False)
         table += _feed_forward(prefix, (*path, "mlp"), cfg, model_type)
         table += tables.norm(prefix + "input_layernorm", (*path, "ln_attn"), d, bias=False)
         table += tables.norm(prefix + "post_attention_layernorm", (*path, "ln_mlp"), d, bias=False)
@@ -425,8 +477,8 @@ def _sources(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
 
 
 def from_hf(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
-    """HF Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE *ForCausalLM state dict (experts one tensor each, as in
-    safetensors files) -> lmzoo "llama" params (per-layer, float32 numpy).
+    """HF Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen2-MoE / Qwen3-MoE *ForCausalLM state dict (experts one
+    tensor each, as in safetensors files) -> lmzoo "llama" params (per-layer, float32 numpy).
 
     With tied embeddings an `lm_head.weight` is accepted only if it equals `embed_tokens.weight`.
     """
@@ -440,14 +492,14 @@ def to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:
 
 
 def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params as lazy leaves, read only when placed) of an HF Llama, Mistral,
-    Qwen2, Mixtral or Qwen2-MoE checkpoint."""
+    """(config.model fields, params as lazy leaves, read only when placed) of an HF Llama, Mistral, Qwen2, Qwen3,
+    Mixtral, Qwen2-MoE or Qwen3-MoE checkpoint."""
     fields = config_from_hf(hf_config)
     return fields, _sources(state_dict, tables.checkpoint_config("llama", fields))
 
 
 def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params: per-layer float32 numpy) of an HF Llama, Mistral, Qwen2, Mixtral or Qwen2-MoE
-    checkpoint."""
+    """(config.model fields, params: per-layer float32 numpy) of an HF Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE
+    or Qwen3-MoE checkpoint."""
     fields, sources = checkpoint_sources(hf_config, state_dict)
     return fields, mapping.materialize(sources)

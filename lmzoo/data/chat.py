@@ -401,6 +401,38 @@ def template_for(config: ml_collections.ConfigDict, hf_folder: Callable[[str], s
     )
 
 
+def run_template(config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer) -> ChatTemplate:
+    """The chat template of a trained run (`eval.py --chat`, the export): config.objective.chat_template where it names
+    one, else the one its tokenizer came with (an HF checkpoint's chat_template.jinja or tokenizer_config.json, saved
+    with the run's tokenizer)."""
+    explicit = config.objective.get("chat_template", "")
+    if explicit:
+        return load_template(explicit)
+    text = getattr(tokenizer, "chat_template", None)
+    if text:
+        tokenizer_config = tokenizer.files.get(TOKENIZER_CONFIG) or {}
+        return ChatTemplate(text, "the run's tokenizer (its checkpoint's template)", _special_tokens(tokenizer_config))
+    raise ValueError(
+        f"the run has no chat template: config.objective has no chat_template and its tokenizer "
+        f"(config.data.tokenizer.kind={config.data.tokenizer.kind!r}) came with none (an HF checkpoint's "
+        f"{TEMPLATE_FILE} or {TOKENIZER_CONFIG})"
+    )
+
+
+def user_turn(template: ChatTemplate, prompt: str) -> tuple[str, str]:
+    """(the text a model continues to answer `prompt` as the user's turn: the template's rendering of it with the
+    generation prompt, the text that ends the assistant's turn in this template, e.g. "<|eot_id|>"), the second
+    read off the rendering of a reply: what follows the reply's content, stripped of whitespace ("" where the
+    template adds nothing)."""
+    where = "the prompt"
+    messages = [{"role": "user", "content": prompt}]
+    text, _ = template.render(messages, where=where, add_generation_prompt=True)
+    reply = "\ufdd2"  # a noncharacter, found again in the rendering
+    whole, _ = template.render([*messages, {"role": "assistant", "content": reply}], where=where)
+    end = whole[whole.index(reply) + 1 :].strip() if reply in whole else ""
+    return text, end
+
+
 def check_template(config: ml_collections.ConfigDict, hf_folder: Callable[[str], str]) -> None:
     """Reads the run's chat template when config.data.path holds chat rows, so that a missing or broken template fails
     when the config is checked, before any model is built."""

@@ -20,12 +20,16 @@ def sample_text(
     top_p: float,
     seed: int,
     note_window: bool = True,
+    stop_ids: tuple[int, ...] = (),
+    stops: tuple[str, ...] = (),
 ) -> str:
     """Decodes a continuation of `prompt` with the KV cache; params are host arrays (`CompiledTrainer.host_params`).
 
     Encoder-decoders read the prompt (plus EOS) with the encoder and write a new sequence. A decoder generates any
     length (`decoding.generate` slides its window past the model's positions), saying so when `note_window`
-    (the end-of-training sample, which needs no note)."""
+    (the end-of-training sample, which needs no note). The continuation ends at EOS, and at any of `stop_ids` (a
+    checkpoint's other eos ids) or `stops` (texts: a chat template's end of turn), which a decoder stops sampling at
+    while its positions last, and which are cut from the text returned."""
     tokenizer = run.tokenizer
     model, params = kinds.generative(run.model, params)
     if max_new_tokens < 1:
@@ -52,17 +56,33 @@ def sample_text(
                 f"note: the prompt ({len(ids)} tokens) and {max_new_tokens} new tokens pass the model's {max_len} "
                 f"positions: each token past them is predicted from the last {max_len} (a sliding window)"
             )
-        new = decoding.generate(
-            model, params, np.asarray([ids]), rng=jax.random.key(seed), max_new_tokens=max_new_tokens, **sampling
-        )
+        stop_sequences = tuple((i,) for i in stop_ids) + tuple(tuple(tokenizer.encode(s)) for s in stops if s)
+        if stop_sequences and not decoding.window_passed(model, len(ids), max_new_tokens):
+            prompt_ids = np.asarray([ids], np.int32)
+            new = decoding.sample(
+                model,
+                params,
+                prompt_ids,
+                np.ones_like(prompt_ids),
+                jax.random.key(seed),
+                max_new_tokens=max_new_tokens,
+                stop_sequences=stop_sequences,
+                **sampling,
+            ).tokens
+        else:
+            new = decoding.generate(
+                model, params, np.asarray([ids]), rng=jax.random.key(seed), max_new_tokens=max_new_tokens, **sampling
+            )
     else:
         raise ValueError(
             f"{type(model).__name__} is not generative; --generate needs a decoder (gpt2, llama) or an encoder-decoder (seq2seq)"
         )
     out = [int(t) for t in np.asarray(new[0])]
-    if tokenizer.eos_id in out:
-        out = out[: out.index(tokenizer.eos_id)]
-    return tokenizer.decode(out)
+    ends = [k for k, t in enumerate(out) if t == tokenizer.eos_id or t in stop_ids]
+    text = tokenizer.decode(out[: ends[0]] if ends else out)
+    for stop in stops:
+        text = text.split(stop, 1)[0] if stop else text
+    return text
 
 
 def evaluate_generation(

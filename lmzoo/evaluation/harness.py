@@ -1,4 +1,4 @@
-"""An EleutherAI lm-eval model on lmzoo's scoring functions and jitted sampler: `LmzooLM(lmzoo.load(...))`.
+"""An EleutherAI lm-eval model on lmzoo's scoring functions and generation engine: `LmzooLM(lmzoo.load(...))`.
 
 The command line and the model registered as "lmzoo" (which reads a workdir from `--model_args`) are
 `lmzoo.cli.harness`: `python -m lmzoo.cli.harness run --model lmzoo --model_args workdir=runs/gpt2 ...`.
@@ -17,6 +17,7 @@ from lm_eval.api.model import LM
 from lmzoo import decoding
 from lmzoo.evaluation import scoring
 from lmzoo.models import kinds
+from lmzoo.serving import engine
 
 
 class LmzooLM(LM):
@@ -73,8 +74,12 @@ class LmzooLM(LM):
         ]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy (or sampled, with do_sample and a temperature) continuations cut before the first `until` string;
-        requests with the same settings run as left-padded batches through `decoding.sample` / `sample_seq2seq`."""
+        """Greedy (or sampled, with do_sample and a temperature) continuations cut before the first `until` string.
+        A decoder's requests run through the generation engine (continuous batching over `batch_size` slots, each
+        with its own settings); an encoder-decoder's, grouped by settings, as left-padded batches through
+        `decoding.sample_seq2seq`."""
+        if not self.is_seq2seq:
+            return self._generate_continuously([request.args for request in requests])
         groups = collections.defaultdict(list)
         for index, request in enumerate(requests):
             context, kwargs = request.args
@@ -88,11 +93,38 @@ class LmzooLM(LM):
                     outputs[index] = text
         return outputs
 
-    def _generate(self, contexts: list[str], kwargs: dict) -> list[str]:
+    def _settings(self, kwargs: dict) -> tuple[list[str], int, float]:
+        """(until strings, max new tokens, temperature) of one request's generation kwargs."""
         until = kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
         max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
         temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample", False) else 0.0
+        return until, max_new, temperature
+
+    def _generate_continuously(self, requests: list[tuple[str, dict]]) -> list[str]:
+        eos = self.tokenizer.eos_id
+        batch = []
+        for context, kwargs in requests:
+            until, max_new, temperature = self._settings(kwargs)
+            keep = scoring.prompt_room(self.model, max_new, "max_gen_toks")
+            prompt = tuple((self.tokenizer.encode(context) or [eos])[-keep:])
+            seed = int(kwargs.get("seed", 0))
+            batch.append(engine.Request(prompt, max_new, temperature, seed=seed, stop=tuple(s for s in until if s)))
+        length = min(self.model.config.max_len, max(len(r.prompt) + r.max_tokens for r in batch))
+        generator = engine.Engine(
+            self.model,
+            self.params,
+            slots=self.batch_size,
+            length=length,
+            eos_ids=(eos,),
+            pad_id=self.tokenizer.pad_id or 0,
+            vocab_size=self.tokenizer.vocab_size,
+            tokenizer=self.tokenizer,
+        )
+        return [ticket.outputs[0].text for ticket in generator.generate(batch)]
+
+    def _generate(self, contexts: list[str], kwargs: dict) -> list[str]:
+        until, max_new, temperature = self._settings(kwargs)
         eos, pad = self.tokenizer.eos_id, self.tokenizer.pad_id or 0
         stops = tuple(tuple(ids) for ids in (self.tokenizer.encode(s) for s in until) if ids)
         settings = dict(
@@ -103,14 +135,11 @@ class LmzooLM(LM):
             pad_id=pad,
             vocab_size=self.tokenizer.vocab_size,
         )
-        rows = [self.tokenizer.encode(c) + ([eos] if self.is_seq2seq else []) or [eos] for c in contexts]
+        rows = [self.tokenizer.encode(c) + [eos] for c in contexts]
         keep = scoring.prompt_room(self.model, max_new, "max_gen_toks")
-        prompts, mask = scoring.generation_prompts(rows, keep=keep, pad_id=pad, left=not self.is_seq2seq)
+        prompts, mask = scoring.generation_prompts(rows, keep=keep, pad_id=pad, left=False)
         rng = jax.random.key(int(kwargs.get("seed", 0)))
-        if self.is_seq2seq:
-            samples = decoding.sample_seq2seq(self.model, self.params, prompts, mask, rng, **settings)
-        else:
-            samples = decoding.sample(self.model, self.params, prompts, mask, rng, **settings)
+        samples = decoding.sample_seq2seq(self.model, self.params, prompts, mask, rng, **settings)
         tokens, keep_mask = jax.device_get((samples.tokens, samples.mask))
         return [
             decoding.reply_text(self.tokenizer, row, mask, until) for row, mask in zip(tokens, keep_mask, strict=True)

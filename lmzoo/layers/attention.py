@@ -13,6 +13,7 @@ from lmzoo import kernels, sharding
 from lmzoo.kernels import explicit, tpu
 from lmzoo.layers.embeddings import Rotary
 from lmzoo.layers.linears import Einsum, Initializer
+from lmzoo.layers.norms import LayerNorm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,9 @@ class AttentionConfig:
         use_bias: biases on the q/k/v/out projections.
         qkv_bias: biases on q/k/v only (None: use_bias), e.g. Qwen2's q/k/v biases without an output bias.
         rotary: rotate queries and keys by their positions (Llama); None for families with other positions.
+        qk_norm: RMS-normalise each head's queries and keys over H, each with a learned [H] scale ("query_norm",
+            "key_norm"), after the projections and before the rotation (Qwen3).
+        qk_norm_epsilon: the epsilon of those norms.
         sliding_window: each query attends to its last `sliding_window` positions (Mistral); None: all.
         scale: logit scale; None means H ** -0.5 (T5 uses 1.0).
         dropout_rate: dropout on the attention probabilities.
@@ -38,6 +42,8 @@ class AttentionConfig:
     use_bias: bool = True
     qkv_bias: bool | None = None
     rotary: Rotary | None = None
+    qk_norm: bool = False
+    qk_norm_epsilon: float = 1e-6
     sliding_window: int | None = None
     scale: float | None = None
     dropout_rate: float = 0.0
@@ -192,12 +198,22 @@ class Attention(nn.Module):
         proj = functools.partial(
             Einsum, use_bias=qkv_bias, kernel_init=self.kernel_init, dtype=self.dtype, param_dtype=self.param_dtype
         )
+        head_norm = functools.partial(
+            LayerNorm,
+            epsilon=cfg.qk_norm_epsilon,
+            use_bias=False,
+            use_mean=False,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
         query = proj(
             (d, cfg.num_heads, cfg.head_dim),
             ("embed", "heads", "kv"),
             kernel_init=self.query_init or self.kernel_init,
             name="query",
         )("BTD,DNH->BTNH", x)
+        if cfg.qk_norm:
+            query = head_norm(name="query_norm")(query)
         query = sharding.constrain(query, ("act_batch", "act_len", "act_heads", "act_kv"))
         rotation = None if cfg.rotary is None else cfg.rotary.rotation(positions, cfg.head_dim, x.shape[1])
         if positions is None and cfg.sliding_window:
@@ -211,6 +227,8 @@ class Attention(nn.Module):
         def project_keys_values(source, rotate):
             key = proj((d, kv_heads, cfg.head_dim), kv_axes, name="key")("BSD,DNH->BSNH", source)
             value = proj((d, kv_heads, cfg.head_dim), kv_axes, name="value")("BSD,DNH->BSNH", source)
+            if cfg.qk_norm:
+                key = head_norm(name="key_norm")(key)
             if rotate and rotation is not None:
                 key = cfg.rotary(key, rotation)
             return sharding.constrain(key, kv_act_axes), sharding.constrain(value, kv_act_axes)
@@ -276,11 +294,12 @@ class Attention(nn.Module):
     def _update_cache(
         self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None
     ):
-        """Writes a [B, T] chunk at the cache index; returns full-length keys, values [B, S, K, H] and the mask.
+        """Writes a [B, T] chunk at each row's cache index; returns full-length keys, values [B, S, K, H] and the mask.
 
         The first call (at init) sizes the cache from the chunk it sees: call `init` with a
-        [B, max_decode_len] batch. Later chunks attend to every earlier valid key and causally
-        within themselves.
+        [B, max_decode_len] batch. Each row keeps its own index (cache_index [B]), so rows filled at different
+        times (the generation engine's slots) share one cache; later chunks attend to every earlier valid key
+        of their row and causally within themselves.
         """
         del positions  # the cache index orders the keys
         batch, chunk = key.shape[:2]
@@ -288,19 +307,20 @@ class Attention(nn.Module):
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
         cached_valid = self.variable("cache", "cached_valid", jnp.zeros, key.shape[:2], jnp.bool_)
-        cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        cache_index = self.variable("cache", "cache_index", jnp.zeros, (batch,), jnp.int32)
         valid = jnp.ones((batch, chunk), jnp.bool_) if segment_ids is None else segment_ids != 0
         if not initialized:
             return key, value, attention_mask(None, None, causal=False)
         index = cache_index.value
         length = cached_key.value.shape[1]
-        cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, (0, index, 0, 0))
-        cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, (0, index, 0, 0))
-        cached_valid.value = jax.lax.dynamic_update_slice(cached_valid.value, valid, (0, index))
+        write = jax.vmap(functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=0))
+        cached_key.value = write(cached_key.value, key, index)
+        cached_value.value = write(cached_value.value, value, index)
+        cached_valid.value = write(cached_valid.value, valid, index)
         cache_index.value = index + chunk
-        query_pos = index + jnp.arange(chunk)
-        causal = jnp.arange(length)[None, :] <= query_pos[:, None]
-        mask = causal[None, None] & cached_valid.value[:, None, None, :]
+        query_positions = index[:, None] + jnp.arange(chunk)  # [B, T]
+        causal = jnp.arange(length)[None, None, :] <= query_positions[:, :, None]
+        mask = causal[:, None] & cached_valid.value[:, None, None, :]
         return cached_key.value, cached_value.value, mask
 
     def _update_rolling_cache(

@@ -1,14 +1,15 @@
-"""The Llama-style decoder (Touvron et al. 2023) and its relatives Mistral and Qwen2.
+"""The Llama-style decoder (Touvron et al. 2023) and its relatives Mistral, Qwen2 and Qwen3.
 
     x = x + attn(RMSNorm(x)); x = x + SwiGLU(RMSNorm(x)); final RMSNorm; untied output head (by default).
 
 Rotary position embeddings (HF's rotate-half layout, `rope_theta`, Llama 3's "llama3" scaling), grouped-query
-attention (`num_kv_heads`), an optional sliding window (Mistral) and q/k/v biases (Qwen2), all on the shared
-`lmzoo.layers` blocks. Load and export HF `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` with
-`lmzoo.convert`.
+attention (`num_kv_heads`), an optional sliding window (Mistral), q/k/v biases (Qwen2) and a per-head RMSNorm of
+queries and keys before the rotation (Qwen3's `qk_norm`), all on the shared `lmzoo.layers` blocks. Load and export HF
+`LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` with `lmzoo.convert`.
 
 With `num_experts` > 0 every layer's SwiGLU is a mixture of SwiGLU experts (`layers.mlp.MoeBlock`: Mixtral's top-2
-renormalised router; Qwen2-MoE's shared expert with `shared_expert_mlp_dim`); its auxiliary losses reach the loss
+renormalised router; Qwen2-MoE's shared expert with `shared_expert_mlp_dim`; Qwen3-MoE's routed experts alone, with
+`qk_norm`); its auxiliary losses reach the loss
 through the "moe" collection (`objectives.tasks.causal_lm_task`).
 """
 
@@ -29,7 +30,8 @@ class LlamaConfig(mlp.MoeFields):
     """Decoder hyper-parameters; the field names are exactly the keys of `config.model`.
 
     head_dim 0 means emb_dim // num_heads; num_kv_heads 0 means num_heads; sliding_window 0 means none;
-    rope_scaling_factor 0 means no scaling, else Llama 3's scaling with the three fields after it.
+    rope_scaling_factor 0 means no scaling, else Llama 3's scaling with the three fields after it. qk_norm
+    RMS-normalises each head's queries and keys (learned [head_dim] scales, epsilon norm_epsilon) before the rotation.
     The mixture-of-experts fields are `layers.mlp.MoeFields`' (declared there): num_experts 0 means a dense SwiGLU,
     expert_mlp_dim 0 means mlp_dim.
     """
@@ -49,6 +51,7 @@ class LlamaConfig(mlp.MoeFields):
     rope_original_max_len: int = 8192
     sliding_window: int = 0
     qkv_bias: bool = False
+    qk_norm: bool = False
     tie_embeddings: bool = False
     norm_epsilon: float = 1e-6
     init_std: float = 0.02
@@ -184,6 +187,8 @@ class Llama(kinds.DecoderOutputs, nn.Module):
                 use_bias=False,
                 qkv_bias=cfg.qkv_bias,
                 rotary=embeddings.Rotary(cfg.rope_theta, cfg.rope_scaling),
+                qk_norm=cfg.qk_norm,
+                qk_norm_epsilon=cfg.norm_epsilon,
                 sliding_window=cfg.sliding_window or None,
                 dropout_rate=cfg.attention_dropout_rate,
             ),

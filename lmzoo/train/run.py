@@ -191,6 +191,95 @@ def _tokenizer(
     return tokenizer
 
 
+def _size(count: float) -> str:
+    """A byte count for a person: 1.23 GB, 45.6 MB, 789 kB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if count >= scale:
+            return f"{count / scale:.2f} {unit}"
+    return f"{count / 1e3:.0f} kB"
+
+
+# What the refusal of a state too large for its memory suggests, after the numbers.
+_SHARD_IT = (
+    "shard it: FSDP over more devices (--config.sharding.mesh_shape='(1,-1,1)'; over several hosts with "
+    "--config.distributed.*, docs/SCALING.md), or hold the weights in bfloat16 (--config.model.param_dtype=bfloat16), or "
+    "train LoRA adapters over a frozen base (--config.lora.targets='query|key|value|out')"
+)
+
+
+def state_memory(compiled: trainers_base.CompiledTrainer) -> dict[str, Any]:
+    """What the run's state will take, from the shapes, dtypes and shardings of its abstract state (nothing is
+    allocated): {"params", "optimizer state", "frozen": bytes on this process's devices, "host": their sum,
+    "per_device": the most one device holds, "parameters": the models' parameter count (trained and frozen),
+    "platform", "devices": this process's devices}. Activations and gradients come on top (a lower bound)."""
+    state = compiled.abstract_state
+    devices = compiled.mesh.local_devices
+
+    def held(tree) -> tuple[int, int]:  # (bytes on this process's devices, bytes on each device)
+        on_host = on_each = 0
+        for leaf in jax.tree.leaves(tree):
+            shard = int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * getattr(leaf.dtype, "itemsize", 8)
+            on_host, on_each = on_host + shard * len(leaf.sharding.addressable_devices), on_each + shard
+        return on_host, on_each
+
+    (params, _), (frozen, _), (host, per_device) = held(state.params), held(state.frozen), held(state)
+    parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves((state.params, state.frozen)))
+    return {
+        "params": params,
+        "optimizer state": host - params - frozen,  # with the step, rng and any carried state (a few bytes)
+        "frozen": frozen,
+        "host": host,
+        "per_device": per_device,
+        "parameters": parameters,
+        "platform": devices[0].platform,
+        "devices": len(devices),
+    }
+
+
+def check_memory(compiled: trainers_base.CompiledTrainer, config: ml_collections.ConfigDict) -> str:
+    """Refuses a run whose state (params, optimizer state, frozen models: `state_memory`) is larger than the memory it
+    would live in, before any of it is allocated: on CPU devices this host's available memory
+    (`config.available_memory`, /proc/meminfo's MemAvailable), on accelerators each device's (its memory_stats
+    bytes_limit, where the platform reports one). ValueError, one line with the numbers and how to shard it. Returns
+    the estimate as one line."""
+    memory = state_memory(compiled)
+    cpu = memory["platform"] == "cpu"
+    need = memory["host"] if cpu else memory["per_device"]
+    if cpu:
+        have, where = config_lib.available_memory(), "host memory"
+    else:
+        stats = getattr(compiled.mesh.local_devices[0], "memory_stats", lambda: None)() or {}
+        have, where = stats.get("bytes_limit"), f"memory on each {memory['platform']} device"
+    parts = ", ".join(f"{part} {_size(memory[part])}" for part in ("params", "optimizer state", "frozen"))
+    line = (
+        f"the {config.model_name} model's state needs about {_size(need)} of {where} "
+        f"({memory['parameters']:,} parameters; {parts} on {memory['devices']} {memory['platform']} device"
+        f"{'s' if memory['devices'] > 1 else ''})"
+    )
+    if have is not None and need > have:
+        source = "/proc/meminfo MemAvailable" if cpu else "the device's bytes_limit"
+        raise ValueError(f"{line}, more than the {_size(have)} available ({source}), so it is not built; {_SHARD_IT}")
+    return line + ("" if have is None else f", of {_size(have)} available")
+
+
+def dry_memory_check(objective: base.Objective) -> str:
+    """`check_memory` of the run's state laid out by the config's mesh over this machine's devices, from shapes alone
+    (the trainer is built, not compiled, and nothing allocated). A trainer that reads a file it cannot find here (an
+    init_from tokenizer that is not on this machine) and a mesh these devices do not fit leave it unchecked, said in
+    the line returned."""
+    config = objective.config
+    try:
+        mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape))
+    except ValueError as e:
+        return f"memory not estimated (config.sharding.mesh_shape={tuple(config.sharding.mesh_shape)}: {e})"
+    rules = sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))
+    try:
+        trainer = objective.trainer(objective.model())
+    except OSError as e:
+        return f"memory not estimated ({e})"
+    return check_memory(trainers_base.compile_trainer(trainer, mesh=mesh, rules=rules, seed=config.train.seed), config)
+
+
 def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
     """Devices a batch is split over: the mesh's data x fsdp x expert axes (the "act_batch" rule of
     `sharding.LOGICAL_AXIS_RULES`)."""
@@ -245,6 +334,7 @@ def assemble(
         )
     model = objective.model()
     compiled = trainers_base.compile_trainer(objective.trainer(model), mesh=mesh, rules=rules, seed=config.train.seed)
+    check_memory(compiled, config)  # from the state's shapes: refused here, before restore_or_init allocates it
     if compiled.phases and config.train.steps_per_call > 1:
         raise ValueError(
             f"config.train.steps_per_call={config.train.steps_per_call}: objective {objective.name!r} runs its step "

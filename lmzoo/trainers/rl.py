@@ -249,9 +249,10 @@ class PPOTrainer:
         )
 
     def generate(self, params, batch, rng, *, samples_per_prompt: int) -> dict[str, jax.Array]:
-        """`samples_per_prompt` responses to each of batch "prompts"/"prompt_mask" [B, P] from the KV-cache sampler ->
-        "prompts", "prompt_mask" [B·K, P], "responses" [B·K, T] (pad after the EOS) and "mask" [B·K, T] (float); with
-        an environment, episodes of several turns (`_episodes`), adding "context_mask" [B·K, T]."""
+        """`samples_per_prompt` responses to each of batch "prompts"/"prompt_mask" [B, P] from the KV-cache sampler
+        (each prompt prefilled once) -> "prompts", "prompt_mask" [B·K, P], "responses" [B·K, T] (pad after the EOS)
+        and "mask" [B·K, T] (float); with an environment, episodes of several turns (`_episodes`), adding
+        "context_mask" [B·K, T]."""
         s = self.settings
         prompts = jnp.repeat(batch["prompts"], samples_per_prompt, axis=0)
         prompt_mask = jnp.repeat(batch["prompt_mask"], samples_per_prompt, axis=0)
@@ -259,12 +260,13 @@ class PPOTrainer:
         samples = {**problems, "prompts": prompts, "prompt_mask": prompt_mask}
         if self.environment is not None:
             return {**samples, **self._episodes(params, prompts, prompt_mask, problems, rng)}
-        sampled = decoding.sample(
+        sampled = decoding.sample(  # each prompt prefilled once for its samples
             self.decoder,
             params["decoder"],
-            prompts,
-            prompt_mask,
+            batch["prompts"],
+            batch["prompt_mask"],
             rng,
+            samples_per_prompt=samples_per_prompt,
             max_new_tokens=s.response_len,
             temperature=s.temperature,
             eos_id=self.eos_id,

@@ -8,7 +8,9 @@ checkpoint written on one mesh restores onto another. Restoring tells three fail
 - an I/O error that says nothing about the files (permission, device, network filesystem) raises
   CheckpointReadError at once: nothing is skipped or deleted.
 When steps exist but none restores, restoring raises instead of letting a run start over.
-A failed save raises CheckpointSaveError with its cause (a full disk named as such).
+A failed save raises CheckpointSaveError with its cause (a full disk named as such) and the steps committed before it.
+In a bucket, a save that cannot finish because the bucket stopped answering is abandoned once the bucket has not
+answered for `storage.deadline_seconds()`: waiting for it raises CheckpointSaveError naming the last committed step.
 """
 
 import asyncio
@@ -19,6 +21,9 @@ import json
 import logging
 import os
 import re
+import sys
+import threading
+import time
 from typing import Any
 
 import jax
@@ -115,8 +120,10 @@ def _save_cause(error: BaseException) -> str:
 
 
 def _summary(error: BaseException) -> str:
-    """An exception's type and the first line of its message (at most 300 characters)."""
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+    """An exception's type and the first line of its message (at most 300 characters; tensorstore's "See full
+    TensorStore details: <bound method ...>" tail left out)."""
+    first = str(error).splitlines()[0].split(" See full TensorStore details")[0] if str(error) else ""
+    return f"{type(error).__name__}: {first[:300]}"
 
 
 def _path_str(path) -> str:
@@ -139,6 +146,26 @@ class _DropOrbaxNoise(logging.Filter):
 
 
 _ORBAX_NOISE = _DropOrbaxNoise()
+
+
+def _drop_abandoned_coroutine_reports(previous_hook):
+    """A `sys.unraisablehook` that drops Python's "Exception ignored in: <coroutine ...>" reports of orbax's and
+    tensorstore's coroutines collected after a save failed or a restore met a damaged checkpoint (as `_DropOrbaxNoise`
+    drops asyncio's), and passes every other report to `previous_hook`."""
+
+    def hook(unraisable):
+        code = getattr(unraisable.object, "cr_code", None)
+        where = code.co_filename.replace("\\", "/") if code is not None else ""
+        if _ORBAX_NOISE.futures_abandoned and ("/orbax/" in where or "/tensorstore/" in where):
+            return
+        previous_hook(unraisable)
+
+    hook.drops_abandoned_coroutines = True
+    return hook
+
+
+if not getattr(sys.unraisablehook, "drops_abandoned_coroutines", False):
+    sys.unraisablehook = _drop_abandoned_coroutine_reports(sys.unraisablehook)
 
 
 @contextlib.contextmanager
@@ -200,15 +227,58 @@ def _orbax_writes_s3() -> None:
     )
 
 
+@functools.cache
+def _orbax_bucket_retries() -> None:
+    """tensorstore's GCS driver retries a request 32 times by default, with delays up to 32 s: a quarter of an hour
+    before a save to a server that stopped answering fails. orbax's GCS kvstore specs get storage's bounded retries
+    (tensorstore's S3 specs get them in `storage.tensorstore_s3_kvstore`)."""
+    from orbax.checkpoint._src.path import gcs_utils
+
+    bucket_kvstore = gcs_utils.get_kvstore_for_gcs
+
+    def with_bounded_retries(path: str) -> dict[str, Any]:
+        spec = bucket_kvstore(path)
+        if spec.get("driver") == "gcs":
+            spec = {**spec, "gcs_request_retries": spec.get("gcs_request_retries", storage.TENSORSTORE_RETRIES)}
+        return spec
+
+    gcs_utils.get_kvstore_for_gcs = with_bounded_retries
+
+
+# How often a wait on a save to a bucket asks the bucket whether it still answers.
+PROBE_SECONDS = 2.0
+
+
+def _exit_without_waiting_for_saves() -> None:
+    """Lets the process exit without waiting for an abandoned save. Its threads are daemon threads (started under the
+    daemon thread of `Checkpointer._within_deadline`), which an exiting Python does not wait for; but it does join
+    every thread of a concurrent.futures pool, daemon or not (`concurrent.futures.thread._python_exit`), and orbax's
+    pools would hold the exit until their requests to the bucket end (minutes of retries). The pools' daemon threads
+    are taken off that list."""
+    from concurrent.futures import thread as pool_threads
+
+    joined_at_exit = getattr(pool_threads, "_threads_queues", None)
+    if joined_at_exit is not None:
+        for pool_thread in list(joined_at_exit):
+            if pool_thread.daemon:
+                joined_at_exit.pop(pool_thread, None)
+
+
 class Checkpointer:
     """Saves and restores (state, data_state) under `directory`; keeps the newest `max_to_keep`."""
 
     def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
         self.directory = storage.path(directory)
+        self.remote = storage.is_remote(directory)
         on_s3 = os.fspath(directory).startswith("s3://")
+        if self.remote:
+            _orbax_bucket_retries()
         if on_s3:
             _orbax_writes_s3()
         self.failed = False
+        self.abandoned = False  # a save was given up on: the bucket stopped answering
+        self.async_save = async_save
+        self.max_to_keep = max_to_keep
         for logger in ("absl", "asyncio"):  # orbax logs through absl; adding a filter twice is a no-op
             logging.getLogger(logger).addFilter(_ORBAX_NOISE)
         if type(asyncio.get_event_loop_policy()) is asyncio.DefaultEventLoopPolicy:
@@ -223,48 +293,142 @@ class Checkpointer:
             ),
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()},
         )
+        # The steps known to be committed (what restores found, then each save that finished), and the one in flight.
+        self.committed = sorted(self.manager.all_steps())
+        self.saving: int | None = None
+
+    def _committed_now(self) -> None:
+        """The save in flight finished: its step is committed, and orbax keeps the newest `max_to_keep`."""
+        if self.saving is not None:
+            self.committed = sorted({*self.committed, self.saving})[-(self.max_to_keep or 0) :]  # None: orbax keeps all
+            self.saving = None
+
+    def committed_note(self) -> str:
+        """The steps a stopped run leaves committed, for its one-line message: the last one known committed, and the
+        save in flight, whose requests a server that stopped answering may still carry out when it answers again."""
+        if not self.committed:
+            note = "no checkpoint had been committed yet"
+        else:
+            last = self.committed[-1]
+            note = f"the last committed checkpoint is step {last} ({self.directory / str(last)})"
+        if self.saving is not None:
+            note += f", and the save of step {self.saving} was in flight (it may yet commit)"
+        return note
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
         # Steps >= `step` can only be unreadable checkpoints a resumed run fell back past; orbax would
         # skip (or, forced, refuse) every save up to the newest of them, so they are dropped first.
-        for stale in [s for s in self.steps() if s >= step]:
-            self.manager.delete(stale)
-        try:
+        def save_in_order():
+            for stale in [s for s in self.steps() if s >= step]:
+                self.manager.delete(stale)
+            self.committed = [s for s in self.committed if s < step]
             return self.manager.save(
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
                 force=force,
             )
+
+        self.wait()  # orbax would wait for the previous save itself, inside the save: waited for first, it is known
+        self.saving = step
+        try:
+            saved = self._within_deadline(save_in_order, step)
+        except CheckpointSaveError:
+            raise
         except Exception as e:
             raise self._save_error(e) from None
+        if not saved:
+            self.saving = None
+        elif not self.async_save:
+            self._committed_now()
+        return saved
+
+    def _within_deadline(self, call, step: int | None):
+        """`call()`; on a bucket, run on a thread of its own and abandoned (CheckpointSaveError) once the bucket has not
+        answered for `storage.deadline_seconds()`, asked every PROBE_SECONDS while the call lasts. orbax's threads
+        that the call starts inherit its daemon flag, so an abandoned save does not hold the process at its exit."""
+        if not self.remote:
+            return call()
+        if self.abandoned:
+            raise self._abandoned_error(step)
+        outcome = {}
+
+        def run():
+            try:
+                outcome["value"] = call()
+            except BaseException as error:  # handed to the waiting thread
+                outcome["error"] = error
+
+        worker = threading.Thread(target=run, name="lmzoo-checkpoint-save", daemon=True)
+        worker.start()
+        answered, deadline = time.monotonic(), storage.deadline_seconds()
+        while True:
+            worker.join(PROBE_SECONDS)
+            if not worker.is_alive():
+                break
+            if storage.answers(self.directory):
+                answered = time.monotonic()
+            elif storage.gave_up(self.directory) or time.monotonic() - answered >= deadline:
+                storage.give_up_on(self.directory)
+                self.abandoned = self.failed = _ORBAX_NOISE.futures_abandoned = True
+                _exit_without_waiting_for_saves()
+                raise self._abandoned_error(step)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
+
+    def _abandoned_error(self, step: int | None) -> CheckpointSaveError:
+        which = f"checkpoint {step}" if step is not None else "the checkpoint in flight"
+        return CheckpointSaveError(
+            f"saving {which} in {self.directory} could not finish: the bucket's server stopped answering (given up "
+            f"on after {storage.deadline_seconds():g} s, {storage.DEADLINE_VARIABLE}), so the save was abandoned. "
+            f"Training stopped; {self.committed_note()}: rerun the same command once the bucket answers, to resume"
+        )
 
     def _save_error(self, error: BaseException) -> CheckpointSaveError:
         self.failed = _ORBAX_NOISE.futures_abandoned = True
-        kept = [s for s in self.steps() if (self.directory / str(s)).is_dir()]
+        self.saving = None  # failed: not in flight
+        kept = f"the previous checkpoints {self.committed} are intact" if self.committed else self.committed_note()
         return CheckpointSaveError(
             f"saving a checkpoint in {self.directory} failed: {_save_cause(error)}. Training stopped; "
-            f"the previous checkpoints {kept} are intact. Fix the cause and rerun the same command to resume."
+            f"{kept}. Fix the cause and rerun the same command to resume."
         )
 
     def check_for_errors(self) -> None:
-        """Raises CheckpointSaveError if a background save has failed."""
+        """Raises CheckpointSaveError if a background save has failed (orbax waits here for the save's metadata
+        writes: on a bucket, within the deadline)."""
         try:
-            self.manager.check_for_errors()
+            if self.saving is None:
+                self.manager.check_for_errors()
+            else:
+                self._within_deadline(self.manager.check_for_errors, self.saving)
+        except CheckpointSaveError:
+            raise
         except Exception as e:
             raise self._save_error(e) from None
 
     def wait(self) -> None:
-        """Waits for the background save; raises CheckpointSaveError if it failed."""
+        """Waits for the background save; raises CheckpointSaveError if it failed (or, on a bucket that stopped
+        answering, was abandoned)."""
         try:
-            self.manager.wait_until_finished()
+            self._within_deadline(self.manager.wait_until_finished, self.saving)
+        except CheckpointSaveError:
+            raise
         except Exception as e:
             raise self._save_error(e) from None
+        self._committed_now()
 
     def close(self) -> None:
-        """Closes the manager; a save error here was already raised by `wait` or is logged (not raised over another error)."""
+        """Closes the manager; a save error here was already raised by `wait` or is logged (not raised over another
+        error). A save abandoned, or one that cannot finish because the bucket stopped answering, is left to its thread: the
+        error that stopped the run already names the bucket."""
+        if self.abandoned or (self.remote and storage.gave_up(self.directory)):
+            _exit_without_waiting_for_saves()  # the bucket does not answer: a save in flight is left to its threads
+            return
         already_reported = self.failed
         try:
-            self.manager.close()
+            self._within_deadline(self.manager.close, self.saving)
+        except CheckpointSaveError as error:  # abandoned: the run stops for another error, which names the bucket
+            log.info("%s", error)
         except Exception as e:
             error = self._save_error(e)
             if not already_reported:

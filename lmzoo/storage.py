@@ -18,7 +18,11 @@ can go into a checkpoint manager. The functions below read and write through it 
   S3: `If-Match`): with `create_if_absent`, the primitives of a lease (lmzoo.workdir's lock on a bucket).
 
 A bucket whose server does not answer (connection refused or dropped, a timeout, a server error after the client's own
-retries) raises BucketUnreachableError, an OSError naming the path, from every function.
+retries) raises BucketUnreachableError, an OSError naming the path, from every function. Every wait on a bucket has a
+deadline (`deadline_seconds()`: 30 s, or LMZOO_STORAGE_DEADLINE_S): each request times out after
+`request_timeout_seconds()` without an answer (connecting, or reading: no byte for that long), and an operation retries
+only while a retry can still end within the deadline. Once an operation gave up, the server is taken for down: later
+operations on it try once, without retries, until one is answered (`gave_up`, `answers`).
 
 Endpoints come from the environment variables the stores' own tools read, so one configuration serves real buckets
 and emulators alike: STORAGE_EMULATOR_HOST for GCS; AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, with the usual AWS
@@ -27,6 +31,7 @@ backend etils.epath itself uses for these schemes when TensorFlow is not install
 says why, and what each client needs.
 """
 
+import asyncio
 import contextlib
 import functools
 import gzip
@@ -34,11 +39,13 @@ import io
 import json
 import logging
 import os
+import random
 import re
 import secrets
 import shutil
 import sys
 import tempfile
+import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -58,8 +65,47 @@ CONCURRENT_REQUESTS = 1024
 _TEMPORARY_NAME = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")
 
 
+# How long lmzoo waits for a bucket's server that does not answer, before it gives up (issue 55): an operation (its
+# retries included), a checkpoint save waiting on the bucket (lmzoo.checkpoint), a token store's read. A run on a bucket
+# that stops answering therefore stops within about twice this (docs/SCALING.md). Tests set a few seconds.
+DEADLINE_VARIABLE = "LMZOO_STORAGE_DEADLINE_S"
+DEFAULT_DEADLINE_SECONDS = 30.0
+
+
+def deadline_seconds() -> float:
+    """How long a wait on a bucket lasts at most: LMZOO_STORAGE_DEADLINE_S, else DEFAULT_DEADLINE_SECONDS."""
+    text = os.environ.get(DEADLINE_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_DEADLINE_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):  # NaN too
+        raise ValueError(f"{DEADLINE_VARIABLE}={text!r}: give the seconds to wait for a bucket, a number > 0")
+    return value
+
+
+def request_timeout_seconds() -> float:
+    """How long one request to a bucket may go without an answer (to connect, or between two reads): a third of the
+    deadline, at most 10 s, so that an operation can retry within its deadline."""
+    return _request_timeout(deadline_seconds())
+
+
+def _request_timeout(deadline: float) -> float:
+    return min(10.0, deadline / 3)
+
+
 class BucketUnreachableError(OSError):
     """A bucket's server did not answer: the connection was refused or dropped, timed out, or the server failed."""
+
+
+class BucketNotFoundError(FileNotFoundError):
+    """The bucket of a gs:// or s3:// path does not exist."""
+
+
+class BucketCredentialsError(PermissionError):
+    """No credentials were found for a bucket (S3: AWS's variables, files and instance role all gave none)."""
 
 
 def is_remote(user_path: str | os.PathLike) -> bool:
@@ -79,6 +125,7 @@ def path(user_path: str | os.PathLike) -> epath.Path:
             raise ValueError(f"{text!r} names no bucket: write {scheme}://BUCKET/PATH")
         if scheme == "gs":
             _share_gcs_emulator()
+        _bound_other_clients()
         return epath.Path(text)
     if "://" in text:
         raise ValueError(f"{text!r}: lmzoo reads and writes local paths, gs://BUCKET/PATH and s3://BUCKET/PATH only")
@@ -334,11 +381,15 @@ def _create_local_file(location: str, data: bytes) -> None:
 
 
 def exists(user_path: str | os.PathLike) -> bool:
-    """Whether a file, a folder, or (on a bucket) an object or a prefix of objects is at `user_path`."""
+    """Whether a file, a folder, or (on a bucket) an object or a prefix of objects is at `user_path`; a bucket that
+    does not exist raises BucketNotFoundError (a FileNotFoundError) naming it."""
     location = os.fspath(path(user_path))
     if is_remote(location):
         with _unreachable_named(location):
-            return _filesystem(location).exists(location)
+            if _filesystem(location).exists(location):
+                return True
+        _refuse_missing_bucket(location)
+        return False
     return os.path.exists(location)
 
 
@@ -491,21 +542,29 @@ def _gcs_ranges(requests: list[tuple[str, int, int]]) -> list[bytes]:
     for location, offset, length in requests:
         bucket, key = location.removeprefix("gs://").split("/", 1)
         futures.append(_gcs_kvstore(bucket, emulator_url).read(key, byte_range=slice(offset, offset + length)))
-    parts = []
+    parts, deadline = [], deadline_seconds()
+    answered = time.monotonic()  # the deadline runs from the last read that finished: a long batch may take longer
     for (location, offset, length), future in zip(requests, futures, strict=True):
         try:
-            result = future.result()
+            result = future.result(timeout=max(0.0, answered + deadline - time.monotonic()))
+        except TimeoutError:
+            give_up_on(location)
+            raise BucketUnreachableError(
+                f"{location}: the bucket's server did not answer (no read finished for {deadline:g} s)"
+            ) from None
         except ValueError as error:  # tensorstore's status errors
             if "OUT_OF_RANGE" in str(error):
                 raise EOFError(
                     f"{location}: {length} bytes at offset {offset} were asked for, it ends before that"
                 ) from None
+            give_up_on(location)
             raise BucketUnreachableError(
                 f"{location}: the bucket's server did not answer ({_first_line(error)})"
             ) from None
         if result.state == "missing":
             raise FileNotFoundError(f"{location}: no such object")
         parts.append(bytes(result.value))
+        answered = time.monotonic()
     return parts
 
 
@@ -530,12 +589,17 @@ def _gcs_kvstore(bucket: str, emulator_url: str | None):
     return ts.KvStore.open({"driver": "gcs", "bucket": bucket}, context=context).result()
 
 
+# tensorstore's retries of a request to a bucket, for the kvstore specs lmzoo builds (its defaults: 32 retries, delays
+# up to 32 s): 4 retries, 15 s of delays in all.
+TENSORSTORE_RETRIES = {"max_retries": 4, "initial_delay": "1s", "max_delay": "8s"}
+
+
 def tensorstore_s3_kvstore(location: str) -> dict[str, Any]:
     """tensorstore's kvstore spec of an s3:// location, pointed where s3fs is: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL
     when set, in AWS_REGION or AWS_DEFAULT_REGION (us-east-1 if neither); credentials from tensorstore's AWS chain
     (environment, ~/.aws files, instance metadata)."""
     bucket, _, key = location.removeprefix("s3://").partition("/")
-    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key}
+    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key, "s3_request_retries": TENSORSTORE_RETRIES}
     spec["aws_region"] = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
@@ -797,16 +861,71 @@ def _s3_lost_precondition(error: OSError) -> bool:
 
 @contextlib.contextmanager
 def _unreachable_named(location: str) -> Iterator[None]:
-    """Turns an error that says the server did not answer into BucketUnreachableError naming `location`."""
+    """Turns an error that says the server did not answer into BucketUnreachableError naming `location`; one of a
+    bucket that does not exist into BucketNotFoundError, and S3's missing credentials into BucketCredentialsError,
+    each naming the bucket (the clients' own errors name a URL, or print pages of traceback)."""
     try:
         yield
-    except BucketUnreachableError:
+    except (BucketUnreachableError, BucketNotFoundError, BucketCredentialsError):
+        raise
+    except FileNotFoundError:
+        _refuse_missing_bucket(location)
         raise
     except Exception as error:
+        if _no_credentials(error):
+            raise BucketCredentialsError(
+                f"{location}: no AWS credentials were found ({type(error).__name__}): set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with ~/.aws/credentials, or run where an instance role gives "
+                "them"
+            ) from None
         if not _did_not_answer(error):
             raise
-        cause = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        if isinstance(error, TimeoutError) and not str(error):
+            cause = f"no answer within {request_timeout_seconds():g} s"
+        else:
+            cause = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
         raise BucketUnreachableError(f"{location}: the bucket's server did not answer ({cause})") from error
+
+
+_BUCKETS_FOUND: set[str] = set()  # "gs://name" of buckets seen to exist: looked up once a process
+
+
+def _bucket_missing(location: str) -> bool:
+    """Whether the bucket of `location` does not exist (one look-up of the bucket, until one answered; False where the
+    look-up fails)."""
+    bucket = "/".join(location.split("/", 3)[:3])
+    if bucket in _BUCKETS_FOUND:
+        return False
+    filesystem = _filesystem(location)
+    try:
+        if location.startswith("gs://"):
+            filesystem.call("GET", "b/{}", bucket.removeprefix("gs://"))
+        else:
+            filesystem.call_s3("head_bucket", Bucket=bucket.removeprefix("s3://"))
+    except FileNotFoundError:
+        return True
+    except Exception as error:
+        if _did_not_answer(error) or _no_credentials(error):
+            return False  # not known: asked again next time
+    _BUCKETS_FOUND.add(bucket)  # there, or not ours to look up (403): the object's own error says the rest
+    return False
+
+
+def _refuse_missing_bucket(location: str) -> None:
+    """Raises BucketNotFoundError, naming the bucket, if the bucket of `location` does not exist."""
+    if _bucket_missing(location):
+        bucket = "/".join(location.split("/", 3)[:3])
+        raise BucketNotFoundError(
+            f"{bucket}: no such bucket (needed for {location}); create it, or correct the bucket's name"
+        )
+
+
+def _no_credentials(error: BaseException) -> bool:
+    """Whether an error of s3fs (botocore) says that no AWS credentials, or only some of them, were found."""
+    botocore_errors = sys.modules.get("botocore.exceptions")
+    return botocore_errors is not None and isinstance(
+        error, botocore_errors.NoCredentialsError | botocore_errors.PartialCredentialsError
+    )
 
 
 def _did_not_answer(error: BaseException) -> bool:
@@ -858,8 +977,122 @@ def _share_gcs_emulator() -> str | None:
 def _filesystem(location: str):
     """The fsspec filesystem for a gs:// or s3:// location, configured from the environment as it is now."""
     if location.startswith("gs://"):
-        return _gcs_filesystem(_share_gcs_emulator())
-    return _s3_filesystem(os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL"))
+        return _gcs_filesystem(_share_gcs_emulator(), deadline_seconds())
+    return _s3_filesystem(os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL"), deadline_seconds())
+
+
+def gave_up(user_path: str | os.PathLike) -> bool:
+    """Whether an operation on `user_path`'s store (its server) gave up on it for want of an answer, and none has been
+    answered since: later operations there try once, without retries."""
+    location = os.fspath(path(user_path))
+    return is_remote(location) and _filesystem(location).gave_up_at is not None
+
+
+def give_up_on(user_path: str | os.PathLike) -> None:
+    """Records that the server of `user_path` does not answer (a wait on it, such as a checkpoint save, ran past the
+    deadline): until it answers again, operations there try once, without retries."""
+    location = os.fspath(path(user_path))
+    if is_remote(location):
+        filesystem = _filesystem(location)
+        filesystem.gave_up_at = filesystem.gave_up_at or time.monotonic()
+
+
+def answers(user_path: str | os.PathLike) -> bool:
+    """Whether the server of a bucket path answers (anything, "not found" included) within `request_timeout_seconds()`:
+    one look-up of `user_path`. Always True for a local path."""
+    location = os.fspath(path(user_path))
+    if not is_remote(location):
+        return True
+    filesystem = _filesystem(location)
+    try:
+        filesystem.info(location, timeout=request_timeout_seconds())  # fsspec's own bound on the whole call
+    except FileNotFoundError:
+        pass
+    except Exception as error:
+        if _did_not_answer(error):
+            return False
+    filesystem.gave_up_at = None
+    return True
+
+
+async def _within_deadline(
+    filesystem, attempt: Callable, retriable: Callable[[BaseException], bool], tries: int | None = None
+):
+    """`await attempt()`, tried again after an error `retriable` accepts (backing off 1, 2, 4, 8 s, with jitter) while
+    another try can still end within the deadline (and, given `tries`, at most that many times); tried once only while
+    the server is taken for down (`filesystem.gave_up_at`: an operation gave up on it, and none was answered since).
+    Any answer clears that mark; giving up sets it."""
+    deadline, timeout = deadline_seconds(), request_timeout_seconds()
+    began, delay, tried = time.monotonic(), 1.0, 0
+    while True:
+        tried += 1
+        try:
+            result = await attempt()
+        except Exception as error:
+            if not retriable(error):  # an answer: "not found", "precondition failed", ...
+                filesystem.gave_up_at = None
+                raise
+            out_of_time = time.monotonic() - began + delay + timeout > deadline
+            if filesystem.gave_up_at is not None or out_of_time or (tries is not None and tried >= tries):
+                filesystem.gave_up_at = filesystem.gave_up_at or time.monotonic()
+                raise
+        else:
+            filesystem.gave_up_at = None
+            return result
+        await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+        delay = min(2 * delay, 8.0)
+
+
+def _gcs_retriable(error: BaseException) -> bool:
+    """What gcsfs's own retries retry (connection errors, timeouts, 408, 429 and 5xx answers), but "not found"."""
+    from gcsfs import retry
+
+    if getattr(error, "status", None) == 404 or getattr(error, "code", None) == 404:
+        return False
+    return isinstance(error, asyncio.TimeoutError) or retry.is_retriable(error)
+
+
+def _aws_max_attempts() -> int | None:
+    """AWS_MAX_ATTEMPTS, the tries (the first included) the user allows a request to S3, if set to a number."""
+    text = os.environ.get("AWS_MAX_ATTEMPTS", "")
+    return max(1, int(text)) if text.strip().isdigit() else None
+
+
+def _without_expect_continue(params: dict, **kwargs) -> None:
+    """botocore's before-call hook: the request goes without "Expect: 100-continue" (`_s3_filesystem` says why)."""
+    params.get("headers", {}).pop("Expect", None)
+
+
+def _s3_retriable(error: BaseException) -> bool:
+    """Connection errors, timeouts, 5xx answers and S3's throttling ("SlowDown"), as s3fs and botocore see them."""
+    if _did_not_answer(error):
+        return True
+    response = getattr(error, "response", None) or getattr(error.__cause__, "response", None) or {}
+    return response.get("Error", {}).get("Code") in ("Throttling", "ThrottlingException", "RequestTimeout")
+
+
+@functools.cache
+def _client_bounds(timeout: float) -> None:
+    """Gives the clients lmzoo does not make itself the same request timeouts (variables and settings the user gave
+    are kept): orbax's (through etils.epath's fsspec filesystems: directories, commit files) and tensorstore's (the
+    arrays; its curl transport reads these variables once, when it first sends a request). Their retries are their
+    own; lmzoo.checkpoint bounds its waits on them."""
+    import aiohttp
+    import fsspec.config
+
+    seconds = max(1, round(timeout))
+    os.environ.setdefault("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", str(seconds))
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(seconds))
+    fsspec.config.conf.setdefault("gcs", {}).setdefault(
+        "requests_timeout", aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout)
+    )
+    s3_config = fsspec.config.conf.setdefault("s3", {}).setdefault("config_kwargs", {})
+    s3_config.setdefault("connect_timeout", timeout)
+    s3_config.setdefault("read_timeout", timeout)
+
+
+def _bound_other_clients() -> None:
+    _client_bounds(request_timeout_seconds())
 
 
 class _DropGcsfsRetryReports(logging.Filter):
@@ -871,37 +1104,95 @@ class _DropGcsfsRetryReports(logging.Filter):
 
 
 @functools.cache
-def _gcs_filesystem(emulator_url: str | None):
+def _gcs_filesystem(emulator_url: str | None, deadline: float):
+    """Keyed by the emulator and the deadline, so that a changed environment gets a new client."""
     if emulator_url is None:
         from gcsfs import GCSFileSystem
     else:
         # The JSON-API-only class by name, also where gcsfs was imported before the switch above could take effect.
         from gcsfs.core import GCSFileSystem
+    import aiohttp
+
     logging.getLogger("gcsfs").addFilter(_DropGcsfsRetryReports())
+    # One try of a request: gcsfs's `_request` without its retry decorator (6 tries, 31 s of sleeps, no deadline).
+    single_request = getattr(GCSFileSystem._request, "__wrapped__", GCSFileSystem._request)
 
     class PooledGcsFileSystem(GCSFileSystem):
-        """gcsfs with a connection pool of CONCURRENT_REQUESTS (an aiohttp connector is made inside the loop)."""
+        """gcsfs with a connection pool of CONCURRENT_REQUESTS (an aiohttp connector is made inside the loop) and
+        requests within the deadline (`_within_deadline`)."""
+
+        gave_up_at: float | None = None
 
         async def _set_session(self):
             if self._session is None and "connector" not in self.session_kwargs and not self._use_client_cert:
-                import aiohttp
-
                 self.session_kwargs = {
                     **self.session_kwargs,
                     "connector": aiohttp.TCPConnector(limit=CONCURRENT_REQUESTS),
                 }
             return await super()._set_session()
 
+        async def _request(self, method, path, *args, **kwargs):
+            return await _within_deadline(
+                self, lambda: single_request(self, method, path, *args, **kwargs), _gcs_retriable
+            )
+
+    timeout = _request_timeout(deadline)
     # No cached listings: another process or host may have written since (a lock, a checkpoint, a shard).
-    return PooledGcsFileSystem(endpoint_url=emulator_url, use_listings_cache=False, skip_instance_cache=True)
+    return PooledGcsFileSystem(
+        endpoint_url=emulator_url,
+        use_listings_cache=False,
+        skip_instance_cache=True,
+        requests_timeout=aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout),
+    )
 
 
 @functools.cache
-def _s3_filesystem(s3_endpoint_url: str | None, endpoint_url: str | None):
-    """Keyed by the endpoint variables only so that a changed environment gets a new client: botocore reads them
-    itself (AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL, then the ~/.aws config), as the aws command does."""
+def _s3_filesystem(s3_endpoint_url: str | None, endpoint_url: str | None, deadline: float):
+    """Keyed by the endpoint variables and the deadline only so that a changed environment gets a new client: botocore
+    reads the endpoint itself (AWS_ENDPOINT_URL_S3 before AWS_ENDPOINT_URL, then the ~/.aws config), as the aws command
+    does."""
     import s3fs
 
-    return s3fs.S3FileSystem(
-        use_listings_cache=False, skip_instance_cache=True, config_kwargs={"max_pool_connections": CONCURRENT_REQUESTS}
-    )
+    class DeadlineS3FileSystem(s3fs.S3FileSystem):
+        """s3fs whose calls are tried within the deadline (`_within_deadline`; at most AWS_MAX_ATTEMPTS times where it
+        is set) instead of s3fs's 5 tries of botocore's 5 (each up to its read timeout, 15 s: minutes against a server
+        that stopped answering)."""
+
+        gave_up_at: float | None = None
+        retries = 1  # s3fs's own: one try; botocore's: one (below)
+
+        async def _call_s3(self, method, *akwarglist, **kwargs):
+            return await _within_deadline(
+                self,
+                lambda: s3fs.S3FileSystem._call_s3(self, method, *akwarglist, **kwargs),
+                _s3_retriable,
+                _aws_max_attempts(),
+            )
+
+        async def set_session(self, refresh=False, kwargs={}):  # noqa: B006 (s3fs's signature)
+            client = await super().set_session(refresh=refresh, kwargs=kwargs)
+            if not getattr(client, "_lmzoo_without_continue", False):
+                # botocore sends a body read from a stream after "Expect: 100-continue", and aiohttp waits for the
+                # "100 Continue" with no timeout: a server that stopped answering would hold the upload forever.
+                client.meta.events.register_last("before-call.s3", _without_expect_continue)
+                client._lmzoo_without_continue = True
+            return client
+
+    timeout = _request_timeout(deadline)
+    config = {
+        "max_pool_connections": CONCURRENT_REQUESTS,
+        "connect_timeout": timeout,
+        "read_timeout": timeout,
+        "retries": {"mode": "standard", "total_max_attempts": 1},
+    }
+    return DeadlineS3FileSystem(use_listings_cache=False, skip_instance_cache=True, config_kwargs=config)
+
+
+def writable_local_folder(location: str | os.PathLike) -> None:
+    """Creates the local folder `location` (and its parents) if absent and checks that a file can be written in it;
+    raises OSError naming why not (a file where a folder should be, no permission, a read-only disk)."""
+    os.makedirs(location, exist_ok=True)
+    probe = os.path.join(location, f".write-probe-{os.getpid()}")
+    with open(probe, "w"):
+        pass
+    os.remove(probe)

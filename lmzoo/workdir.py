@@ -21,9 +21,11 @@ heartbeat. The lease rule:
   version the taker read: of two takers only one wins, and a holder that renewed in between keeps it;
 - a holder whose renewals have failed for GIVE_UP_SECONDS (40 s, the bucket not answering) or whose object was
   replaced loses the lease: `check()`, which the training loop calls before each step's writes, raises
-  LeaseLostError, so the run stops before a taker may find its lock stale. Two live runs are therefore never both let
-  in while the hosts' clocks differ by less than STALE_SECONDS - GIVE_UP_SECONDS (20 s; NTP keeps them within
-  milliseconds). A checkpoint save already in flight in the background when the lease is lost is not stopped;
+  LeaseLostError, so the run stops before a taker may find its lock stale. A renewal is a request that gives up
+  within storage's deadline (`storage.deadline_seconds()`, 30 s by default), and `check()` judges by the time since
+  the last renewal that succeeded, not by the renewal thread: one that hangs cannot keep a lease. Two live runs are
+  therefore never both let in while the hosts' clocks differ by less than STALE_SECONDS - GIVE_UP_SECONDS (20 s; NTP
+  keeps them within milliseconds). A checkpoint save already in flight in the background when the lease is lost is not stopped;
 - a run that ends deletes the object (only if it is still its version); a killed one leaves it, to be taken over:
   at once by a rerun on the same machine, after STALE_SECONDS from another.
 
@@ -313,18 +315,23 @@ class LeaseLock:
         def delete_own_lock():
             self._heartbeat.join()  # a renewal in flight changes the version to delete
             if self._lost is None:
-                storage.delete_if_version(self.path, self._version)
+                try:
+                    storage.delete_if_version(self.path, self._version)
+                except Exception as error:  # no answer (or the client closed at exit): the next run takes it over
+                    log.info("workdir %s: its lock object could not be deleted: %s", self.workdir, error)
 
         deleting = threading.Thread(target=delete_own_lock, name="workdir-lease-release", daemon=True)
         deleting.start()
-        deleting.join(RELEASE_WAIT_SECONDS)
+        # A bucket an operation gave up on is not waited for: the error that stops the run names it already.
+        unanswered = storage.gave_up(self.path)
+        deleting.join(0 if unanswered else RELEASE_WAIT_SECONDS)
         if deleting.is_alive():
-            log.warning(
+            (log.info if unanswered else log.warning)(
                 "workdir %s: its lock object %s could not be deleted within %d s (the bucket does not answer); the "
                 "next run takes it over",
                 self.workdir,
                 self.path,
-                RELEASE_WAIT_SECONDS,
+                0 if unanswered else RELEASE_WAIT_SECONDS,
             )
 
     def __enter__(self) -> "LeaseLock":

@@ -18,6 +18,7 @@ import sys
 
 import jax
 
+from lmzoo import storage
 from lmzoo.data import store
 
 VARIABLE = "LMZOO_COMPILATION_CACHE"
@@ -30,7 +31,7 @@ def folder() -> str | None:
     setting = os.environ.get(VARIABLE, "").strip()
     if setting.lower() in OFF:
         return None
-    return os.path.expanduser(setting) if setting else os.path.join(store.cache_folder(), "xla")
+    return os.path.expanduser(setting) if setting else os.path.join(store.cache_base(), "xla")
 
 
 def enable() -> str | None:
@@ -42,11 +43,7 @@ def enable() -> str | None:
     if path is None:
         return None
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-probe-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
+        storage.writable_local_folder(path)
     except OSError as e:
         print(
             f"warning: the compilation cache {path} cannot be written ({e.strerror or e}); compiling without it "

@@ -302,7 +302,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     began = time.time()
     objective = validated_objective(config)  # every config check, before the workdir is touched
     is_main = jax.process_index() == 0
-    lock, started = None, False
+    lock, started, run = None, False, None
     try:
         with _sigterm_stops_start() as raise_if_stopped, _full_disk_named(workdir):
             lock = workdir_lib.lock(workdir) if is_main else None
@@ -318,10 +318,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         started = True
         return _train(run, state, data_state, loader, began, lock)
     except storage.BucketUnreachableError as error:
+        saved = run.checkpointer.committed_note() if started else "what the run saved before is kept"
         raise storage.BucketUnreachableError(
-            f"{error}. Training stopped; what the run saved before is kept: rerun the same command once the bucket "
-            "answers, to resume"
+            f"{error}. Training stopped; {saved}: rerun the same command once the bucket answers, to resume"
         ) from None
+    except workdir_lib.LeaseLostError as error:
+        if not started:
+            raise
+        note = run.checkpointer.committed_note()
+        raise workdir_lib.LeaseLostError(f"{error} {note[0].upper()}{note[1:]}.") from None
     finally:
         if lock is not None:
             lock.release(failed_start=not started)

@@ -39,14 +39,22 @@ def test_a_second_run_in_a_new_workdir_compiles_nothing_new(tmp_path):
     assert entries(cache) == compiled  # every program read from the cache
 
 
-def enable(cache: str, tmp_path) -> subprocess.CompletedProcess:
+def enable(cache: str | None, tmp_path) -> subprocess.CompletedProcess:
+    """compilation_cache.enable() in a fresh process with LMZOO_COMPILATION_CACHE=cache (None: unset) and
+    LMZOO_CACHE=tmp_path/lmzoo."""
     code = "from lmzoo.train import compilation_cache; print(compilation_cache.enable())"
+    env = {**environment(cache or ""), "LMZOO_CACHE": str(tmp_path / "lmzoo")}
+    if cache is None:
+        del env["LMZOO_COMPILATION_CACHE"]
     return subprocess.run(
-        [sys.executable, "-c", code], env=environment(cache), cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
 
 
-def test_moved_off_and_an_unwritable_folder(tmp_path):
+def test_the_default_folder_moved_off_and_an_unwritable_folder(tmp_path):
+    default = enable(None, tmp_path)
+    assert default.returncode == 0, default.stderr[-2000:]
+    assert default.stdout.strip() == str(tmp_path / "lmzoo" / "xla") and (tmp_path / "lmzoo" / "xla").is_dir()
     moved = enable(str(tmp_path / "elsewhere"), tmp_path)
     assert moved.stdout.strip() == str(tmp_path / "elsewhere") and (tmp_path / "elsewhere").is_dir()
     off = enable("off", tmp_path)

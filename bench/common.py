@@ -242,19 +242,29 @@ class Isolated:
     torch ignores it). Without this, the malloc setting lmzoo's train step applies would apply to torch in the same
     process too. `build(*args)` (a module-level function: the process is spawned) returns an object with
     `run(steps)` and `loss`; `run` here blocks until the steps are done and returns what the trainer's returned;
-    `close` ends the process."""
+    `close` ends the process. `daemon=False` for a trainer that starts processes of its own (lmzoo's reward pool):
+    it then ends when the pipe closes, with this process or at `close`."""
 
-    def __init__(self, build: Callable, *args):
+    def __init__(self, build: Callable, *args, daemon: bool = True):
         context = multiprocessing.get_context("spawn")
         self._connection, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, build, args), daemon=True)
+        self._process = context.Process(target=_serve, args=(child, build, args), daemon=daemon)
         self._process.start()
         child.close()
         self.loss = None
         self._receive()
 
     def run(self, steps: int):
+        self.start(steps)
+        return self.finish()
+
+    def start(self, steps: int) -> None:
+        """Starts `run(steps)` without waiting for it (`finish` waits): trainers in processes of their own can warm
+        up (compile) side by side."""
         self._connection.send(steps)
+
+    def finish(self):
+        """What the `run` that `start` began returned, once it has."""
         result, self.loss = self._receive()
         return result
 

@@ -227,12 +227,14 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     eos_id: int | None = None,
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
     pad_id: int = 0,
     vocab_size: int | None = None,
     use_cache: bool = True,
 ) -> jax.Array:
     """Host-side `sample`: prompts [B, P] (left-padded; prompt_mask [B, P] 1 for real tokens), checked for shape
-    and out-of-vocabulary ids -> new tokens [B, max_new_tokens], `pad_id` after a row's EOS.
+    and out-of-vocabulary ids -> new tokens [B, max_new_tokens], `pad_id` after a row's EOS or, while the model's
+    positions last, after one of `stop_sequences` (token-id tuples; past them only EOS stops a row).
 
     Any length: past the model's `max_len` positions each further token is predicted from the last `max_len` tokens
     (a sliding window, nanoGPT's crop), recomputed without the cache since every position shifts; a prompt longer
@@ -245,7 +247,7 @@ def generate(
     prompt_mask = jnp.ones_like(prompts) if prompt_mask is None else jnp.asarray(prompt_mask, jnp.int32)
     max_len = getattr(model.config, "max_len", None)
     sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), vocab_size=vocab_size)
-    settings = dict(eos_id=eos_id, pad_id=int(pad_id), use_cache=use_cache, **sampling)
+    settings = dict(eos_id=eos_id, stop_sequences=stop_sequences, pad_id=int(pad_id), use_cache=use_cache, **sampling)
     if not window_passed(model, prompts.shape[1], max_new_tokens):
         return sample(model, params, prompts, prompt_mask, rng, max_new_tokens=max_new_tokens, **settings).tokens
     cached = max(max_len - prompts.shape[1], 0)
@@ -257,8 +259,9 @@ def generate(
         prompts, prompt_mask = (
             jnp.concatenate(x, axis=1) for x in ((prompts, first.tokens), (prompt_mask, first.mask))
         )
+        done = first.mask[:, -1] == 0  # stopped (EOS or a stop sequence) before the cached part's end
         if eos_id is not None:
-            done = jnp.any(first.tokens == eos_id, axis=1)
+            done = done | jnp.any(first.tokens == eos_id, axis=1)
     for _ in range(max_new_tokens - cached):
         if bool(jnp.all(done)):
             new.append(jnp.full((prompts.shape[0], 1), pad_id, jnp.int32))

@@ -57,22 +57,15 @@ def sample_text(
                 f"positions: each token past them is predicted from the last {max_len} (a sliding window)"
             )
         stop_sequences = tuple((i,) for i in stop_ids) + tuple(tuple(tokenizer.encode(s)) for s in stops if s)
-        if stop_sequences and not decoding.window_passed(model, len(ids), max_new_tokens):
-            prompt_ids = np.asarray([ids], np.int32)
-            new = decoding.sample(
-                model,
-                params,
-                prompt_ids,
-                np.ones_like(prompt_ids),
-                jax.random.key(seed),
-                max_new_tokens=max_new_tokens,
-                stop_sequences=stop_sequences,
-                **sampling,
-            ).tokens
-        else:
-            new = decoding.generate(
-                model, params, np.asarray([ids]), rng=jax.random.key(seed), max_new_tokens=max_new_tokens, **sampling
-            )
+        new = decoding.generate(
+            model,
+            params,
+            np.asarray([ids]),
+            rng=jax.random.key(seed),
+            max_new_tokens=max_new_tokens,
+            stop_sequences=stop_sequences,
+            **sampling,
+        )
     else:
         raise ValueError(
             f"{type(model).__name__} is not generative; --generate needs a decoder (gpt2, llama) or an encoder-decoder (seq2seq)"

@@ -109,7 +109,6 @@ def test_a_finished_slot_takes_the_next_request_at_the_next_boundary(gpt2):
     model, params = gpt2
     eng = engine.Engine(model, params, slots=2, chunk=4)
     first_tokens_at = {}
-    chunk_count = [0]
 
     def record(name):
         def on_update(ticket):
@@ -125,7 +124,6 @@ def test_a_finished_slot_takes_the_next_request_at_the_next_boundary(gpt2):
     finished_at = {}
     while not all(t.done for t in tickets.values()):
         eng.step()
-        chunk_count[0] += 1
         for name, ticket in tickets.items():
             if ticket.done:
                 finished_at.setdefault(name, eng.stats["chunks"])

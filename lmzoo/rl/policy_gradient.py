@@ -268,15 +268,23 @@ def ppo_rollout_targets(
     batch = jnp.asarray(scores.shape[0], jnp.float32)
     sequence_kl = jnp.sum(kl, axis=1)
     metrics = {
-        "objective/scores": (jnp.sum(scores), batch),
+        **score_metrics(scores, has_eos, mask),
         "objective/kl": (jnp.sum(sequence_kl), batch),
         "objective/non_score_reward": (jnp.sum(-kl_coef * sequence_kl), batch),
         "objective/rlhf_reward": (jnp.sum(sequence_returns(scores, kl, mask, kl_coef=kl_coef)), batch),
         "objective/kl_coef": (jnp.asarray(kl_coef, jnp.float32) * batch, batch),
+    }
+    return rollout, metrics
+
+
+def score_metrics(scores: jax.Array, has_eos: jax.Array, mask: jax.Array) -> Metrics:
+    """The rollout's scores [B], how many responses ended [B] and their lengths (mask [B, T]) as (sum, B) metrics."""
+    batch = jnp.asarray(scores.shape[0], jnp.float32)
+    return {
+        "objective/scores": (jnp.sum(scores), batch),
         "tokens/response_len": (jnp.sum(mask), batch),
         "tokens/has_eos": (jnp.sum(has_eos.astype(jnp.float32)), batch),
     }
-    return rollout, metrics
 
 
 class KLController(NamedTuple):

@@ -234,14 +234,14 @@ class Engine:
         self._admit()
         if not any(o is not None for o in self._owners):
             return
-        with self._lock:
-            waiting = bool(self._waiting)
+        with self._lock:  # the chunk ends early once the next waiting request's samples have slots
+            wanted = self._waiting[0].request.n - self._owners.count(None) if self._waiting else 0
         self._cache, self._state, chunk = device.decode_chunk(
             self.model,
             self.params,
             self._cache,
             self._state,
-            jnp.bool_(waiting),
+            jnp.int32(max(wanted, 0)),
             steps=self.chunk,
             vocab_size=self.vocab_size,
             pad_id=self.pad_id,

@@ -11,7 +11,7 @@ cache. Three pure functions move it, each jitted once per shape:
 - `decode_chunk`: up to `steps` decode steps of every slot in one `lax.while_loop` (no host round trip per token):
   each active slot samples a token from its logits with its own temperature, top-k, top-p and key, stops at one of
   its stop ids or at its token budget, and feeds the token back through the model. The chunk ends early when every
-  slot is idle, or, with `stop_when_freed`, as soon as a slot frees (so the host admits waiting work at once).
+  slot is idle, or as soon as as many slots freed as the next waiting request needs (so the host admits it at once).
 
 The host side (`engine.Engine`) admits requests and frees slots between chunks; `sample_groups` runs the three in one
 jitted program for the callers that sample a fixed batch inside a compiled step (RL rollouts).
@@ -247,7 +247,7 @@ def _decode_chunk(
     params,
     cache,
     state: Slots,
-    stop_when_freed: jax.Array,
+    slots_wanted: jax.Array,
     *,
     steps: int,
     vocab_size: int | None = None,
@@ -257,14 +257,15 @@ def _decode_chunk(
     """Up to `steps` decode steps of every active slot -> (cache, state, `Chunk`). A slot samples from its logits,
     records the token and its log-prob, stops after one of its stop ids, one of `stop_sequences` (token-id tuples of
     at most R = state.recent's width tokens) or its max_tokens, and feeds the token through the model. Ends early
-    when no slot is active, or when `stop_when_freed` (a bool scalar) and some slot finished."""
+    when no slot is active, or once `slots_wanted` (an int scalar: the free slots the next waiting request lacks; 0
+    when none waits) slots finished in this chunk."""
     slots = state.logits.shape[0]
     if stop_sequences and max(map(len, stop_sequences)) > state.recent.shape[1]:
         raise ValueError(f"stop sequences of up to {state.recent.shape[1]} tokens fit these slots: {stop_sequences}")
 
     def cond(carry):
         i, _, state, out = carry
-        freed = stop_when_freed & jnp.any(out.finished)
+        freed = (slots_wanted > 0) & (jnp.sum(out.finished) >= slots_wanted)
         return (i < steps) & jnp.any(state.active) & ~freed
 
     def body(carry):
@@ -365,7 +366,7 @@ def sample_groups(
         params,
         cache,
         state,
-        jnp.bool_(False),
+        jnp.int32(0),
         steps=max_new_tokens,
         vocab_size=vocab_size,
         pad_id=pad_id,

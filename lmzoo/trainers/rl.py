@@ -363,64 +363,87 @@ class PPOTrainer:
         )
         return {**frozen, "reward_gain": np.float32(gain), "reward_bias": np.float32(bias)}
 
-    def score(self, params, frozen, kl_coef, samples: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], Metrics]:
+    @property
+    def update_reads_old_logprobs(self) -> bool:
+        """GRPO with one optimizer update per rollout (epochs x minibatches = 1) and unwhitened rewards: the update's
+        forward runs the very params that score the rollout, so its own log-probs (held constant) are the old ones and
+        scoring skips the policy's forward, as trl does; the policy's entropy and KL metrics then come from the
+        update."""
+        s = self.settings
+        return s.algorithm == "grpo" and s.epochs * s.minibatches == 1 and not s.whiten_rewards
+
+    def score(
+        self, params, frozen, kl_coef, samples: dict[str, jax.Array], *, policy_forward: bool = True
+    ) -> tuple[dict[str, jax.Array], Metrics]:
         """Scores `generate`'s samples (`_scores`: the frozen reward model, the reward functions), reads the policy's and
-        the reference's log-probs
-        and the values, shapes the rewards and runs GAE -> the fixed targets of the updates (every array [B·K, ...])
-        with the rollout metrics."""
+        the reference's log-probs and the values, shapes the rewards and runs GAE -> the fixed targets of the updates
+        (every array [B·K, ...]) with the rollout metrics. policy_forward False (`update_reads_old_logprobs`): GRPO's
+        targets without the policy's log-probs, which its one update reads itself."""
         s = self.settings
         prompts, prompt_mask, responses, mask = (samples[k] for k in ("prompts", "prompt_mask", "responses", "mask"))
         has_eos = jnp.any((responses == self.eos_id) & (mask > 0), axis=1)
         # An episode's environment tokens are in the context the policy reads, never in its loss (`mask`).
         inputs = rollout_inputs(prompts, prompt_mask, responses, samples.get("context_mask", mask))
         forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
-        logits, values = self.policy.apply({"params": params}, inputs["sequences"], **forward)
-        logprobs, entropy = self._logprobs(logits, responses)
-        if s.algorithm == "grpo" and s.kl_loss == "off":  # no KL anywhere: the reference is never run
-            ref_logprobs = jax.lax.stop_gradient(logprobs)
-        else:
+        ref_logprobs = None
+        if s.algorithm != "grpo" or s.kl_loss != "off":  # GRPO without a KL term never runs the reference
             ref_logits = self.decoder.apply({"params": frozen["reference"]}, inputs["sequences"], **forward)
             ref_logprobs, _ = self._logprobs(ref_logits, responses)
         scores, raw_scores, reward_metrics = self._scores(frozen, inputs, forward, samples, has_eos)
-        targets, metrics = policy_gradient.ppo_rollout_targets(
-            scores,
-            has_eos,
-            jax.lax.stop_gradient(logprobs),
-            ref_logprobs,
-            jax.lax.stop_gradient(policy_gradient.align_to_responses(values, s.prompt_len)),
-            mask,
-            kl_coef=0.0 if s.algorithm == "grpo" else kl_coef,  # GRPO's KL is a loss term, not in the reward
-            gamma=s.gamma,
-            lam=s.lam,
-            kl_estimator=s.kl_estimator,
-            whiten_rewards=s.whiten_rewards,
-        )
-        sequence_returns = jnp.sum(targets["rewards"], axis=1)  # score − β·Σ_t kl_t (scaled if whitened; GRPO: score)
         rows = jnp.asarray(scores.shape[0], jnp.float32)
-        metrics = {
-            **metrics,
-            **reward_metrics,
-            "objective/raw_scores": (jnp.sum(raw_scores), rows),
-            "objective/entropy": (jnp.sum(-logprobs * mask), rows),
-            "policy/rollout_entropy": policy_gradient.masked_stats(entropy, mask),
-        }
-        rollout = {
-            **targets,
-            **inputs,
-            "responses": responses,
-            "scores": scores,
-            "sequence_kl": jnp.sum((logprobs - ref_logprobs) * mask, axis=1),
-            "sequence_returns": sequence_returns,
-        }
+        metrics = {**reward_metrics, "objective/raw_scores": (jnp.sum(raw_scores), rows)}
+        rollout = {**inputs, "responses": responses, "scores": scores}
+        if policy_forward:
+            logits, values = self.policy.apply({"params": params}, inputs["sequences"], **forward)
+            logprobs, entropy = self._logprobs(logits, responses)
+            if ref_logprobs is None:  # KL 0 in every metric
+                ref_logprobs = jax.lax.stop_gradient(logprobs)
+            targets, target_metrics = policy_gradient.ppo_rollout_targets(
+                scores,
+                has_eos,
+                jax.lax.stop_gradient(logprobs),
+                ref_logprobs,
+                jax.lax.stop_gradient(policy_gradient.align_to_responses(values, s.prompt_len)),
+                mask,
+                kl_coef=0.0 if s.algorithm == "grpo" else kl_coef,  # GRPO's KL is a loss term, not in the reward
+                gamma=s.gamma,
+                lam=s.lam,
+                kl_estimator=s.kl_estimator,
+                whiten_rewards=s.whiten_rewards,
+            )
+            metrics.update(target_metrics)
+            metrics.update(self._policy_metrics(logprobs, entropy, None, mask))
+            rollout.update(targets)
+            rollout["sequence_kl"] = jnp.sum((logprobs - ref_logprobs) * mask, axis=1)
+            # score − β·Σ_t kl_t (scaled if whitened; GRPO: the score)
+            rollout["sequence_returns"] = jnp.sum(targets["rewards"], axis=1)
+        else:
+            rollout.update(mask=mask, sequence_returns=scores)
+            metrics.update(policy_gradient.score_metrics(scores, has_eos, mask))
         if "behaviour_logprobs" in samples:
             rollout["behaviour_logprobs"] = samples["behaviour_logprobs"]
         if s.algorithm == "grpo":
-            rollout["ref_logprobs"] = ref_logprobs
+            if ref_logprobs is not None:
+                rollout["ref_logprobs"] = ref_logprobs
             if s.dynamic_sampling:
-                informative = policy_gradient.informative_groups(sequence_returns.reshape(-1, s.samples_per_prompt))
+                grouped = rollout["sequence_returns"].reshape(-1, s.samples_per_prompt)
+                informative = policy_gradient.informative_groups(grouped)
                 groups = jnp.asarray(informative.shape[0], jnp.float32)
                 metrics["objective/informative_groups"] = (jnp.sum(informative.astype(jnp.float32)), groups)
         return jax.tree.map(jax.lax.stop_gradient, rollout), metrics
+
+    def _policy_metrics(self, logprobs, entropy, ref_logprobs, mask) -> Metrics:
+        """The sampled tokens' negative log-likelihood and the policy's entropy per response (and, given the
+        reference's log-probs, the KL to it as `kl_estimator` estimates it) as (sum, count) metrics."""
+        rows = jnp.asarray(mask.shape[0], jnp.float32)
+        metrics = {
+            "objective/entropy": (jnp.sum(-logprobs * mask), rows),
+            "policy/rollout_entropy": policy_gradient.masked_stats(entropy, mask),
+        }
+        if ref_logprobs is not None:
+            kl = policy_gradient.kl_estimate(logprobs, ref_logprobs, self.settings.kl_estimator) * mask
+            metrics["objective/kl"] = (jnp.sum(kl), rows)
+        return jax.tree.map(jax.lax.stop_gradient, metrics)
 
     def _scores(self, frozen, inputs, forward, samples, has_eos) -> tuple[jax.Array, jax.Array, Metrics]:
         """(scores [B], raw scores [B], metrics): the reward model's score normalised (`setup`), plus each reward
@@ -525,9 +548,15 @@ class PPOTrainer:
                 entropy_coef=s.entropy_coef,
             )
         if s.algorithm == "grpo":
-            return policy_gradient.grpo_loss(
+            ref_logprobs = minibatch.get("ref_logprobs")
+            extra = {}
+            if "old_logprobs" not in minibatch:  # `update_reads_old_logprobs`: these params drew and scored it
+                minibatch = {**minibatch, "old_logprobs": jax.lax.stop_gradient(logprobs)}
+                kl_ref = jax.lax.stop_gradient(logprobs) if ref_logprobs is None else ref_logprobs
+                extra = self._policy_metrics(logprobs, entropy, kl_ref, minibatch["mask"])
+            loss, metrics = policy_gradient.grpo_loss(
                 logprobs,
-                None if s.kl_loss == "off" else minibatch["ref_logprobs"],
+                None if s.kl_loss == "off" else ref_logprobs,
                 minibatch,
                 clip_eps=s.clip_eps,
                 kl_coef=s.kl_coef,
@@ -537,6 +566,7 @@ class PPOTrainer:
                 kl_estimator=s.kl_loss,
                 tis_cap=s.tis_cap if s.max_staleness else None,
             )
+            return loss, {**metrics, **extra}
         mask = minibatch["mask"]
         loss, metrics = policy_gradient.reinforce_loss(logprobs, minibatch["sequence_advantages"], mask)
         loss = loss - s.entropy_coef * policy_gradient.masked_mean(entropy, mask)
@@ -624,7 +654,9 @@ class PPOTrainer:
             return {"stale": jax.tree.map(lambda queued: queued[slot], state.pending), "drawn": drawn}
         if name == "scoring":
             samples = carry["stale"] if s.max_staleness else carry
-            scored = self.score(self.policy_params(state.params, state.frozen), state.frozen, state.kl_coef, samples)
+            policy = self.policy_params(state.params, state.frozen)
+            forward = not self.update_reads_old_logprobs
+            scored = self.score(policy, state.frozen, state.kl_coef, samples, policy_forward=forward)
             return (scored, carry["drawn"], samples["version"]) if s.max_staleness else scored
         if s.max_staleness:
             (rollout, metrics), drawn, version = carry
@@ -633,10 +665,12 @@ class PPOTrainer:
         params, opt_state, update_metrics = self.update(
             state.params, state.opt_state, rollout, shuffle_rng, self.demonstrations(batch), state.frozen
         )
-        controller = policy_gradient.KLController(state.kl_coef, s.kl_target or None, s.kl_horizon)
-        kl_coef = policy_gradient.update_kl_controller(
-            controller, jnp.mean(rollout["sequence_kl"]), rollout["mask"].shape[0]
-        ).kl_coef
+        kl_coef = state.kl_coef  # GRPO's β is fixed (kl_target 0, checked by its config)
+        if "sequence_kl" in rollout:
+            controller = policy_gradient.KLController(state.kl_coef, s.kl_target or None, s.kl_horizon)
+            kl_coef = policy_gradient.update_kl_controller(
+                controller, jnp.mean(rollout["sequence_kl"]), rollout["mask"].shape[0]
+            ).kl_coef
         one = jnp.ones((), jnp.float32)
         metrics = {**metrics, **update_metrics, "learning_rate": (self.schedule(state.step), one)}
         pending = state.pending

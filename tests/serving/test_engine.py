@@ -135,6 +135,22 @@ def test_a_finished_slot_takes_the_next_request_at_the_next_boundary(gpt2):
         assert tickets[name].outputs[0].tokens == greedy_reference(model, params, prompt, max_tokens)
 
 
+def test_a_chunk_runs_on_until_the_waiting_request_has_all_its_slots(gpt2):
+    """Three slots busy and a request of n = 2 waiting: the first slot to free does not end the chunk (the request
+    could not start in it), the second does, and the next boundary admits both samples."""
+    model, params = gpt2
+    eng = engine.Engine(model, params, slots=3, chunk=8)
+    first, second, long, waiting = prompts(53, (4, 6, 5, 3))
+    for prompt, max_tokens in ((first, 2), (second, 5), (long, 30)):
+        eng.submit(engine.Request(prompt, max_tokens, 0.0))
+    pair = eng.submit(engine.Request(waiting, 3, 0.0, n=2))
+    eng.step()
+    assert (eng.stats["chunks"], eng.stats["decode_steps"], eng.stats["slot_fills"]) == (1, 5, 3)
+    eng.step()
+    assert eng.stats["slot_fills"] == 5 and pair.done
+    assert pair.outputs[0].tokens == pair.outputs[1].tokens == greedy_reference(model, params, waiting, 3)
+
+
 def test_n_samples_share_one_prefill_and_a_seed_fixes_them(gpt2):
     model, params = gpt2
     prompt = prompts(53)[5]

@@ -74,7 +74,9 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
         reply's token mean; "constant": Dr. GRPO's sum over B x response_len), clip_eps_high (DAPO's clip-higher
         upper bound, 0 = clip_eps), ratio_level ("sequence": GSPO's length-normalised sequence ratio), kl_loss
         ("off" | "k1" | "k3": the KL term of the loss), dynamic_sampling (DAPO: groups whose rewards are all equal
-        are dropped from the loss), overlong_cache (DAPO's soft overlong punishment over the last overlong_cache
+        are dropped from the loss; with sampling_rounds R > 1 each step reads R x train.batch_size prompts and draws
+        train.batch_size of them at a time until train.batch_size groups whose rewards differ are kept, the rest
+        unused), overlong_cache (DAPO's soft overlong punishment over the last overlong_cache
         tokens before response_len, times overlong_coef; 0 = off).
     max_staleness: asynchronous GRPO: the update of step s learns from the rollout drawn at step s - max_staleness (the
         first max_staleness steps only draw), corrected by truncated importance sampling min(π_old / π_behaviour,
@@ -136,6 +138,18 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
             problems.append(
                 f"max_staleness={self.max_staleness}: asynchronous rollouts are for GRPO without an environment "
                 f"(algorithm={self.algorithm!r}, environment={self.environment!r}); set max_staleness=0"
+            )
+        if self.sampling_rounds < 1 or (
+            self.sampling_rounds > 1 and not (self.dynamic_sampling and self.algorithm == "grpo")
+        ):
+            problems.append(
+                f"sampling_rounds={self.sampling_rounds}: must be >= 1, and > 1 refills GRPO's batch under "
+                f"dynamic_sampling (algorithm={self.algorithm!r}, dynamic_sampling={self.dynamic_sampling})"
+            )
+        if self.sampling_rounds > 1 and (self.max_staleness or self.environment):
+            problems.append(
+                f"sampling_rounds={self.sampling_rounds}: refilling is for synchronous GRPO without an environment "
+                f"(max_staleness={self.max_staleness}, environment={self.environment!r}); set sampling_rounds=1"
             )
         if self.max_turns > 1 and not self.environment:
             problems.append(f"max_turns={self.max_turns}: turns alternate with an environment; set environment")
@@ -404,17 +418,20 @@ class PPO(base.Objective):
     def step_summary(self):
         o = self.fields
         ptx = f"; + {o.ptx_batch_size} demonstration rows x {self.config.data.seq_len} tokens" if o.ptx_coef > 0 else ""
+        refill = f" (kept from up to {o.sampling_rounds} rounds, DAPO's refill)" if o.sampling_rounds > 1 else ""
         return (
-            f"{self.config.train.batch_size} prompts x {o.samples_per_prompt} sampled response(s): {o.prompt_len} prompt + "
+            f"{self.config.train.batch_size} prompts{refill} x {o.samples_per_prompt} sampled response(s): "
+            f"{o.prompt_len} prompt + "
             f"{o.response_len} response tokens each, {o.epochs} epoch(s) of {o.minibatches} minibatch updates{ptx}"
         )
 
     def input_shapes(self, batch_size):
-        shape = (batch_size, self.fields.prompt_len)
-        shapes = {"prompts": base.int_inputs(shape), "prompt_mask": base.int_inputs(shape)}
         o = self.fields
+        prompts = batch_size * o.sampling_rounds
+        shape = (prompts, o.prompt_len)
+        shapes = {"prompts": base.int_inputs(shape), "prompt_mask": base.int_inputs(shape)}
         if o.rewards or o.environment:
-            shapes.update({key: base.int_inputs((batch_size,)) for key in PROBLEM_KEYS})
+            shapes.update({key: base.int_inputs((prompts,)) for key in PROBLEM_KEYS})
         if o.ptx_coef > 0:
             rows = (o.ptx_batch_size, self.config.data.seq_len)
             for key in ("inputs", "targets", "segment_ids", "positions"):
@@ -459,7 +476,7 @@ class PPO(base.Objective):
     def train_loader(self, tokenizer, raw, shard):
         prompts = pipeline.ExampleLoader(
             self._prompts(raw, "train split"),
-            self.config.train.batch_size,
+            self.config.train.batch_size * self.fields.sampling_rounds,  # DAPO's refill draws from the extra ones
             seed=self.config.train.seed,
             transform=_as_batch,
             **dataclasses.asdict(shard),

@@ -65,6 +65,9 @@ class RLSettings:
     ratio_level: str = "token"
     kl_loss: str = "k3"
     dynamic_sampling: bool = False
+    # DAPO's refill: each step's batch holds sampling_rounds x batch_size prompts, drawn batch_size at a time until
+    # batch_size groups with differing rewards are kept (`_refilled_rollout`); 1 = no refill.
+    sampling_rounds: int = 1
     overlong_cache: int = 0
     overlong_coef: float = 1.0
     # Multi-turn episodes with a tool (`PPOTrainer.environment`): at most max_turns policy turns of at most
@@ -389,7 +392,10 @@ class PPOTrainer:
         if s.algorithm != "grpo" or s.kl_loss != "off":  # GRPO without a KL term never runs the reference
             ref_logits = self.decoder.apply({"params": frozen["reference"]}, inputs["sequences"], **forward)
             ref_logprobs, _ = self._logprobs(ref_logits, responses)
-        scores, raw_scores, reward_metrics = self._scores(frozen, inputs, forward, samples, has_eos)
+        if "scores" in samples:  # scored while drawn (`_refilled_rollout`)
+            scores, raw_scores, reward_metrics = samples["scores"], samples["raw_scores"], {}
+        else:
+            scores, raw_scores, reward_metrics = self._scores(frozen, inputs, forward, samples, has_eos)
         rows = jnp.asarray(scores.shape[0], jnp.float32)
         metrics = {**reward_metrics, "objective/raw_scores": (jnp.sum(raw_scores), rows)}
         rollout = {**inputs, "responses": responses, "scores": scores}
@@ -444,6 +450,56 @@ class PPOTrainer:
             kl = policy_gradient.kl_estimate(logprobs, ref_logprobs, self.settings.kl_estimator) * mask
             metrics["objective/kl"] = (jnp.sum(kl), rows)
         return jax.tree.map(jax.lax.stop_gradient, metrics)
+
+    def _refilled_rollout(self, params, frozen, batch, rng) -> tuple[dict[str, jax.Array], Metrics]:
+        """DAPO's dynamic sampling with refill (Yu et al. 2025): batch holds sampling_rounds x B prompts; round r draws
+        `samples_per_prompt` replies to prompts r·B .. r·B+B-1 and scores them (`_scores`), until B groups whose rewards
+        differ are kept, in the order drawn. Round 0's groups are kept informative first, so where every round together
+        finds fewer than B, its uninformative groups fill the rest (the update masks them out). -> (`generate`'s samples
+        of B groups with their "scores" and "raw_scores" [B·G]; the reward metrics of every reply drawn, and the rounds
+        run)."""
+        s, groups, size = self.settings, self.batch_size, self.settings.samples_per_prompt
+        prompt_keys = ("prompts", "prompt_mask", *PROBLEM_KEYS)
+
+        def draw(r):
+            prompts = {k: jax.lax.dynamic_slice_in_dim(batch[k], r * groups, groups) for k in prompt_keys if k in batch}
+            samples = self.generate(params, prompts, jax.random.fold_in(rng, r), samples_per_prompt=size)
+            has_eos = jnp.any((samples["responses"] == self.eos_id) & (samples["mask"] > 0), axis=1)
+            inputs = rollout_inputs(
+                samples["prompts"],
+                samples["prompt_mask"],
+                samples["responses"],
+                samples.get("context_mask", samples["mask"]),
+            )
+            forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
+            scores, raw_scores, metrics = self._scores(frozen, inputs, forward, samples, has_eos)
+            informative = policy_gradient.informative_groups(scores.reshape(groups, size))
+            return {**samples, "scores": scores, "raw_scores": raw_scores}, metrics, informative
+
+        def rows_of(group_targets):  # [B] group slots (B: dropped) -> [B·G] row slots
+            return (group_targets[:, None] * size + jnp.arange(size)).reshape(-1)
+
+        first, metrics, informative = draw(0)
+        order = jnp.argsort(~informative, stable=True)  # informative groups first
+        kept_samples = jax.tree.map(lambda x: x[rows_of(order)], first)
+
+        def cond(carry):
+            r, kept, _, _ = carry
+            return (r < s.sampling_rounds) & (kept < groups)
+
+        def body(carry):
+            r, kept, kept_samples, metrics = carry
+            drawn, drawn_metrics, informative = draw(r)
+            slot = jnp.where(informative, kept + jnp.cumsum(informative) - 1, groups)
+            targets = rows_of(slot)  # slots from B on (the uninformative, those past a full batch): dropped
+            kept_samples = jax.tree.map(lambda old, new: old.at[targets].set(new, mode="drop"), kept_samples, drawn)
+            metrics = jax.tree.map(jnp.add, metrics, drawn_metrics)
+            return r + 1, kept + jnp.sum(informative), kept_samples, metrics
+
+        start = (jnp.int32(1), jnp.sum(informative).astype(jnp.int32), kept_samples, metrics)
+        rounds, _, kept_samples, metrics = jax.lax.while_loop(cond, body, start)
+        metrics["objective/sampling_rounds"] = (rounds.astype(jnp.float32), jnp.ones((), jnp.float32))
+        return kept_samples, metrics
 
     def _scores(self, frozen, inputs, forward, samples, has_eos) -> tuple[jax.Array, jax.Array, Metrics]:
         """(scores [B], raw scores [B], metrics): the reward model's score normalised (`setup`), plus each reward
@@ -646,6 +702,8 @@ class PPOTrainer:
         rng, sample_rng, shuffle_rng = jax.random.split(jax.random.wrap_key_data(state.rng), 3)
         if name == "rollout":
             policy = self.policy_params(state.params, state.frozen)
+            if s.sampling_rounds > 1:
+                return self._refilled_rollout(policy, state.frozen, batch, sample_rng)
             drawn = self.generate(policy, batch, sample_rng, samples_per_prompt=s.samples_per_prompt)
             if not s.max_staleness:
                 return drawn
@@ -653,10 +711,13 @@ class PPOTrainer:
             slot = state.step % s.max_staleness
             return {"stale": jax.tree.map(lambda queued: queued[slot], state.pending), "drawn": drawn}
         if name == "scoring":
-            samples = carry["stale"] if s.max_staleness else carry
+            samples, draw_metrics = (carry["stale"], {}) if s.max_staleness else (carry, {})
+            if s.sampling_rounds > 1:
+                samples, draw_metrics = carry
             policy = self.policy_params(state.params, state.frozen)
             forward = not self.update_reads_old_logprobs
-            scored = self.score(policy, state.frozen, state.kl_coef, samples, policy_forward=forward)
+            rollout, metrics = self.score(policy, state.frozen, state.kl_coef, samples, policy_forward=forward)
+            scored = rollout, {**metrics, **draw_metrics}
             return (scored, carry["drawn"], samples["version"]) if s.max_staleness else scored
         if s.max_staleness:
             (rollout, metrics), drawn, version = carry

@@ -304,10 +304,6 @@ def _score(model, params, tokens, mask, scale, *, top: int, vocab_size: int | No
     return taken, top_ids, jnp.take_along_axis(log_probs, top_ids, axis=-1)
 
 
-def _bucket(size: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(size - 1, 0).bit_length())
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The server
 
@@ -467,8 +463,8 @@ class Server:
         return await loop.run_in_executor(self._scorer, self._score_rows, rows, top)
 
     def _score_rows(self, rows, top):
-        width = min(_bucket(max(len(r[0]) for r in rows), 16), self.context)
-        batch = _bucket(len(rows))
+        width = engine_lib.bucket(max(len(r[0]) for r in rows), self.context, minimum=16)
+        batch = engine_lib.bucket(len(rows))
         tokens, mask = np.zeros((batch, width), np.int32), np.zeros((batch, width), np.int32)
         scale = np.ones((batch, width - 1), np.float32)
         for b, (ids, prompt_len, temperature) in enumerate(rows):

@@ -57,6 +57,10 @@ class Output:
     log_probs: list[float] = dataclasses.field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
+    # Incremental decoding (`_set_text`): text holds the decode of tokens[:read]; tokens[prefix:read] are decoded again
+    # beside the new ones, so that what a token's text depends on before it (a leading space) stays right.
+    _prefix: int = dataclasses.field(default=0, repr=False)
+    _read: int = dataclasses.field(default=0, repr=False)
 
 
 class Ticket:
@@ -83,9 +87,10 @@ class Ticket:
         self.cancelled = True
 
 
-def _bucket(size: int, limit: int, minimum: int = 1) -> int:
-    """The power of two >= size (at least `minimum`), at most `limit`: shapes compiled once."""
-    return min(max(minimum, 1 << max(size - 1, 0).bit_length()), limit)
+def bucket(size: int, limit: int | None = None, minimum: int = 1) -> int:
+    """The power of two >= size (at least `minimum`), at most `limit` (None: no limit): shapes compiled once."""
+    rounded = max(minimum, 1 << max(size - 1, 0).bit_length())
+    return rounded if limit is None else min(rounded, limit)
 
 
 class Engine:
@@ -268,7 +273,7 @@ class Engine:
             output.log_probs.extend(float(p) for p in log_probs[slot, columns])
             updated[id(ticket)] = ticket
             stops = self._stop_ids(ticket.request)
-            cut = self._set_text(output, ticket.request)
+            cut = self._set_text(output, ticket.request, final=bool(finished[slot]))
             if finished[slot]:
                 last = output.tokens[-1] if output.tokens else None
                 output.finish_reason = "stop" if last in stops else "length"
@@ -285,7 +290,7 @@ class Engine:
             if ticket.on_update is not None:
                 ticket.on_update(ticket)
 
-    def _set_text(self, output: Output, request: Request) -> bool:
+    def _set_text(self, output: Output, request: Request, *, final: bool) -> bool:
         """Decodes the output's text (up to its stop id, cut before a stop string) -> whether a stop string matched;
         then the tokens (and log-probs) the chunk sampled past it are dropped: the fewest tokens whose text holds it
         stay."""
@@ -294,8 +299,15 @@ class Engine:
         ids = output.tokens
         if ids and ids[-1] in self._stop_ids(request):
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids)
-        found = [s for s in request.stop if s and s in text]
+        # Only the new tokens are decoded (with the previous chunk's before them): a long output costs linear time.
+        text, start = output.text or "", len(output.text or "")
+        before = self.tokenizer.decode(ids[output._prefix : output._read])
+        after = self.tokenizer.decode(ids[output._prefix :])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):  # else: wait for the character's rest
+            text += after[len(before) :]
+            output._prefix, output._read = output._read, len(ids)
+        longest = max((len(s) for s in request.stop), default=0)
+        found = [s for s in request.stop if s and s in text[max(0, start - longest + 1) :]]
         if not found:
             output.text = text
             return False
@@ -352,9 +364,9 @@ class Engine:
     def _prefill(self, group: Sequence[Ticket], free: Sequence[int]) -> None:
         """Prefills `group`'s prompts once each (left-padded to a bucketed length) and fills one slot per sample."""
         requests = [t.request for t in group]
-        rows = _bucket(len(group), self.prefill_batch)
+        rows = bucket(len(group), self.prefill_batch)
         longest = max(len(r.prompt) for r in requests)
-        width = max(longest, _bucket(longest, self.length - max(r.max_tokens for r in requests), _MIN_PROMPT_BUCKET))
+        width = max(longest, bucket(longest, self.length - max(r.max_tokens for r in requests), _MIN_PROMPT_BUCKET))
         prompts = np.full((rows, width), self.pad_id, np.int32)
         mask = np.zeros((rows, width), np.int32)
         for row, request in enumerate(requests):
@@ -378,7 +390,7 @@ class Engine:
                 settings.append(
                     (request.max_tokens, request.temperature, request.top_k, request.top_p, np.asarray(key), stop_ids)
                 )
-        size = _bucket(len(targets), self.slots)
+        size = bucket(len(targets), self.slots)
         padding = size - len(targets)
         columns = list(zip(*settings, strict=True))
         fields = [np.asarray(c) for c in columns]

@@ -223,6 +223,27 @@ def test_stop_ids_eos_and_stop_strings(gpt2):
     assert not eng.busy
 
 
+def test_text_is_decoded_incrementally_as_a_whole_decode_would(gpt2):
+    """Each chunk decodes only its new tokens (beside the previous chunk's), yet the text equals one decode of all of
+    them: for characters split over tokens and chunks, and for a decode that drops a leading space."""
+    model, params = gpt2
+
+    class Pieces:
+        """Tokens of UTF-8 fragments: half a euro sign, its last byte, or " a"; a leading space is dropped (as
+        sentencepiece does)."""
+
+        def decode(self, ids):
+            pieces = (b"\xe2\x82", b"\xac", b" a")
+            return b"".join(pieces[t % 3] for t in ids).decode("utf-8", errors="replace").removeprefix(" ")
+
+    (prompt,) = prompts(53, (6,), seed=4)
+    eng = engine.Engine(model, params, slots=2, chunk=3, tokenizer=Pieces())
+    outputs = eng.generate([engine.Request(prompt, 30, 1.0, seed=5, n=2)])[0].outputs
+    for output in outputs:
+        assert len(output.tokens) == 30 and output.text == Pieces().decode(output.tokens)
+    assert "\u20ac" in outputs[0].text + outputs[1].text and "\ufffd" in outputs[0].text + outputs[1].text
+
+
 def test_cancel_frees_the_slot_and_waiting_work_runs(gpt2):
     model, params = gpt2
     first, second = prompts(53, (5, 5), seed=9)

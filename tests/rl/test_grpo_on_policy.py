@@ -19,7 +19,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("kl_loss", ["off", "k3"])
-def test_one_update_reads_its_own_old_logprobs(tmp_path, monkeypatch, kl_loss):
+def test_one_update_reads_its_own_old_logprobs(tmp_path, monkeypatch, request, kl_loss):
     # A reward random replies differ in (the answer reward is 0 for all of them: no update would move the params).
     (tmp_path / "parity_reward.py").write_text(
         "def odd_first(completion):\n    return float(ord(completion[:1] or 'a') % 2)\n"
@@ -30,6 +30,7 @@ def test_one_update_reads_its_own_old_logprobs(tmp_path, monkeypatch, kl_loss):
     config.objective.kl_loss = kl_loss
     built = run_lib.validated_objective(config)
     trainer = built.trainer(built.model())
+    request.addfinalizer(built.close)  # its reward workers
     assert trainer.update_reads_old_logprobs
     loader = built.train_loader(base.fixed_tokenizer(built.config), built.read()["train"], Shard(0, 1))
     batch = {k: jnp.asarray(v) for k, v in loader.batch(0).items()}

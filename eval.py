@@ -7,7 +7,7 @@ every evaluator of its objective and prints one JSON line (also written to DIR/e
 per UTF-8 byte; accuracy and F1 for classifiers; each with the number of batches and tokens or examples it
 was computed over. --data scores a file the run never saw, in the objective's format (text for language models, a TSV
 for classifiers, pairs for text_to_text); unk_fraction is the share of it outside the run's vocabulary (<unk> tokens,
-or characters a character-level run never saw, which are left out; above 5% a note says its perplexity is not
+or characters a character-level run never saw, which are left out; above 5 percent a note says its perplexity is not
 comparable). --max_batches evaluates part of the split (its result goes to
 its own file).
 
@@ -377,14 +377,9 @@ def evaluate() -> None:
     from lmzoo.evaluation.generation import sample_text
     from lmzoo.train import run as run_lib
 
-    if FLAGS.plot:
+    if FLAGS.plot:  # the event files and the figures are read and written through lmzoo.storage: any workdir
         from lmzoo.evaluation import plots
 
-        if storage.is_remote(FLAGS.workdir):
-            raise ValueError(
-                f"--plot reads the event files of a local workdir; copy {FLAGS.workdir}/tb into a folder DIR/tb "
-                "(gcloud storage cp -r) and pass --workdir=DIR"
-            )
         print("\n".join(str(p) for p in plots.plot_metrics(FLAGS.workdir)))
         return
     check_flags()
@@ -484,4 +479,6 @@ def evaluate() -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from lmzoo.train.run import parse_flags
+
+    app.run(main, flags_parser=parse_flags)

@@ -7,9 +7,10 @@ where train.py runs is looked up in the repository (so `configs/NAME.py` works f
 `--config.init_from=hf:CHECKPOINT`, config.model takes the checkpoint's config.json as transformers' `from_pretrained`
 does: the config file's model fields are defaults it replaces (one line says which), and only a `--config.model.*`
 override that contradicts it is an error. A model whose state (params, optimizer state, frozen models) would not fit
-the memory it lives in is refused before it is built. `--dry_run` parses the flags and checks the config as a run does
-before its first write (`dry_run`, the memory estimate included), then exits: no data is read and the workdir is not
-touched.
+the memory it lives in is refused before it is built. `--dry_run` parses the flags and checks what a run checks before
+its first step (`dry_run`: the config, the layout on the mesh of the devices the run will have, the memory estimate,
+the tokenizer, the data's files), then exits with the run's own refusal or 0: no training data is read, no weights,
+and the workdir is not touched.
 
 Exit status: 0 trained to config.train.steps; 2 a user error (a bad flag, config value, file or checkpoint, a
 full disk: one line `error: ...`, refused before work that would be lost); 1 an unexpected failure; 75
@@ -73,21 +74,17 @@ def take_pretrained_fields(config, command_line: set[str], *, missing_ok: bool =
 
 
 def dry_run(config, workdir: str, command_line: set[str] = frozenset()) -> str:
-    """The config checks a run makes before its first write (the checkpoint's fields for `init_from=hf:`, the
-    objective's checks, every value that needs no devices: batch splits over the mesh are checked when the run starts,
-    and the state's memory against this machine's, `run.dry_memory_check`); raises ValueError. Returns a one-line
-    summary."""
-    from lmzoo import config as config_lib
+    """What a run checks before its first step (the checkpoint's fields for `init_from=hf:`, the config and the
+    objective's checks, then `run.dry_check`: the layout on the mesh, the state's memory, the tokenizer, the data
+    reached), without its devices, training data or workdir; raises as the run would. Returns a one-line summary."""
     from lmzoo.train import run as run_lib
 
     note = take_pretrained_fields(config, command_line, missing_ok=True)
     objective = run_lib.validated_objective(config)
-    problems = objective.value_problems(data_parallel_size=1, batches=False)
-    config_lib.check_values(config, data_parallel_size=1, batches=False, more_problems=tuple(problems))
-    memory = run_lib.dry_memory_check(objective) if not note else "memory not estimated"
+    checked = run_lib.dry_check(objective, pretrained_here=not note)
     return (
         f"dry run: config ok (model {config.model_name}, objective {objective.name}, {config.train.steps} steps, "
-        f"workdir {workdir}{note}); {memory}; no data was read and the workdir was not touched"
+        f"workdir {workdir}{note}); {checked}; no training data was read and the workdir was not touched"
     )
 
 
@@ -100,20 +97,6 @@ def default_workdir(argv: list[str]) -> str:
     return str(pathlib.Path("runs") / "_".join([pathlib.Path(path).stem, *words]))
 
 
-def resolve_config_path(argv: list[str]) -> list[str]:
-    """argv with a relative `--config=PATH[:arg]` that is missing here but present in the repository made absolute."""
-    from lmzoo import storage
-
-    resolved = []
-    for arg in argv:
-        if arg.startswith("--config="):
-            path, sep, variant = arg[len("--config=") :].partition(":")
-            if not storage.exists(path) and storage.exists(REPO / path):
-                arg = f"--config={REPO / path}{sep}{variant}"
-        resolved.append(arg)
-    return resolved
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -123,25 +106,26 @@ def main(argv):
     from lmzoo.train import run as run_lib
 
     logging.set_verbosity(logging.WARNING)
+    config = flags.FLAGS.config  # validated once, by the run it builds (or the dry run), before any work
+    if config.distributed.cpu_devices_per_process:  # before the backend starts: the run's and its dry run's devices
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", config.distributed.cpu_devices_per_process)
     if flags.FLAGS.dry_run:
         with run_lib.user_errors():
             workdir = flags.FLAGS.workdir or default_workdir(sys.argv)
-            print(dry_run(flags.FLAGS.config, workdir, command_line_overrides()))
+            print(dry_run(config, workdir, command_line_overrides()))
         return
     host_memory.run_on_calling_thread()  # before JAX's CPU client exists: one-device steps keep their buffers
     compilation_cache.enable()  # programs an earlier run compiled are read, not compiled again
     try:
         with run_lib.user_errors():
-            config = flags.FLAGS.config  # validated once, by the run it builds, before any work
-            if config.distributed.cpu_devices_per_process:
-                import jax
-
-                jax.config.update("jax_num_cpu_devices", config.distributed.cpu_devices_per_process)
             sharding.initialize_distributed(
                 **{k: config.distributed[k] for k in ("coordinator_address", "num_processes", "process_id")}
             )
             take_pretrained_fields(config, command_line_overrides())
-            final = loop.train_and_evaluate(config, flags.FLAGS.workdir or default_workdir(sys.argv))
+            workdir = flags.FLAGS.workdir or default_workdir(sys.argv)
+            final = loop.train_and_evaluate(config, workdir, command_line_overrides())
     except loop.TrainingStopped as stopped:
         print(stopped, file=sys.stderr)
         sys.exit(stopped.exit_code)
@@ -164,11 +148,11 @@ if __name__ == "__main__":
         print(objectives.describe())
         sys.exit(0)
 
-    from lmzoo.config import check_overrides
-    from lmzoo.train.run import user_errors
+    from lmzoo.config import check_overrides, resolve_config_path
+    from lmzoo.train.run import parse_flags, user_errors
 
     sys.argv = [sys.argv[0], *resolve_config_path(sys.argv[1:])]
     with user_errors():
         check_overrides(sys.argv[1:], default=str(REPO / "configs" / "default.py"))
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -4,10 +4,11 @@ and sentence permutation, reconstructing the original text.
     python train.py --config=configs/bart.py:tiny --workdir=runs/bart_tiny     # CPU run on the KJV Bible
     python train.py --config=configs/bart.py:base --workdir=runs/bart_base     # BART-base shape
 
-The noising list is `config.objective.noising` (any of text_infilling, sentence_permutation,
-token_masking, token_deletion, document_rotation, applied in order). Tokenizer: SentencePiece unigram
-trained on the corpus with a [MASK] symbol. `tiny` trains on ../shared/data/kjv_bible with text infilling
-only; `test` and `base` keep ../shared/data/timemachine and both transforms.
+The noising list is `config.objective.noising` (any of text_infilling, sentence_permutation, token_masking,
+token_deletion, document_rotation, applied in order). Tokenizer: SentencePiece unigram trained on the corpus with a
+[MASK] symbol. `tiny` trains on ../shared/data/kjv_bible with text infilling only; `test` and `base` keep
+../shared/data/timemachine and both transforms. `base` scans its layers and rematerialises them as the platform needs
+(`remat_policy="auto"`).
 """
 
 import pathlib
@@ -47,6 +48,8 @@ def get_config(arg: str | None = None):
     model = dict(
         SIZES[size], **BART, vocab_size=vocab, max_len=c.data.seq_len + 2, dropout_rate=0.1 if size != "tiny" else 0.0
     )
+    if size == "base":
+        model.update(scan_layers=True, remat_policy="auto")
     noising = (
         ("sentence_permutation", {"sentence_end_ids": "auto"}),  # ids of ".", "!", "?" in the vocabulary
         ("text_infilling", {"mask_ratio": 0.3, "poisson_lambda": 3.0}),

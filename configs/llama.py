@@ -6,14 +6,14 @@
     python train.py --config=configs/llama.py:llama3_8b --config.data.source=store --config.data.path=STORE
     python train.py --config=configs/llama.py:llama3_1b --config.data.source=store --config.data.path=STORE
 
-The default variant is the Shakespeare recipe of `configs/shakespeare_char.py`, loaded from it (context 64, batch 12, 2,000
-steps, AdamW 1e-3 cosine to 1e-4, clip 1.0) with the Llama block in place of GPT-2's. `llama3_8b` is Llama 3 8B's
-shape (32 layers, D 4096, 32 query / 8 kv heads, SwiGLU 14,336, rope_theta 500,000, vocabulary 128,256, context
-8,192) for accelerators, bf16 compute, scanned and rematerialised layers, on a prepared token store of its
-tokenizer (`python -m lmzoo.data.prepare`, docs/data.md); shard it with `--config.sharding.mesh_shape`
-(docs/SCALING.md). `moe` makes every layer a mixture of 8 experts of F 176 with Mixtral's top-2 router, so a token
-goes through 2 x 176 = 352 expert units, the dense recipe's active parameter count (and a router [128, 8] a layer)
-(docs/moe.md). `:tiny` shrinks the default for tests.
+The default variant is the Shakespeare recipe of `configs/shakespeare_char.py`, loaded from it (context 64, batch 12,
+2,000 steps, AdamW 1e-3 cosine to 1e-4, clip 1.0) with the Llama block in place of GPT-2's. `llama3_8b` is Llama 3 8B's
+shape (32 layers, D 4096, 32 query / 8 kv heads, SwiGLU 14,336, rope_theta 500,000, vocabulary 128,256, context 8,192)
+for accelerators, bf16 compute, scanned layers rematerialised as the platform needs (`remat_policy="auto"`: none on the
+CPU, the projections kept on accelerators), on a prepared token store of its tokenizer (`python -m lmzoo.data.prepare`,
+docs/data.md); shard it with `--config.sharding.mesh_shape` (docs/SCALING.md). `moe` makes every layer a mixture of 8
+experts of F 176 with Mixtral's top-2 router, so a token goes through 2 x 176 = 352 expert units, the dense recipe's
+active parameter count (and a router [128, 8] a layer) (docs/moe.md). `:tiny` shrinks the default for tests.
 
 `llama3_1b` is Llama 3.2 1B's shape as its HF config.json gives it (16 layers, D 2,048, 32 query / 8 kv heads of 64,
 SwiGLU 8,192, vocabulary 128,256 with the head tied to the embeddings, rope_theta 500,000 with llama3 rope scaling:
@@ -53,7 +53,7 @@ def get_config(arg: str | None = None):
     released = [name for name in ("llama3_8b", "llama3_1b") if name in variants]
     if len(released) > 1:
         raise ValueError(f"config variants {arg!r}: choose one of llama3_8b, llama3_1b (each is a model's shape)")
-    if released:  # Llama 3's vocabulary and rope base, bf16 scanned rematerialised layers, its pretraining schedule
+    if released:  # Llama 3's vocabulary and rope base, bf16 scanned layers, its pretraining schedule
         c.model.update(
             vocab_size=128_256,
             num_heads=32,
@@ -61,7 +61,7 @@ def get_config(arg: str | None = None):
             rope_theta=500_000.0,
             dtype="bfloat16",
             scan_layers=True,
-            remat_policy="dots_no_batch",
+            remat_policy="auto",  # `kernels.remat_policy`: none on the CPU, the projections kept on accelerators
         )
         c.data.seq_len = 8192
         c.train.batch_size = 64

@@ -14,8 +14,8 @@ D / N, as Qwen3-0.6B's 128 is twice 1024 / 16), q/k norms, rope_theta 1,000,000,
 the default for tests.
 
 The released shapes, as their HF config.json files give them (`init_from=hf:Qwen/Qwen3-0.6B` or a folder reads the
-weights into them; docs/convert.md), bf16 compute, scanned and rematerialised layers, trained as configs/llama.py's
-`llama3_8b` is:
+weights into them; docs/convert.md), bf16 compute, scanned layers (rematerialised on accelerators), trained as
+configs/llama.py's `llama3_8b` is:
 - `qwen3_0_6b`: Qwen3-0.6B, 28 layers, D 1,024, 16 query / 8 kv heads of 128, SwiGLU 3,072, vocabulary 151,936 tied
   to the head, 40,960 positions: 596,049,920 parameters. One GPU: float32 params, gradients and AdamW's two moments
   take 16 bytes a parameter, 9.5 GB; the rest is a microbatch's activations (bf16, rematerialised; the largest the
@@ -60,7 +60,7 @@ def get_config(arg: str | None = None):
     released = [name for name in RELEASED if name in variants]
     if len(released) > 1 or (released and "moe" in variants):
         raise ValueError(f"config variants {arg!r}: choose one of {', '.join(RELEASED)} (each is a model's shape)")
-    if released:  # Qwen3's vocabulary, positions and rope base, bf16 scanned rematerialised layers, a long schedule
+    if released:  # Qwen3's vocabulary, positions and rope base, bf16 scanned layers, a long schedule
         c.model.update(
             vocab_size=151_936,
             max_len=40_960,
@@ -68,7 +68,7 @@ def get_config(arg: str | None = None):
             rope_theta=1_000_000.0,
             dtype="bfloat16",
             scan_layers=True,
-            remat_policy="dots_no_batch",
+            remat_policy="auto",  # `kernels.remat_policy`: none on the CPU, the projections kept on accelerators
         )
         c.data.seq_len = 4096
         c.train.batch_size = 64

@@ -4,10 +4,11 @@
     python train.py --config=configs/t5.py:small --workdir=runs/t5_small      # published t5-small shape (60.5M)
     python train.py --config=configs/t5.py:base,v1_1 --workdir=runs/t5_base   # published t5-v1_1-base shape (247.6M)
 
-Variants: size tiny | small | base (the published t5-small / t5-base shapes, vocabulary 32128); `v1_1` switches
-to gated GELU, an untied head and the v1.1 shapes of google/t5-v1_1-small / -base. The tokenizer is a
-SentencePiece unigram model trained on the corpus with 100 sentinels above its vocabulary (as in
-seqio). Needs ../shared/data/timemachine.
+Variants: size tiny | small | base (the published t5-small / t5-base shapes, vocabulary 32128); `v1_1` switches to gated
+GELU, an untied head and the v1.1 shapes of google/t5-v1_1-small / -base. `base` scans its layers (one encoder and one
+decoder layer traced and compiled) and rematerialises them as the platform needs (`remat_policy="auto"`). The tokenizer
+is a SentencePiece unigram model trained on the corpus with 100 sentinels above its vocabulary (as in seqio). Needs
+../shared/data/timemachine.
 """
 
 import pathlib
@@ -42,6 +43,8 @@ def get_config(arg: str | None = None):
     )
     if v1_1:
         model.update(activations=("gelu_tanh", "linear"), tie_embeddings=False, scale_tied_logits=False)
+    if size == "base":
+        model.update(scan_layers=True, remat_policy="auto")
     c.model = model_section("seq2seq", **model)
     c.objective = objective_section("span_corruption")
     c.data.source = "local"

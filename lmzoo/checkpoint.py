@@ -8,6 +8,9 @@ checkpoint written on one mesh restores onto another. Restoring tells three fail
 - an I/O error that says nothing about the files (permission, device, network filesystem) raises
   CheckpointReadError at once: nothing is skipped or deleted.
 When steps exist but none restores, restoring raises instead of letting a run start over.
+A checkpoint written with the other `config.model.scan_layers` restores too: its layer stacks, Adam's moments with
+the parameters (elementwise, so a stack of per-layer moments is the scanned stack's), are relaid into the model's
+layout on restore (`mapping.to_layout`).
 A failed save raises CheckpointSaveError with its cause (a full disk named as such) and the steps committed before it.
 In a bucket, a save that cannot finish because the bucket stopped answering is abandoned once the bucket has not
 answered for `storage.deadline_seconds()`: waiting for it raises CheckpointSaveError naming the last committed step.
@@ -29,25 +32,52 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import traverse_util
 
 from lmzoo import storage
+from lmzoo.convert import mapping
 
 log = logging.getLogger(__name__)
 
 
+def _path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 def _flat(tree: Any) -> dict[str, Any]:
-    """{"a/b/c": leaf} of a nested mapping."""
-    return {
-        "/".join(str(getattr(k, "key", k)) for k in path): leaf
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-    }
+    """{"a/b/c": leaf} of a pytree (mapping keys, dataclass fields and sequence indices joined by "/")."""
+    return {_path_str(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _unflat(flat: dict[str, Any], like: Any) -> Any:
     """`like`'s structure with each leaf replaced by flat["a/b/c"] of its path."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: flat["/".join(str(getattr(k, "key", k)) for k in path)], like
-    )
+    return jax.tree_util.tree_map_with_path(lambda path, _: flat[_path_str(path)], like)
+
+
+def _in_layout(flat: dict[str, Any], target: dict[str, Any]) -> dict[str, Any]:
+    """The leaves of `flat` ({"a/b/c": leaf}) with their layer stacks in the layout of `target`'s paths
+    (`mapping.to_layout`: per-layer leaves stacked where target scans the stack, a scanned stack split where it does
+    not), by path."""
+
+    def nested(leaves: dict[str, Any]) -> dict:
+        return traverse_util.unflatten_dict({tuple(key.split("/")): leaf for key, leaf in leaves.items()})
+
+    return mapping.flatten(mapping.to_layout(nested(flat), nested(target)))
+
+
+def _stand_in(metadata: Any) -> np.ndarray:
+    """A saved leaf's shape and dtype as an array that holds no memory (a broadcast zero), which `_in_layout` relays
+    without reading the checkpoint."""
+    return np.broadcast_to(np.zeros((), metadata.dtype), tuple(metadata.shape))
+
+
+def _restore_arg(like: Any, shape: tuple[int, ...]) -> ocp.RestoreArgs:
+    """Read a saved leaf of `shape` straight into the sharding and dtype of `like` where that has a sharding and the
+    same shape, else as a host numpy array."""
+    where = getattr(like, "sharding", None)
+    if where is None or tuple(like.shape) != shape:
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+    return ocp.ArrayRestoreArgs(sharding=where, dtype=like.dtype, global_shape=shape)
 
 
 def reached_preemption(step: int) -> bool:
@@ -124,10 +154,6 @@ def _summary(error: BaseException) -> str:
     TensorStore details: <bound method ...>" tail left out)."""
     first = str(error).splitlines()[0].split(" See full TensorStore details")[0] if str(error) else ""
     return f"{type(error).__name__}: {first[:300]}"
-
-
-def _path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 class _DropOrbaxNoise(logging.Filter):
@@ -437,19 +463,23 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def check_compatible(self, step: int, target: Any) -> None:
-        """Raises IncompatibleCheckpointError naming every leaf whose saved shape differs from `target`."""
-        saved = self.manager.item_metadata(step)["state"]
-        saved_shapes = {
-            _path_str(p): tuple(m.shape)
-            for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]
-            if hasattr(m, "shape")
-        }
-        if not saved_shapes:
+    def _saved_leaves(self, step: int) -> dict[str, Any]:
+        """The metadata (shape, dtype) of each array of `step`'s state, by path ("params/blocks/layer_0/...")."""
+        saved = {key: m for key, m in _flat(self.manager.item_metadata(step)["state"]).items() if hasattr(m, "shape")}
+        if not saved:
             raise FileNotFoundError(
                 f"{self.directory / str(step) / 'state' / '_METADATA'}: no parameter metadata (missing or damaged)"
             )
-        target_shapes = {_path_str(p): tuple(t.shape) for p, t in jax.tree_util.tree_flatten_with_path(target)[0]}
+        return saved
+
+    def check_compatible(self, step: int, target: Any) -> bool:
+        """Raises IncompatibleCheckpointError naming every leaf whose saved shape differs from `target`'s, the saved
+        layer stacks taken in target's layout (`_in_layout`: a checkpoint of the other scan_layers fits); returns
+        whether they are laid out otherwise, so that restoring relays them."""
+        saved = self._saved_leaves(step)
+        relaid = _in_layout({key: _stand_in(m) for key, m in saved.items()}, _flat(target))
+        saved_shapes = {key: tuple(leaf.shape) for key, leaf in relaid.items()}
+        target_shapes = {key: tuple(t.shape) for key, t in _flat(target).items()}
         problems = [
             f"{k}: checkpoint {saved_shapes[k]} vs model {v}"
             for k, v in target_shapes.items()
@@ -464,15 +494,39 @@ class Checkpointer:
                 + "\n  ".join(problems[:20])
                 + "\nUse the config the checkpoint was written with, or a new workdir."
             )
+        return saved.keys() != target_shapes.keys()
 
     @_abandoning_futures_on_error()
     def restore(self, step: int, target: Any) -> tuple[Any, dict]:
-        """target: a pytree of jax.ShapeDtypeStruct with shardings."""
-        self.check_compatible(step, target)
+        """target: a pytree of jax.ShapeDtypeStruct with shardings. A checkpoint whose layer stacks are laid out
+        otherwise (the other scan_layers) is read in its own layout and relaid (`_restore_relaid`)."""
+        if self.check_compatible(step, target):
+            data = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+            return self._restore_relaid(step, target), dict(data)
         restored = self.manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
         )
         return restored["state"], dict(restored["data"])
+
+    def _restore_relaid(self, step: int, target: Any) -> Any:
+        """The state of `step` in `target`'s layer layout: read in its own (each leaf whose path and shape target
+        shares straight into its sharding, the others onto the host), each layer stack relaid (`_in_layout`) and
+        placed in target's sharding and dtype (`mapping.place`)."""
+        targets = _flat(target)
+        saved = self.manager.item_metadata(step)["state"]
+        read = self._read(
+            step,
+            jax.tree.map(lambda m: np.zeros((), m.dtype), saved),
+            _unflat({key: _restore_arg(targets.get(key), tuple(m.shape)) for key, m in _flat(saved).items()}, saved),
+        )
+        relaid = _in_layout(_flat(read), targets)
+        return _unflat({key: mapping.place(relaid[key], like) for key, like in targets.items()}, target)
+
+    def _read(self, step: int, item: Any, restore_args: Any) -> Any:
+        """`item`'s part of `step`'s state (a tree of the saved structure), each leaf read as `restore_args` says."""
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(self.directory / str(step) / "state", args=args)
 
     def restore_step(self, step: int, target: Any) -> tuple[Any, dict]:
         """`restore` of one chosen step, falling back to no other: a damaged or unreadable step raises
@@ -501,22 +555,12 @@ class Checkpointer:
                 f"{self.directory / str(step) / 'state'}: no params in its metadata (missing or damaged)"
             )
         params = jax.tree.map(lambda m: np.zeros((), m.dtype), dict(saved["params"]))
-        shapes = {key: tuple(m.shape) for key, m in _flat(dict(saved["params"])).items()}
         targets = _flat(placed) if placed is not None else {}
-
-        def restore_arg(key: str):
-            like = targets.get(key, targets.get(key.removeprefix("backbone/")))
-            where = getattr(like, "sharding", None)
-            if where is None or tuple(like.shape) != shapes[key]:
-                return ocp.RestoreArgs(restore_type=np.ndarray)
-            return ocp.ArrayRestoreArgs(sharding=where, dtype=like.dtype, global_shape=shapes[key])
-
-        restore_args = _unflat({key: restore_arg(key) for key in shapes}, params)
-        args = ocp.args.PyTreeRestore(
-            item={"params": params}, restore_args={"params": restore_args}, partial_restore=True
-        )
-        with ocp.PyTreeCheckpointer() as reader:
-            return reader.restore(self.directory / str(step) / "state", args=args)["params"]
+        restore_args = {
+            key: _restore_arg(targets.get(key, targets.get(key.removeprefix("backbone/"))), tuple(m.shape))
+            for key, m in _flat(dict(saved["params"])).items()
+        }
+        return self._read(step, {"params": params}, {"params": _unflat(restore_args, params)})["params"]
 
     def restore_latest_params(self, placed: Any = None) -> tuple[int, Any] | None:
         """(step, params) of the newest checkpoint whose params restore (see `restore_params`), falling back past

@@ -8,7 +8,7 @@ and `validate` checks the model section against the family's dataclass.
 import json
 import os
 import pathlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import ml_collections
@@ -134,9 +134,12 @@ def model_section(name: str, **fields) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dataclasses.asdict(models.make_config(name, fields)))
 
 
-# Fields a resumed run may change: how long it trains, how often it logs, evaluates and saves, and
-# where it runs. Every other field changes what the checkpoints were trained with.
+# Fields a resumed run may change: how long it trains, how often it logs, evaluates and saves, where it runs, and
+# how its layers are compiled (scanned or looped, what they rematerialise: the same function; a checkpoint of the
+# other layout is relaid on restore). Every other field changes what the checkpoints were trained with.
 RESUMABLE_FIELDS = (
+    "model.scan_layers",
+    "model.remat_policy",
     "train.steps",
     "train.steps_per_call",
     "train.log_every",
@@ -177,27 +180,38 @@ def read_saved(path: str | os.PathLike) -> dict:
     return saved
 
 
-def check_resume(saved: dict, config: ml_collections.ConfigDict, step: int, workdir) -> None:
+def check_resume(
+    saved: dict, config: ml_collections.ConfigDict, step: int, workdir, command_line: Collection[str] = ()
+) -> None:
     """Refuses to resume checkpoints of step `step` written with config `saved` (the workdir's config.json)
     under a config that changes training (any field outside RESUMABLE_FIELDS, or train.steps below
-    `step`), listing each change and suggesting a new --workdir."""
+    `step`), listing each change and suggesting a new --workdir, or how to resume: dropping the overrides among
+    `command_line` (the keys given as --config.KEY=...) that make a change, setting back the others."""
     before, after = _flatten(saved), _flatten(json.loads(config.to_json_best_effort()))
-    changes = [
-        f"{key}: {before[key]!r} -> {after[key]!r}"
+    changed = [
+        key
         for key in sorted(after)
         if key in before
         and before[key] != after[key]
         # Under LoRA, init_from is the frozen base the checkpoint's adapters were trained on.
         and (not key.startswith(RESUMABLE_FIELDS) or (key == "init_from" and lora.from_config(config) is not None))
     ]
+    changes = [f"{key}: {before[key]!r} -> {after[key]!r}" for key in changed]
+    given = [key for key in changed if any(key == name or key.startswith(f"{name}.") for name in command_line)]
+    fixes = [f"drop the override(s) {', '.join(f'--config.{key}' for key in given)}"] if given else []
+    if len(given) < len(changed):
+        others = ", ".join(key for key in changed if key not in given)
+        fixes.append(f"set {others} back to the run's value(s)")  # not overrides: the config file differs
     if config.train.steps < step:
         changes.append(f"train.steps={config.train.steps} is below the checkpoint's step {step}")
+        fixes.append(f"pass --config.train.steps=N with N above {step}")
     if changes:
         raise ValueError(
             f"{workdir} holds checkpoints up to step {step} of a run whose config differs from this one:\n  "
             + "\n  ".join(changes)
-            + f"\nTo train with these settings, pass a new --workdir (e.g. --workdir={workdir}_2); to resume, drop "
-            "the overrides (config.json in the workdir holds the run's config)."
+            + f"\nTo train with these settings, pass a new --workdir (e.g. --workdir={workdir}_2); to resume, "
+            + " and ".join(fixes)
+            + " (config.json in the workdir holds the run's config)."
         )
 
 
@@ -211,6 +225,23 @@ def load_config_file(path: str | pathlib.Path, arg: str | None = None) -> ml_col
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(arg)
+
+
+# The repository's root: its configs/ folder is where a config path given from any other folder is looked up.
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def resolve_config_path(argv: list[str], flag: str = "config") -> list[str]:
+    """argv with a relative `--FLAG=PATH[:arg]` that is missing here but present in the repository made absolute, so
+    that `--config=configs/NAME.py` works from any folder."""
+    resolved = []
+    for arg in argv:
+        if arg.startswith(f"--{flag}="):
+            path, sep, variant = arg[len(f"--{flag}=") :].partition(":")
+            if not storage.exists(path) and storage.exists(REPO / path):
+                arg = f"--{flag}={REPO / path}{sep}{variant}"
+        resolved.append(arg)
+    return resolved
 
 
 def check_overrides(argv: list[str], flag: str = "config", default: str = "configs/default.py") -> None:
@@ -318,14 +349,17 @@ def check_values(
     devices: int | None = None,
     batches: bool = True,
     more_problems: tuple[str, ...] = (),
+    mesh_fits: Callable[[tuple[int, ...]], bool] | None = None,
 ) -> None:
     """Raises one ValueError listing every out-of-range value (and `more_problems`, the objective's), each naming
     its field and the fix.
 
-    data_parallel_size: devices the batch is split over (the mesh's data x fsdp axes), so a global
+    data_parallel_size: devices the batch is split over (the mesh's data x fsdp x expert axes), so a global
     batch, and each gradient-accumulation microbatch of it, must be a multiple of it (checked with
-    `batches`; a run opened only to restore its params never splits a batch). devices: the mesh's size, to
-    suggest a mesh that keeps the batch sizes (the devices the batch cannot use shard the model instead).
+    `batches`; a run opened only to restore its params never splits a batch). devices and mesh_fits: the mesh's
+    size, and whether the model's parameters split over a mesh shape of it, to suggest a mesh that keeps the batch
+    sizes (the devices the batch cannot use shard the model over the tensor axis instead; the expert axis is kept).
+    mesh_fits is asked only when every other value is in range (it traces the model).
     """
     from lmzoo.data import sources
 
@@ -355,32 +389,7 @@ def check_values(
         "data.seq_len",
     ):
         require(value(field) >= 1, field, f"must be a positive integer; set --config.{field}=N with N >= 1")
-    if batches and not problems:
-        accum = train.grad_accum_steps
-        multiple = accum * data_parallel_size
-        fitting = [
-            d
-            for d in range(1, (devices or 0) + 1)
-            if devices % d == 0 and train.batch_size % (accum * d) == 0 and evals.batch_size % d == 0
-        ]
-        mesh = (
-            f", or keep the batch sizes and shard the model over the other devices: "
-            f"--config.sharding.mesh_shape=({max(fitting)}, 1, {devices // max(fitting)})"
-            if fitting and max(fitting) < data_parallel_size
-            else ""
-        )
-        require(
-            train.batch_size % multiple == 0,
-            "train.batch_size",
-            f"must be a multiple of {multiple} (grad_accum_steps={accum} x {data_parallel_size} data-parallel devices); "
-            f"set --config.train.batch_size={max(multiple, train.batch_size // multiple * multiple)}{mesh}",
-        )
-        require(
-            evals.batch_size % data_parallel_size == 0,
-            "eval.batch_size",
-            f"must be a multiple of the {data_parallel_size} data-parallel devices; "
-            f"set --config.eval.batch_size={max(data_parallel_size, evals.batch_size // data_parallel_size * data_parallel_size)}{mesh}",
-        )
+    splittable = batches and not problems  # batch sizes are positive: check how they split
     require(train.sample_tokens >= 0, "train.sample_tokens", "must be >= 0 (0 skips sampling)")
     require(
         evals.max_batches is None or evals.max_batches >= 1,
@@ -451,6 +460,65 @@ def check_values(
         "must be 3 sizes (data, fsdp, tensor) or 4 (data, fsdp, expert, tensor), each >= 1, one of them may be -1 "
         "(the remaining devices)",
     )
+    if splittable:
+        fits = mesh_fits if devices and mesh_fits and not problems and not more_problems else None
+        problems += _batch_split_problems(config, data_parallel_size, devices or 0, fits)
     problems += more_problems
     if problems:
         raise ValueError("invalid config values:\n  " + "\n  ".join(problems))
+
+
+def mesh_flag(shape: tuple[int, ...]) -> str:
+    """The override that sets config.sharding.mesh_shape to `shape`, as a shell takes it."""
+    return f"--config.sharding.mesh_shape='({','.join(map(str, shape))})'"
+
+
+def working_mesh(
+    config: ml_collections.ConfigDict, devices: int, mesh_fits: Callable[[tuple[int, ...]], bool]
+) -> tuple[int, ...] | None:
+    """A mesh shape of `devices` devices, written as config.sharding.mesh_shape is (3 or 4 sizes), whose
+    data-parallel axes split the batch sizes and whose parameters divide (`mesh_fits`): the most data-parallel one,
+    the devices the batch cannot use sharding the model over the tensor axis, the config's expert size kept. None
+    if there is none."""
+    train, evals = config.train, config.eval
+    given = tuple(config.sharding.mesh_shape)
+    expert = given[2] if len(given) == 4 and given[2] > 0 else 1
+    for d in range(devices, 0, -1):
+        if devices % d or d % expert or train.batch_size % (train.grad_accum_steps * d) or evals.batch_size % d:
+            continue
+        shape = (d // expert, 1, expert, devices // d) if len(given) == 4 else (d, 1, devices // d)
+        if mesh_fits(shape):
+            return shape
+    return None
+
+
+def _batch_split_problems(
+    config: ml_collections.ConfigDict,
+    data_parallel_size: int,
+    devices: int,
+    mesh_fits: Callable[[tuple[int, ...]], bool] | None,
+) -> list[str]:
+    """`check_values`' batch sizes over the data-parallel devices; each refusal names the batch size that splits and,
+    where `mesh_fits` is given, the `working_mesh` that keeps the batch sizes."""
+    train, evals = config.train, config.eval
+    accum, multiple = train.grad_accum_steps, train.grad_accum_steps * data_parallel_size
+    mesh = working_mesh(config, devices, mesh_fits) if mesh_fits is not None else None
+    keep = (
+        ""
+        if mesh is None
+        else f", or keep the batch sizes and shard the model over the other devices: {mesh_flag(mesh)}"
+    )
+    problems = []
+    if train.batch_size % multiple:
+        problems.append(
+            f"config.train.batch_size={train.batch_size}: must be a multiple of {multiple} (grad_accum_steps={accum} "
+            f"x {data_parallel_size} data-parallel devices); set "
+            f"--config.train.batch_size={max(multiple, train.batch_size // multiple * multiple)}{keep}"
+        )
+    if evals.batch_size % data_parallel_size:
+        problems.append(
+            f"config.eval.batch_size={evals.batch_size}: must be a multiple of the {data_parallel_size} data-parallel "
+            f"devices; set --config.eval.batch_size="
+            f"{max(data_parallel_size, evals.batch_size // data_parallel_size * data_parallel_size)}{keep}"
+        )
+    return problems

@@ -18,7 +18,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -90,6 +90,28 @@ def mesh_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return shape
 
 
+def resolve_mesh_shape(shape: Sequence[int], device_count: int) -> tuple[int, ...]:
+    """`shape` (3 or 4 sizes: `mesh_shape`) as one size per axis of MESH_AXES over `device_count` devices, its -1
+    taking the devices the other sizes leave; ValueError when they do not fit."""
+    given = tuple(shape)  # as the config wrote it, for the messages
+    sizes = list(mesh_shape(given))
+    if sizes.count(-1) > 1:
+        raise ValueError(f"mesh shape {given} may contain at most one -1")
+    if any(size < 1 and size != -1 for size in sizes):
+        raise ValueError(f"mesh shape {given}: each size must be >= 1 (one may be -1: the remaining devices)")
+    if -1 in sizes:
+        known = int(np.prod([s for s in sizes if s != -1]))
+        if device_count % known:
+            raise ValueError(f"mesh shape {given}: {device_count} devices are not divisible by {known}")
+        sizes[sizes.index(-1)] = device_count // known
+    if int(np.prod(sizes)) != device_count:
+        raise ValueError(
+            f"mesh shape {given} needs {int(np.prod(sizes))} devices but {device_count} are available; "
+            "use -1 for one axis to fill the rest"
+        )
+    return tuple(sizes)
+
+
 def make_mesh(shape: Sequence[int] = (-1, 1, 1, 1), devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, fsdp, expert, tensor) mesh of `shape` (3 sizes: expert 1, `mesh_shape`); one -1 entry takes all
     remaining devices.
@@ -97,21 +119,35 @@ def make_mesh(shape: Sequence[int] = (-1, 1, 1, 1), devices: Sequence[jax.Device
     Uses Auto axis types: linen's logical constraints are hints, not asserts, under such a mesh.
     """
     devices = list(jax.devices() if devices is None else devices)
-    given = list(shape)  # as the config wrote it, for the messages
-    shape = list(mesh_shape(given))
-    if shape.count(-1) > 1:
-        raise ValueError(f"mesh shape {given} may contain at most one -1")
-    if -1 in shape:
-        known = int(np.prod([s for s in shape if s != -1]))
-        if len(devices) % known:
-            raise ValueError(f"mesh shape {given}: {len(devices)} devices are not divisible by {known}")
-        shape[shape.index(-1)] = len(devices) // known
-    if int(np.prod(shape)) != len(devices):
-        raise ValueError(
-            f"mesh shape {tuple(given)} needs {int(np.prod(shape))} devices but {len(devices)} are available; "
-            "use -1 for one axis to fill the rest"
-        )
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+    return Mesh(np.asarray(devices).reshape(resolve_mesh_shape(shape, len(devices))), MESH_AXES)
+
+
+def abstract_mesh(sizes: Sequence[int]) -> AbstractMesh:
+    """The (data, fsdp, expert, tensor) mesh of `sizes` without devices: a model traced under it
+    (`jax.sharding.use_abstract_mesh`) sees the sizes a run on such devices sees, on any machine."""
+    return AbstractMesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def split_problems(boxed: Any, rules: Sequence[tuple[str, Any]], sizes: Sequence[int]) -> dict[str, str]:
+    """The logical axes of the boxed abstract tree `boxed` (a state traced with its logical names) that the mesh axes
+    `rules` map them to, of `sizes` (data, fsdp, expert, tensor), do not divide, each with the first such dimension:
+    {"vocab": "'vocab' of size 258 (params/wte/embedding) over tensor=4"}. A parameter split so cannot be placed."""
+    size_of = dict(zip(MESH_AXES, sizes, strict=True))
+    found: dict[str, str] = {}
+    leaves = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
+    for path, leaf in leaves:
+        if not isinstance(leaf, nn.LogicallyPartitioned):
+            continue
+        mesh_axes = nn.logical_to_mesh_axes(leaf.names, rules)
+        # strict=False: dimensions past the names are replicated, as a shorter PartitionSpec leaves them
+        for name, axes, length in zip(leaf.names, mesh_axes, leaf.value.shape, strict=False):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            if name in found or length % int(np.prod([size_of[axis] for axis in axes])) == 0:
+                continue
+            where = "/".join(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path)
+            over = " x ".join(f"{axis}={size_of[axis]}" for axis in axes)
+            found[name] = f"{name!r} of size {length} ({where}) over {over}"
+    return found
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -84,8 +84,8 @@ def pretrained_tokenizer(spec: str) -> tokenizers.Tokenizer:
 def read_params(spec: str, model_name: str, model_config, target, *, allow_partial: bool = False):
     """Params from "hf:PATH" (HuggingFace safetensors folder, converted to `model_config`'s layout and to the dtypes
     and placement of `target`'s leaves: see `lmzoo.convert.hf.convert_pretrained`) or "ckpt:WORKDIR" (another lmzoo
-    run's latest checkpoint: in the sharding and dtype of `target`'s leaves where it gives them, else host numpy; a
-    classifier run gives its backbone).
+    run's latest checkpoint: in the sharding and dtype of `target`'s leaves where it gives them, else host numpy, its
+    layer stacks in target's layout; a classifier run gives its backbone).
 
     allow_partial: an HF checkpoint that fits only in part gives the parameters that fit instead of an error."""
     if spec.startswith("hf:"):
@@ -93,8 +93,10 @@ def read_params(spec: str, model_name: str, model_config, target, *, allow_parti
     if spec.startswith("ckpt:"):
         source = run_params(spec.removeprefix("ckpt:"), target)
         if "backbone" in source:  # a classifier or reward model gives its backbone
-            return source["backbone"]
-        return source["decoder"] if "value_head" in source else source  # an RL policy its decoder
+            source = source["backbone"]
+        elif "value_head" in source:  # an RL policy its decoder
+            source = source["decoder"]
+        return mapping.to_layout(source, target)  # a run of the other scan_layers: its layer stacks relaid
     raise ValueError(f"pretrained weights spec {spec!r} must be 'hf:PATH' or 'ckpt:WORKDIR'")
 
 

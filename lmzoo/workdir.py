@@ -179,8 +179,8 @@ class WorkdirLock:
     def __enter__(self) -> "WorkdirLock":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.release(failed_start=exc_type is not None)  # work that failed leaves the workdir as it found it
 
 
 def _this_machine() -> str:
@@ -337,8 +337,8 @@ class LeaseLock:
     def __enter__(self) -> "LeaseLock":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.release(failed_start=exc_type is not None)
 
 
 def lock(workdir: str | os.PathLike) -> WorkdirLock | LeaseLock:

@@ -171,9 +171,9 @@ def test_batch_not_divisible_by_the_devices_is_refused_naming_the_field(tmp_path
         "error: invalid config values:",
         "  config.train.batch_size=4: must be a multiple of 8 (grad_accum_steps=1 x 8 data-parallel devices); "
         "set --config.train.batch_size=8, or keep the batch sizes and shard the model over the other devices: "
-        "--config.sharding.mesh_shape=(4, 1, 2)",
+        "--config.sharding.mesh_shape='(4,1,2)'",
         "  config.eval.batch_size=12: must be a multiple of the 8 data-parallel devices; set --config.eval.batch_size=8, "
-        "or keep the batch sizes and shard the model over the other devices: --config.sharding.mesh_shape=(4, 1, 2)",
+        "or keep the batch sizes and shard the model over the other devices: --config.sharding.mesh_shape='(4,1,2)'",
     ]
     assert not (tmp_path / "run").exists()
 

@@ -22,6 +22,9 @@ LAYERS = (
             "lmzoo.decoding",
             "lmzoo.serving",  # the generation engine: its device loop is decoding.sample's
             "lmzoo.metrics",
+            # A tree's layer layout (scanned or per layer) and a leaf placed in its sharding: what converted weights
+            # and a checkpoint restored into the other scan_layers share. It imports nothing of lmzoo.
+            "lmzoo.convert.mapping",
         ),
     ),
     ("data", ("lmzoo.data",)),

@@ -3,6 +3,7 @@ that works, exit status 2, no traceback, and a refused resume prints no "resumed
 
 One 2-step run on a token store serves the train.py and eval.py cases; the prepare cases need no run."""
 
+import json
 import os
 import pathlib
 import shutil
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 
+from lmzoo import config as config_lib
 from lmzoo import tokenizers
 from lmzoo.data import prepare, sources
 
@@ -70,8 +72,30 @@ def test_a_resume_refused_for_a_changed_config_prints_no_resumed_from(store_run)
     result = run(*train_flags(store, workdir), "--config.optim.learning_rate=0.5")
     assert "holds checkpoints up to step 2 of a run whose config differs" in error_line(result)
     assert "  optim.learning_rate: " in result.stderr
+    assert "; to resume, drop the override(s) --config.optim.learning_rate (config.json" in result.stderr
     assert "resumed from" not in result.stdout + result.stderr
     assert snapshot(workdir) == before
+
+
+def test_a_refused_resume_advises_dropping_only_the_overrides_it_was_given():
+    """Issue 55: a change that comes from the config file, not from an override, is not "dropped"."""
+    saved = json.loads(config_lib.base_config().to_json_best_effort())
+    config = config_lib.base_config()
+    config.optim.learning_rate, config.optim.warmup_steps = 0.5, 7
+
+    def refusal(command_line) -> str:
+        with pytest.raises(ValueError) as raised:
+            config_lib.check_resume(saved, config, 10, "runs/x", command_line)
+        return str(raised.value).splitlines()[-1]
+
+    assert refusal(()) == (
+        "To train with these settings, pass a new --workdir (e.g. --workdir=runs/x_2); to resume, set "
+        "optim.learning_rate, optim.warmup_steps back to the run's value(s) (config.json in the workdir holds the "
+        "run's config)."
+    )
+    assert "to resume, drop the override(s) --config.optim.learning_rate and set optim.warmup_steps back" in refusal(
+        {"optim.learning_rate"}
+    )
 
 
 def test_a_resume_on_a_store_of_another_tokenizer_names_data_path(tmp_path):

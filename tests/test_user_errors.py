@@ -7,6 +7,7 @@ an id the tokenizer cannot decode. Unit tests below cover what is cheaper in pro
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import stat
@@ -60,8 +61,14 @@ def copy(trained, tmp) -> pathlib.Path:
 
 # Each case: (setup(trained, tmp) -> (argv after the python executable, folder whose files must not change),
 # a fragment of the error line).
-def train_with(*flags):
-    return lambda trained, tmp: (["train.py", TINY, f"--workdir={tmp / 'run'}", *flags], tmp)
+def train_with(*flags, config=TINY):
+    return lambda trained, tmp: (
+        ["train.py", config, f"--workdir={tmp / 'run'}", *[f.format(tmp=tmp) for f in flags]],
+        tmp,
+    )
+
+
+EIGHT_DEVICES = "--config.distributed.cpu_devices_per_process=8"
 
 
 def eval_with(*flags, prepare=None):
@@ -140,7 +147,61 @@ CASES = {
         "config.json is damaged",
     ),
     "export into a non-empty folder": (export_into_non_empty, "is not empty (2 entries: config.json, tokenizer.json)"),
+    "eval.py flag of the wrong type": (
+        eval_with("--max_batches=abc"),
+        "--max_batches=abc: invalid literal for int() with base 10: 'abc'; give that flag a value of its type",
+    ),
+    # Issue 55: refused by a run and by its dry run alike (DRY_RUN_CASES).
+    "a flag value of the wrong type": (
+        train_with("--config.train.steps=abc"),
+        "--config.train.steps=abc: invalid literal for int() with base 10: 'abc'; give that flag a value of its type",
+    ),
+    "a batch the devices do not split": (
+        train_with(EIGHT_DEVICES, "--config.train.batch_size=12"),
+        "config.train.batch_size=12: must be a multiple of 8",
+    ),
+    "parameters the tensor axis does not divide": (
+        train_with(EIGHT_DEVICES, "--config.sharding.mesh_shape=(2,1,4)"),
+        "splits parameter axes over mesh axes that do not divide them: 'heads' of size 2",
+    ),
+    "experts the expert axis does not divide": (
+        train_with(
+            EIGHT_DEVICES,
+            "--config.sharding.mesh_shape=(2,1,4,1)",
+            "--config.model.num_experts=6",
+            "--config.train.batch_size=16",
+            "--config.eval.batch_size=16",
+            config="--config=configs/llama.py:tiny,moe",
+        ),  # fmt: skip
+        "config.model.num_experts=6 must be a multiple of the 4 devices of the expert mesh axis",
+    ),
+    "a state larger than the memory": (
+        train_with("--config.model.mlp_dim=1000000000"),
+        "the gpt2 model's state needs about 780.00 GB of host memory",
+    ),
+    "training data that is not there": (
+        train_with("--config.data.source=local", "--config.data.path={tmp}/gone.txt"),
+        "gone.txt' does not exist; set config.data.path",
+    ),
+    "a tokenizer file that is not there": (
+        train_with("--config.data.tokenizer.kind=sentencepiece", "--config.data.tokenizer.path={tmp}/gone.model"),
+        "SentencePiece needs a trained .model file; not found:",
+    ),
+    "a vocabulary smaller than the tokenizer's": (
+        train_with("--config.model.vocab_size=100"),
+        "config.model.vocab_size=100 is smaller than the tokenizer's vocabulary (258)",
+    ),
 }
+
+# The train.py cases a dry run refuses as the run does (issue 55); the others are of the workdir's state and of the
+# weights a run reads, which a dry run leaves alone (train.py's docstring).
+DRY_RUN_CASES = [
+    "model dimension 0", "dropout rate 1.5", "a flag value of the wrong type", "a batch the devices do not split",
+    "parameters the tensor axis does not divide", "experts the expert axis does not divide",
+    "a state larger than the memory", "training data that is not there", "a tokenizer file that is not there",
+    "a vocabulary smaller than the tokenizer's",
+]  # fmt: skip
+NOT_DRY_RUN_CASES = ["workdir is a file", "truncated HF weights"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -153,8 +214,48 @@ def test_user_error_is_one_line_exit_2_and_nothing_changes(trained, tmp_path, ca
     assert "Traceback" not in result.stderr and "\nerror: " in "\n" + result.stderr, result.stderr
     # One line, followed at most by the indented list of what it names (every damaged checkpoint).
     message, *listed = result.stderr[result.stderr.find("error: ") :].rstrip("\n").split("\n")
-    assert fragment in message and all(line.startswith("  ") for line in listed), result.stderr
+    assert fragment in "\n".join([message, *listed]) and all(line.startswith("  ") for line in listed), result.stderr
     assert snapshot(watched) == before and snapshot(trained) == trained_before
+
+
+def _refusal(result: subprocess.CompletedProcess) -> str:
+    """The `error:` line and the lines it lists, of a process that exited with status 2 and no traceback; the memory
+    this machine has left out (it changes between two processes)."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    refusal = result.stderr[result.stderr.find("error: ") :].rstrip("\n")
+    return re.sub(r"more than the [\d.]+ [kMG]B available", "more than the memory available", refusal)
+
+
+@pytest.mark.parametrize("case", DRY_RUN_CASES)
+def test_a_dry_run_refuses_what_the_run_refuses_with_the_same_line(trained, tmp_path, case):
+    setup, _ = CASES[case]
+    argv, _ = setup(trained, tmp_path)
+    ran = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, env=ENV)
+    dry = subprocess.run([sys.executable, *argv, "--dry_run"], capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert _refusal(dry) == _refusal(ran)
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_train_case_is_one_a_dry_run_refuses_or_one_it_leaves_to_the_run(trained, tmp_path):
+    scripts = {}
+    for index, (name, (setup, _)) in enumerate(CASES.items()):
+        (tmp_path / str(index)).mkdir()
+        scripts[name] = setup(trained, tmp_path / str(index))[0][0]
+    assert {name for name, script in scripts.items() if script == "train.py"} == {*DRY_RUN_CASES, *NOT_DRY_RUN_CASES}
+
+
+def test_eval_of_a_workdir_without_checkpoints_leaves_it_as_it_was(trained, tmp_path):
+    run = copy(trained, tmp_path)
+    shutil.rmtree(run / "checkpoints")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    result = subprocess.run(
+        [sys.executable, "eval.py", f"--workdir={run}"], capture_output=True, text=True, cwd=ROOT, env=ENV
+    )
+    assert (
+        _refusal(result)
+        == f"error: no checkpoint found in {run}/checkpoints; train first with train.py --workdir={run}"
+    )
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # no empty checkpoints/ made
 
 
 def test_end_of_run_sample_has_only_decodable_ids(trained):

@@ -20,9 +20,10 @@ import os
 import sys
 
 import jax
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
+from lmzoo import config as config_lib
 from lmzoo import storage, weights
 from lmzoo import workdir as workdir_lib
 from lmzoo.train import run as run_lib
@@ -37,7 +38,7 @@ def convert(config, source: str, out: str) -> dict:
     summary. `out` must hold no checkpoint."""
     if not source.startswith("hf:"):
         raise ValueError(f"--from={source}: give hf:FOLDER (a HuggingFace folder with config.json and safetensors)")
-    if storage.exists(storage.path(out) / "checkpoints"):
+    if run_lib.has_checkpoints(storage.path(out)):  # a folder an earlier failure left empty is taken
         raise FileExistsError(f"--out={out} holds checkpoints already; pass a new folder")
     with workdir_lib.lock(out):
         run = run_lib.build(config, out, batches=False)
@@ -57,6 +58,7 @@ def convert(config, source: str, out: str) -> dict:
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)  # orbax's INFO lines
     config, source, out = flags.FLAGS.config, flags.FLAGS["from"].value, flags.FLAGS.out
     with run_lib.user_errors():
         if config is None or not source or not out:
@@ -67,6 +69,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    if "--help" in sys.argv[1:]:  # absl's own --help exits with status 1
-        app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
-    app.run(main)
+    sys.argv = [sys.argv[0], *config_lib.resolve_config_path(sys.argv[1:])]  # configs/NAME.py from any folder
+    app.run(main, flags_parser=run_lib.parse_flags)

@@ -4,18 +4,18 @@ The command line, which reads a train.py run's checkpoint, is `python -m lmzoo.c
 
 The families with an HF counterpart: gpt2 (GPT2LMHeadModel), bert (BERT / RoBERTa / ALBERT / DistilBERT
 *ForMaskedLM, or *ForPreTraining with a sentence head; the model type follows from the config, see
-`hf_model_type`), seq2seq (T5 with relative positions, BART with learned ones; *ForConditionalGeneration) and
+`hf_model_type`), seq2seq (T5 with relative positions, BART with learned ones; *ForConditionalGeneration),
 llama (LlamaForCausalLM; MistralForCausalLM with a sliding window; Qwen2ForCausalLM with q/k/v biases; with experts,
-Qwen2MoeForCausalLM with a shared expert, else MixtralForCausalLM).
+Qwen2MoeForCausalLM with a shared expert, else MixtralForCausalLM) and deepseek (DeepseekV3ForCausalLM).
 Sequence classifiers (`classify` runs, reward models) export to *ForSequenceClassification when their head
 is the one HF builds: BERT/ALBERT "pooler", RoBERTa "dense_tanh" and DistilBERT "dense_relu" on the first
 token, GPT-2 "linear" on the last real token (`pad_token_id` from the tokenizer); num_labels and
 id2label (`--labels`, default LABEL_0, LABEL_1, ...) go to config.json. A PPO policy exports its decoder as
 the language model (its value head or separate value network is left out).
-The weights and config.json come from the per-family tables of gpt2.py, bert.py, seq2seq.py and llama.py, which
-refuse a config HF cannot express. A run's HF tokenizer (GPT-2 BPE, WordPiece, tokenizer.json) is written
-as tokenizer.json + tokenizer_config.json that `AutoTokenizer` reads, with the special tokens, chat template and
-generation settings (generation_config.json: every eos id, pad) of the checkpoint it came from, so that
+The weights and config.json come from the per-family tables of gpt2.py, bert.py, seq2seq.py, llama.py and
+deepseek.py, which refuse a config HF cannot express. A run's HF tokenizer (GPT-2 BPE, WordPiece, tokenizer.json)
+is written as tokenizer.json + tokenizer_config.json that `AutoTokenizer` reads, with the special tokens, chat
+template and generation settings (generation_config.json: every eos id, pad) of the checkpoint it came from, so that
 `apply_chat_template` and `generate` work on the export as on that checkpoint (`save_tokenizer`); others (char, byte,
 word, sentencepiece) have no HF form and are left out, which `export_hf` reports. Tensors are written in float32
 (config.json `torch_dtype` "float32") whatever the run's param_dtype: bfloat16 params are upcast exactly.
@@ -36,19 +36,21 @@ from typing import Any
 import numpy as np
 
 from lmzoo import storage, tokenizers
-from lmzoo.convert import bert, gpt2, llama, seq2seq
+from lmzoo.convert import bert, deepseek, gpt2, llama, seq2seq
 from lmzoo.models import heads, make_config
 
-EXPORTABLE = ("gpt2", "bert", "seq2seq", "llama")
+EXPORTABLE = ("gpt2", "bert", "seq2seq", "llama", "deepseek")
 
 
 def hf_model_type(model_name: str, cfg: Any) -> str:
     """The HF model_type of a family config: gpt2; bert, roberta, albert or distilbert; t5 or bart; llama,
-    mistral, qwen2, mixtral or qwen2_moe."""
+    mistral, qwen2, mixtral or qwen2_moe; deepseek_v3."""
     if model_name == "gpt2":
         return "gpt2"
     if model_name == "llama":
         return llama.hf_model_type(cfg)
+    if model_name == "deepseek":
+        return deepseek.MODEL_TYPE
     if model_name == "seq2seq":
         return "t5" if cfg.positions == "relative" else "bart"
     if model_name == "bert":
@@ -93,6 +95,8 @@ def to_hf(
         return gpt2.config_to_hf(cfg), gpt2.to_hf(params, cfg)
     if model_type in llama.ARCHITECTURES:
         return llama.config_to_hf(cfg), llama.to_hf(params, cfg)
+    if model_type == deepseek.MODEL_TYPE:
+        return deepseek.config_to_hf(cfg), deepseek.to_hf(params, cfg)
     if model_type == "t5":
         return seq2seq.t5_config_to_hf(cfg), seq2seq.t5_to_hf(params, cfg)
     if model_type == "bart":

@@ -9,8 +9,8 @@ pretraining head the target does not have (the MLM head of a classifier's backbo
 without an error. Only then is each parameter read, tensor by tensor, converted once to the target's dtype and
 built in the target's sharding (`mapping.place`): host memory never holds the checkpoint whole.
 
-The per-family tables live in gpt2.py, bert.py, seq2seq.py and llama.py; the mechanism in tables.py (entries, the
-validator), safetensors_reader.py (the folder's files) and mapping.py (layer layout and placement).
+The per-family tables live in gpt2.py, bert.py, seq2seq.py, llama.py and deepseek.py; the mechanism in tables.py
+(entries, the validator), safetensors_reader.py (the folder's files) and mapping.py (layer layout and placement).
 """
 
 import dataclasses
@@ -23,13 +23,19 @@ import flax.linen as nn
 import jax
 
 from lmzoo import storage
-from lmzoo.convert import bert, gpt2, llama, mapping, safetensors_reader, seq2seq, tables
+from lmzoo.convert import bert, deepseek, gpt2, llama, mapping, safetensors_reader, seq2seq, tables
 from lmzoo.convert.seq2seq import t5_config_to_hf, t5_from_hf  # noqa: F401  (used by bench/seq2seq_bench.py)
 from lmzoo.convert.tables import Params
 from lmzoo.models import make_config
 
 # model_name -> converter module with checkpoint_sources(hf_config, state_dict) -> (config.model fields, lazy params).
-FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "bert": bert, "seq2seq": seq2seq, "llama": llama}
+FAMILIES: dict[str, ModuleType] = {
+    "gpt2": gpt2,
+    "bert": bert,
+    "seq2seq": seq2seq,
+    "llama": llama,
+    "deepseek": deepseek,
+}
 # Fields a checkpoint does not fix: regularisation and initialisation (and the weight of an MoE's load-balancing loss)
 # do not change a loaded model's function, and head presence (pooler, sentence_head) is checked tensor by tensor (a
 # missing head is newly initialised).
@@ -121,8 +127,9 @@ def _read(spec: str, model_name: str) -> tuple[dict[str, Any], Params]:
     folder = resolve_folder(spec.removeprefix("hf:"))
     hf_config, tensors = safetensors_reader.read_safetensors_dir(folder)
     model_type = str(hf_config.get("model_type", ""))
-    # The architecture names the model type without its underscores (qwen2_moe: Qwen2MoeForCausalLM).
-    stem = model_type.lower().replace("_", "")
+    # The architecture names the model type without its underscores (qwen2_moe: Qwen2MoeForCausalLM) and a text
+    # model's "_text" (gemma3_text: Gemma3ForCausalLM).
+    stem = model_type.lower().removesuffix("_text").replace("_", "")
     disagreeing = [a for a in hf_config.get("architectures") or () if not a.lower().startswith(stem)]
     if model_type and disagreeing:
         raise ValueError(
@@ -201,7 +208,9 @@ def _mismatch_message(
     lines.append(f"the checkpoint's HF config corresponds to config.model = {{{suggestion}}}")
     if fix:
         lines.append(f"fix: set config.model {fix}")
-    lines.append("or load only what fits with allow_partial=True (the rest keeps its fresh initialisation)")
+    lines.append(
+        "or load only what fits with --config.init_from_partial=True (the rest keeps its fresh initialisation)"
+    )
     return "\n".join(lines)
 
 

@@ -1,12 +1,19 @@
-"""HF Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen2-MoE / Qwen3-MoE (*ForCausalLM) <-> lmzoo "llama": config
-translation and tensor tables.
+"""HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 (text) / Mixtral / Qwen2-MoE / Qwen3-MoE (*ForCausalLM) <-> lmzoo
+"llama": config translation and tensor tables.
 
-All seven are the same decoder to lmzoo: Mistral adds a sliding window, Qwen2 q/k/v biases, Qwen3 a per-head RMSNorm of
+All eight are the same decoder to lmzoo: Mistral adds a sliding window, Qwen2 q/k/v biases, Qwen3 a per-head RMSNorm of
 queries and keys (`qk_norm`); Mixtral (a window too), Qwen2-MoE (q/k/v biases, a shared expert) and Qwen3-MoE (Qwen3's
 attention, routed experts alone) make every layer's SwiGLU a mixture of experts (`num_experts` > 0,
 `layers.mlp.MoeBlock`). HF's nn.Linear weights are [out, in] and are transposed: q_proj [N*H, D] -> query (D, N, H),
 k_proj / v_proj [K*H, D] -> (D, K, H), o_proj [D, N*H] -> out (N, H, D); gate_proj, up_proj, down_proj -> wi_0, wi_1,
 wo; Qwen3's q_norm / k_norm [H] -> query_norm / key_norm scale [H].
+
+Gemma 3's text model (model_type gemma3_text, Gemma3ForCausalLM) is Qwen3's attention with layer kinds (`layer_types`,
+sliding and full, each with its rope base), sandwich norms, scaled embeddings, a tanh-GELU gate and the logit scale
+query_pre_attn_scalar ** -0.5: input_layernorm, post_attention_layernorm, pre_feedforward_layernorm and
+post_feedforward_layernorm -> ln_attn, ln_attn_out, ln_mlp, ln_mlp_out. Its RMSNorm multiplies by 1 + weight, so every
+Gemma norm weight (q_norm and k_norm too) gains 1 on import and loses it on export: lmzoo's scale is the factor itself.
+Its multimodal model (model_type gemma3) is refused; its logit soft-capping and bidirectional attention too.
 
 Experts are read and written one HF tensor per expert, as safetensors files hold them (transformers 5 fuses them in
 memory into experts.gate_up_proj [E, 2F, D] and experts.down_proj [E, D, F], and splits them again in
@@ -16,8 +23,9 @@ mlp.experts.e.{gate_proj, up_proj, down_proj}, each [F, D] or [D, F], become sli
 and its sigmoid gate shared_expert_gate [1, D] the kernel [D] of "shared_gate".
 """
 
+import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,12 +39,13 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # The model types whose attention RMS-normalises each head's queries and keys before the rotation (`qk_norm`).
-_QK_NORM = ("qwen3", "qwen3_moe")
+_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
 # Switches lmzoo's llama does not implement, with the only supported value. Llama's and Qwen3's attention_bias also
 # biases o_proj, which lmzoo's attention has no parameter for; Qwen2's q/k/v biases are implied by its model_type.
 # Mixtral's router jitter (training only) multiplies the router's input by noise; lmzoo's router has none.
@@ -60,32 +69,153 @@ _EXPERT_KERNELS = ("wi_0", "wi_1", "wo")
 _BUFFER = re.compile(r"layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
+_ROPE_TYPES = ("default", "linear", "llama3")
+SLIDING, FULL = "sliding_attention", "full_attention"
+# The fields only Gemma 3 sets, at lmzoo's defaults: every other model type's values.
+_GEMMA_ONLY = {
+    "layer_types": (),
+    "sliding_rope_theta": 0.0,
+    "sandwich_norms": False,
+    "embed_scale": False,
+    "query_pre_attn_scalar": 0.0,
+    "mlp_activation": "silu",
+}
+# Gemma3TextConfig's defaults for the keys a gemma3_text config.json may leave out.
+_GEMMA3_DEFAULTS = {
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+}
+
+
 def _rope(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """rope_theta and the llama3 scaling fields from `rope_parameters` (transformers 5) or `rope_theta` +
-    `rope_scaling` (earlier config.json files)."""
+    """rope_theta and the scaling fields from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`
+    (earlier config.json files)."""
     field = "rope_parameters" if hf_config.get("rope_parameters") else "rope_scaling"
     rope = dict(hf_config.get(field) or {})
-    theta = rope.get("rope_theta", hf_config.get("rope_theta", 10_000.0))
+    return _rope_fields(rope, rope.get("rope_theta", hf_config.get("rope_theta", 10_000.0)), field)
+
+
+def _rope_fields(rope: Mapping[str, Any], theta: float, where: str, types: Sequence[str] = _ROPE_TYPES) -> dict:
+    """The config.model rope fields of one HF rope dict (`rope_type` among `types`; its factors) with base `theta`;
+    `where` names the dict in errors."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise tables.ConfigError(
-            f"HF config has {field}.partial_rotary_factor={rope['partial_rotary_factor']!r}; "
+            f"HF config has {where}.partial_rotary_factor={rope['partial_rotary_factor']!r}; "
             "lmzoo's llama rotates the whole head (1.0)"
+        )
+    if rope_type not in types:
+        raise tables.ConfigError(
+            f"HF config has {where} rope_type {rope_type!r}; lmzoo's llama implements {', '.join(map(repr, types))} "
+            "there"
         )
     # factor 0 (no scaling) is stated, so a target config that scales differs from an unscaled checkpoint.
     fields: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling_factor": 0.0}
     if rope_type == "default":
         return fields
-    if rope_type != "llama3":
-        raise tables.ConfigError(
-            f"HF config has {field} rope_type {rope_type!r}; lmzoo's llama implements only 'default' and 'llama3'"
-        )
+    fields |= {"rope_scaling_factor": float(rope["factor"]), "rope_scaling_type": rope_type}
+    if rope_type == "linear":
+        return fields
     return fields | {
-        "rope_scaling_factor": float(rope["factor"]),
         "rope_low_freq_factor": float(rope["low_freq_factor"]),
         "rope_high_freq_factor": float(rope["high_freq_factor"]),
         "rope_original_max_len": int(rope["original_max_position_embeddings"]),
     }
+
+
+def _rope_to_hf(cfg: LlamaConfig, kind: str = FULL) -> dict[str, Any]:
+    """The HF rope dict (`rope_type`, its factors, `rope_theta`) of the layers of `kind`."""
+    rotary = cfg.rotary(kind)
+    if rotary.scaling is not None:
+        factor, low, high, original = rotary.scaling
+        scaling = {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": original,
+        }
+    elif rotary.linear_factor != 1.0:
+        scaling = {"rope_type": "linear", "factor": rotary.linear_factor}
+    else:
+        scaling = {"rope_type": "default"}
+    return scaling | {"rope_theta": rotary.theta}
+
+
+def _gemma3_fields(hf_config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """The fields of a gemma3_text config.json that the others lack or read otherwise: the layer kinds (HF's
+    layer_types, else every sliding_window_pattern-th layer full), the window and rotation of each kind (transformers
+    5's rope_parameters per kind, or rope_theta + rope_scaling for the full layers and rope_local_base_freq for the
+    sliding ones), and the Gemma switches. Kinds all alike are no layer_types: every layer that kind. Soft-capping,
+    bidirectional attention and activations lmzoo lacks are refused, naming the key."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf_config.get(key) is not None:
+            raise tables.ConfigError(
+                f"HF gemma3_text config has {key}={hf_config[key]!r}; lmzoo's llama does not soft-cap logits "
+                "(supported: null)"
+            )
+    if hf_config.get("use_bidirectional_attention"):
+        raise tables.ConfigError(
+            "HF gemma3_text config has use_bidirectional_attention=True; lmzoo's llama is causal (supported: false)"
+        )
+
+    def get(key: str) -> Any:
+        return hf_config.get(key, _GEMMA3_DEFAULTS[key])
+
+    activation = get("hidden_activation")
+    if activation not in tables.ACTIVATION_FROM_HF:
+        raise tables.ConfigError(
+            f"HF gemma3_text config has hidden_activation={activation!r}; lmzoo's llama implements "
+            f"{', '.join(map(repr, tables.ACTIVATION_FROM_HF))}"
+        )
+    pattern = int(get("sliding_window_pattern"))
+    kinds = list(hf_config.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)])
+    if len(kinds) != num_layers or not set(kinds) <= {SLIDING, FULL}:
+        unknown = sorted(set(kinds) - {SLIDING, FULL})
+        raise tables.ConfigError(
+            f"HF gemma3_text config has layer_types {unknown[0]!r}; lmzoo's llama implements {SLIDING!r} and {FULL!r}"
+            if unknown
+            else f"HF gemma3_text config has {len(kinds)} layer_types for num_hidden_layers={num_layers}"
+        )
+    window = int(get("sliding_window") or 0)
+    if SLIDING in kinds and window < 1:
+        given = hf_config.get("sliding_window")
+        raise tables.ConfigError(f"HF gemma3_text config has sliding_attention layers with sliding_window={given!r}")
+    thetas = {FULL: get("rope_theta"), SLIDING: get("rope_local_base_freq")}
+    if hf_config.get("rope_parameters"):  # transformers 5: one dict per kind
+        ropes = hf_config["rope_parameters"]
+        absent = [kind for kind in (FULL, SLIDING) if kind in kinds and not isinstance(ropes.get(kind), Mapping)]
+        if absent:
+            raise tables.ConfigError(f"HF gemma3_text config has no rope_parameters[{absent[0]!r}] for its layers")
+        wheres = {kind: f"rope_parameters[{kind!r}]" for kind in (FULL, SLIDING)}
+    else:  # earlier config.json files: rope_scaling is the full layers'
+        ropes = {FULL: hf_config.get("rope_scaling") or {}, SLIDING: {}}
+        wheres = {FULL: "rope_scaling", SLIDING: "rope_local_base_freq"}
+
+    def rope(kind: str, types: Sequence[str] = _ROPE_TYPES) -> dict[str, Any]:
+        return _rope_fields(ropes[kind], ropes[kind].get("rope_theta", thetas[kind]), wheres[kind], types)
+
+    fields: dict[str, Any] = {
+        "sandwich_norms": True,
+        "embed_scale": True,
+        "query_pre_attn_scalar": float(get("query_pre_attn_scalar")),
+        "mlp_activation": tables.ACTIVATION_FROM_HF[activation],
+    }
+    if len(set(kinds)) == 1:
+        return fields | rope(kinds[0]) | {"sliding_window": window if kinds[0] == SLIDING else 0}
+    # lmzoo scales only the full layers' rotation, as Gemma 3 does
+    sliding_theta = rope(SLIDING, types=("default",))["rope_theta"]
+    return (
+        fields
+        | rope(FULL)
+        | {"layer_types": tuple(kinds), "sliding_window": window, "sliding_rope_theta": sliding_theta}
+    )
 
 
 def _sliding_window(hf_config: Mapping[str, Any], model_type: str, num_layers: int) -> int:
@@ -177,9 +307,15 @@ def _moe_fields(hf_config: Mapping[str, Any], model_type: str, num_layers: int) 
 
 
 def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """config.model fields of the "llama" family from an HF Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or
-    Qwen3-MoE config.json dict."""
+    """config.model fields of the "llama" family from an HF Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text),
+    Mixtral, Qwen2-MoE or Qwen3-MoE config.json dict."""
     model_type = hf_config.get("model_type")
+    if model_type == "gemma3":
+        raise tables.ConfigError(
+            f"HF config has model_type='gemma3' (architectures {hf_config.get('architectures')}), Gemma 3's multimodal "
+            "model; lmzoo's llama reads its text model: use a text-only checkpoint (model_type 'gemma3_text', "
+            "Gemma3ForCausalLM, e.g. google/gemma-3-1b-it)"
+        )
     if model_type not in ARCHITECTURES:
         raise tables.ConfigError(
             f"HF config has model_type={model_type!r} (architectures {hf_config.get('architectures')}); the llama "
@@ -209,13 +345,20 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     emb_dim, num_heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
     num_layers = int(hf_config["num_hidden_layers"])
     kv_heads = int(hf_config.get("num_key_value_heads") or num_heads)
-    # Where config.json leaves head_dim out, Qwen3Config's default is 128; the others' is hidden_size / heads.
-    head_dim = hf_config.get("head_dim", 128 if model_type == "qwen3" else None)
+    gemma = model_type == "gemma3_text"
+    # Where config.json leaves head_dim out, Qwen3Config's default is 128, Gemma3TextConfig's 256; the others' is
+    # hidden_size / heads.
+    head_dim = hf_config.get("head_dim", {"qwen3": 128, "gemma3_text": 256}.get(model_type))
     if num_heads % kv_heads:
         raise tables.ConfigError(
             f"HF {model_type} config has num_key_value_heads={kv_heads}, which does not divide "
             f"num_attention_heads={num_heads} (each key/value head serves a whole group of query heads)"
         )
+    # Gemma's fields are stated for every model type, so a target config that sets them differs from the checkpoint.
+    if gemma:
+        kinds = _GEMMA_ONLY | _gemma3_fields(hf_config, num_layers)
+    else:
+        kinds = _GEMMA_ONLY | _rope(hf_config) | {"sliding_window": _sliding_window(hf_config, model_type, num_layers)}
     return {
         "vocab_size": int(hf_config["vocab_size"]),
         "max_len": int(hf_config["max_position_embeddings"]),
@@ -227,12 +370,11 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         "num_layers": num_layers,
         "mlp_dim": int(hf_config["intermediate_size"]),
         **_moe_fields(hf_config, model_type, num_layers),
-        **_rope(hf_config),
-        "sliding_window": _sliding_window(hf_config, model_type, num_layers),
+        **kinds,
         # Qwen2-MoE's config.json says qkv_bias since transformers 5; earlier ones always had the biases.
         "qkv_bias": model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf_config.get("qkv_bias", True))),
         "qk_norm": model_type in _QK_NORM,
-        "tie_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
+        "tie_embeddings": bool(hf_config.get("tie_word_embeddings", gemma)),
         "norm_epsilon": float(hf_config.get("rms_norm_eps", 1e-6)),
         "init_std": float(hf_config.get("initializer_range", 0.02)),
         "dropout_rate": 0.0,
@@ -240,11 +382,33 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _gemma_switches(cfg: LlamaConfig) -> dict[str, Any]:
+    """The fields only Gemma 3 sets (`_GEMMA_ONLY`) that `cfg` sets otherwise than their defaults, with its values."""
+    return {name: getattr(cfg, name) for name, default in _GEMMA_ONLY.items() if getattr(cfg, name) != default}
+
+
 def hf_model_type(cfg: LlamaConfig) -> str:
-    """With experts: qwen3_moe for qk_norm, else qwen2_moe for a shared expert, else mixtral. Without: qwen3 for
-    qk_norm, else qwen2 for q/k/v biases, else mistral for a sliding window, else llama. Raises for models HF has no
-    class for (qk_norm with q/k/v biases or a shared expert; experts without a shared expert, with q/k/v biases or
-    top-k weights not renormalised)."""
+    """gemma3_text with Gemma's fields (`_gemma_switches`). With experts: qwen3_moe for qk_norm, else qwen2_moe for a
+    shared expert, else mixtral. Without: qwen3 for qk_norm, else qwen2 for q/k/v biases, else mistral for a sliding
+    window, else llama. Raises for models HF has no class for (Gemma's fields without all of sandwich_norms,
+    embed_scale and qk_norm, or with q/k/v biases or experts; qk_norm with q/k/v biases or a shared expert; experts
+    without a shared expert, with q/k/v biases or top-k weights not renormalised)."""
+    switches = _gemma_switches(cfg)
+    if switches:
+        if not (cfg.sandwich_norms and cfg.embed_scale and cfg.qk_norm) or cfg.qkv_bias or cfg.num_experts:
+            raise ValueError(
+                f"a llama with {switches}, qk_norm={cfg.qk_norm}, qkv_bias={cfg.qkv_bias} and num_experts="
+                f"{cfg.num_experts} has no HF counterpart: Gemma3ForCausalLM (the HF model with those fields) has "
+                "sandwich norms, scaled embeddings and q/k norms, no q/k/v biases and no experts; set "
+                "config.model.sandwich_norms=True, embed_scale=True, qk_norm=True, qkv_bias=False and num_experts=0, "
+                "or leave those fields at their defaults"
+            )
+        if cfg.mlp_activation not in tables.ACTIVATION_TO_HF:
+            raise ValueError(
+                f"config.model.mlp_activation={cfg.mlp_activation!r} has no HF name; Gemma3ForCausalLM takes "
+                f"{sorted(tables.ACTIVATION_TO_HF)}"
+            )
+        return "gemma3_text"
     if cfg.qk_norm and (cfg.qkv_bias or (cfg.num_experts and cfg.shared_expert_mlp_dim)):
         raise ValueError(
             f"a llama with qk_norm, qkv_bias={cfg.qkv_bias} and shared_expert_mlp_dim={cfg.shared_expert_mlp_dim} "
@@ -273,23 +437,17 @@ def hf_model_type(cfg: LlamaConfig) -> str:
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    """An HF config.json dict (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE: `hf_model_type`) for a
-    "llama" config.
+    """An HF config.json dict (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral, Qwen2-MoE or Qwen3-MoE:
+    `hf_model_type`) for a "llama" config.
 
     Residual dropout has no HF field (HF's decoders have none); it does not change the exported model's function.
     Nor have the MoE form, its capacity and the router z-loss: HF computes every assignment (the dropless form).
     """
     model_type = hf_model_type(cfg)
-    rope = {"rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        factor, low, high, original = cfg.rope_scaling
-        rope["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": factor,
-            "low_freq_factor": low,
-            "high_freq_factor": high,
-            "original_max_position_embeddings": original,
-        }
+    scaling = _rope_to_hf(cfg)
+    rope = {"rope_theta": scaling.pop("rope_theta")}
+    if scaling["rope_type"] != "default":
+        rope["rope_scaling"] = scaling
     hf_config = {
         "model_type": model_type,
         "architectures": [ARCHITECTURES[model_type]],
@@ -313,6 +471,8 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     }
     if model_type == "llama":
         return hf_config | {"attention_bias": False, "mlp_bias": False}
+    if model_type == "gemma3_text":
+        return _gemma3_config_to_hf(cfg, hf_config)
     if model_type == "mistral":
         return hf_config | {"sliding_window": cfg.sliding_window}
     if model_type == "mixtral":
@@ -364,6 +524,35 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     }
 
 
+def _gemma3_config_to_hf(cfg: LlamaConfig, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """`hf_config` (the keys every model type shares) as Gemma3TextConfig's: one rope dict per layer kind (every
+    layer the kind of the window when layer_types is empty, rotating as lmzoo's do then), GeGLU's HF name, no
+    soft-capping."""
+    kinds = list(cfg.layer_types) or [SLIDING if cfg.sliding_window else FULL] * cfg.num_layers
+    scalar = cfg.query_pre_attn_scalar or cfg.head_size
+    if scalar != int(scalar):
+        raise ValueError(
+            f"config.model.query_pre_attn_scalar={scalar} has no HF form: Gemma3TextConfig takes an integer"
+        )
+    if cfg.emb_dim % cfg.num_heads:
+        raise ValueError(
+            f"config.model.emb_dim={cfg.emb_dim} is not a multiple of num_heads={cfg.num_heads}, which "
+            "Gemma3TextConfig refuses (whatever head_dim is); choose num_heads dividing emb_dim"
+        )
+    common = {key: value for key, value in hf_config.items() if key not in ("rope_theta", "rope_scaling", "hidden_act")}
+    return common | {
+        "hidden_activation": {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.mlp_activation, cfg.mlp_activation),
+        "rope_parameters": {kind: _rope_to_hf(cfg, kind) for kind in (SLIDING, FULL)},
+        "layer_types": kinds,
+        "sliding_window": cfg.sliding_window or None,
+        "query_pre_attn_scalar": int(scalar),
+        "attention_bias": False,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    }
+
+
 def _swiglu(module: str, path: tuple[str, ...], d: int, f: int) -> list[Entry]:
     """An HF gated MLP's gate_proj, up_proj, down_proj -> wi_0, wi_1, wo kernels (Llama's MLP, Qwen2-MoE's shared
     expert)."""
@@ -401,6 +590,8 @@ def entries(cfg: LlamaConfig) -> list[Entry]:
     d, v, h = cfg.emb_dim, cfg.vocab_size, cfg.head_size
     model_type = hf_model_type(cfg)
     n, k = cfg.num_heads, cfg.kv_heads
+    gemma = model_type == "gemma3_text"
+    norm = functools.partial(tables.norm, bias=False, offset=1.0 if gemma else 0.0)  # Gemma's scales are 1 + weight
     table = tables.table("embed_tokens", ("embed",), v, d)
     for i in range(cfg.num_layers):
         prefix, path = f"layers.{i}.", ("blocks", f"layer_{i}")
@@ -416,12 +607,17 @@ def entries(cfg: LlamaConfig) -> list[Entry]:
         )
         table += tables.linear(prefix + "self_attn.o_proj", (*attn, "out"), n * h, d, in_shape=(n, h), bias=False)
         if cfg.qk_norm:
-            table += tables.norm(prefix + "self_attn.q_norm", (*attn, "query_norm"), h, bias=False)
-            table += tables.norm(prefix + "self_attn.k_norm", (*attn, "key_norm"), h, bias=False)
+            table += norm(prefix + "self_attn.q_norm", (*attn, "query_norm"), h)
+            table += norm(prefix + "self_attn.k_norm", (*attn, "key_norm"), h)
         table += _feed_forward(prefix, (*path, "mlp"), cfg, model_type)
-        table += tables.norm(prefix + "input_layernorm", (*path, "ln_attn"), d, bias=False)
-        table += tables.norm(prefix + "post_attention_layernorm", (*path, "ln_mlp"), d, bias=False)
-    table += tables.norm("norm", ("norm",), d, bias=False)
+        table += norm(prefix + "input_layernorm", (*path, "ln_attn"), d)
+        if gemma:  # HF's post_attention_layernorm is the attention output's there, Llama's pre-MLP norm elsewhere
+            table += norm(prefix + "post_attention_layernorm", (*path, "ln_attn_out"), d)
+            table += norm(prefix + "pre_feedforward_layernorm", (*path, "ln_mlp"), d)
+            table += norm(prefix + "post_feedforward_layernorm", (*path, "ln_mlp_out"), d)
+        else:
+            table += norm(prefix + "post_attention_layernorm", (*path, "ln_mlp"), d)
+    table += norm("norm", ("norm",), d)
     if not cfg.tie_embeddings:
         table += tables.linear("lm_head", ("lm_head",), d, v, bias=False)
     return table
@@ -477,8 +673,8 @@ def _sources(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
 
 
 def from_hf(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
-    """HF Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen2-MoE / Qwen3-MoE *ForCausalLM state dict (experts one
-    tensor each, as in safetensors files) -> lmzoo "llama" params (per-layer, float32 numpy).
+    """HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 / Mixtral / Qwen2-MoE / Qwen3-MoE *ForCausalLM state dict (experts
+    one tensor each, as in safetensors files) -> lmzoo "llama" params (per-layer, float32 numpy).
 
     With tied embeddings an `lm_head.weight` is accepted only if it equals `embed_tokens.weight`.
     """
@@ -493,13 +689,13 @@ def to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:
 
 def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
     """(config.model fields, params as lazy leaves, read only when placed) of an HF Llama, Mistral, Qwen2, Qwen3,
-    Mixtral, Qwen2-MoE or Qwen3-MoE checkpoint."""
+    Gemma 3, Mixtral, Qwen2-MoE or Qwen3-MoE checkpoint."""
     fields = config_from_hf(hf_config)
     return fields, _sources(state_dict, tables.checkpoint_config("llama", fields))
 
 
 def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params: per-layer float32 numpy) of an HF Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE
-    or Qwen3-MoE checkpoint."""
+    """(config.model fields, params: per-layer float32 numpy) of an HF Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral,
+    Qwen2-MoE or Qwen3-MoE checkpoint."""
     fields, sources = checkpoint_sources(hf_config, state_dict)
     return fields, mapping.materialize(sources)

@@ -4,9 +4,11 @@ sharding.
 The leaves of a converted tree are numpy arrays or `LazyLeaf`s, which compute any box of the leaf from the stored rows
 behind it: an HF tensor as an lmzoo leaf (`tables.Converted`), one tensor of a safetensors file
 (`safetensors_reader.StoredTensor`), or leaves stacked along a new leading axis (`Stacked`: the scanned layer layout,
-which `to_layout` gives a per-layer tree where the target scans its layers, `unstack_layers` the reverse, and a MoE
-layer's experts). What placement needs of a leaf it asks the leaf (`LazyLeaf.stacked_layers`, `relayout_leaf`,
-`from_bucket`), so this module knows no concrete kind of leaf.
+which `to_layout` gives a per-layer tree where the target scans its layers, and a MoE layer's experts). `to_layout`
+also splits a scanned stack into its layers (`unstack_layers`) where the target has them one by one, so a tree of
+either layout (HF's per-layer tensors, a checkpoint of either `scan_layers`) takes the target's. What placement needs
+of a leaf it asks the leaf (`LazyLeaf.stacked_layers`, `relayout_leaf`, `from_bucket`), so this module knows no
+concrete kind of leaf.
 
 `place` builds each parameter in its target's dtype and sharding: the tensor is read once for all the shards this
 process's devices hold, in pieces (a scanned leaf's layers, a large tensor's ranges of rows), each read on a thread of
@@ -82,15 +84,18 @@ class LazyLeaf:
 class Relayout(NamedTuple):
     """How a block of an HF tensor becomes a box of an lmzoo leaf: transposed (every axis reversed, for [out, in]
     kernels), reshaped to `shape` (splitting axes), then sliced to `inner` ((start, stop) of each axis; None keeps
-    one whole). Numpy and jax arrays take it alike: a view on the host, or on an accelerator a computation there."""
+    one whole), and `offset` added in float32 (Gemma's norm weights, which HF applies as 1 + w). Numpy and jax arrays
+    take it alike: a view on the host (a float32 copy with an offset), or on an accelerator a computation there."""
 
     transpose: bool
     shape: tuple[int, ...]
     inner: tuple[tuple[int, int] | None, ...]
+    offset: float = 0.0
 
     def apply(self, block: Any) -> Any:
         block = block.T if self.transpose else block
-        return block.reshape(self.shape)[tuple(slice(None) if part is None else slice(*part) for part in self.inner)]
+        block = block.reshape(self.shape)[tuple(slice(None) if part is None else slice(*part) for part in self.inner)]
+        return block.astype(np.float32) + np.float32(self.offset) if self.offset else block
 
 
 class Stacked(LazyLeaf):
@@ -159,12 +164,15 @@ def _layer(stacked: Any, i: int) -> Any:
 
 
 def to_layout(tree: Any, target: Any) -> Any:
-    """`tree` (per-layer) with every per-layer subtree stacked (lazily: `Stacked` leaves) where `target` holds a
-    scanned `layers` subtree."""
+    """`tree` in `target`'s layer layout: every per-layer subtree stacked (lazily: `Stacked` leaves) where `target`
+    holds a scanned `layers` subtree, and every scanned subtree split into its layers (`unstack_layers`) where
+    `target` holds them one by one; the rest as it is."""
     if not isinstance(tree, Mapping) or not isinstance(target, Mapping):
         return tree
     if set(target) == {"layers"} and _is_per_layer(tree):
         tree = {"layers": _stack(*(tree[f"layer_{i}"] for i in range(len(tree))))}
+    elif set(tree) == {"layers"} and _is_per_layer(target):
+        tree = unstack_layers(tree)
     return {key: to_layout(value, target[key]) if key in target else value for key, value in tree.items()}
 
 

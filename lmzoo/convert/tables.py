@@ -40,8 +40,9 @@ ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "si
 class Entry(NamedTuple):
     """One HF tensor (or one part of it) <-> one lmzoo leaf.
 
-    leaf = split(tensor.T if transpose else tensor, part)[...].reshape(shape), where part = (index, count)
-    takes the index-th of `count` equal slices along the last axis (GPT-2's fused query/key/value).
+    leaf = split(tensor.T if transpose else tensor, part)[...].reshape(shape) + offset, where part = (index, count)
+    takes the index-th of `count` equal slices along the last axis (GPT-2's fused query/key/value) and offset is added
+    in float32 (Gemma's RMSNorm weights w, which HF applies as 1 + w: lmzoo's scale is the factor itself).
     """
 
     hf: str  # HF name without the optional prefix
@@ -51,6 +52,7 @@ class Entry(NamedTuple):
     transpose: bool = False
     part: tuple[int, int] | None = None
     group: str = ""  # a head a checkpoint may lack as a whole ("mlm", "pooler", ...)
+    offset: float = 0.0
 
 
 class Layout(NamedTuple):
@@ -105,9 +107,12 @@ def conv1d(
     ]
 
 
-def norm(module: str, path: tuple[str, ...], d: int, *, bias: bool = True, group: str = "") -> list[Entry]:
-    """HF LayerNorm / T5 RMS norm weight (and bias) [d] -> scale (and bias)."""
-    entries = [Entry(f"{module}.weight", (*path, "scale"), (d,), (d,), group=group)]
+def norm(
+    module: str, path: tuple[str, ...], d: int, *, bias: bool = True, group: str = "", offset: float = 0.0
+) -> list[Entry]:
+    """HF LayerNorm / T5 RMS norm weight (and bias) [d] -> scale (and bias); `offset` is added to the weight (1 for
+    Gemma's RMSNorm, which multiplies by 1 + weight)."""
+    entries = [Entry(f"{module}.weight", (*path, "scale"), (d,), (d,), group=group, offset=offset)]
     if bias:
         entries.append(Entry(f"{module}.bias", (*path, "bias"), (d,), (d,), group=group))
     return entries
@@ -279,7 +284,7 @@ class Converted(LazyLeaf):
         shape = tuple(box[axis][1] - box[axis][0] if axis in outer else n for axis, n in enumerate(self.shape))
         inner = tuple(None if axis in outer else box[axis] for axis in range(len(self.shape)))
         stored = tuple(view_box[::-1] if self.entry.transpose else view_box)
-        return stored, Relayout(self.entry.transpose, shape, inner)
+        return stored, Relayout(self.entry.transpose, shape, inner, self.entry.offset)
 
     def read_stored(self, stored: Box, buffer: ReadBuffer | None = None) -> np.ndarray:
         """The `stored` box of the HF tensor, as stored (into `buffer` when the tensor is read from a file)."""
@@ -345,12 +350,18 @@ def to_hf(params: Params, layout: Layout, entries: Sequence[Entry], *, prefixed:
         first = parts[0]
         view = list(first.hf_shape[::-1] if first.transpose else first.hf_shape)
         view[-1] //= len(parts)
-        arrays = [np.asarray(flat["/".join(e.path)], np.float32).reshape(view) for e in sorted(parts, key=_part_index)]
+        arrays = [_hf_value(flat["/".join(e.path)], e).reshape(view) for e in sorted(parts, key=_part_index)]
         tensor = np.concatenate(arrays, axis=-1) if len(arrays) > 1 else arrays[0]
         state_dict[key(name)] = np.ascontiguousarray(tensor.T if first.transpose else tensor)
     for copy, source in layout.tied.items():
         state_dict[key(copy)] = state_dict[key(source)].copy()
     return state_dict
+
+
+def _hf_value(leaf: Any, entry: Entry) -> np.ndarray:
+    """An lmzoo leaf as float32 with the entry's offset taken off again (the HF tensor's values, before its layout)."""
+    value = np.asarray(leaf, np.float32)
+    return value - np.float32(entry.offset) if entry.offset else value
 
 
 def _part_index(entry: Entry) -> int:

@@ -21,9 +21,10 @@ Config = ml_collections.ConfigDict
 
 def named_files_fingerprint(config: Config) -> str:
     """sha256 of the paths, sizes and modification times of the files config.data names (path, train_path,
-    validation_path; a folder's text files)."""
+    validation_path; a folder's text files); a named path that is not there is refused, as reading it would be (a dry
+    run finds the data so)."""
     named = [config.data[field] for field in ("path", "train_path", "validation_path") if config.data[field]]
-    files = [f for path in named if storage.exists(path) for f in sources.text_files(path)]
+    files = [f for path in named if not path.startswith(problems.SYNTHETIC) for f in sources.text_files(path)]
     return sources.fingerprint_files(files)
 
 

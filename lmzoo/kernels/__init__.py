@@ -44,6 +44,17 @@ def use_platform(name: str):
         _override.platform = previous
 
 
+def remat_policy(name: str) -> str:
+    """The rematerialisation a layer stack applies for `config.model.remat_policy` `name`: "auto" (what the base-size
+    configs set) is "none" on the CPU, whose memory (the host's) is seldom what limits a run, so recomputing in the
+    backward pass would cost step and compile time for nothing, and "dots_no_batch" on GPUs and TPUs, where the
+    activations fill the device: each layer keeps its projections' outputs and recomputes the rest (norms,
+    activations, attention). Any other name is returned as it is."""
+    if name != "auto":
+        return name
+    return "none" if on_cpu() else "dots_no_batch"
+
+
 def head_chunk_bytes() -> int:
     """Budget of one chunk of float32 logits in the fused LM head (`objectives.losses.fused_head_loss`): small on
     the CPU, where a chunk that stays in the last-level cache is fastest; on GPUs 2 GiB, where fewer, larger head

@@ -4,6 +4,7 @@
 - `embeddings`: token tables (`Embed`), learned-table length checks, sinusoidal and rotary positions.
 - `norms`: LayerNorm and RMS norm.
 - `attention`: `AttentionConfig` (the fields of one attention), masks, `Attention` with its KV cache.
+- `latent_attention`: multi-head latent attention (DeepSeek-V3's MLA) with its compressed cache, YaRN's rotation.
 - `mlp`: activations, the position-wise feed-forward (`MlpBlock`) and the mixture of experts (`MoeConfig`, `MoeBlock`).
 - `blocks`: `TransformerBlock` (attention + MLP with residuals) and `BlockStack` (layers looped or scanned).
 - `adapters`: low-rank adapters attached beside a layer's kernels, applied at a projection's inputs or merged (LoRA's

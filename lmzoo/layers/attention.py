@@ -8,6 +8,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lmzoo import kernels, sharding
 from lmzoo.kernels import explicit, tpu
@@ -53,9 +54,15 @@ class AttentionConfig:
         return dataclasses.replace(self, num_kv_heads=None, qkv_bias=None, rotary=None, sliding_window=None)
 
 
-def sliding_window_mask(query_positions: jax.Array, key_positions: jax.Array, window: int) -> jax.Array:
-    """[B, 1, T, S]: key within the last `window` positions of its query (itself included), as HF's Mistral."""
-    return (key_positions[:, None, :] > query_positions[:, :, None] - window)[:, None]
+def sliding_window_mask(query_positions: jax.Array, key_positions: jax.Array, window: int | jax.Array) -> jax.Array:
+    """[B, 1, T, S]: key within the last `window` positions of its query (itself included), as HF's Mistral.
+
+    window: a positive int, or a traced scalar (a layer of a scanned stack whose layers differ) where 0 is no window.
+    """
+    within = key_positions[:, None, :] > query_positions[:, :, None] - window
+    if isinstance(window, jax.Array):
+        within = within | (window <= 0)
+    return within[:, None]
 
 
 def attention_mask(
@@ -180,6 +187,8 @@ class Attention(nn.Module):
         positions: jax.Array | None = None,
         deterministic: bool,
         decode: bool = False,
+        sliding_window: int | jax.Array | None = None,
+        rotary_frequencies: np.ndarray | jax.Array | None = None,
     ) -> jax.Array:
         """x: [B, T, D]; context: [B, S, D] for cross-attention -> [B, T, D].
 
@@ -188,8 +197,15 @@ class Attention(nn.Module):
         decode mode x is the next chunk of the sequence and self-attention keys/values accumulate in the "cache"
         collection; cross-attention projects the context once (the call that passes it) and later
         calls, with context None, read its keys/values from the cache.
+
+        sliding_window (0: none) and rotary_frequencies [H / 2] override the config's window and rotation for this
+        layer, in a stack whose layers differ (`BlockStack.per_layer`): Python values in a looped stack, as the
+        config's; traced scalars and arrays in a scanned one, where the window is a mask over a full-length cache.
         """
         cfg = self.config
+        window = cfg.sliding_window if sliding_window is None else sliding_window
+        if not isinstance(window, jax.Array):
+            window = window or None  # a looped full-attention layer's 0
         d = x.shape[-1]
         kv_heads = cfg.num_kv_heads or cfg.num_heads
         if cfg.num_heads % kv_heads:
@@ -215,8 +231,12 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             query = head_norm(name="query_norm")(query)
         query = sharding.constrain(query, ("act_batch", "act_len", "act_heads", "act_kv"))
-        rotation = None if cfg.rotary is None else cfg.rotary.rotation(positions, cfg.head_dim, x.shape[1])
-        if positions is None and cfg.sliding_window:
+        rotation = (
+            None
+            if cfg.rotary is None
+            else cfg.rotary.rotation(positions, cfg.head_dim, x.shape[1], frequencies=rotary_frequencies)
+        )
+        if positions is None and window is not None:
             positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
         if rotation is not None:
             query = cfg.rotary(query, rotation)
@@ -240,15 +260,18 @@ class Attention(nn.Module):
             key, value = self._context_keys_values(context, project_context) if decode else project_context(context)
             mask = attention_mask(segment_ids, context_segment_ids, causal=False)
         elif decode:
-            update = self._update_rolling_cache if cfg.sliding_window else self._update_cache
-            key, value, mask = update(*project_keys_values(x, rotate=True), segment_ids, positions)
+            keys_values = project_keys_values(x, rotate=True)
+            if window is None or isinstance(window, jax.Array):
+                key, value, mask = self._update_cache(*keys_values, segment_ids, window)
+            else:
+                key, value, mask = self._update_rolling_cache(*keys_values, segment_ids, positions, window)
             is_causal = False
         else:
             key, value = project_keys_values(x, rotate=True)
             mask = attention_mask(segment_ids, segment_ids, causal=False)
-            if cfg.sliding_window:
-                window = sliding_window_mask(positions, positions, cfg.sliding_window)
-                mask = window if mask is None else mask & window
+            if window is not None:
+                in_window = sliding_window_mask(positions, positions, window)
+                mask = in_window if mask is None else mask & in_window
             else:
                 mask_segment_ids = segment_ids
 
@@ -292,16 +315,17 @@ class Attention(nn.Module):
         return self.get_variable("cache", "cached_context_key"), self.get_variable("cache", "cached_context_value")
 
     def _update_cache(
-        self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None
+        self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, window: jax.Array | None = None
     ):
         """Writes a [B, T] chunk at each row's cache index; returns full-length keys, values [B, S, K, H] and the mask.
 
         The first call (at init) sizes the cache from the chunk it sees: call `init` with a
         [B, max_decode_len] batch. Each row keeps its own index (cache_index [B]), so rows filled at different
         times (the generation engine's slots) share one cache; later chunks attend to every earlier valid key
-        of their row and causally within themselves.
+        of their row and causally within themselves, and with a traced `window` (a scanned layer's, 0: none) only
+        to the keys within it: the cache index orders the keys, and a row's padding is never attended to, so
+        index differences are the position differences HF's window counts.
         """
-        del positions  # the cache index orders the keys
         batch, chunk = key.shape[:2]
         initialized = self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
@@ -321,21 +345,23 @@ class Attention(nn.Module):
         query_positions = index[:, None] + jnp.arange(chunk)  # [B, T]
         causal = jnp.arange(length)[None, None, :] <= query_positions[:, :, None]
         mask = causal[:, None] & cached_valid.value[:, None, None, :]
+        if window is not None:
+            mask = mask & sliding_window_mask(query_positions, jnp.arange(length)[None], window)
         return cached_key.value, cached_value.value, mask
 
     def _update_rolling_cache(
-        self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, positions: jax.Array
+        self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, positions: jax.Array, window: int
     ):
-        """Sliding-window decoding: the cache holds only the last W = sliding_window keys/values [B, W, K, H] (with
+        """Sliding-window decoding: the cache holds only the last W = `window` keys/values [B, W, K, H] (with
         their positions and validity), W positions of memory rather than max_decode_len. A [B, T] chunk attends to
         the cached keys and itself, by positions: causal and within the window; the newest W then stay cached."""
         batch, chunk = key.shape[:2]
         initialized = self.has_variable("cache", "cached_key")
-        window = min(self.config.sliding_window, chunk)  # at init the chunk is [B, max_decode_len]
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, (batch, window) + key.shape[2:], key.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, (batch, window) + key.shape[2:], value.dtype)
-        cached_valid = self.variable("cache", "cached_valid", jnp.zeros, (batch, window), jnp.bool_)
-        cached_positions = self.variable("cache", "cached_positions", jnp.zeros, (batch, window), jnp.int32)
+        size = min(window, chunk)  # at init the chunk is [B, max_decode_len]
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, (batch, size) + key.shape[2:], key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, (batch, size) + key.shape[2:], value.dtype)
+        cached_valid = self.variable("cache", "cached_valid", jnp.zeros, (batch, size), jnp.bool_)
+        cached_positions = self.variable("cache", "cached_positions", jnp.zeros, (batch, size), jnp.int32)
         valid = jnp.ones((batch, chunk), jnp.bool_) if segment_ids is None else segment_ids != 0
         if not initialized:
             return key, value, attention_mask(None, None, causal=False)
@@ -347,5 +373,5 @@ class Attention(nn.Module):
         cached_key.value, cached_value.value = keys[:, -kept:], values[:, -kept:]
         cached_valid.value, cached_positions.value = key_valid[:, -kept:], key_positions[:, -kept:]
         causal = (key_positions[:, None, :] <= positions[:, :, None])[:, None]
-        in_window = sliding_window_mask(positions, key_positions, self.config.sliding_window)
+        in_window = sliding_window_mask(positions, key_positions, window)
         return keys, values, causal & in_window & key_valid[:, None, None, :]

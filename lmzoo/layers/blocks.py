@@ -1,14 +1,15 @@
 """Transformer blocks and how they are stacked: `TransformerBlock` and `BlockStack`."""
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from lmzoo import sharding
+from lmzoo import kernels, sharding
 from lmzoo.layers.adapters import merge_attached
 from lmzoo.layers.attention import Attention, AttentionConfig
 from lmzoo.layers.mlp import MOE_COLLECTION, MlpBlock, MoeBlock, MoeConfig
@@ -23,6 +24,8 @@ class TransformerBlock(nn.Module):
         causal: decoder self-attention.
         cross_attention: attend to `context` (encoder-decoder decoders).
         pre_norm: x + f(N(x)) if True, else N(x + f(x)).
+        sandwich_norms: pre-norm with each sublayer's output normalised too, x + N'(f(N(x))) (Gemma 2 and 3:
+            "ln_attn_out", "ln_mlp_out" beside "ln_attn", "ln_mlp").
         norm: "layer" (LayerNorm) or "rms" (T5: no mean, no bias).
         activations: of the MLP; two give a gated unit (T5 v1.1 gated GELU).
         use_bias: biases of the MLP and the norms (the attention's are in `attention`).
@@ -40,6 +43,7 @@ class TransformerBlock(nn.Module):
     causal: bool = False
     cross_attention: bool = False
     pre_norm: bool = True
+    sandwich_norms: bool = False
     norm: str = "layer"
     activations: Sequence[str] = ("gelu",)
     use_bias: bool = True
@@ -64,13 +68,18 @@ class TransformerBlock(nn.Module):
         *,
         deterministic: bool,
         decode: bool = False,
+        sliding_window: int | jax.Array | None = None,
+        rotary_frequencies: np.ndarray | jax.Array | None = None,
     ) -> jax.Array:
         """x [B, T, D]; bias [1|B, N, T, T] added to self-attention logits (T5 relative positions);
         context [B, S, D] with context_segment_ids [B, S] for cross-attention (decode steps after the first
         may pass context None: its keys/values are cached); positions [B, T] for rotary embeddings and the
-        sliding window."""
+        sliding window. sliding_window and rotary_frequencies [H / 2]: this layer's, where the layers of a stack
+        differ (`Attention`'s call)."""
         if self.norm not in ("layer", "rms"):
             raise ValueError(f"unknown norm {self.norm!r}; choose 'layer' or 'rms'")
+        if self.sandwich_norms and not self.pre_norm:
+            raise ValueError("sandwich_norms normalise the sublayers of a pre-norm block; set pre_norm=True")
         rms = self.norm == "rms"
         norm = functools.partial(
             LayerNorm,
@@ -128,9 +137,12 @@ class TransformerBlock(nn.Module):
         dropout = nn.Dropout(self.dropout_rate)
 
         def residual(x, norm_name, fn):
-            if self.pre_norm:
-                return x + dropout(fn(norm(name=norm_name)(x)), deterministic=deterministic)
-            return norm(name=norm_name)(x + dropout(fn(x), deterministic=deterministic))
+            if not self.pre_norm:
+                return norm(name=norm_name)(x + dropout(fn(x), deterministic=deterministic))
+            h = fn(norm(name=norm_name)(x))
+            if self.sandwich_norms:
+                h = norm(name=f"{norm_name}_out")(h)
+            return x + dropout(h, deterministic=deterministic)
 
         x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
         self_attention = make_attention(self.attention, causal=self.causal, name="attn")
@@ -138,7 +150,14 @@ class TransformerBlock(nn.Module):
             x,
             "ln_attn",
             lambda h: self_attention(
-                h, segment_ids=segment_ids, bias=bias, positions=positions, deterministic=deterministic, decode=decode
+                h,
+                segment_ids=segment_ids,
+                bias=bias,
+                positions=positions,
+                deterministic=deterministic,
+                decode=decode,
+                sliding_window=sliding_window,
+                rotary_frequencies=rotary_frequencies,
             ),
         )
         if self.cross_attention:
@@ -183,9 +202,11 @@ def _merge_attached_params(variables: dict) -> dict:
 class BlockStack(nn.Module):
     """`num_layers` copies of `block`, looped in Python or with `nn.scan`, optionally rematerialised.
 
-    The block is called as `block(x, *args, deterministic=..., decode=...)` and returns x. With
-    `scan`, parameters gain a leading "layers" axis and compile time no longer grows with depth, and so do the
-    KV cache and what the blocks sow into `MOE_COLLECTION`. A scanned layer's kernels may carry low-rank adapters
+    The block is called as `block(x, *args, deterministic=..., decode=..., **layer_i)` and returns x, layer_i
+    holding layer i's value of each `per_layer` keyword. With `scan`, parameters gain a leading "layers" axis and
+    compile time no longer grows with depth, and so do the KV cache and what the blocks sow into `MOE_COLLECTION`;
+    the `per_layer` values are the scan's inputs, so layers that differ only in them (Gemma 3's sliding and global
+    attention, 5:1) still compile as one body. A scanned layer's kernels may carry low-rank adapters
     (`layers.adapters`, LoRA's training form): those its projections do not apply at their inputs (experts' weights)
     each layer merges inside the (rematerialised) scan body, so a merged kernel and its gradient live for one layer
     at a time.
@@ -193,7 +214,11 @@ class BlockStack(nn.Module):
 
     Attributes:
         block: a module instance used as a template (cloned per layer).
-        remat_policy: one of REMAT_POLICIES ("none" keeps every activation).
+        remat_policy: one of REMAT_POLICIES ("none" keeps every activation), or "auto": the platform's
+            (`kernels.remat_policy`).
+        per_layer: keyword -> num_layers values (numbers or equal-shaped numpy arrays) of the block's call, one per
+            layer: a looped layer gets its own as a Python value (static, as a config field), a scanned stack gets
+            them stacked [L, ...] and each layer its traced slice.
     """
 
     block: nn.Module
@@ -201,32 +226,43 @@ class BlockStack(nn.Module):
     scan: bool = False
     remat_policy: str = "none"
     share_params: bool = False
+    per_layer: Mapping[str, Sequence[Any]] | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, *args: Any, deterministic: bool, decode: bool = False) -> jax.Array:
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"unknown remat_policy {self.remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}")
+        policy = kernels.remat_policy(self.remat_policy)
+        if policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"unknown remat_policy {self.remat_policy!r}; choose one of {sorted(REMAT_POLICIES)} or 'auto'"
+            )
         block_cls = type(self.block)
         attrs = {f.name: getattr(self.block, f.name) for f in self.block.__dataclass_fields__.values() if f.init}
         attrs.pop("parent", None)
         attrs.pop("name", None)
 
-        def apply(module, carry, *call_args):
-            return module(carry, *call_args, deterministic=deterministic, decode=decode)
+        per_layer = dict(self.per_layer or {})
+        wrong = {name: len(values) for name, values in per_layer.items() if len(values) != self.num_layers}
+        if wrong:
+            raise ValueError(f"per_layer values {wrong} must number num_layers={self.num_layers} each")
 
-        body = nn.remat(apply, policy=REMAT_POLICIES[self.remat_policy]) if self.remat_policy != "none" else apply
-        if self.share_params:
-            shared = block_cls(**attrs, name=SHARED)
-            for _ in range(self.num_layers):
-                x = body(shared, x, *args)
-            return x
-        if not self.scan:
+        def layer_body(layer: Mapping[str, Any]):
+            """The call of a layer with its `per_layer` values (closed over: a looped layer's stay static)."""
+
+            def apply(module, carry, *call_args):
+                return module(carry, *call_args, deterministic=deterministic, decode=decode, **layer)
+
+            return nn.remat(apply, policy=REMAT_POLICIES[policy]) if policy != "none" else apply
+
+        if self.share_params or not self.scan:
+            shared = block_cls(**attrs, name=SHARED) if self.share_params else None
             for i in range(self.num_layers):
-                x = body(block_cls(**attrs, name=f"{LOOPED}{i}"), x, *args)
+                layer = {name: values[i] for name, values in per_layer.items()}
+                module = shared if self.share_params else block_cls(**attrs, name=f"{LOOPED}{i}")
+                x = layer_body(layer)(module, x, *args)
             return x
 
-        def scan_body(module, carry, _):
-            return body(module, carry, *args), None
+        def scan_body(module, carry, layer):
+            return layer_body(layer)(module, carry, *args), None
 
         # Params are created as they are (initialising) and read through the merge of attached adapters (applying).
         layer_cls = (
@@ -241,5 +277,6 @@ class BlockStack(nn.Module):
             length=self.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, _ = scanned(layer_cls(**attrs, name=SCANNED), x, None)
+        stacked = {name: jnp.asarray(np.stack(values)) for name, values in per_layer.items()}  # [L, ...] each
+        x, _ = scanned(layer_cls(**attrs, name=SCANNED), x, stacked)
         return x

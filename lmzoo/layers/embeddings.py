@@ -116,15 +116,19 @@ class Rotary:
     """Rotary position embeddings (Su et al.) in HF's rotate-half layout: dims i and i + H/2 rotate together.
 
     theta: the base (`rope_theta`). scaling: Llama 3's "llama3" frequency scaling as (factor, low_freq_factor,
-    high_freq_factor, original_max_position_embeddings), or None.
+    high_freq_factor, original_max_position_embeddings), or None. linear_factor: HF's "linear" scaling (Gemma 3's
+    global layers): every frequency divided by it, so positions advance that many times slower; 1 is none.
     """
 
     theta: float = 10_000.0
     scaling: tuple[float, float, float, int] | None = None
+    linear_factor: float = 1.0
 
     def inverse_frequencies(self, head_dim: int) -> np.ndarray:
         """[H / 2] float32 angular speeds, as HF's rope initialisation computes them."""
         inv_freq = 1.0 / self.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+        if self.linear_factor != 1.0:
+            inv_freq = inv_freq / np.float32(self.linear_factor)
         if self.scaling is None:
             return inv_freq.astype(np.float32)
         factor, low_freq_factor, high_freq_factor, original_len = self.scaling
@@ -137,14 +141,23 @@ class Rotary:
         return np.where(medium, smoothed, scaled).astype(np.float32)
 
     def rotation(
-        self, positions: jax.Array | None, head_dim: int, length: int | None = None
+        self,
+        positions: jax.Array | None,
+        head_dim: int,
+        length: int | None = None,
+        frequencies: np.ndarray | jax.Array | None = None,
     ) -> tuple[jax.Array | np.ndarray, jax.Array | np.ndarray]:
-        """positions [B, T], or None for 0..length-1 -> (cos, sin), each [B or 1, T, 1, H] float32."""
+        """positions [B, T], or None for 0..length-1 -> (cos, sin), each [B or 1, T, 1, H] float32.
+
+        frequencies [H / 2]: a layer's own inverse frequencies in place of `inverse_frequencies(head_dim)`, where the
+        layers of one stack rotate differently (Gemma 3's local and global layers); traced in a scanned stack."""
+        if frequencies is None:
+            frequencies = self.inverse_frequencies(head_dim)
         if positions is None:
-            if kernels.on_cpu():
-                return cpu.rotation_tables(tuple(self.inverse_frequencies(head_dim).tolist()), length)
+            if kernels.on_cpu() and isinstance(frequencies, np.ndarray):
+                return cpu.rotation_tables(tuple(frequencies.tolist()), length)
             positions = jnp.arange(length)[None]
-        angles = positions[..., None].astype(jnp.float32) * self.inverse_frequencies(head_dim)  # [B, T, H/2]
+        angles = positions[..., None].astype(jnp.float32) * frequencies  # [B, T, H/2]
         angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
         return jnp.cos(angles), jnp.sin(angles)
 

@@ -112,10 +112,35 @@ class MoeFields:
     renormalize_expert_weights: bool = True
 
 
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeConfig(MoeFields):
     """The `MoeFields` of one `MoeBlock`: num_experts >= 1 and expert_mlp_dim the experts' own F (`problems` names
-    every field out of range)."""
+    every field out of range), and DeepSeek-V3's routing, which families set from their own fields (the defaults are
+    the routing of the Mixtral / Qwen MoE models, unchanged).
+
+    Attributes:
+        router_score: "softmax" over the experts (Mixtral, Qwen), or "sigmoid": each expert scored on its own
+            (DeepSeek-V3).
+        score_correction: a per-expert bias [E] ("correction_bias", float32, never trained by gradient) added to the
+            scores when choosing the experts, not when weighting them (DeepSeek-V3's e_score_correction_bias: the
+            auxiliary-loss-free load balancing sets it).
+        expert_groups: G; the experts form G groups of E / G and a token chooses among the experts of its
+            `groups_per_token` best groups, a group scored by the sum of its two best scores (DeepSeek-V3's n_group,
+            topk_group). 1: no groups.
+        routed_scaling: the routed experts' weights are multiplied by it (DeepSeek-V3's routed_scaling_factor).
+        shared_expert_gate: the shared expert is scaled by sigmoid(x w) (Qwen2-MoE); False adds it as it is
+            (DeepSeek-V3's shared experts).
+    """
+
+    router_score: str = "softmax"
+    score_correction: bool = False
+    expert_groups: int = 1
+    groups_per_token: int = 1
+    routed_scaling: float = 1.0
+    shared_expert_gate: bool = True
 
     def problems(self) -> list[tuple[str, str, str]]:
         """(field, what is wrong, a valid value) for every out-of-range field; empty when the config is valid."""
@@ -139,6 +164,26 @@ class MoeConfig(MoeFields):
             ),
             ("router_z_loss_coef", self.router_z_loss_coef >= 0, "must be >= 0 (0 turns the z-loss off)", "0.001"),
             ("load_balance_coef", self.load_balance_coef >= 0, "must be >= 0 (0 turns the loss off)", "0.01"),
+            ("router_score", self.router_score in ROUTER_SCORES, f"choose one of {ROUTER_SCORES}", "softmax"),
+            (
+                "expert_groups",
+                self.expert_groups == 1
+                or (self.expert_groups > 1 and e % self.expert_groups == 0 and e >= 2 * self.expert_groups),
+                f"must divide num_experts={e} into groups of at least 2 experts (1: no groups)",
+                "1",
+            ),
+            (
+                "groups_per_token",
+                1 <= self.groups_per_token <= self.expert_groups
+                and (
+                    self.expert_groups == 1
+                    or self.groups_per_token * (e // self.expert_groups) >= self.experts_per_token
+                ),
+                f"must be in [1, expert_groups={self.expert_groups}], its groups holding at least experts_per_token="
+                f"{self.experts_per_token} experts",
+                str(self.expert_groups),
+            ),
+            ("routed_scaling", self.routed_scaling > 0, "must be > 0 (1: the weights as routed)", "1.0"),
         )
         return [(name, why, fix) for name, ok, why, fix in checks if not ok]
 
@@ -227,7 +272,9 @@ class MoeBlock(nn.Module):
     Mixtral). An expert is a gated SiLU unit as Llama's MLP, silu(x wi_0) * (x wi_1) wo; the experts' kernels are
     stacked on a leading experts axis, logical name "exp" (wi_0, wi_1 [E, D, F]; wo [E, F, D]), which the expert
     mesh axis shards. With `shared_expert_mlp_dim`, every token also goes through a shared expert (an `MlpBlock`,
-    "shared") scaled by sigmoid(x w) ("shared_gate" [D]), as Qwen2-MoE.
+    "shared") scaled by sigmoid(x w) ("shared_gate" [D]), as Qwen2-MoE. DeepSeek-V3's routing (`MoeConfig`'s
+    router_score "sigmoid", score_correction, expert_groups, routed_scaling; shared experts without the gate) is
+    `_route`'s.
 
     Forms (`MoeConfig.moe_form`), equal where nothing is dropped:
     - "dropless": the assignments of the whole batch sorted by expert and multiplied group by group
@@ -274,10 +321,7 @@ class MoeBlock(nn.Module):
             name="router",
         )("BTD,DE->BTE", x)
         logits = sharding.constrain(logits, ("act_batch", "act_len", None))
-        probs = jax.nn.softmax(logits)
-        weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)  # [B, T, R]
-        if cfg.renormalize_expert_weights:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        probs, weights, experts = self._route(logits)
 
         def kernel(name, init, shape, axes):
             boxed_init = nn.with_logical_partitioning(init, axes)
@@ -304,15 +348,17 @@ class MoeBlock(nn.Module):
                 param_dtype=self.param_dtype,
                 name="shared",
             )(x, deterministic=deterministic)
-            gate = Einsum(
-                (d,),
-                ("embed",),
-                kernel_init=self.kernel_init,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                name="shared_gate",
-            )("BTD,D->BT", x)
-            y = y + jax.nn.sigmoid(gate)[..., None] * shared
+            if cfg.shared_expert_gate:
+                gate = Einsum(
+                    (d,),
+                    ("embed",),
+                    kernel_init=self.kernel_init,
+                    dtype=self.dtype,
+                    param_dtype=self.param_dtype,
+                    name="shared_gate",
+                )("BTD,D->BT", x)
+                shared = jax.nn.sigmoid(gate)[..., None] * shared
+            y = y + shared
         assigned = jnp.mean(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=(0, 1))  # [R, E]: f_e per choice
         load_balance = e * jnp.sum(jnp.sum(assigned, axis=0) * jnp.mean(probs, axis=(0, 1)))
         router_z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
@@ -328,3 +374,40 @@ class MoeBlock(nn.Module):
             },
         )
         return sharding.constrain(y, ("act_batch", "act_len", "act_embed"))
+
+    def _route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Router logits [B, T, E] float32 -> (probabilities [B, T, E] for the load statistics, weights [B, T, R],
+        experts [B, T, R]).
+
+        Softmax scores are probabilities; sigmoid scores are normalised to sum to 1 for the statistics only. The
+        experts are the top R of the scores, plus the correction bias when there is one, among the experts of the
+        token's best groups; their weights are their scores (without the bias), renormalised and scaled as configured.
+        """
+        cfg = self.config
+        scores = jax.nn.softmax(logits) if cfg.router_score == "softmax" else jax.nn.sigmoid(logits)
+        if not cfg.score_correction and cfg.expert_groups == 1:
+            weights, experts = jax.lax.top_k(scores, cfg.experts_per_token)  # [B, T, R]
+        else:
+            choice = scores
+            if cfg.score_correction:
+                bias = self.param(
+                    "correction_bias",
+                    nn.with_logical_partitioning(nn.initializers.zeros, ("exp",)),
+                    (cfg.num_experts,),
+                    jnp.float32,  # small differences between scores decide the choice: kept in float32, as HF does
+                )
+                choice = choice + jax.lax.stop_gradient(bias)  # set by load balancing, never by the loss
+            if cfg.expert_groups > 1:
+                grouped = choice.reshape(*choice.shape[:-1], cfg.expert_groups, -1)  # [B, T, G, E / G]
+                group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [B, T, G]
+                best = jax.lax.top_k(group_scores, cfg.groups_per_token)[1]  # [B, T, groups_per_token]
+                kept = jnp.any(best[..., None] == jnp.arange(cfg.expert_groups), axis=-2)  # [B, T, G]
+                choice = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
+            experts = jax.lax.top_k(choice, cfg.experts_per_token)[1]
+            weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if cfg.renormalize_expert_weights:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        if cfg.routed_scaling != 1.0:
+            weights = weights * cfg.routed_scaling
+        probs = scores if cfg.router_score == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
+        return probs, weights, experts

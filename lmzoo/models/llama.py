@@ -1,11 +1,18 @@
-"""The Llama-style decoder (Touvron et al. 2023) and its relatives Mistral, Qwen2 and Qwen3.
+"""The Llama-style decoder (Touvron et al. 2023) and its relatives Mistral, Qwen2, Qwen3 and Gemma 3.
 
     x = x + attn(RMSNorm(x)); x = x + SwiGLU(RMSNorm(x)); final RMSNorm; untied output head (by default).
 
-Rotary position embeddings (HF's rotate-half layout, `rope_theta`, Llama 3's "llama3" scaling), grouped-query
-attention (`num_kv_heads`), an optional sliding window (Mistral), q/k/v biases (Qwen2) and a per-head RMSNorm of
-queries and keys before the rotation (Qwen3's `qk_norm`), all on the shared `lmzoo.layers` blocks. Load and export HF
-`LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` with `lmzoo.convert`.
+Rotary position embeddings (HF's rotate-half layout, `rope_theta`, Llama 3's "llama3" scaling or "linear" scaling),
+grouped-query attention (`num_kv_heads`), an optional sliding window (Mistral), q/k/v biases (Qwen2) and a per-head
+RMSNorm of queries and keys before the rotation (Qwen3's `qk_norm`), all on the shared `lmzoo.layers` blocks. Load and
+export HF `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` / `Gemma3ForCausalLM`
+with `lmzoo.convert`.
+
+Gemma 3 (text) adds layers of two kinds (`layer_types`: sliding-window attention rotating with `sliding_rope_theta`,
+full attention with `rope_theta` and the scaling, 5:1), the sublayers' outputs normalised before each residual add
+(`sandwich_norms`), embeddings scaled by sqrt(emb_dim) (`embed_scale`), the logit scale `query_pre_attn_scalar ** -0.5`
+and a gated tanh-GELU (`mlp_activation`). The kinds differ only in the window and the rotation, which the layers take
+per layer (`layers.blocks.BlockStack.per_layer`), so a scanned stack of both kinds is still one scan body.
 
 With `num_experts` > 0 every layer's SwiGLU is a mixture of SwiGLU experts (`layers.mlp.MoeBlock`: Mixtral's top-2
 renormalised router; Qwen2-MoE's shared expert with `shared_expert_mlp_dim`; Qwen3-MoE's routed experts alone, with
@@ -24,14 +31,27 @@ from lmzoo import sharding
 from lmzoo.layers import attention, blocks, embeddings, mlp, norms
 from lmzoo.models import kinds
 
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)  # HF's names of the kinds of layer (`layer_types`)
+ROPE_SCALING_TYPES = ("llama3", "linear")
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig(mlp.MoeFields):
     """Decoder hyper-parameters; the field names are exactly the keys of `config.model`.
 
     head_dim 0 means emb_dim // num_heads; num_kv_heads 0 means num_heads; sliding_window 0 means none;
-    rope_scaling_factor 0 means no scaling, else Llama 3's scaling with the three fields after it. qk_norm
-    RMS-normalises each head's queries and keys (learned [head_dim] scales, epsilon norm_epsilon) before the rotation.
+    rope_scaling_factor 0 means no scaling, else `rope_scaling_type`'s: "llama3" (Llama 3's, with the three fields
+    after it) or "linear" (every frequency divided by the factor). qk_norm RMS-normalises each head's queries and keys
+    (learned [head_dim] scales, epsilon norm_epsilon) before the rotation.
+
+    layer_types: HF's kind of each layer, "full_attention" or "sliding_attention"; empty means every layer alike
+    (sliding_window, if set, applies to all). With them, sliding layers attend within sliding_window and rotate with
+    sliding_rope_theta (0: rope_theta) unscaled; full layers attend to every key and rotate with rope_theta and the
+    scaling (HF's Gemma 3 rope_parameters). sandwich_norms: each sublayer's output RMS-normalised before its residual
+    add (Gemma's post-attention and post-feed-forward norms). embed_scale: embeddings times sqrt(emb_dim), in the
+    activation dtype. query_pre_attn_scalar: logit scale query_pre_attn_scalar ** -0.5 (0: head_dim ** -0.5).
+    mlp_activation: of the gated MLP's gate (Gemma's "gelu_tanh": GeGLU); experts are always SiLU-gated.
     The mixture-of-experts fields are `layers.mlp.MoeFields`' (declared there): num_experts 0 means a dense SwiGLU,
     expert_mlp_dim 0 means mlp_dim.
     """
@@ -49,9 +69,16 @@ class LlamaConfig(mlp.MoeFields):
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    rope_scaling_type: str = "llama3"
     sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    sliding_rope_theta: float = 0.0
     qkv_bias: bool = False
     qk_norm: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    query_pre_attn_scalar: float = 0.0
+    mlp_activation: str = "silu"
     tie_embeddings: bool = False
     norm_epsilon: float = 1e-6
     init_std: float = 0.02
@@ -87,8 +114,50 @@ class LlamaConfig(mlp.MoeFields):
             )
         if self.head_size % 2:
             raise ValueError(f"rotary embeddings need an even head size; config.model.head_dim is {self.head_size}")
-        if self.rope_scaling_factor:
+        if self.rope_scaling_type not in ROPE_SCALING_TYPES:
+            raise ValueError(
+                f"config.model.rope_scaling_type={self.rope_scaling_type!r}: choose one of {ROPE_SCALING_TYPES}"
+            )
+        if self.rope_scaling_factor and self.rope_scaling_type == "llama3":
             embeddings.check_rope_scaling(self.rope_scaling)
+        if self.rope_scaling_factor < 0:
+            raise ValueError(f"config.model.rope_scaling_factor={self.rope_scaling_factor} must be >= 0 (0: none)")
+        self._check_layer_kinds()
+        for name in ("sliding_rope_theta", "query_pre_attn_scalar"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"config.model.{name}={getattr(self, name)} must be >= 0 (0: the default)")
+        if self.mlp_activation not in mlp.ACTIVATIONS:
+            raise ValueError(
+                f"config.model.mlp_activation={self.mlp_activation!r}: choose one of {sorted(mlp.ACTIVATIONS)}"
+            )
+        if self.num_experts and self.mlp_activation != "silu":
+            raise ValueError(
+                f"config.model.mlp_activation={self.mlp_activation!r} with num_experts={self.num_experts}: experts "
+                "are SiLU-gated; set mlp_activation='silu'"
+            )
+
+    def _check_layer_kinds(self) -> None:
+        """layer_types (a tuple, whatever sequence the config gave) names a known kind per layer, with the window
+        its sliding layers need; sliding_rope_theta needs sliding layers."""
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"config.model.layer_types has {len(self.layer_types)} kinds for num_layers={self.num_layers}; give "
+                "one per layer, or () for every layer alike"
+            )
+        unknown = sorted({kind for kind in self.layer_types if kind not in LAYER_TYPES})
+        if unknown:
+            raise ValueError(f"config.model.layer_types has {unknown[0]!r}: each layer is one of {LAYER_TYPES}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError(
+                "config.model.layer_types has sliding_attention layers but sliding_window=0; set "
+                "--config.model.sliding_window to their window"
+            )
+        if self.sliding_rope_theta and SLIDING not in self.layer_types:
+            raise ValueError(
+                f"config.model.sliding_rope_theta={self.sliding_rope_theta} rotates sliding_attention layers, and "
+                "layer_types has none; set it to 0 or give layer_types"
+            )
 
     @property
     def moe(self) -> mlp.MoeConfig | None:
@@ -119,7 +188,8 @@ class LlamaConfig(mlp.MoeFields):
 
     @property
     def rope_scaling(self) -> tuple[float, float, float, int] | None:
-        if not self.rope_scaling_factor:
+        """Llama 3's scaling (`embeddings.Rotary.scaling`), or None (no scaling, or "linear")."""
+        if not self.rope_scaling_factor or self.rope_scaling_type != "llama3":
             return None
         return (
             self.rope_scaling_factor,
@@ -127,6 +197,25 @@ class LlamaConfig(mlp.MoeFields):
             self.rope_high_freq_factor,
             self.rope_original_max_len,
         )
+
+    def rotary(self, kind: str = FULL) -> embeddings.Rotary:
+        """The rotation of a layer of `kind`: sliding layers' (of layer_types) with sliding_rope_theta, unscaled;
+        the others' with rope_theta and the scaling."""
+        if kind == SLIDING and self.layer_types:
+            return embeddings.Rotary(self.sliding_rope_theta or self.rope_theta)
+        linear = self.rope_scaling_factor if self.rope_scaling_type == "linear" and self.rope_scaling_factor else 1.0
+        return embeddings.Rotary(self.rope_theta, self.rope_scaling, linear)
+
+    def per_layer(self) -> dict[str, tuple] | None:
+        """With layer_types, each layer's sliding_window (0: none) and rotary_frequencies [head_dim / 2], the
+        `BlockStack.per_layer` values of the attention's call; None when every layer is alike."""
+        if not self.layer_types:
+            return None
+        frequencies = {kind: self.rotary(kind).inverse_frequencies(self.head_size) for kind in LAYER_TYPES}
+        return {
+            "sliding_window": tuple(self.sliding_window if kind == SLIDING else 0 for kind in self.layer_types),
+            "rotary_frequencies": tuple(frequencies[kind] for kind in self.layer_types),
+        }
 
     def kv_cache_bytes(self, batch: int, length: int) -> int:
         """Bytes of the KV cache for `batch` sequences of `length` positions: K heads, not N (x K / N of a full
@@ -176,7 +265,10 @@ class Llama(kinds.DecoderOutputs, nn.Module):
         embed = embeddings.Embed(
             cfg.vocab_size, cfg.emb_dim, embedding_init=init, dtype=dtype, param_dtype=param_dtype, name="embed"
         )
-        x = nn.Dropout(cfg.dropout_rate)(embed(tokens), deterministic=deterministic)
+        x = embed(tokens)
+        if cfg.embed_scale:  # HF's Gemma rounds sqrt(D) to the activation dtype before multiplying
+            x = x * jnp.asarray(cfg.emb_dim**0.5, x.dtype)
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         if self.has_experts:
             cfg.check_expert_axis()
         block = blocks.TransformerBlock(
@@ -186,17 +278,19 @@ class Llama(kinds.DecoderOutputs, nn.Module):
                 num_kv_heads=cfg.kv_heads,
                 use_bias=False,
                 qkv_bias=cfg.qkv_bias,
-                rotary=embeddings.Rotary(cfg.rope_theta, cfg.rope_scaling),
+                rotary=cfg.rotary(),
                 qk_norm=cfg.qk_norm,
                 qk_norm_epsilon=cfg.norm_epsilon,
-                sliding_window=cfg.sliding_window or None,
+                sliding_window=None if cfg.layer_types else cfg.sliding_window or None,
+                scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
                 dropout_rate=cfg.attention_dropout_rate,
             ),
             mlp_dim=cfg.mlp_dim,
             causal=True,
             pre_norm=True,
+            sandwich_norms=cfg.sandwich_norms,
             norm="rms",
-            activations=("silu", "linear"),
+            activations=(cfg.mlp_activation, "linear"),
             use_bias=False,
             layer_norm_epsilon=cfg.norm_epsilon,
             dropout_rate=cfg.dropout_rate,
@@ -207,7 +301,12 @@ class Llama(kinds.DecoderOutputs, nn.Module):
             param_dtype=param_dtype,
         )
         x = blocks.BlockStack(
-            block, cfg.num_layers, scan=cfg.scan_layers, remat_policy=cfg.remat_policy, name="blocks"
+            block,
+            cfg.num_layers,
+            scan=cfg.scan_layers,
+            remat_policy=cfg.remat_policy,
+            per_layer=cfg.per_layer(),
+            name="blocks",
         )(x, segment_ids, None, None, None, positions, deterministic=deterministic, decode=decode)
         x = norms.LayerNorm(
             epsilon=cfg.norm_epsilon, use_bias=False, use_mean=False, dtype=dtype, param_dtype=param_dtype, name="norm"

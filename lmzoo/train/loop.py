@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -237,9 +238,10 @@ def end_summary(run: Run, seconds: float, done: int) -> str:
     return "\n".join(lines)
 
 
-def _start(objective: Objective, workdir: str, stage: workdir_lib.StagedRunState | None):
+def _start(objective: Objective, workdir: str, stage: workdir_lib.StagedRunState | None, command_line: Collection[str]):
     """Everything a training run checks before its first step: build, restore (the config must match the
-    checkpoint's), the training data; stages the config to be committed once all passed."""
+    checkpoint's; `command_line`: the overridden keys, which a refusal names), the training data; stages the config
+    to be committed once all passed."""
     run = assemble(objective, workdir, stage)
     saved_config = run.workdir / "config.json"
     resumable = has_checkpoints(run.workdir) and storage.exists(saved_config)
@@ -249,7 +251,7 @@ def _start(objective: Objective, workdir: str, stage: workdir_lib.StagedRunState
         if resumable and data_state["step"] > 0:
             saved = config_lib.read_saved(saved_config)
             _continue_as_last_configured(run.config, saved, int(data_state["step"]))
-            config_lib.check_resume(saved, run.config, int(data_state["step"]), run.workdir)
+            config_lib.check_resume(saved, run.config, int(data_state["step"]), run.workdir, command_line)
             _warn_if_data_changed(run.workdir / "data.json", fingerprint, int(data_state["step"]))
         loader = run.train_loader()
         if next(iter(run.eval_batches("validation")), None) is None:
@@ -289,8 +291,11 @@ def _warn_if_data_changed(saved: epath.Path, fingerprint: str, step: int) -> Non
         )
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-    """Trains to `config.train.steps`; returns the final validation metrics.
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, command_line: Collection[str] = ()
+) -> dict[str, float]:
+    """Trains to `config.train.steps`; returns the final validation metrics. `command_line`: the config keys given
+    as overrides (train.py's `--config.KEY=...`), which a refused resume tells apart from the config file's.
 
     Process 0 holds the workdir's lock for the whole run (a second run on it stops, naming this one; on a bucket
     the lock is a lease, checked before each step's writes). Nothing in the workdir changes until the config, data,
@@ -310,11 +315,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 for name in workdir_lib.remove_leftovers(workdir):
                     log.warning("removed %s, left in %s by a run that was killed while writing it", name, workdir)
                 with workdir_lib.StagedRunState(workdir) as stage:
-                    run, state, data_state, loader = _start(objective, workdir, stage)
+                    run, state, data_state, loader = _start(objective, workdir, stage, command_line)
                     raise_if_stopped()
                     stage.commit()
             else:
-                run, state, data_state, loader = _start(objective, workdir, None)
+                run, state, data_state, loader = _start(objective, workdir, None, command_line)
         started = True
         return _train(run, state, data_state, loader, began, lock)
     except storage.BucketUnreachableError as error:

@@ -11,9 +11,12 @@ parameters read again the same way; `load(workdir)` gives a trained run's model 
 
 import contextlib
 import dataclasses
+import functools
 import json
+import math
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -42,6 +45,26 @@ def user_errors():
         yield
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing for the entry points (`app.run(main, flags_parser=parse_flags)`): a flag absl cannot
+    parse (`--config.train.steps=abc`, an unknown flag) is a user error, one line and exit status 2 as `user_errors`
+    makes them, where absl's own is a "FATAL Flags parsing error" and status 1; `--help` prints the usage and exits 0
+    (absl's exits 1). Returns the arguments left."""
+    from absl import app, flags
+
+    if "--help" in argv[1:]:
+        app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        text = str(e).removeprefix("flag ")
+        # a value absl could not parse (not a required flag left out: "must have a value other than None")
+        mistyped = isinstance(e, flags.IllegalFlagValueError) and "other than None" not in text
+        fix = "; give that flag a value of its type" if mistyped else ""
+        print(f"error: {text}{fix} (--helpfull lists every flag)", file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -262,28 +285,147 @@ def check_memory(compiled: trainers_base.CompiledTrainer, config: ml_collections
     return line + ("" if have is None else f", of {_size(have)} available")
 
 
-def dry_memory_check(objective: base.Objective) -> str:
-    """`check_memory` of the run's state laid out by the config's mesh over this machine's devices, from shapes alone
-    (the trainer is built, not compiled, and nothing allocated). A trainer that reads a file it cannot find here (an
-    init_from tokenizer that is not on this machine) and a mesh these devices do not fit leave it unchecked, said in
-    the line returned."""
+def axis_rules(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
+    """The logical-axis rules of the run: `sharding.LOGICAL_AXIS_RULES` with config.sharding.rules' overrides."""
+    return sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))
+
+
+def data_parallel_size(sizes: Sequence[int]) -> int:
+    """Devices a batch is split over: the data x fsdp x expert sizes of a (data, fsdp, expert, tensor) mesh (the
+    "act_batch" rule of `sharding.LOGICAL_AXIS_RULES`)."""
+    return sizes[0] * sizes[1] * sizes[2]
+
+
+def traced_state(trainer: Any, config: ml_collections.ConfigDict, sizes: Sequence[int] | None = None) -> Any:
+    """The trainer's state from shapes alone, boxed with its logical axes: traced on the abstract mesh of `sizes`
+    (data, fsdp, expert, tensor), where the model makes its own checks of the mesh (an expert axis that does not
+    divide its experts), or outside any mesh (None)."""
+    rules = axis_rules(config)
+    on_mesh = (
+        contextlib.nullcontext() if sizes is None else jax.sharding.use_abstract_mesh(sharding.abstract_mesh(sizes))
+    )
+    with on_mesh, nn.logical_axis_rules(rules):
+        return jax.eval_shape(trainer.init, jax.random.key(config.train.seed))
+
+
+def check_layout(objective: base.Objective, trainer: Any | None, sizes: Sequence[int], *, batches: bool) -> None:
+    """Every check a run makes of its layout before anything is placed, from the mesh's sizes (data, fsdp, expert,
+    tensor) alone, so that a dry run makes them for devices this machine need not have: the config's values with the
+    batch sizes over the data-parallel axes (`config.check_values`; the mesh it suggests instead is one the
+    parameters divide), the model traced on the mesh (its own checks: an expert axis that does not divide the
+    experts), every parameter axis over the mesh axes it is split over (`sharding.split_problems`), and a trainer
+    that runs in phases taking one step a call. trainer None (a dry run whose model is not known yet): the values
+    alone. ValueError naming the fix."""
+    config, dp = objective.config, data_parallel_size(sizes)
+    rules = axis_rules(config)
+    unplaced = functools.cache(lambda: traced_state(trainer, config))  # the same shapes and axes on any mesh
+
+    def mesh_fits(shape: tuple[int, ...]) -> bool:
+        return not sharding.split_problems(unplaced(), rules, sharding.mesh_shape(shape))
+
+    more = objective.value_problems(data_parallel_size=dp, batches=batches)
+    config_lib.check_values(
+        config,
+        data_parallel_size=dp,
+        devices=math.prod(sizes),
+        batches=batches,
+        more_problems=tuple(more),
+        mesh_fits=None if trainer is None else mesh_fits,
+    )
+    if trainer is None:
+        return
+    problems = sharding.split_problems(traced_state(trainer, config, sizes), rules, sizes)
+    if problems:
+        mesh = config_lib.working_mesh(config, math.prod(sizes), mesh_fits) if batches else None
+        replicated = tuple((name, None) for name in problems)
+        raise ValueError(
+            f"config.sharding.mesh_shape={tuple(config.sharding.mesh_shape)} splits parameter axes over mesh axes that "
+            f"do not divide them: {'; '.join(problems.values())}; "
+            + (f"use {config_lib.mesh_flag(mesh)} (the same devices; the batches split), or " if mesh else "")
+            + f'replicate those axes with --config.sharding.rules="{replicated}"'
+        )
+    if getattr(trainer, "phases", ()) and config.train.steps_per_call > 1:
+        raise ValueError(
+            f"config.train.steps_per_call={config.train.steps_per_call}: objective {objective.name!r} runs its step "
+            "in phases (rollout, scoring, update), one step per call; set --config.train.steps_per_call=1"
+        )
+
+
+def dry_check(objective: base.Objective, *, pretrained_here: bool = True) -> str:
+    """What a run of `objective` checks before its first step, made without its devices, reading no training data
+    and not touching the workdir (`train.py --dry_run`): `check_layout` on the mesh's sizes over the devices the run
+    will have (`dry_mesh_sizes`), `check_memory` where this machine has that mesh, then `check_inputs`.
+    pretrained_here=False: config.init_from is not on this machine, so config.model is not yet the checkpoint's and
+    only the values and the data are checked. Returns what was checked, and what was not, as one line; raises as the
+    run would."""
     config = objective.config
+    sizes, devices = dry_mesh_sizes(config)
+    trainer = objective.trainer(objective.model()) if pretrained_here else None
+    check_layout(objective, trainer, sizes, batches=True)
+    if trainer is None:
+        said = "layout, memory and tokenizer not checked (config.model is the checkpoint's only once it is read)"
+        return f"{said}; {check_inputs(objective, tokenizer=False)}"
+    said = f"mesh {sizes} (data, fsdp, expert, tensor) over {devices}"
+    if len(jax.devices()) != math.prod(sizes):
+        said += f"; memory not estimated (this machine has {len(jax.devices())} devices)"
+    else:
+        rules = axis_rules(config)
+        compiled = trainers_base.compile_trainer(trainer, mesh=run_mesh(config), rules=rules, seed=config.train.seed)
+        said += f"; {check_memory(compiled, config)}"
+    return f"{said}; {check_inputs(objective)}"
+
+
+def check_inputs(objective: base.Objective, *, tokenizer: bool = True) -> str:
+    """That the run's inputs are there, reading no training data: its tokenizer built as a new run builds it (unless
+    it is learnt from the data), against the model's vocabulary, and the data's files and stores reached (the reader's
+    fingerprint, which a run records: their sizes and manifests). Raises as the run would; returns what it checked."""
+    config = objective.config
+    said = []
+    if tokenizer:
+        kind = config.data.tokenizer.kind
+        if config.data.source != "store" and kind in base.CORPUS_KINDS and not config.data.tokenizer.get("path"):
+            said.append(f"the {kind} tokenizer is learnt from the data when the run starts")
+        else:
+            check_vocabulary(config, base.configured_tokenizer(config))
+    objective.reader.fingerprint(config)
+    return "; ".join([*said, f"data found: {objective.reader.describe(config)}"])
+
+
+def dry_mesh_sizes(config: ml_collections.ConfigDict) -> tuple[tuple[int, ...], str]:
+    """(the run's mesh sizes, data fsdp expert tensor; the devices they were resolved over, in words) without
+    starting them: a mesh shape without -1 names its devices; -1 takes those the run will have (config.distributed's
+    cpu_devices_per_process, else this machine's, times num_processes), or 1 where coordinator_address=auto leaves
+    the processes unknown until the run joins them."""
+    given, dist = tuple(config.sharding.mesh_shape), config.distributed
     try:
-        mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape))
+        known = math.prod(size for size in sharding.mesh_shape(given) if size != -1)
+        if -1 not in given:
+            devices, said = known, f"the {known} device(s) it names"
+        elif dist.coordinator_address == "auto":
+            devices, said = known, "-1 taken as 1 (coordinator_address=auto: the devices are known when the run joins)"
+        else:
+            local = dist.cpu_devices_per_process or jax.local_device_count()
+            devices, said = local * dist.num_processes, f"{local * dist.num_processes} device(s)"
+        return sharding.resolve_mesh_shape(given, devices), said
     except ValueError as e:
-        return f"memory not estimated (config.sharding.mesh_shape={tuple(config.sharding.mesh_shape)}: {e})"
-    rules = sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))
+        raise ValueError(f"config.sharding.mesh_shape={given}: {e}") from None
+
+
+def run_mesh(config: ml_collections.ConfigDict, devices: list | None = None) -> jax.sharding.Mesh:
+    """The mesh of config.sharding.mesh_shape over `devices` (default: all); ValueError naming the field."""
     try:
-        trainer = objective.trainer(objective.model())
-    except OSError as e:
-        return f"memory not estimated ({e})"
-    return check_memory(trainers_base.compile_trainer(trainer, mesh=mesh, rules=rules, seed=config.train.seed), config)
+        return sharding.make_mesh(tuple(config.sharding.mesh_shape), devices)
+    except ValueError as e:
+        raise ValueError(f"config.sharding.mesh_shape={tuple(config.sharding.mesh_shape)}: {e}") from None
 
 
-def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
-    """Devices a batch is split over: the mesh's data x fsdp x expert axes (the "act_batch" rule of
-    `sharding.LOGICAL_AXIS_RULES`)."""
-    return mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+def check_vocabulary(config: ml_collections.ConfigDict, tokenizer: tokenizers.Tokenizer) -> None:
+    """Refuses a model whose vocabulary is smaller than its tokenizer's."""
+    if config.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}); set --config.model.vocab_size={tokenizer.vocab_size} (or larger)"
+        )
 
 
 def build(
@@ -307,39 +449,26 @@ def assemble(
     devices: list | None = None,
 ) -> Run:
     """Tokenizer, model, compiled trainer and checkpointer for a workdir, from the run's validated objective
-    (`validated_objective`: the config is validated once per run, before the workdir is touched).
+    (`validated_objective`: the config is validated once per run, before the workdir is touched). Each check comes
+    before the work the next one needs, in the order a dry run (`dry_check`) makes them: the layout on the mesh
+    (`check_layout`), the state's memory, the tokenizer (which a learnt kind builds by reading the data).
 
     stage: where a training run stages a newly built tokenizer (None: a new tokenizer is not saved).
     batches: check that batch sizes split over the mesh (False for a run opened only to restore params).
     devices: the mesh's devices (default: all).
     """
     config = objective.config
-    try:
-        mesh = sharding.make_mesh(tuple(config.sharding.mesh_shape), devices)
-    except ValueError as e:
-        raise ValueError(f"config.sharding.mesh_shape={tuple(config.sharding.mesh_shape)}: {e}") from None
-    dp = data_parallel_size(mesh)
-    more = objective.value_problems(data_parallel_size=dp, batches=batches)
-    config_lib.check_values(
-        config, data_parallel_size=dp, devices=mesh.size, batches=batches, more_problems=tuple(more)
-    )
+    mesh = run_mesh(config, devices)
+    model = objective.model()
+    trainer = objective.trainer(model)
+    check_layout(objective, trainer, tuple(mesh.shape.values()), batches=batches)
+    rules = axis_rules(config)
+    compiled = trainers_base.compile_trainer(trainer, mesh=mesh, rules=rules, seed=config.train.seed)
+    check_memory(compiled, config)  # from the state's shapes: refused here, before restore_or_init allocates it
     workdir_path = storage.path(workdir)
-    rules = sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))
     splits: dict[str, Any] = {}
     tokenizer = _tokenizer(config, splits, objective, workdir_path, stage)
-    if config.model.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
-            f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size}); set --config.model.vocab_size={tokenizer.vocab_size} (or larger)"
-        )
-    model = objective.model()
-    compiled = trainers_base.compile_trainer(objective.trainer(model), mesh=mesh, rules=rules, seed=config.train.seed)
-    check_memory(compiled, config)  # from the state's shapes: refused here, before restore_or_init allocates it
-    if compiled.phases and config.train.steps_per_call > 1:
-        raise ValueError(
-            f"config.train.steps_per_call={config.train.steps_per_call}: objective {objective.name!r} runs its step "
-            "in phases (rollout, scoring, update), one step per call; set --config.train.steps_per_call=1"
-        )
+    check_vocabulary(config, tokenizer)
     checkpointer = checkpoint.Checkpointer(
         os.fspath(workdir_path / "checkpoints"),
         max_to_keep=config.train.keep_checkpoints,
@@ -455,7 +584,7 @@ def evaluation_layout(config: ml_collections.ConfigDict, *, batches: bool = True
     that split config.eval.batch_size and each microbatch of config.train.batch_size (checkpoints reshard)."""
     shape = tuple(config.sharding.mesh_shape)
     try:
-        dp = data_parallel_size(sharding.make_mesh(shape))
+        dp = data_parallel_size(sharding.resolve_mesh_shape(shape, jax.device_count()))
     except ValueError:
         dp = None
     train, evals = config.train, config.eval
@@ -484,7 +613,16 @@ def open_run(
         config.sharding.mesh_shape, devices = evaluation_layout(config, batches=batches)
     if not storage.exists(storage.path(workdir) / "tokenizer" / "spec.json"):
         raise FileNotFoundError(f"{workdir}/tokenizer is missing: is {workdir!r} the workdir of a train.py run?")
+    if not has_checkpoints(storage.path(workdir)):  # refused before the checkpointer makes an empty checkpoints/
+        raise no_checkpoint(storage.path(workdir))
     return build(config, workdir, batches=batches, devices=devices)
+
+
+def no_checkpoint(workdir: epath.Path) -> FileNotFoundError:
+    """The error of a workdir that holds no checkpoint to evaluate or load."""
+    return FileNotFoundError(
+        f"no checkpoint found in {workdir / 'checkpoints'}; train first with train.py --workdir={workdir}"
+    )
 
 
 def restore_step(run, step: int | None = None, *, frozen: bool = True) -> tuple[int, Any]:
@@ -494,9 +632,7 @@ def restore_step(run, step: int | None = None, *, frozen: bool = True) -> tuple[
     if step is None:
         restored = run.checkpointer.restore_latest(run.abstract_state)
         if restored is None:
-            raise FileNotFoundError(
-                f"no checkpoint found in {run.checkpointer.directory}; train first with train.py --workdir={run.workdir}"
-            )
+            raise no_checkpoint(run.workdir)
         step, state, _ = restored
     elif step not in run.checkpointer.steps():
         raise FileNotFoundError(

@@ -54,7 +54,8 @@ def test_gpt2_config_difference_is_an_error(tmp_path, checkpoint, difference):
     cfg = make_config("gpt2", GPT2)
     [(field, value)] = checkpoint.items()
     with pytest.raises(
-        ValueError, match=rf"(?s){difference}.*fix: set config.model {field}={value!r}\nor .*allow_partial=True"
+        ValueError,
+        match=rf"(?s){difference}.*fix: set config.model {field}={value!r}\nor .*--config.init_from_partial=True",
     ):
         hf.convert_pretrained(spec, "gpt2", cfg, init_params("gpt2", cfg))
 

@@ -72,3 +72,8 @@ def test_scanned_layout_round_trip():
     again = mapping.unstack_layers(stacked)
     assert mapping.flatten(again).keys() == mapping.flatten(per_layer).keys()
     np.testing.assert_array_equal(again["blocks"]["layer_2"]["w"], [2, 2])
+    relaid = mapping.to_layout(stacked, per_layer)  # the other way: a scanned stack split where the target loops
+    assert mapping.flatten(relaid).keys() == mapping.flatten(per_layer).keys()
+    np.testing.assert_array_equal(relaid["blocks"]["layer_1"]["w"], [1, 1])
+    same = mapping.flatten(mapping.to_layout(per_layer, per_layer))  # already in the target's layout: as it is
+    assert all(leaf is mapping.flatten(per_layer)[key] for key, leaf in same.items())

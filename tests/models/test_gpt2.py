@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from lmzoo import models, testing
+from lmzoo import kernels, models, testing
+from lmzoo.layers import blocks
 
 
 def test_shapes_and_hidden():
@@ -70,6 +71,38 @@ def test_scan_and_remat_match_python_loop():
     np.testing.assert_allclose(
         scanned.apply({"params": scan_params}, tokens), model.apply({"params": params}, tokens), atol=1e-5
     )
+
+
+def _remat_policies(jaxpr) -> list:
+    """The policy of every rematerialisation in `jaxpr` and the jaxprs inside it (a scan's body, a remat's own)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if "policy" in eqn.params:
+            found.append(eqn.params["policy"])
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found += _remat_policies(inner)
+    return found
+
+
+def test_auto_remat_keeps_every_activation_on_the_cpu_and_the_projections_on_accelerators():
+    """remat_policy "auto" (the base-size configs') is decided by the platform the step is traced for
+    (`kernels.remat_policy`), with the same gradients."""
+    policies, grads = {}, {}
+    for platform in ("cpu", "gpu"):
+        # A model of its own for each platform: a module traced again reuses its first scan body, policy included.
+        model = models.build_model("gpt2", {**testing.TINY_GPT2, "scan_layers": True, "remat_policy": "auto"})
+        params = nn.unbox(model.init(jax.random.key(0), testing.random_tokens())["params"])
+        grad = jax.grad(lambda p, model=model: model.apply({"params": p}, testing.random_tokens()).sum())
+        with kernels.use_platform(platform):
+            policies[platform] = _remat_policies(jax.make_jaxpr(grad)(params).jaxpr)
+            grads[platform] = grad(params)
+    assert policies["cpu"] == [] and policies["gpu"]
+    assert all(policy == blocks.REMAT_POLICIES["dots_no_batch"] for policy in policies["gpu"])
+    chex.assert_trees_all_close(grads["gpu"], grads["cpu"], atol=1e-5)
+    assert kernels.remat_policy("full") == "full"  # a named policy is every platform's
 
 
 def test_out_of_range_token_ids_poison_the_output():

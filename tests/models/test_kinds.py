@@ -9,6 +9,7 @@ from lmzoo.models import kinds
 EXPECTED = {
     "gpt2": kinds.DECODER,
     "llama": kinds.DECODER,
+    "deepseek": kinds.DECODER,
     "bert": kinds.ENCODER,
     "seq2seq": kinds.ENCODER_DECODER,
     "lstm": kinds.RECURRENT,

@@ -3,7 +3,10 @@
 with its figures written back."""
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -49,6 +52,11 @@ def test_plots_of_a_run_whose_events_are_in_a_bucket(root, tmp_path):
     written = plots.plot_metrics(f"{root}/run")
     assert written and all(path.startswith(f"{root}/run/plots/") for path in written)
     assert all(storage.read_bytes(path)[:4] == b"\x89PNG" for path in written)
+    # and as a user asks for them (issue 55: eval.py refused a bucket workdir that docs/SCALING.md says it plots)
+    command = [sys.executable, str(ROOT / "eval.py"), f"--workdir={root}/run", "--plot"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == written
 
 
 def _text_corpus(folder: pathlib.Path) -> None:

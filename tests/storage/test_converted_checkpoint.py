@@ -66,3 +66,26 @@ def test_convert_refuses_a_folder_with_checkpoints_in_one_line(tmp_path):
     again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].startswith("error: --out=")
     assert "holds checkpoints already" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_convert_after_a_failure_runs_again_from_any_folder(tmp_path):
+    """Issue 55: a failed conversion leaves no empty checkpoints/ that would refuse the corrected command, and
+    `--config=configs/...` is found from outside the repository, as train.py finds it."""
+    _tiny_llama_hf(tmp_path / "hf")
+    out = tmp_path / "converted"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+
+    def convert_with(config: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "lmzoo.cli.convert", config, f"--from=hf:{tmp_path / 'hf'}", f"--out={out}"]
+        return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env)
+
+    failed = convert_with("--config=configs/default.py:tiny")  # a GPT-2 config for Llama weights
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr
+    assert failed.stderr.splitlines() == [
+        f"error: {tmp_path / 'hf'}/config.json: HF config has model_type='llama'; the gpt2 converter reads only "
+        "'gpt2' checkpoints"
+    ]
+    assert not out.exists()
+    corrected = convert_with("--config=configs/llama.py:tiny")
+    assert corrected.returncode == 0, corrected.stderr[-2000:]
+    assert storage.exists(out / "checkpoints" / "0")

@@ -53,7 +53,7 @@ SHRUNK = [
 
 def parsed(argv: list[str]) -> flags.FlagValues:
     """train.py's flags parsed from `argv` as its __main__ parses them."""
-    argv = TRAIN.resolve_config_path(argv)
+    argv = config_lib.resolve_config_path(argv)
     config_lib.check_overrides(argv, default=str(ROOT / "configs" / "default.py"))
     flag_values = flags.FlagValues()
     TRAIN.define_flags(flag_values, ["train.py", *argv])

@@ -711,8 +711,10 @@ class PPOTrainer:
             slot = state.step % s.max_staleness
             return {"stale": jax.tree.map(lambda queued: queued[slot], state.pending), "drawn": drawn}
         if name == "scoring":
-            samples, draw_metrics = (carry["stale"], {}) if s.max_staleness else (carry, {})
-            if s.sampling_rounds > 1:
+            samples, draw_metrics = carry, {}
+            if s.max_staleness:
+                samples = carry["stale"]
+            elif s.sampling_rounds > 1:  # `_refilled_rollout`'s (samples, metrics of every reply drawn)
                 samples, draw_metrics = carry
             policy = self.policy_params(state.params, state.frozen)
             forward = not self.update_reads_old_logprobs

@@ -105,6 +105,26 @@ def test_causal_split_attention_equals_jax_attention(monkeypatch, length):
     chex.assert_trees_all_close(ours, reference, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_cached_attention_over_the_head_major_cache_equals_the_explicit_form(kv_heads):
+    """Decoding's form over a head-major cache [B, K, S, H] (`attention.cached_attention`) equals the explicit form over
+    the same keys laid out [B, S, K, H], with grouped heads, a mask of each row's valid keys, a bias and sinks."""
+    rng = np.random.default_rng(5)
+    query = rng.normal(size=(2, 3, 4, 8)).astype(np.float32)
+    key, value = (rng.normal(size=(2, 6, kv_heads, 8)).astype(np.float32) for _ in range(2))
+    mask = (rng.random((2, 1, 3, 6)) < 0.7) & np.tril(np.ones((3, 6), bool), k=3)
+    bias = rng.normal(size=(1, 4, 3, 6)).astype(np.float32)
+    sinks = rng.normal(size=(4,)).astype(np.float32)
+    for kwargs in (dict(bias=None, sinks=None), dict(bias=bias, sinks=sinks)):
+        ours = attention.cached_attention(
+            query, np.swapaxes(key, 1, 2), np.swapaxes(value, 1, 2), mask=mask, scale=0.5, **kwargs
+        )
+        reference = explicit.dot_product_attention(
+            query, key, value, mask=mask, is_causal=False, scale=0.5, dropout_rate=0.0, dropout_rng=None, **kwargs
+        )
+        chex.assert_trees_all_close(ours, reference, atol=1e-5)
+
+
 def test_gelu_equals_exact_jax_gelu_in_value_and_gradient():
     x = np.linspace(-9.0, 9.0, 401, dtype=np.float32)
     chex.assert_trees_all_close(cpu.gelu(x), jax.nn.gelu(x, approximate=False), atol=1e-6)

@@ -41,7 +41,7 @@ import numpy as np
 from aiohttp import web
 
 from lmzoo import models, storage, tokenizers, weights
-from lmzoo.convert import hf, llama
+from lmzoo.convert import hf
 from lmzoo.data import chat
 from lmzoo.models import kinds
 from lmzoo.serving import engine as engine_lib
@@ -124,16 +124,18 @@ def load_run(workdir: str, step: int | None = None, *, chat_template: str | None
     return Served(name or workdir, model, params, loaded.tokenizer, template, f"{workdir} (step {loaded.step})", why)
 
 
+# The families the server reads from HF folders: the decoders with a KV cache the engine fills.
+SERVED_FAMILIES = ("gpt2", "llama", "deepseek", "qwen3_5")
+
+
 def _family(hf_config: dict, where: str) -> str:
+    """The lmzoo family of an HF decoder's config.json (`convert.hf.family_of`); ValueError naming what is served."""
     model_type = hf_config.get("model_type")
-    if model_type == "gpt2":
-        return "gpt2"
-    if model_type in llama.ARCHITECTURES:
-        return "llama"
-    raise ValueError(
-        f"{where}/config.json has model_type {model_type!r}; the server reads the decoders gpt2, "
-        f"{', '.join(llama.ARCHITECTURES)}"
-    )
+    family = hf.family_of(str(model_type))
+    if family in SERVED_FAMILIES:
+        return family
+    served = ", ".join(t for f in SERVED_FAMILIES for t in hf.FAMILIES[f].MODEL_TYPES)
+    raise ValueError(f"{where}/config.json has model_type {model_type!r}; the server reads the decoders {served}")
 
 
 def load_pretrained(spec: str, *, chat_template: str | None = None, name: str | None = None) -> Served:

@@ -133,6 +133,7 @@ _MODULES = {
         "decoder": "vocab_projector",
     },
 }
+MODEL_TYPES = tuple(_MODULES)  # the config.json model_types this converter reads (`convert.hf.family_of`)
 # model_type -> HF *ForSequenceClassification head modules: lmzoo SequenceClassifier param -> HF module.
 _CLASSIFIER_MODULES = {
     "bert": {"classifier": "classifier"},

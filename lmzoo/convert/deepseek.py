@@ -29,6 +29,7 @@ from lmzoo.convert.tables import Entry, Params
 from lmzoo.models.deepseek import DeepseekConfig
 
 MODEL_TYPE, ARCHITECTURE = "deepseek_v3", "DeepseekV3ForCausalLM"
+MODEL_TYPES = (MODEL_TYPE,)  # the config.json model_types this converter reads (`convert.hf.family_of`)
 # DeepseekV3Config's defaults for the keys a config.json may leave out.
 _DEFAULTS = {
     "q_lora_rank": 1536,

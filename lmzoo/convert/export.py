@@ -6,14 +6,15 @@ The families with an HF counterpart: gpt2 (GPT2LMHeadModel), bert (BERT / RoBERT
 *ForMaskedLM, or *ForPreTraining with a sentence head; the model type follows from the config, see
 `hf_model_type`), seq2seq (T5 with relative positions, BART with learned ones; *ForConditionalGeneration),
 llama (LlamaForCausalLM; MistralForCausalLM with a sliding window; Qwen2ForCausalLM with q/k/v biases; with experts,
-Qwen2MoeForCausalLM with a shared expert, else MixtralForCausalLM) and deepseek (DeepseekV3ForCausalLM).
+Qwen2MoeForCausalLM with a shared expert, else MixtralForCausalLM), deepseek (DeepseekV3ForCausalLM) and qwen3_5
+(Qwen3_5ForCausalLM; Qwen3_5MoeForCausalLM with experts).
 Sequence classifiers (`classify` runs, reward models) export to *ForSequenceClassification when their head
 is the one HF builds: BERT/ALBERT "pooler", RoBERTa "dense_tanh" and DistilBERT "dense_relu" on the first
 token, GPT-2 "linear" on the last real token (`pad_token_id` from the tokenizer); num_labels and
 id2label (`--labels`, default LABEL_0, LABEL_1, ...) go to config.json. A PPO policy exports its decoder as
 the language model (its value head or separate value network is left out).
-The weights and config.json come from the per-family tables of gpt2.py, bert.py, seq2seq.py, llama.py and
-deepseek.py, which refuse a config HF cannot express. A run's HF tokenizer (GPT-2 BPE, WordPiece, tokenizer.json)
+The weights and config.json come from the per-family tables of gpt2.py, bert.py, seq2seq.py, llama.py, deepseek.py
+and qwen3_5.py, which refuse a config HF cannot express. A run's HF tokenizer (GPT-2 BPE, WordPiece, tokenizer.json)
 is written as tokenizer.json + tokenizer_config.json that `AutoTokenizer` reads, with the special tokens, chat
 template and generation settings (generation_config.json: every eos id, pad) of the checkpoint it came from, so that
 `apply_chat_template` and `generate` work on the export as on that checkpoint (`save_tokenizer`); others (char, byte,
@@ -36,21 +37,23 @@ from typing import Any
 import numpy as np
 
 from lmzoo import storage, tokenizers
-from lmzoo.convert import bert, deepseek, gpt2, llama, seq2seq
+from lmzoo.convert import bert, deepseek, gpt2, llama, qwen3_5, seq2seq
 from lmzoo.models import heads, make_config
 
-EXPORTABLE = ("gpt2", "bert", "seq2seq", "llama", "deepseek")
+EXPORTABLE = ("gpt2", "bert", "seq2seq", "llama", "deepseek", "qwen3_5")
 
 
 def hf_model_type(model_name: str, cfg: Any) -> str:
     """The HF model_type of a family config: gpt2; bert, roberta, albert or distilbert; t5 or bart; llama,
-    mistral, qwen2, mixtral or qwen2_moe; deepseek_v3."""
+    mistral, qwen2, mixtral or qwen2_moe; deepseek_v3; qwen3_5_text or qwen3_5_moe_text."""
     if model_name == "gpt2":
         return "gpt2"
     if model_name == "llama":
         return llama.hf_model_type(cfg)
     if model_name == "deepseek":
         return deepseek.MODEL_TYPE
+    if model_name == "qwen3_5":
+        return qwen3_5.hf_model_type(cfg)
     if model_name == "seq2seq":
         return "t5" if cfg.positions == "relative" else "bart"
     if model_name == "bert":
@@ -97,6 +100,8 @@ def to_hf(
         return llama.config_to_hf(cfg), llama.to_hf(params, cfg)
     if model_type == deepseek.MODEL_TYPE:
         return deepseek.config_to_hf(cfg), deepseek.to_hf(params, cfg)
+    if model_type in qwen3_5.ARCHITECTURES:
+        return qwen3_5.config_to_hf(cfg), qwen3_5.to_hf(params, cfg)
     if model_type == "t5":
         return seq2seq.t5_config_to_hf(cfg), seq2seq.t5_to_hf(params, cfg)
     if model_type == "bart":

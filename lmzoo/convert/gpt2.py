@@ -24,6 +24,7 @@ _FIXED_HF_OPTIONS = {
 }
 # Non-parameter buffers that older HF GPT-2 versions keep in the state dict (the causal mask).
 _BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
+MODEL_TYPES = ("gpt2",)  # the config.json model_types this converter reads (`convert.hf.family_of`)
 
 
 def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:

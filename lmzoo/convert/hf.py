@@ -9,8 +9,9 @@ pretraining head the target does not have (the MLM head of a classifier's backbo
 without an error. Only then is each parameter read, tensor by tensor, converted once to the target's dtype and
 built in the target's sharding (`mapping.place`): host memory never holds the checkpoint whole.
 
-The per-family tables live in gpt2.py, bert.py, seq2seq.py, llama.py and deepseek.py; the mechanism in tables.py
-(entries, the validator), safetensors_reader.py (the folder's files) and mapping.py (layer layout and placement).
+The per-family tables live in gpt2.py, bert.py, seq2seq.py, llama.py, deepseek.py and qwen3_5.py; the mechanism in
+tables.py (entries, the validator), safetensors_reader.py (the folder's files) and mapping.py (layer layout and
+placement).
 """
 
 import dataclasses
@@ -23,7 +24,7 @@ import flax.linen as nn
 import jax
 
 from lmzoo import storage
-from lmzoo.convert import bert, deepseek, gpt2, llama, mapping, safetensors_reader, seq2seq, tables
+from lmzoo.convert import bert, deepseek, gpt2, llama, mapping, qwen3_5, safetensors_reader, seq2seq, tables
 from lmzoo.convert.seq2seq import t5_config_to_hf, t5_from_hf  # noqa: F401  (used by bench/seq2seq_bench.py)
 from lmzoo.convert.tables import Params
 from lmzoo.models import make_config
@@ -35,6 +36,7 @@ FAMILIES: dict[str, ModuleType] = {
     "seq2seq": seq2seq,
     "llama": llama,
     "deepseek": deepseek,
+    "qwen3_5": qwen3_5,
 }
 # Fields a checkpoint does not fix: regularisation and initialisation (and the weight of an MoE's load-balancing loss)
 # do not change a loaded model's function, and head presence (pooler, sentence_head) is checked tensor by tensor (a
@@ -117,6 +119,12 @@ def resolve_folder(name: str) -> str:
         ) from None
 
 
+def family_of(model_type: str) -> str | None:
+    """The lmzoo family (a key of `FAMILIES`) whose converter reads HF checkpoints of config.json's `model_type`
+    (each converter's MODEL_TYPES), or None where none does."""
+    return next((family for family, module in FAMILIES.items() if model_type in module.MODEL_TYPES), None)
+
+
 def _read(spec: str, model_name: str) -> tuple[dict[str, Any], Params]:
     if not spec.startswith("hf:") or spec == "hf:":
         raise ValueError(
@@ -127,10 +135,10 @@ def _read(spec: str, model_name: str) -> tuple[dict[str, Any], Params]:
     folder = resolve_folder(spec.removeprefix("hf:"))
     hf_config, tensors = safetensors_reader.read_safetensors_dir(folder)
     model_type = str(hf_config.get("model_type", ""))
-    # The architecture names the model type without its underscores (qwen2_moe: Qwen2MoeForCausalLM) and a text
-    # model's "_text" (gemma3_text: Gemma3ForCausalLM).
+    # The architecture names the model type without its underscores (qwen2_moe: Qwen2MoeForCausalLM, qwen3_5_text:
+    # Qwen3_5ForCausalLM) and a text model's "_text" (gemma3_text: Gemma3ForCausalLM).
     stem = model_type.lower().removesuffix("_text").replace("_", "")
-    disagreeing = [a for a in hf_config.get("architectures") or () if not a.lower().startswith(stem)]
+    disagreeing = [a for a in hf_config.get("architectures") or () if not a.lower().replace("_", "").startswith(stem)]
     if model_type and disagreeing:
         raise ValueError(
             f"{folder}/config.json: architectures {disagreeing} disagree with model_type "

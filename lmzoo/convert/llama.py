@@ -1,5 +1,5 @@
-"""HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 (text) / Mixtral / Qwen2-MoE / Qwen3-MoE (*ForCausalLM) <-> lmzoo
-"llama": config translation and tensor tables.
+"""HF Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 (text) / Mixtral / Qwen2-MoE / Qwen3-MoE / gpt-oss (*ForCausalLM) <->
+lmzoo "llama": config translation and tensor tables.
 
 All eight are the same decoder to lmzoo: Mistral adds a sliding window, Qwen2 q/k/v biases, Qwen3 a per-head RMSNorm of
 queries and keys (`qk_norm`); Mixtral (a window too), Qwen2-MoE (q/k/v biases, a shared expert) and Qwen3-MoE (Qwen3's
@@ -21,6 +21,10 @@ save_pretrained): Mixtral's block_sparse_moe.experts.e.{w1, w3, w2} and Qwen2-Mo
 mlp.experts.e.{gate_proj, up_proj, down_proj}, each [F, D] or [D, F], become slice e of wi_0, wi_1 [E, D, F] and wo
 [E, F, D]; the router (gate [E, D]) becomes router/kernel [D, E]; Qwen2-MoE's shared expert is a SwiGLU "shared"
 and its sigmoid gate shared_expert_gate [1, D] the kernel [D] of "shared_gate".
+
+gpt-oss (model_type gpt_oss, GptOssForCausalLM) has o_proj's bias too (`out_bias`), self_attn.sinks [N] -> attn/sinks,
+a biased router (mlp.router) and stacked, biased experts whose fused gate_up_proj and MXFP4 tensors `convert.gpt_oss`
+reads and writes; its rope dict is YaRN's, for every layer.
 """
 
 import functools
@@ -30,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from lmzoo.convert import mapping, tables
+from lmzoo.convert import gpt_oss, mapping, tables
 from lmzoo.convert.tables import Entry, Params
 from lmzoo.models.llama import LlamaConfig
 
@@ -43,7 +47,9 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    gpt_oss.MODEL_TYPE: gpt_oss.ARCHITECTURE,
 }
+MODEL_TYPES = tuple(ARCHITECTURES)  # the config.json model_types this converter reads (`convert.hf.family_of`)
 # The model types whose attention RMS-normalises each head's queries and keys before the rotation (`qk_norm`).
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
 # Switches lmzoo's llama does not implement, with the only supported value. Llama's and Qwen3's attention_bias also
@@ -57,6 +63,7 @@ _MOE_KEYS = {
     "mixtral": ("num_local_experts", "intermediate_size"),
     "qwen2_moe": ("num_experts", "moe_intermediate_size"),
     "qwen3_moe": ("num_experts", "moe_intermediate_size"),
+    "gpt_oss": ("num_local_experts", "intermediate_size"),
 }
 _FEED_FORWARD = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp"}
 _EXPERT_TENSORS = {
@@ -79,6 +86,15 @@ _GEMMA_ONLY = {
     "embed_scale": False,
     "query_pre_attn_scalar": 0.0,
     "mlp_activation": "silu",
+}
+# The fields only gpt-oss sets, at lmzoo's defaults: every other model type's values (YaRN's rope_* fields are stated
+# with the rope type that has them).
+_GPT_OSS_ONLY = {
+    "out_bias": False,
+    "attention_sinks": False,
+    "router_bias": False,
+    "expert_bias": False,
+    "swiglu_limit": 0.0,
 }
 # Gemma3TextConfig's defaults for the keys a gemma3_text config.json may leave out.
 _GEMMA3_DEFAULTS = {
@@ -122,6 +138,8 @@ def _rope_fields(rope: Mapping[str, Any], theta: float, where: str, types: Seque
     fields |= {"rope_scaling_factor": float(rope["factor"]), "rope_scaling_type": rope_type}
     if rope_type == "linear":
         return fields
+    if rope_type == "yarn":
+        return fields | _yarn_fields(rope, where)
     return fields | {
         "rope_low_freq_factor": float(rope["low_freq_factor"]),
         "rope_high_freq_factor": float(rope["high_freq_factor"]),
@@ -129,10 +147,38 @@ def _rope_fields(rope: Mapping[str, Any], theta: float, where: str, types: Seque
     }
 
 
+def _yarn_fields(rope: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The YaRN fields of an HF "yarn" rope dict; DeepSeek's mscale pair (which lmzoo's llama lacks) is refused."""
+    for key in ("mscale", "mscale_all_dim"):
+        if rope.get(key):
+            raise tables.ConfigError(f"HF config has {where}.{key}={rope[key]!r}; lmzoo's llama's YaRN has none (null)")
+    if not rope.get("factor") or not rope.get("original_max_position_embeddings"):
+        raise tables.ConfigError(
+            f"HF config has a yarn {where} without its factor and original_max_position_embeddings"
+        )
+    return {
+        "rope_original_max_len": int(rope["original_max_position_embeddings"]),
+        "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+        "rope_truncate": bool(rope.get("truncate", True)),
+        "rope_attention_factor": float(rope.get("attention_factor") or 0.0),
+    }
+
+
 def _rope_to_hf(cfg: LlamaConfig, kind: str = FULL) -> dict[str, Any]:
     """The HF rope dict (`rope_type`, its factors, `rope_theta`) of the layers of `kind`."""
     rotary = cfg.rotary(kind)
-    if rotary.scaling is not None:
+    if rotary.yarn is not None:
+        yarn = rotary.yarn
+        scaling = {
+            "rope_type": "yarn",
+            "factor": yarn.factor,
+            "original_max_position_embeddings": yarn.original_max_len,
+            "beta_fast": yarn.beta_fast,
+            "beta_slow": yarn.beta_slow,
+            "truncate": yarn.truncate,
+        } | ({"attention_factor": yarn.attention_factor} if yarn.attention_factor else {})
+    elif rotary.scaling is not None:
         factor, low, high, original = rotary.scaling
         scaling = {
             "rope_type": "llama3",
@@ -218,6 +264,37 @@ def _gemma3_fields(hf_config: Mapping[str, Any], num_layers: int) -> dict[str, A
     )
 
 
+def _gpt_oss_fields(hf_config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """The fields of a gpt_oss config.json beyond the mixture of experts: the layer kinds (HF's layer_types, else
+    sliding and full in turn), which all rotate with the one rope dict (YaRN's by default), the four attention biases,
+    the sinks and the experts' biases and clamped SwiGLU. Kinds all alike are no layer_types."""
+    gpt_oss.check_quantization(hf_config)
+    kinds = gpt_oss.layer_kinds(hf_config, num_layers)
+    window = int(gpt_oss.get(hf_config, "sliding_window") or 0)
+    if SLIDING in kinds and window < 1:
+        given = hf_config.get("sliding_window")
+        raise tables.ConfigError(f"HF gpt_oss config has sliding_attention layers with sliding_window={given!r}")
+    field = "rope_parameters" if hf_config.get("rope_parameters") else "rope_scaling"
+    rope = dict(hf_config.get(field) or gpt_oss.DEFAULT_ROPE)
+    theta = rope.get("rope_theta", gpt_oss.get(hf_config, "rope_theta"))
+    limit = float(gpt_oss.get(hf_config, "swiglu_limit"))
+    if limit <= 0:
+        raise tables.ConfigError(f"HF gpt_oss config has swiglu_limit={limit!r}; lmzoo's clamped SwiGLU needs > 0")
+    bias = bool(gpt_oss.get(hf_config, "attention_bias"))
+    fields = _rope_fields(rope, theta, field, ("default", "yarn")) | {
+        "qkv_bias": bias,
+        "out_bias": bias,
+        "attention_sinks": True,
+        "router_bias": True,
+        "expert_bias": True,
+        "swiglu_limit": limit,
+        "swiglu_alpha": float(gpt_oss.get(hf_config, "swiglu_alpha")),
+    }
+    if len(set(kinds)) == 1:
+        return fields | {"sliding_window": window if kinds[0] == SLIDING else 0}
+    return fields | {"layer_types": tuple(kinds), "sliding_window": window}
+
+
 def _sliding_window(hf_config: Mapping[str, Any], model_type: str, num_layers: int) -> int:
     """The window every layer uses (0: none); Qwen2 and Qwen3 models whose layers differ are refused."""
     window = hf_config.get("sliding_window")
@@ -266,6 +343,8 @@ def _moe_fields(hf_config: Mapping[str, Any], model_type: str, num_layers: int) 
     count_key, size_key = _MOE_KEYS[model_type]
     if model_type == "qwen3_moe" and count_key not in hf_config and "num_local_experts" in hf_config:
         count_key = "num_local_experts"
+    if model_type == "gpt_oss" and count_key not in hf_config and "num_experts" in hf_config:
+        count_key = "num_experts"
     size_keys = [size_key, "shared_expert_intermediate_size"] if model_type == "qwen2_moe" else [size_key]
     missing = [key for key in (count_key, "num_experts_per_tok", *size_keys) if key not in hf_config]
     if missing:
@@ -288,10 +367,11 @@ def _moe_fields(hf_config: Mapping[str, Any], model_type: str, num_layers: int) 
     fields = {
         "num_experts": num_experts,
         "experts_per_token": top_k,
-        # Mixtral's experts are intermediate_size wide, which is mlp_dim: expert_mlp_dim 0 says so.
-        "expert_mlp_dim": 0 if model_type == "mixtral" else sizes[size_key],
+        # Mixtral's and gpt-oss's experts are intermediate_size wide, which is mlp_dim: expert_mlp_dim 0 says so.
+        "expert_mlp_dim": 0 if model_type in ("mixtral", "gpt_oss") else sizes[size_key],
         "shared_expert_mlp_dim": sizes.get("shared_expert_intermediate_size", 0),
-        "renormalize_expert_weights": model_type == "mixtral" or bool(hf_config.get("norm_topk_prob", False)),
+        # gpt-oss softmaxes the top-k logits: the top-k probabilities renormalised.
+        "renormalize_expert_weights": model_type in ("mixtral", "gpt_oss") or bool(hf_config.get("norm_topk_prob")),
         "load_balance_coef": float(hf_config.get("router_aux_loss_coef", 0.001)),
     }
     if model_type in ("qwen2_moe", "qwen3_moe"):
@@ -338,6 +418,8 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     if missing:
         raise tables.ConfigError(f"HF {model_type} config lacks {missing}")
     for key, supported in _FIXED_HF_OPTIONS.items():
+        if key == "attention_bias" and model_type == gpt_oss.MODEL_TYPE:  # its four biases: `out_bias`
+            continue
         if hf_config.get(key, supported) != supported:
             raise tables.ConfigError(
                 f"HF {model_type} config has {key}={hf_config[key]!r}; lmzoo's llama supports only {supported!r}"
@@ -348,7 +430,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     gemma = model_type == "gemma3_text"
     # Where config.json leaves head_dim out, Qwen3Config's default is 128, Gemma3TextConfig's 256; the others' is
     # hidden_size / heads.
-    head_dim = hf_config.get("head_dim", {"qwen3": 128, "gemma3_text": 256}.get(model_type))
+    head_dim = hf_config.get("head_dim", {"qwen3": 128, "gemma3_text": 256, "gpt_oss": 64}.get(model_type))
     if num_heads % kv_heads:
         raise tables.ConfigError(
             f"HF {model_type} config has num_key_value_heads={kv_heads}, which does not divide "
@@ -357,6 +439,8 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     # Gemma's fields are stated for every model type, so a target config that sets them differs from the checkpoint.
     if gemma:
         kinds = _GEMMA_ONLY | _gemma3_fields(hf_config, num_layers)
+    elif model_type == gpt_oss.MODEL_TYPE:
+        kinds = _GEMMA_ONLY | _gpt_oss_fields(hf_config, num_layers)
     else:
         kinds = _GEMMA_ONLY | _rope(hf_config) | {"sliding_window": _sliding_window(hf_config, model_type, num_layers)}
     return {
@@ -370,12 +454,13 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         "num_layers": num_layers,
         "mlp_dim": int(hf_config["intermediate_size"]),
         **_moe_fields(hf_config, model_type, num_layers),
-        **kinds,
         # Qwen2-MoE's config.json says qkv_bias since transformers 5; earlier ones always had the biases.
         "qkv_bias": model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf_config.get("qkv_bias", True))),
+        **_GPT_OSS_ONLY,
+        **kinds,
         "qk_norm": model_type in _QK_NORM,
         "tie_embeddings": bool(hf_config.get("tie_word_embeddings", gemma)),
-        "norm_epsilon": float(hf_config.get("rms_norm_eps", 1e-6)),
+        "norm_epsilon": float(hf_config.get("rms_norm_eps", 1e-5 if model_type == gpt_oss.MODEL_TYPE else 1e-6)),
         "init_std": float(hf_config.get("initializer_range", 0.02)),
         "dropout_rate": 0.0,
         "attention_dropout_rate": float(hf_config.get("attention_dropout", 0.0)),
@@ -392,7 +477,17 @@ def hf_model_type(cfg: LlamaConfig) -> str:
     shared expert, else mixtral. Without: qwen3 for qk_norm, else qwen2 for q/k/v biases, else mistral for a sliding
     window, else llama. Raises for models HF has no class for (Gemma's fields without all of sandwich_norms,
     embed_scale and qk_norm, or with q/k/v biases or experts; qk_norm with q/k/v biases or a shared expert; experts
-    without a shared expert, with q/k/v biases or top-k weights not renormalised)."""
+    without a shared expert, with q/k/v biases or top-k weights not renormalised). gpt_oss for attention sinks or any
+    of gpt-oss's fields (`_gpt_oss_problems` names what HF's class lacks)."""
+    oss = {name: getattr(cfg, name) for name, default in _GPT_OSS_ONLY.items() if getattr(cfg, name) != default}
+    if oss or cfg.yarn is not None:
+        problems = _gpt_oss_problems(cfg)
+        if problems:
+            raise ValueError(
+                f"a llama with {oss or {'rope_scaling_type': 'yarn'}} has no HF counterpart but GptOssForCausalLM, "
+                f"which needs {'; '.join(problems)}"
+            )
+        return gpt_oss.MODEL_TYPE
     switches = _gemma_switches(cfg)
     if switches:
         if not (cfg.sandwich_norms and cfg.embed_scale and cfg.qk_norm) or cfg.qkv_bias or cfg.num_experts:
@@ -436,6 +531,49 @@ def hf_model_type(cfg: LlamaConfig) -> str:
     return "mistral" if cfg.sliding_window else "llama"
 
 
+def _gpt_oss_problems(cfg: LlamaConfig) -> list[str]:
+    """What `cfg` lacks of GptOssForCausalLM (each as "field=value"); empty when it is one."""
+    wanted = {
+        "attention_sinks": True,
+        "router_bias": True,
+        "expert_bias": True,
+        "renormalize_expert_weights": True,
+        "shared_expert_mlp_dim": 0,
+        "out_bias": cfg.qkv_bias,
+        "qk_norm": False,
+        "sliding_rope_theta": 0.0,
+    } | {name: default for name, default in _GEMMA_ONLY.items() if name not in ("layer_types", "sliding_rope_theta")}
+    problems = [f"{name}={value!r}" for name, value in wanted.items() if getattr(cfg, name) != value]
+    if not cfg.num_experts:
+        problems.append("num_experts > 0")
+    if cfg.swiglu_limit <= 0:
+        problems.append("swiglu_limit > 0")
+    if cfg.rope_scaling_factor and cfg.rope_scaling_type != "yarn":
+        problems.append("rope_scaling_type='yarn' (or rope_scaling_factor=0)")
+    return problems
+
+
+def _gpt_oss_config_to_hf(cfg: LlamaConfig, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """`hf_config` (the keys every model type shares) as GptOssConfig's: one rope dict for every layer, the layer kinds
+    (every layer the kind of the window when layer_types is empty), the experts and their clamped SwiGLU."""
+    moe = cfg.moe
+    common = {key: value for key, value in hf_config.items() if key not in ("rope_theta", "rope_scaling")}
+    return common | {
+        "intermediate_size": moe.expert_mlp_dim,
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.experts_per_token,
+        "router_aux_loss_coef": moe.load_balance_coef,
+        "swiglu_limit": moe.swiglu_limit,
+        "swiglu_alpha": moe.swiglu_alpha,
+        "attention_bias": cfg.qkv_bias,
+        "rope_parameters": _rope_to_hf(cfg),
+        "layer_types": list(cfg.layer_types) or [SLIDING if cfg.sliding_window else FULL] * cfg.num_layers,
+        # HF's model builds a sliding mask whatever the kinds: a window its full layers do not read
+        "sliding_window": cfg.sliding_window or gpt_oss.DEFAULTS["sliding_window"],
+        "output_router_logits": False,
+    }
+
+
 def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     """An HF config.json dict (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral, Qwen2-MoE or Qwen3-MoE:
     `hf_model_type`) for a "llama" config.
@@ -473,6 +611,8 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         return hf_config | {"attention_bias": False, "mlp_bias": False}
     if model_type == "gemma3_text":
         return _gemma3_config_to_hf(cfg, hf_config)
+    if model_type == gpt_oss.MODEL_TYPE:
+        return _gpt_oss_config_to_hf(cfg, hf_config)
     if model_type == "mistral":
         return hf_config | {"sliding_window": cfg.sliding_window}
     if model_type == "mixtral":
@@ -569,6 +709,8 @@ def _feed_forward(prefix: str, path: tuple[str, ...], cfg: LlamaConfig, model_ty
     d, moe = cfg.emb_dim, cfg.moe
     if moe is None:
         return _swiglu(prefix + "mlp", path, d, cfg.mlp_dim)
+    if model_type == gpt_oss.MODEL_TYPE:
+        return _gpt_oss_feed_forward(prefix + "mlp", path, cfg)
     module, f = prefix + _FEED_FORWARD[model_type], moe.expert_mlp_dim
     table = tables.linear(f"{module}.gate", (*path, "router"), d, moe.num_experts, bias=False)
     kernels = zip(_EXPERT_KERNELS, _EXPERT_TENSORS[model_type], ((d, f), (d, f), (f, d)), strict=True)
@@ -581,6 +723,25 @@ def _feed_forward(prefix: str, path: tuple[str, ...], cfg: LlamaConfig, model_ty
         table += _swiglu(f"{module}.shared_expert", (*path, "shared"), d, moe.shared_expert_mlp_dim)
         # nn.Linear(D, 1) [1, D] -> Einsum kernel [D]
         table.append(Entry(f"{module}.shared_expert_gate.weight", (*path, "shared_gate", "kernel"), (1, d), (d,), True))
+    return table
+
+
+def _gpt_oss_feed_forward(module: str, path: tuple[str, ...], cfg: LlamaConfig) -> list[Entry]:
+    """gpt-oss's router (with its bias) and stacked experts, as `gpt_oss.split_experts` shows them: gate_proj,
+    up_proj [E, D, F] -> wi_0, wi_1 and down_proj [E, F, D] -> wo as they are ([in, out] per expert), their biases
+    [E, F] / [E, D] -> wi_0_bias, wi_1_bias, wo_bias."""
+    d, moe = cfg.emb_dim, cfg.moe
+    e, f = moe.num_experts, moe.expert_mlp_dim
+    table = tables.linear(f"{module}.router", (*path, "router"), d, e, bias=moe.router_bias)
+    for kernel, name, shape in (
+        ("wi_0", "gate_proj", (e, d, f)),
+        ("wi_1", "up_proj", (e, d, f)),
+        ("wo", "down_proj", (e, f, d)),
+    ):
+        table.append(Entry(f"{module}.experts.{name}", (*path, kernel), shape, shape))
+        if moe.expert_bias:
+            bias = (e, shape[-1])
+            table.append(Entry(f"{module}.experts.{name}_bias", (*path, f"{kernel}_bias"), bias, bias))
     return table
 
 
@@ -605,7 +766,11 @@ def entries(cfg: LlamaConfig) -> list[Entry]:
         table += tables.linear(
             prefix + "self_attn.v_proj", (*attn, "value"), d, k * h, out_shape=(k, h), bias=cfg.qkv_bias
         )
-        table += tables.linear(prefix + "self_attn.o_proj", (*attn, "out"), n * h, d, in_shape=(n, h), bias=False)
+        table += tables.linear(
+            prefix + "self_attn.o_proj", (*attn, "out"), n * h, d, in_shape=(n, h), bias=cfg.out_bias
+        )
+        if cfg.attention_sinks:
+            table.append(Entry(prefix + "self_attn.sinks", (*attn, "sinks"), (n,), (n,)))
         if cfg.qk_norm:
             table += norm(prefix + "self_attn.q_norm", (*attn, "query_norm"), h)
             table += norm(prefix + "self_attn.k_norm", (*attn, "key_norm"), h)
@@ -632,7 +797,8 @@ def layout(cfg: LlamaConfig) -> tables.Layout:
         tied={"lm_head.weight": "embed_tokens.weight"} if cfg.tie_embeddings else {},
         skip=_BUFFER,
         tie_hint="; set tie_embeddings: False",
-        note=" (names shown without the 'model.' prefix)" + _EXPERTS_NOTE * bool(cfg.num_experts),
+        note=" (names shown without the 'model.' prefix)"
+        + (_GPT_OSS_NOTE if hf_model_type(cfg) == gpt_oss.MODEL_TYPE else _EXPERTS_NOTE * bool(cfg.num_experts)),
     )
 
 
@@ -642,10 +808,21 @@ _EXPERTS_NOTE = (
 )
 
 
+_GPT_OSS_NOTE = (
+    "; gpt-oss's experts.gate_up_proj (and its bias, and its MXFP4 _blocks / _scales) is shown as its interleaved "
+    "halves gate_proj and up_proj"
+)
+
+
+def _per_expert(cfg: LlamaConfig) -> bool:
+    """Whether HF's checkpoints hold one tensor per expert (all but gpt-oss's, which stack them)."""
+    return cfg.moe is not None and hf_model_type(cfg) != gpt_oss.MODEL_TYPE
+
+
 def _stack_experts(params: Params, cfg: LlamaConfig) -> Params:
     """`params` (per-layer, as `entries` names them) with each layer's per-expert kernels {"0": [D, F], ...} stacked
     into one leaf [E, D, F] (lazily: `mapping.Stacked`, which reads expert by expert)."""
-    if cfg.moe is not None:
+    if _per_expert(cfg):
         for i in range(cfg.num_layers):
             layer = params["blocks"][f"layer_{i}"]["mlp"]
             for kernel in _EXPERT_KERNELS:
@@ -656,7 +833,7 @@ def _stack_experts(params: Params, cfg: LlamaConfig) -> Params:
 def _split_experts(params: Params, cfg: LlamaConfig) -> Params:
     """The reverse of `_stack_experts` for lmzoo params in any layer layout: per-layer, each expert's kernels a leaf of
     their own (a leaf that is not [E, ...] is left for `tables.to_hf` to report)."""
-    if cfg.moe is None:
+    if not _per_expert(cfg):
         return params
     params = mapping.unstack_layers(params)  # new dicts down to the leaves: editing them leaves the caller's alone
     for layer in params.get("blocks", {}).values():
@@ -669,6 +846,8 @@ def _split_experts(params: Params, cfg: LlamaConfig) -> Params:
 
 
 def _sources(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
+    if hf_model_type(cfg) == gpt_oss.MODEL_TYPE:
+        state_dict = gpt_oss.split_experts(state_dict)
     return _stack_experts(tables.to_sources(*tables.read_hf(state_dict, layout(cfg), entries(cfg))), cfg)
 
 
@@ -684,18 +863,19 @@ def from_hf(state_dict: Mapping[str, Any], cfg: LlamaConfig) -> Params:
 def to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:
     """lmzoo "llama" params (per-layer or scanned) -> HF *ForCausalLM state dict of float32 numpy arrays (experts
     one tensor each, the layout safetensors files hold)."""
-    return tables.to_hf(_split_experts(params, cfg), layout(cfg), entries(cfg))
+    state_dict = tables.to_hf(_split_experts(params, cfg), layout(cfg), entries(cfg))
+    return gpt_oss.join_experts(state_dict) if hf_model_type(cfg) == gpt_oss.MODEL_TYPE else state_dict
 
 
 def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
     """(config.model fields, params as lazy leaves, read only when placed) of an HF Llama, Mistral, Qwen2, Qwen3,
-    Gemma 3, Mixtral, Qwen2-MoE or Qwen3-MoE checkpoint."""
+    Gemma 3, Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss checkpoint."""
     fields = config_from_hf(hf_config)
     return fields, _sources(state_dict, tables.checkpoint_config("llama", fields))
 
 
 def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
     """(config.model fields, params: per-layer float32 numpy) of an HF Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral,
-    Qwen2-MoE or Qwen3-MoE checkpoint."""
+    Qwen2-MoE, Qwen3-MoE or gpt-oss checkpoint."""
     fields, sources = checkpoint_sources(hf_config, state_dict)
     return fields, mapping.materialize(sources)

@@ -73,6 +73,7 @@ _LAYOUT = {
     "t5": ("", re.compile(r"decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight")),
     "bart": ("model.", re.compile(r"(encoder|decoder)\.version")),
 }
+MODEL_TYPES = tuple(_LAYOUT)  # the config.json model_types this converter reads (`convert.hf.family_of`)
 _HEAD_KEYS = frozenset({"lm_head.weight", "final_logits_bias"})  # BART keys outside the "model." body
 
 

@@ -71,13 +71,15 @@ def attention_form(
     bias: jax.Array | None,
     dropout: bool,
     segment_ids: jax.Array | None = None,
+    sinks: bool = False,
 ) -> str:
     """Which form computes `layers.attention.dot_product_attention` for query [B, T, N, H], keys [B, S, K, H]:
 
-    - "explicit" (`kernels.explicit`): on the CPU, and wherever attention dropout needs the probabilities;
+    - "explicit" (`kernels.explicit`): on the CPU, wherever attention dropout needs the probabilities, and with
+      attention sinks (`sinks`: a logit per head joined to the softmax, which the fused forms have no place for);
     - "cudnn": cuDNN's fused flash attention on GPUs where it applies (bf16/fp16, head size a multiple of 8 up to
       128, no additive bias, and a boolean mask [B, 1, T, S] only over a whole sequence: packed documents,
-      padding; a decoding step's few queries against the cache keep XLA's form);
+      padding (a decoding step attends to the cache in `layers.attention.cached_attention`, never here));
     - "splash" (`kernels.tpu`): Pallas' splash attention on TPUs over a whole sequence (T == S, a multiple of
       `tpu.BLOCK`) with no additive bias and no mask beyond the causal flag and `segment_ids` [B, T], which the
       caller passes only when `mask` is exactly theirs (no sliding window; a decoding step's mask over the cache
@@ -85,7 +87,7 @@ def attention_form(
       sequence not at all;
     - "xla": `jax.nn.dot_product_attention`'s XLA form.
     """
-    if on_cpu() or dropout:
+    if on_cpu() or dropout or sinks:
         return "explicit"
     if platform() == "tpu":
         head_shards = sharding.logical_axis_size("act_heads")

@@ -22,6 +22,7 @@ def dot_product_attention(
     scale: float | None,
     dropout_rate: float,
     dropout_rng: jax.Array | None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [B, T, N, H], k/v [B, S, K, H] (K divides N) -> [B, T, N, H], computed explicitly with the heads before the
     positions: the scores and probabilities [B, N, T, S] are materialised.
@@ -31,6 +32,9 @@ def dot_product_attention(
     B 12, T 64, N 4, H 32. Causal self-attention of CAUSAL_SPLIT_MIN_LEN positions or more is computed in two
     query halves, the first against the first half of the keys only: a quarter of the scores, all masked, are
     never computed.
+
+    sinks [N]: a logit per query head joined to each row's softmax as one more column, whose probability is then
+    dropped (gpt-oss's attention sinks: a row's probabilities sum to less than 1).
     """
     groups = query.shape[2] // key.shape[2]
     if groups > 1:  # grouped-query attention: query head n reads kv head n // groups
@@ -40,7 +44,9 @@ def dot_product_attention(
     plain_causal = is_causal and mask is None and bias is None and not use_dropout and length == key.shape[1]
     if plain_causal and length >= CAUSAL_SPLIT_MIN_LEN and length % 2 == 0:
         half = length // 2  # the first half's queries see only the first half of the keys
-        kwargs = dict(mask=None, bias=None, is_causal=True, scale=scale, dropout_rate=0.0, dropout_rng=None)
+        kwargs = dict(
+            mask=None, bias=None, is_causal=True, scale=scale, dropout_rate=0.0, dropout_rng=None, sinks=sinks
+        )
         first = dot_product_attention(query[:, :half], key[:, :half], value[:, :half], **kwargs)
         second = dot_product_attention(query[:, half:], key, value, **kwargs)
         return jnp.concatenate([first, second], axis=1)
@@ -55,7 +61,11 @@ def dot_product_attention(
         mask = causal if mask is None else mask & causal
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]  # [B, N, T, S]
     if use_dropout:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)

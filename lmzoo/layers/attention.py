@@ -35,6 +35,10 @@ class AttentionConfig:
         sliding_window: each query attends to its last `sliding_window` positions (Mistral); None: all.
         scale: logit scale; None means H ** -0.5 (T5 uses 1.0).
         dropout_rate: dropout on the attention probabilities.
+        sinks: a learned logit per query head ("sinks" [N]) joins each query's softmax denominator, its probability
+            then dropped, so a query may give its keys less than 1 in all (gpt-oss's attention sinks).
+        output_gate: each head's output times sigmoid of a projection of x ("gate" (D, N, H), biased as q/k/v are)
+            before the output projection (Qwen3-Next and Qwen3.5's gated attention).
     """
 
     num_heads: int
@@ -48,10 +52,14 @@ class AttentionConfig:
     sliding_window: int | None = None
     scale: float | None = None
     dropout_rate: float = 0.0
+    sinks: bool = False
+    output_gate: bool = False
 
     def for_cross_attention(self) -> "AttentionConfig":
         """The same heads attending to a context: no grouped heads, rotation or window (encoder-decoder models)."""
-        return dataclasses.replace(self, num_kv_heads=None, qkv_bias=None, rotary=None, sliding_window=None)
+        return dataclasses.replace(
+            self, num_kv_heads=None, qkv_bias=None, rotary=None, sliding_window=None, sinks=False
+        )
 
 
 def sliding_window_mask(query_positions: jax.Array, key_positions: jax.Array, window: int | jax.Array) -> jax.Array:
@@ -110,6 +118,7 @@ def dot_product_attention(
     dropout_rate: float,
     dropout_rng: jax.Array | None,
     segment_ids: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """q [B, T, N, H], k/v [B, S, K, H] (K divides N: grouped-query attention when K < N) -> [B, T, N, H].
 
@@ -120,6 +129,7 @@ def dot_product_attention(
     attention on TPUs where it applies. segment_ids [B, T]: given only when `mask` is exactly
     `attention_mask(segment_ids, segment_ids, causal=False)`, for the splash form, which reads them instead of the
     mask (its rows of padding queries differ: `kernels.tpu.dot_product_attention`); every other form reads `mask`.
+    sinks [N]: each query head's sink logit (`AttentionConfig.sinks`), which only the explicit form takes.
     """
     form = kernels.attention_form(
         query,
@@ -128,6 +138,7 @@ def dot_product_attention(
         bias=bias,
         dropout=dropout_rng is not None and dropout_rate > 0,
         segment_ids=segment_ids,
+        sinks=sinks is not None,
     )
     if form == "splash":
         return tpu.dot_product_attention(query, key, value, segment_ids=segment_ids, causal=is_causal, scale=scale)
@@ -142,6 +153,7 @@ def dot_product_attention(
             scale=scale,
             dropout_rate=dropout_rate,
             dropout_rng=dropout_rng,
+            sinks=sinks,
         )
     return jax.nn.dot_product_attention(
         query,
@@ -153,6 +165,44 @@ def dot_product_attention(
         is_causal=is_causal,
         implementation="cudnn" if form == "cudnn" else None,
     )
+
+
+def cached_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    scale: float | None,
+    sinks: jax.Array | None = None,
+) -> jax.Array:
+    """Decoding's queries against the KV cache: q [B, T, N, H], head-major cached k/v [B, K, S, H] (K divides N) ->
+    [B, T, N, H]; mask [B | 1, 1, T, S] bool, bias [B | 1, N, T, S], sinks [N] as `dot_product_attention` takes them.
+
+    The cache is head-major so that each (row, kv head) reads its keys where they lie: with [B, S, K, H] every step
+    copied the whole cache (grouped heads repeated, heads moved before positions) before its few queries' dots, which
+    made a decoding step memory-bound on those copies. One einsum form on every platform (a step's few queries are not
+    what the fused kernels are for); query head n reads kv head n // (N / K), as in `dot_product_attention`. No
+    attention dropout: decoding is deterministic."""
+    batch, length, heads, size = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    scale = size**-0.5 if scale is None else scale
+    grouped = query.reshape(batch, length, kv_heads, groups, size)
+    logits = jnp.einsum("BTKGH,BKSH->BKGTS", grouped, key).astype(jnp.float32) * scale
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32).reshape(bias.shape[0], kv_heads, groups, *bias.shape[2:])
+    if mask is not None:
+        logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
+    if sinks is None:
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:
+        sink = sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1)
+        sink = jnp.broadcast_to(sink, (*logits.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    out = jnp.einsum("BKGTS,BKSH->BTKGH", probs.astype(value.dtype), value)
+    return out.reshape(batch, length, heads, size)
 
 
 class Attention(nn.Module):
@@ -276,18 +326,33 @@ class Attention(nn.Module):
                 mask_segment_ids = segment_ids
 
         dropout_rng = None if deterministic or cfg.dropout_rate == 0.0 else self.make_rng("dropout")
-        out = dot_product_attention(
-            query,
-            key,
-            value,
-            mask=mask,
-            bias=bias,
-            is_causal=is_causal,
-            scale=cfg.scale,
-            dropout_rate=cfg.dropout_rate,
-            dropout_rng=dropout_rng,
-            segment_ids=mask_segment_ids,
-        )
+        sinks = None
+        if cfg.sinks:
+            sinks = self.param(
+                "sinks",
+                nn.with_logical_partitioning(self.kernel_init, ("heads",)),
+                (cfg.num_heads,),
+                self.param_dtype,
+            )
+        if decode and not self.cross:  # keys and values are the head-major cache's
+            out = cached_attention(query, key, value, mask=mask, bias=bias, scale=cfg.scale, sinks=sinks)
+        else:
+            out = dot_product_attention(
+                query,
+                key,
+                value,
+                mask=mask,
+                bias=bias,
+                is_causal=is_causal,
+                scale=cfg.scale,
+                dropout_rate=cfg.dropout_rate,
+                dropout_rng=dropout_rng,
+                segment_ids=mask_segment_ids,
+                sinks=sinks,
+            )
+        if cfg.output_gate:
+            gate = proj((d, cfg.num_heads, cfg.head_dim), ("embed", "heads", "kv"), name="gate")("BTD,DNH->BTNH", x)
+            out = out * jax.nn.sigmoid(gate).astype(out.dtype)
         out = sharding.constrain(out, ("act_batch", "act_len", "act_heads", "act_kv"))
         return Einsum(
             (cfg.num_heads, cfg.head_dim, d),
@@ -317,7 +382,8 @@ class Attention(nn.Module):
     def _update_cache(
         self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, window: jax.Array | None = None
     ):
-        """Writes a [B, T] chunk at each row's cache index; returns full-length keys, values [B, S, K, H] and the mask.
+        """Writes a [B, T] chunk (keys, values [B, T, K, H]) at each row's cache index; returns the whole head-major
+        cache's keys, values [B, K, S, H] (`cached_attention`) and the mask [B, 1, T, S].
 
         The first call (at init) sizes the cache from the chunk it sees: call `init` with a
         [B, max_decode_len] batch. Each row keeps its own index (cache_index [B]), so rows filled at different
@@ -327,20 +393,26 @@ class Attention(nn.Module):
         index differences are the position differences HF's window counts.
         """
         batch, chunk = key.shape[:2]
+        key, value = jnp.swapaxes(key, 1, 2), jnp.swapaxes(value, 1, 2)  # [B, K, T, H]
         initialized = self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
-        cached_valid = self.variable("cache", "cached_valid", jnp.zeros, key.shape[:2], jnp.bool_)
+        cached_valid = self.variable("cache", "cached_valid", jnp.zeros, (batch, chunk), jnp.bool_)
         cache_index = self.variable("cache", "cache_index", jnp.zeros, (batch,), jnp.int32)
         valid = jnp.ones((batch, chunk), jnp.bool_) if segment_ids is None else segment_ids != 0
         if not initialized:
             return key, value, attention_mask(None, None, causal=False)
         index = cache_index.value
-        length = cached_key.value.shape[1]
-        write = jax.vmap(functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=0))
-        cached_key.value = write(cached_key.value, key, index)
-        cached_value.value = write(cached_value.value, value, index)
-        cached_valid.value = write(cached_valid.value, valid, index)
+        length = cached_key.value.shape[2]
+
+        def write(cached, chunk_values, axis):  # each row's chunk at that row's index
+            return jax.vmap(functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=axis))(
+                cached, chunk_values, index
+            )
+
+        cached_key.value = write(cached_key.value, key, 1)
+        cached_value.value = write(cached_value.value, value, 1)
+        cached_valid.value = write(cached_valid.value, valid, 0)
         cache_index.value = index + chunk
         query_positions = index[:, None] + jnp.arange(chunk)  # [B, T]
         causal = jnp.arange(length)[None, None, :] <= query_positions[:, :, None]
@@ -352,25 +424,28 @@ class Attention(nn.Module):
     def _update_rolling_cache(
         self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, positions: jax.Array, window: int
     ):
-        """Sliding-window decoding: the cache holds only the last W = `window` keys/values [B, W, K, H] (with
-        their positions and validity), W positions of memory rather than max_decode_len. A [B, T] chunk attends to
-        the cached keys and itself, by positions: causal and within the window; the newest W then stay cached."""
+        """Sliding-window decoding: the cache holds only the last W = `window` keys/values, head-major [B, K, W, H]
+        (with their positions and validity [B, W]), W positions of memory rather than max_decode_len. A [B, T] chunk
+        attends to the cached keys and itself, by positions: causal and within the window; the newest W then stay
+        cached. Returns keys, values [B, K, W + T, H] and the mask [B, 1, T, W + T]."""
         batch, chunk = key.shape[:2]
+        key, value = jnp.swapaxes(key, 1, 2), jnp.swapaxes(value, 1, 2)  # [B, K, T, H]
         initialized = self.has_variable("cache", "cached_key")
         size = min(window, chunk)  # at init the chunk is [B, max_decode_len]
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, (batch, size) + key.shape[2:], key.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, (batch, size) + key.shape[2:], value.dtype)
+        shape = (batch, key.shape[1], size, key.shape[3])
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
         cached_valid = self.variable("cache", "cached_valid", jnp.zeros, (batch, size), jnp.bool_)
         cached_positions = self.variable("cache", "cached_positions", jnp.zeros, (batch, size), jnp.int32)
         valid = jnp.ones((batch, chunk), jnp.bool_) if segment_ids is None else segment_ids != 0
         if not initialized:
             return key, value, attention_mask(None, None, causal=False)
-        keys = jnp.concatenate([cached_key.value, key], axis=1)
-        values = jnp.concatenate([cached_value.value, value], axis=1)
+        keys = jnp.concatenate([cached_key.value, key], axis=2)
+        values = jnp.concatenate([cached_value.value, value], axis=2)
         key_valid = jnp.concatenate([cached_valid.value, valid], axis=1)
         key_positions = jnp.concatenate([cached_positions.value, positions.astype(jnp.int32)], axis=1)
-        kept = cached_key.value.shape[1]
-        cached_key.value, cached_value.value = keys[:, -kept:], values[:, -kept:]
+        kept = cached_valid.value.shape[1]
+        cached_key.value, cached_value.value = keys[:, :, -kept:], values[:, :, -kept:]
         cached_valid.value, cached_positions.value = key_valid[:, -kept:], key_positions[:, -kept:]
         causal = (key_positions[:, None, :] <= positions[:, :, None])[:, None]
         in_window = sliding_window_mask(positions, key_positions, window)

@@ -10,7 +10,7 @@ W_v,n sum_s p_s c_s), so the cache is read as it is stored: one key/value head o
 
 The rotation is HF's: rotate-half, or (`rope_interleave`, DeepSeek-V3's checkpoints) on interleaved pairs (x0, x1),
 (x2, x3), ... whose rotated halves come out as [evens, odds]; YaRN's frequencies and scales when the context is
-stretched (`Yarn`).
+stretched (`layers.embeddings.Yarn`).
 
 Einsum letters besides the shared ones (B, T, S, D, N, H): Q the query latent, A the key/value latent, P the rotary
 key, G the value head.
@@ -18,7 +18,6 @@ key, G the value head.
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -28,71 +27,9 @@ import numpy as np
 
 from lmzoo import sharding
 from lmzoo.layers.attention import attention_mask, dot_product_attention
-from lmzoo.layers.embeddings import Rotary
+from lmzoo.layers.embeddings import Rotary, Yarn
 from lmzoo.layers.linears import Einsum, Initializer, project
 from lmzoo.layers.norms import LayerNorm
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Yarn:
-    """YaRN context stretching (Peng et al. 2023) as HF computes it ("yarn" rope_parameters).
-
-    Attributes:
-        factor: how many times longer than original_max_len the context is.
-        original_max_len: the pretraining context.
-        beta_fast, beta_slow: the rotations bounding the ramp between extrapolated and interpolated frequencies.
-        mscale, mscale_all_dim: the rotation tables are scaled by yarn_mscale(factor, mscale) /
-            yarn_mscale(factor, mscale_all_dim) (both given) or yarn_mscale(factor); 0 means not given.
-            mscale_all_dim also scales the logits by yarn_mscale(factor, mscale_all_dim) ** 2 (DeepSeek's softmax
-            scale).
-        attention_factor: the tables' scale as given (0: derived from the mscales).
-        truncate: round the ramp's bounds to whole dimensions.
-    """
-
-    factor: float
-    original_max_len: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 0.0
-    mscale_all_dim: float = 0.0
-    attention_factor: float = 0.0
-    truncate: bool = True
-
-    def inverse_frequencies(self, theta: float, head_dim: int) -> np.ndarray:
-        """[head_dim / 2] float32: interpolated (divided by factor) below the ramp, extrapolated above it."""
-        exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-        extrapolated = 1.0 / np.float32(theta) ** exponents
-        interpolated = 1.0 / (np.float32(self.factor) * np.float32(theta) ** exponents)
-
-        def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times over the context
-            return head_dim * math.log(self.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-        low, high = dimension(self.beta_fast), dimension(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        if low == high:
-            high += 0.001  # HF's guard against a zero-width ramp
-        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
-        extrapolation = 1 - ramp
-        return (interpolated * (1 - extrapolation) + extrapolated * extrapolation).astype(np.float32)
-
-    @property
-    def table_scale(self) -> float:
-        if self.attention_factor:
-            return self.attention_factor
-        if self.mscale and self.mscale_all_dim:
-            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
-        return yarn_mscale(self.factor)
-
-    @property
-    def logit_scale(self) -> float:
-        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
 
 
 @dataclasses.dataclass(frozen=True)

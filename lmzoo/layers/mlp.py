@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -98,7 +98,15 @@ class MoeFields:
         router_z_loss_coef: weight of the router z-loss, mean logsumexp(router logits)^2 (ST-MoE).
         load_balance_coef: weight of the load-balancing loss E * sum_e f_e P_e (Switch, Mixtral).
         renormalize_expert_weights: divide the top-R probabilities by their sum (Mixtral; Qwen2-MoE's
-            norm_topk_prob), else use them as they are.
+            norm_topk_prob), else use them as they are. With softmax scores this is the softmax of the top-R logits
+            (gpt-oss's router).
+        router_bias: a bias [E] on the router's logits ("router/bias"; gpt-oss).
+        expert_bias: biases on each expert's projections, "wi_0_bias", "wi_1_bias" [E, F] and "wo_bias" [E, D]
+            (gpt-oss).
+        swiglu_limit: 0: the experts' unit is silu(gate) * up; > 0: gpt-oss's clamped SwiGLU, the gate clipped
+            from above and up to [-limit, limit], then (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+            (`expert_unit`).
+        swiglu_alpha: the sigmoid's gain in that unit (gpt-oss: 1.702).
     """
 
     num_experts: int = 0
@@ -110,6 +118,21 @@ class MoeFields:
     router_z_loss_coef: float = 1e-3
     load_balance_coef: float = 1e-2
     renormalize_expert_weights: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
+
+    def check_expert_axis(self) -> None:
+        """Raises unless the expert mesh axis in context (`sharding.logical_axis_size("exp")`) divides num_experts:
+        each device holds whole experts."""
+        shards = sharding.logical_axis_size("exp")
+        if self.num_experts % shards:
+            raise ValueError(
+                f"config.model.num_experts={self.num_experts} must be a multiple of the {shards} devices of the "
+                f"expert mesh axis; set --config.model.num_experts to a multiple of {shards}, or the expert size of "
+                f"config.sharding.mesh_shape (data, fsdp, expert, tensor) to a divisor of {self.num_experts}"
+            )
 
 
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -184,6 +207,8 @@ class MoeConfig(MoeFields):
                 str(self.expert_groups),
             ),
             ("routed_scaling", self.routed_scaling > 0, "must be > 0 (1: the weights as routed)", "1.0"),
+            ("swiglu_limit", self.swiglu_limit >= 0, "must be >= 0 (0: the plain SwiGLU)", "0.0"),
+            ("swiglu_alpha", self.swiglu_alpha > 0, "must be > 0 (gpt-oss: 1.702)", "1.702"),
         )
         return [(name, why, fix) for name, ok, why, fix in checks if not ok]
 
@@ -201,14 +226,42 @@ def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> j
     return jax.lax.ragged_dot(x, kernel, group_sizes)
 
 
-def gated_experts(x: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """silu(x wi_0) * (x wi_1) wo with each row's group's kernels: x [M, D] sorted by expert, wi_0 / wi_1 [E, D, F],
-    wo [E, F, D], group_sizes [E] -> [M, D]."""
-    h = jax.nn.silu(grouped_matmul(x, wi_0, group_sizes)) * grouped_matmul(x, wi_1, group_sizes)
-    return grouped_matmul(h, wo, group_sizes)
+def expert_unit(gate: jax.Array, up: jax.Array, *, limit: float = 0.0, alpha: float = 1.702) -> jax.Array:
+    """An expert's gated unit of its two projections: silu(gate) * up, or with `limit` > 0 gpt-oss's clamped SwiGLU,
+    (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit) (`MoeFields.swiglu_limit`)."""
+    if not limit:
+        return jax.nn.silu(gate) * up
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
 
 
-def dropless_experts(x: jax.Array, experts: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array) -> jax.Array:
+class ExpertWeights(NamedTuple):
+    """The E experts' stacked weights: wi_0 / wi_1 [E, D, F], wo [E, F, D], their biases bi_0 / bi_1 [E, F] and
+    bo [E, D] (None: none), and the gated unit of the two input projections (`expert_unit`)."""
+
+    wi_0: jax.Array
+    wi_1: jax.Array
+    wo: jax.Array
+    bi_0: jax.Array | None = None
+    bi_1: jax.Array | None = None
+    bo: jax.Array | None = None
+    unit: Callable[[jax.Array, jax.Array], jax.Array] = expert_unit
+
+
+def gated_experts(x: jax.Array, weights: ExpertWeights, group_sizes: jax.Array, row_experts: jax.Array) -> jax.Array:
+    """unit(x wi_0 + bi_0, x wi_1 + bi_1) wo + bo with each row's group's weights: x [M, D] sorted by expert,
+    group_sizes [E], row_experts [M] (each row's expert, for the biases) -> [M, D]."""
+    w = weights
+
+    def biased(h, bias):
+        return h if bias is None else h + jnp.take(bias, row_experts, axis=0)
+
+    gate = biased(grouped_matmul(x, w.wi_0, group_sizes), w.bi_0)
+    up = biased(grouped_matmul(x, w.wi_1, group_sizes), w.bi_1)
+    return biased(grouped_matmul(w.unit(gate, up), w.wo, group_sizes), w.bo)
+
+
+def dropless_experts(x: jax.Array, experts: jax.Array, weights: ExpertWeights) -> jax.Array:
     """Every assignment through its expert: x [B, T, D], experts [B, T, R] -> [B, T, R, D].
 
     The B*T*R assignments are sorted by expert, so each expert's rows are contiguous (`gated_experts`), and put back
@@ -217,8 +270,8 @@ def dropless_experts(x: jax.Array, experts: jax.Array, wi_0: jax.Array, wi_1: ja
     flat = experts.reshape(-1)  # [B*T*R], a token's R assignments next to each other
     order = jnp.argsort(flat, stable=True)
     rows = jnp.take(x.reshape(-1, d), order // experts.shape[-1], axis=0)  # [B*T*R, D] sorted by expert
-    group_sizes = jnp.bincount(flat, length=wi_0.shape[0]).astype(jnp.int32)
-    out = gated_experts(rows, wi_0, wi_1, wo, group_sizes)
+    group_sizes = jnp.bincount(flat, length=weights.wi_0.shape[0]).astype(jnp.int32)
+    out = gated_experts(rows, weights, group_sizes, jnp.take(flat, order))
     unsort = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return jnp.take(out, unsort, axis=0).reshape(experts.shape + (d,))
 
@@ -238,7 +291,7 @@ def capacity_slots(experts: jax.Array, num_experts: int, capacity: int) -> tuple
 
 
 def capacity_experts(
-    x: jax.Array, experts: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array, capacity: int
+    x: jax.Array, experts: jax.Array, weights: ExpertWeights, capacity: int
 ) -> tuple[jax.Array, jax.Array]:
     """The assignments that fit their expert's capacity through it: x [B, T, D], experts [B, T, R] ->
     (outputs [B, T, R, D], zero where dropped; kept [B, T, R] bool).
@@ -247,7 +300,8 @@ def capacity_experts(
     buffer's batch axis leaves the expert mesh axis and its experts axis takes it, so XLA moves the tokens to their
     experts' devices with an all-to-all, and back the same way."""
     b, t, d = x.shape
-    e = wi_0.shape[0]
+    w = weights
+    e = w.wi_0.shape[0]
     slot, kept = capacity_slots(experts, e, capacity)
     slot = jnp.where(kept, slot, e * capacity)  # dropped: past the buffer, out of bounds of the gathers below
     token = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], experts.shape)
@@ -255,9 +309,14 @@ def capacity_experts(
     source = jnp.full((b, e * capacity), t, jnp.int32).at[rows, slot].set(token, mode="drop")  # [B, E*C]; t: empty
     buffer = jnp.take_along_axis(x, source[..., None], axis=1, mode="fill", fill_value=0)
     buffer = sharding.constrain(buffer.reshape(b, e, capacity, d), ("act_batch_no_exp", "act_exp", None, "act_embed"))
-    h = jax.nn.silu(jnp.einsum("BECD,EDF->BECF", buffer, wi_0)) * jnp.einsum("BECD,EDF->BECF", buffer, wi_1)
+
+    def biased(h, bias):  # an empty place gets the bias too; nothing reads it back
+        return h if bias is None else h + bias[None, :, None, :]
+
+    gate = biased(jnp.einsum("BECD,EDF->BECF", buffer, w.wi_0), w.bi_0)
+    h = w.unit(gate, biased(jnp.einsum("BECD,EDF->BECF", buffer, w.wi_1), w.bi_1))
     h = sharding.constrain(h, ("act_batch_no_exp", "act_exp", None, "act_mlp"))
-    out = jnp.einsum("BECF,EFD->BECD", h, wo)
+    out = biased(jnp.einsum("BECF,EFD->BECD", h, w.wo), w.bo)
     out = sharding.constrain(out, ("act_batch_no_exp", "act_exp", None, "act_embed"))
     out = sharding.constrain(out.reshape(b, e * capacity, d), ("act_batch", None, "act_embed"))
     out = jnp.take_along_axis(out, slot.reshape(b, -1, 1), axis=1, mode="fill", fill_value=0)
@@ -269,7 +328,8 @@ class MoeBlock(nn.Module):
 
     A router (kernel [D, E], in float32) gives each token softmax probabilities over the E experts; the token goes
     to its top R, weighted by their probabilities (divided by their sum with `renormalize_expert_weights`, as
-    Mixtral). An expert is a gated SiLU unit as Llama's MLP, silu(x wi_0) * (x wi_1) wo; the experts' kernels are
+    Mixtral). An expert is a gated SiLU unit as Llama's MLP, silu(x wi_0) * (x wi_1) wo (gpt-oss's: biased, and
+    its clamped SwiGLU, `expert_unit`; its router biased too: `MoeFields`); the experts' kernels are
     stacked on a leading experts axis, logical name "exp" (wi_0, wi_1 [E, D, F]; wo [E, F, D]), which the expert
     mesh axis shards. With `shared_expert_mlp_dim`, every token also goes through a shared expert (an `MlpBlock`,
     "shared") scaled by sigmoid(x w) ("shared_gate" [D]), as Qwen2-MoE. DeepSeek-V3's routing (`MoeConfig`'s
@@ -315,6 +375,7 @@ class MoeBlock(nn.Module):
         logits = Einsum(
             (d, e),
             ("embed", "exp"),
+            use_bias=cfg.router_bias,
             kernel_init=self.kernel_init,
             dtype=jnp.float32,
             param_dtype=self.param_dtype,
@@ -330,11 +391,21 @@ class MoeBlock(nn.Module):
         wi_0 = kernel("wi_0", self.kernel_init, (e, d, f), ("exp", "embed", "mlp"))
         wi_1 = kernel("wi_1", self.kernel_init, (e, d, f), ("exp", "embed", "mlp"))
         wo = kernel("wo", self.out_init, (e, f, d), ("exp", "mlp", "embed"))
+        biases = (None,) * 3
+        if cfg.expert_bias:
+            zeros = nn.initializers.zeros
+            biases = (
+                kernel("wi_0_bias", zeros, (e, f), ("exp", "mlp")),
+                kernel("wi_1_bias", zeros, (e, f), ("exp", "mlp")),
+                kernel("wo_bias", zeros, (e, d), ("exp", "embed")),
+            )
+        unit = functools.partial(expert_unit, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+        stacked = ExpertWeights(wi_0, wi_1, wo, *biases, unit=unit)
         x = x.astype(self.dtype)
         if cfg.moe_form == "dropless":
-            out, dropped = dropless_experts(x, experts, wi_0, wi_1, wo), jnp.zeros((), jnp.float32)
+            out, dropped = dropless_experts(x, experts, stacked), jnp.zeros((), jnp.float32)
         else:
-            out, kept = capacity_experts(x, experts, wi_0, wi_1, wo, cfg.capacity(t))
+            out, kept = capacity_experts(x, experts, stacked, cfg.capacity(t))
             dropped = 1.0 - jnp.mean(kept.astype(jnp.float32))
         y = jnp.einsum("BTRD,BTR->BTD", out, weights.astype(self.dtype))
         if cfg.shared_expert_mlp_dim:

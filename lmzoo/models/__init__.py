@@ -10,12 +10,13 @@ from typing import Any
 
 import flax.linen as nn
 
-from lmzoo.models import bert, deepseek, elmo, gpt2, llama, lstm, ngram, seq2seq, vae_lm
+from lmzoo.models import bert, deepseek, elmo, gpt2, llama, lstm, ngram, qwen3_5, seq2seq, vae_lm
 
 REGISTRY: dict[str, tuple[type, type[nn.Module]]] = {
     "gpt2": (gpt2.GPT2Config, gpt2.GPT2),
     "llama": (llama.LlamaConfig, llama.Llama),
     "deepseek": (deepseek.DeepseekConfig, deepseek.Deepseek),
+    "qwen3_5": (qwen3_5.Qwen3_5Config, qwen3_5.Qwen3_5),
     "bert": (bert.BertConfig, bert.Bert),
     "seq2seq": (seq2seq.Seq2SeqConfig, seq2seq.Seq2Seq),
     "lstm": (lstm.LSTMConfig, lstm.LSTM),

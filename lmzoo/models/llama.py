@@ -1,4 +1,4 @@
-"""The Llama-style decoder (Touvron et al. 2023) and its relatives Mistral, Qwen2, Qwen3 and Gemma 3.
+"""The Llama-style decoder (Touvron et al. 2023) and its relatives Mistral, Qwen2, Qwen3, Gemma 3 and gpt-oss.
 
     x = x + attn(RMSNorm(x)); x = x + SwiGLU(RMSNorm(x)); final RMSNorm; untied output head (by default).
 
@@ -6,7 +6,7 @@ Rotary position embeddings (HF's rotate-half layout, `rope_theta`, Llama 3's "ll
 grouped-query attention (`num_kv_heads`), an optional sliding window (Mistral), q/k/v biases (Qwen2) and a per-head
 RMSNorm of queries and keys before the rotation (Qwen3's `qk_norm`), all on the shared `lmzoo.layers` blocks. Load and
 export HF `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` / `Gemma3ForCausalLM`
-with `lmzoo.convert`.
+/ `GptOssForCausalLM` with `lmzoo.convert`.
 
 Gemma 3 (text) adds layers of two kinds (`layer_types`: sliding-window attention rotating with `sliding_rope_theta`,
 full attention with `rope_theta` and the scaling, 5:1), the sublayers' outputs normalised before each residual add
@@ -18,6 +18,11 @@ With `num_experts` > 0 every layer's SwiGLU is a mixture of SwiGLU experts (`lay
 renormalised router; Qwen2-MoE's shared expert with `shared_expert_mlp_dim`; Qwen3-MoE's routed experts alone, with
 `qk_norm`); its auxiliary losses reach the loss
 through the "moe" collection (`objectives.tasks.causal_lm_task`).
+
+gpt-oss (OpenAI 2025) is that mixture with biases on the four attention projections (`qkv_bias`, `out_bias`), a
+learned sink logit per head in every softmax (`attention_sinks`), sliding and full layers 1:1 that rotate alike (YaRN:
+`rope_scaling_type` "yarn"), a biased router whose top-k logits are softmaxed (`router_bias`, renormalised weights)
+and biased experts with a clamped SwiGLU (`expert_bias`, `swiglu_limit`, `swiglu_alpha`).
 """
 
 import dataclasses
@@ -33,7 +38,7 @@ from lmzoo.models import kinds
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)  # HF's names of the kinds of layer (`layer_types`)
-ROPE_SCALING_TYPES = ("llama3", "linear")
+ROPE_SCALING_TYPES = ("llama3", "linear", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,16 +47,22 @@ class LlamaConfig(mlp.MoeFields):
 
     head_dim 0 means emb_dim // num_heads; num_kv_heads 0 means num_heads; sliding_window 0 means none;
     rope_scaling_factor 0 means no scaling, else `rope_scaling_type`'s: "llama3" (Llama 3's, with the three fields
-    after it) or "linear" (every frequency divided by the factor). qk_norm RMS-normalises each head's queries and keys
-    (learned [head_dim] scales, epsilon norm_epsilon) before the rotation.
+    after it), "linear" (every frequency divided by the factor) or "yarn" (`layers.embeddings.Yarn`:
+    rope_original_max_len, rope_beta_fast, rope_beta_slow, rope_truncate, and rope_attention_factor, the cos/sin
+    tables' scale, 0: YaRN's 0.1 ln(factor) + 1). qk_norm RMS-normalises each head's queries and keys (learned
+    [head_dim] scales, epsilon norm_epsilon) before the rotation. qkv_bias: biases on the query, key and value
+    projections; out_bias: on the output projection. attention_sinks: a learned logit per head joins each softmax's
+    denominator (gpt-oss's sinks).
 
     layer_types: HF's kind of each layer, "full_attention" or "sliding_attention"; empty means every layer alike
-    (sliding_window, if set, applies to all). With them, sliding layers attend within sliding_window and rotate with
-    sliding_rope_theta (0: rope_theta) unscaled; full layers attend to every key and rotate with rope_theta and the
-    scaling (HF's Gemma 3 rope_parameters). sandwich_norms: each sublayer's output RMS-normalised before its residual
-    add (Gemma's post-attention and post-feed-forward norms). embed_scale: embeddings times sqrt(emb_dim), in the
-    activation dtype. query_pre_attn_scalar: logit scale query_pre_attn_scalar ** -0.5 (0: head_dim ** -0.5).
-    mlp_activation: of the gated MLP's gate (Gemma's "gelu_tanh": GeGLU); experts are always SiLU-gated.
+    (sliding_window, if set, applies to all). With them, sliding layers attend within sliding_window and full layers
+    to every key; full layers rotate with rope_theta and the scaling, sliding layers with sliding_rope_theta unscaled
+    (HF's Gemma 3 rope_parameters), or, with sliding_rope_theta 0, as the full layers (gpt-oss). sandwich_norms: each
+    sublayer's output RMS-normalised before its residual add (Gemma's post-attention and post-feed-forward norms).
+    embed_scale: embeddings times sqrt(emb_dim), in the activation dtype. query_pre_attn_scalar: logit scale
+    query_pre_attn_scalar ** -0.5 (0: head_dim ** -0.5).
+    mlp_activation: of the gated MLP's gate (Gemma's "gelu_tanh": GeGLU); experts are always SiLU-gated (gpt-oss's
+    clamped form with swiglu_limit).
     The mixture-of-experts fields are `layers.mlp.MoeFields`' (declared there): num_experts 0 means a dense SwiGLU,
     expert_mlp_dim 0 means mlp_dim.
     """
@@ -70,10 +81,16 @@ class LlamaConfig(mlp.MoeFields):
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     rope_scaling_type: str = "llama3"
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 0.0
     sliding_window: int = 0
     layer_types: tuple[str, ...] = ()
     sliding_rope_theta: float = 0.0
     qkv_bias: bool = False
+    out_bias: bool = False
+    attention_sinks: bool = False
     qk_norm: bool = False
     sandwich_norms: bool = False
     embed_scale: bool = False
@@ -122,6 +139,11 @@ class LlamaConfig(mlp.MoeFields):
             embeddings.check_rope_scaling(self.rope_scaling)
         if self.rope_scaling_factor < 0:
             raise ValueError(f"config.model.rope_scaling_factor={self.rope_scaling_factor} must be >= 0 (0: none)")
+        if self.yarn is not None and (self.rope_original_max_len < 1 or self.rope_attention_factor < 0):
+            raise ValueError(
+                f"config.model.rope_original_max_len={self.rope_original_max_len} must be >= 1 and "
+                f"rope_attention_factor={self.rope_attention_factor} >= 0 (0: YaRN's own) for YaRN"
+            )
         self._check_layer_kinds()
         for name in ("sliding_rope_theta", "query_pre_attn_scalar"):
             if getattr(self, name) < 0:
@@ -158,6 +180,12 @@ class LlamaConfig(mlp.MoeFields):
                 f"config.model.sliding_rope_theta={self.sliding_rope_theta} rotates sliding_attention layers, and "
                 "layer_types has none; set it to 0 or give layer_types"
             )
+        if self.sliding_rope_theta and self.yarn is not None and self.yarn.table_scale != 1.0:
+            raise ValueError(
+                f"config.model.sliding_rope_theta={self.sliding_rope_theta} with YaRN scaling: YaRN's table scale "
+                "applies to every layer, so the sliding layers cannot rotate unscaled; set sliding_rope_theta=0 (they "
+                "rotate as the full layers, as gpt-oss's) or rope_attention_factor=1.0"
+            )
 
     @property
     def moe(self) -> mlp.MoeConfig | None:
@@ -166,17 +194,6 @@ class LlamaConfig(mlp.MoeFields):
             return None
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(mlp.MoeFields)}
         return mlp.MoeConfig(**{**fields, "expert_mlp_dim": self.expert_mlp_dim or self.mlp_dim})
-
-    def check_expert_axis(self) -> None:
-        """Raises unless the expert mesh axis in context (`sharding.logical_axis_size("exp")`) divides num_experts:
-        each device holds whole experts."""
-        shards = sharding.logical_axis_size("exp")
-        if self.num_experts % shards:
-            raise ValueError(
-                f"config.model.num_experts={self.num_experts} must be a multiple of the {shards} devices of the "
-                f"expert mesh axis; set --config.model.num_experts to a multiple of {shards}, or the expert size of "
-                f"config.sharding.mesh_shape (data, fsdp, expert, tensor) to a divisor of {self.num_experts}"
-            )
 
     @property
     def kv_heads(self) -> int:
@@ -198,13 +215,27 @@ class LlamaConfig(mlp.MoeFields):
             self.rope_original_max_len,
         )
 
+    @property
+    def yarn(self) -> embeddings.Yarn | None:
+        """YaRN's scaling (`embeddings.Rotary.yarn`), or None (no scaling, or another kind)."""
+        if not self.rope_scaling_factor or self.rope_scaling_type != "yarn":
+            return None
+        return embeddings.Yarn(
+            factor=self.rope_scaling_factor,
+            original_max_len=self.rope_original_max_len,
+            beta_fast=self.rope_beta_fast,
+            beta_slow=self.rope_beta_slow,
+            attention_factor=self.rope_attention_factor,
+            truncate=self.rope_truncate,
+        )
+
     def rotary(self, kind: str = FULL) -> embeddings.Rotary:
-        """The rotation of a layer of `kind`: sliding layers' (of layer_types) with sliding_rope_theta, unscaled;
-        the others' with rope_theta and the scaling."""
-        if kind == SLIDING and self.layer_types:
-            return embeddings.Rotary(self.sliding_rope_theta or self.rope_theta)
+        """The rotation of a layer of `kind`: sliding layers' (of layer_types) with sliding_rope_theta, unscaled,
+        when it is set; the others' (and with sliding_rope_theta 0 every layer's) with rope_theta and the scaling."""
+        if kind == SLIDING and self.layer_types and self.sliding_rope_theta:
+            return embeddings.Rotary(self.sliding_rope_theta)
         linear = self.rope_scaling_factor if self.rope_scaling_type == "linear" and self.rope_scaling_factor else 1.0
-        return embeddings.Rotary(self.rope_theta, self.rope_scaling, linear)
+        return embeddings.Rotary(self.rope_theta, self.rope_scaling, linear, self.yarn)
 
     def per_layer(self) -> dict[str, tuple] | None:
         """With layer_types, each layer's sliding_window (0: none) and rotary_frequencies [head_dim / 2], the
@@ -276,7 +307,7 @@ class Llama(kinds.DecoderOutputs, nn.Module):
                 cfg.num_heads,
                 cfg.head_size,
                 num_kv_heads=cfg.kv_heads,
-                use_bias=False,
+                use_bias=cfg.out_bias,
                 qkv_bias=cfg.qkv_bias,
                 rotary=cfg.rotary(),
                 qk_norm=cfg.qk_norm,
@@ -284,6 +315,7 @@ class Llama(kinds.DecoderOutputs, nn.Module):
                 sliding_window=None if cfg.layer_types else cfg.sliding_window or None,
                 scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
                 dropout_rate=cfg.attention_dropout_rate,
+                sinks=cfg.attention_sinks,
             ),
             mlp_dim=cfg.mlp_dim,
             causal=True,

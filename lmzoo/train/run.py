@@ -78,7 +78,6 @@ def validated_objective(config: ml_collections.ConfigDict) -> base.Objective:
     and the objective section against its objective's fields (each validating its own values), then the
     objective's checks across sections; its config is locked. An objective chosen on the command line gets
     its own defaults for fields not given."""
-    models.make_config(config.model_name, config.model.to_dict())
     objective = objectives.get(config.objective.name)
     given = {k: v for k, v in config.objective.items() if k != "name"}
     known = objectives.defaults(objective.name)
@@ -90,6 +89,7 @@ def validated_objective(config: ml_collections.ConfigDict) -> base.Objective:
         )
     with config.unlocked():
         config.objective = objectives.objective_section(objective.name, **given)
+    models.make_config(config.model_name, config.model.to_dict())
     built = objective(config)
     built.check()
     evaluators = tuple(config.eval.evaluators)
@@ -308,14 +308,15 @@ def traced_state(trainer: Any, config: ml_collections.ConfigDict, sizes: Sequenc
         return jax.eval_shape(trainer.init, jax.random.key(config.train.seed))
 
 
-def check_layout(objective: base.Objective, trainer: Any | None, sizes: Sequence[int], *, batches: bool) -> None:
+def check_layout(objective: base.Objective, trainer: Any | None, sizes: Sequence[int], *, batches: bool) -> Any:
     """Every check a run makes of its layout before anything is placed, from the mesh's sizes (data, fsdp, expert,
     tensor) alone, so that a dry run makes them for devices this machine need not have: the config's values with the
     batch sizes over the data-parallel axes (`config.check_values`; the mesh it suggests instead is one the
     parameters divide), the model traced on the mesh (its own checks: an expert axis that does not divide the
     experts), every parameter axis over the mesh axes it is split over (`sharding.split_problems`), and a trainer
     that runs in phases taking one step a call. trainer None (a dry run whose model is not known yet): the values
-    alone. ValueError naming the fix."""
+    alone. ValueError naming the fix. Returns the state traced on the mesh (`traced_state`; None without a
+    trainer), which `trainers.base.compile_trainer` takes instead of tracing the model again."""
     config, dp = objective.config, data_parallel_size(sizes)
     rules = axis_rules(config)
     unplaced = functools.cache(lambda: traced_state(trainer, config))  # the same shapes and axes on any mesh
@@ -333,8 +334,9 @@ def check_layout(objective: base.Objective, trainer: Any | None, sizes: Sequence
         mesh_fits=None if trainer is None else mesh_fits,
     )
     if trainer is None:
-        return
-    problems = sharding.split_problems(traced_state(trainer, config, sizes), rules, sizes)
+        return None
+    traced = traced_state(trainer, config, sizes)
+    problems = sharding.split_problems(traced, rules, sizes)
     if problems:
         mesh = config_lib.working_mesh(config, math.prod(sizes), mesh_fits) if batches else None
         replicated = tuple((name, None) for name in problems)
@@ -349,6 +351,7 @@ def check_layout(objective: base.Objective, trainer: Any | None, sizes: Sequence
             f"config.train.steps_per_call={config.train.steps_per_call}: objective {objective.name!r} runs its step "
             "in phases (rollout, scoring, update), one step per call; set --config.train.steps_per_call=1"
         )
+    return traced
 
 
 def dry_check(objective: base.Objective, *, pretrained_here: bool = True) -> str:
@@ -461,9 +464,9 @@ def assemble(
     mesh = run_mesh(config, devices)
     model = objective.model()
     trainer = objective.trainer(model)
-    check_layout(objective, trainer, tuple(mesh.shape.values()), batches=batches)
+    traced = check_layout(objective, trainer, tuple(mesh.shape.values()), batches=batches)
     rules = axis_rules(config)
-    compiled = trainers_base.compile_trainer(trainer, mesh=mesh, rules=rules, seed=config.train.seed)
+    compiled = trainers_base.compile_trainer(trainer, mesh=mesh, rules=rules, seed=config.train.seed, traced=traced)
     check_memory(compiled, config)  # from the state's shapes: refused here, before restore_or_init allocates it
     workdir_path = storage.path(workdir)
     splits: dict[str, Any] = {}

@@ -173,11 +173,15 @@ def _init_compiler_options(mesh: jax.sharding.Mesh) -> dict | None:
     return {"xla_backend_optimization_level": 1} if mesh.devices.flat[0].platform == "cpu" else None
 
 
-def compile_trainer(trainer: Any, *, mesh: jax.sharding.Mesh, rules: tuple, seed: int) -> CompiledTrainer:
+def compile_trainer(
+    trainer: Any, *, mesh: jax.sharding.Mesh, rules: tuple, seed: int, traced: Any = None
+) -> CompiledTrainer:
     """Shardings of the state (from the logical axes of its boxed leaves; optimizer state follows its
-    params) and of batches (batch axis over data and fsdp), and the jitted trainer functions."""
+    params) and of batches (batch axis over data and fsdp), and the jitted trainer functions. traced: the state
+    `jax.eval_shape(trainer.init, ...)` gives under these rules on this mesh's shape (boxed: its logical axes), where
+    the caller has it already (the run traced it to check the layout), so the model is not traced once more."""
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        boxed = jax.eval_shape(trainer.init, jax.random.key(seed))
+        boxed = jax.eval_shape(trainer.init, jax.random.key(seed)) if traced is None else traced
         state_shardings = sharding.logical_to_sharding(boxed, mesh, rules)
     abstract_state = _with_shardings(boxed, state_shardings)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):

@@ -21,13 +21,22 @@ def moe_block(**fields) -> mlp.MoeBlock:
 
 def dense_reference(params, x, config: mlp.MoeConfig) -> jax.Array:
     """Every token through every expert, weighted by its renormalised top-k probabilities (zero elsewhere)."""
-    probs = jax.nn.softmax(jnp.einsum("BTD,DE->BTE", x, params["router"]["kernel"]))
+    logits = jnp.einsum("BTD,DE->BTE", x, params["router"]["kernel"])
+    probs = jax.nn.softmax(logits + params["router"]["bias"] if config.router_bias else logits)
     top, _ = jax.lax.top_k(probs, config.experts_per_token)
     gates = jnp.where(probs >= top[..., -1:], probs, 0.0)
     if config.renormalize_expert_weights:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    h = jax.nn.silu(jnp.einsum("BTD,EDF->BTEF", x, params["wi_0"])) * jnp.einsum("BTD,EDF->BTEF", x, params["wi_1"])
-    y = jnp.einsum("BTEF,EFD,BTE->BTD", h, params["wo"], gates)
+    gate, up = (jnp.einsum("BTD,EDF->BTEF", x, params[name]) for name in ("wi_0", "wi_1"))
+    if config.expert_bias:
+        gate, up = gate + params["wi_0_bias"], up + params["wi_1_bias"]
+    if config.swiglu_limit:  # gpt-oss's clamped SwiGLU
+        gate, up = jnp.minimum(gate, config.swiglu_limit), jnp.clip(up, -config.swiglu_limit, config.swiglu_limit)
+        h = (up + 1) * gate * jax.nn.sigmoid(config.swiglu_alpha * gate)
+    else:
+        h = jax.nn.silu(gate) * up
+    out = jnp.einsum("BTEF,EFD->BTED", h, params["wo"])
+    y = jnp.einsum("BTED,BTE->BTD", out + params["wo_bias"] if config.expert_bias else out, gates)
     if config.shared_expert_mlp_dim:
         shared = params["shared"]
         h = jax.nn.silu(x @ shared["wi_0"]["kernel"]) * (x @ shared["wi_1"]["kernel"])
@@ -47,6 +56,7 @@ def init(block: mlp.MoeBlock, x: jax.Array):
         {"experts_per_token": 1},
         {"experts_per_token": 3, "renormalize_expert_weights": False},
         {"shared_expert_mlp_dim": 8},
+        {"router_bias": True, "expert_bias": True, "swiglu_limit": 0.3},  # gpt-oss's, the clamp within reach
     ],
 )
 def test_dropless_and_capacity_equal_the_dense_reference_in_values_and_gradients(platform, fields):
@@ -57,6 +67,11 @@ def test_dropless_and_capacity_equal_the_dense_reference_in_values_and_gradients
     k = dropless.config.experts_per_token
     capacity = moe_block(moe_form="capacity", capacity_factor=E / k, **fields)
     params = init(dropless, x)
+    biases = jax.random.split(jax.random.key(2), 4)
+    for i, name in enumerate(["wi_0_bias", "wi_1_bias", "wo_bias"] if dropless.config.expert_bias else []):
+        params[name] = 0.3 * jax.random.normal(biases[i], params[name].shape)
+    if dropless.config.router_bias:
+        params["router"]["bias"] = jax.random.normal(biases[3], (E,))
 
     def loss(apply, params, x):
         return jnp.sum(jnp.sin(apply(params, x)))

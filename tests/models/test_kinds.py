@@ -10,6 +10,7 @@ EXPECTED = {
     "gpt2": kinds.DECODER,
     "llama": kinds.DECODER,
     "deepseek": kinds.DECODER,
+    "qwen3_5": kinds.DECODER,
     "bert": kinds.ENCODER,
     "seq2seq": kinds.ENCODER_DECODER,
     "lstm": kinds.RECURRENT,

@@ -110,7 +110,7 @@ def test_kv_cache_decoding_equals_the_full_forward(scan_layers):
     full = model.apply({"params": params}, tokens)
     cache = model.init(jax.random.key(0), jnp.zeros((2, 10), jnp.int32), decode=True)["cache"]
     keys = cache["blocks"]["layers" if scan_layers else "layer_0"]["attn"]["cached_key"]
-    assert keys.shape == ((6, 2, 10, 2, 8) if scan_layers else (2, 3, 2, 8))
+    assert keys.shape == ((6, 2, 2, 10, 8) if scan_layers else (2, 2, 3, 8))  # head-major: [B, K, S, H]
     out, variables = model.apply({"params": params, "cache": cache}, tokens[:, :4], decode=True, mutable=["cache"])
     pieces = [out]
     for t in range(4, 10):
@@ -181,7 +181,11 @@ def test_per_layer_values_are_one_per_layer():
         ({"layer_types": (SLIDING,) * 5 + ("global",)}, r"layer_types has 'global': each layer is one of"),
         ({"sliding_window": 0}, r"sliding_attention layers but sliding_window=0"),
         ({"layer_types": (), "sliding_window": 0}, r"sliding_rope_theta=10000.0 rotates sliding_attention layers"),
-        ({"rope_scaling_type": "yarn"}, r"rope_scaling_type='yarn': choose one of \('llama3', 'linear'\)"),
+        ({"rope_scaling_type": "ntk"}, r"rope_scaling_type='ntk': choose one of \('llama3', 'linear', 'yarn'\)"),
+        (
+            {"rope_scaling_type": "yarn", "rope_scaling_factor": 32.0},
+            r"sliding_rope_theta=10000.0 with YaRN scaling: .* set sliding_rope_theta=0",
+        ),
         ({"mlp_activation": "swish"}, r"mlp_activation='swish': choose one of"),
         ({"num_experts": 4}, r"mlp_activation='gelu_tanh' with num_experts=4: experts are SiLU-gated"),
         ({"query_pre_attn_scalar": -1.0}, r"query_pre_attn_scalar=-1.0 must be >= 0"),

@@ -61,12 +61,18 @@ def dot_product_attention(
         mask = causal if mask is None else mask & causal
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    if sinks is None:
-        probs = jax.nn.softmax(logits, axis=-1)
-    else:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
-        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]  # [B, N, T, S]
+    probs = probabilities(logits, None if sinks is None else sinks[None, :, None, None])  # [B, N, T, S]
     if use_dropout:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     return jnp.swapaxes(jnp.einsum("BNTS,BNSH->BNTH", probs.astype(value.dtype), value), 1, 2)  # [B, T, N, H]
+
+
+def probabilities(logits: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
+    """Attention probabilities: the softmax of float32 logits [..., S] over keys. sinks (broadcastable to
+    [..., 1]): a logit per row joined to its softmax as one more key whose probability is then dropped (gpt-oss's
+    attention sinks: a row's probabilities sum to less than 1)."""
+    if sinks is None:
+        return jax.nn.softmax(logits, axis=-1)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32), (*logits.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]

@@ -195,12 +195,7 @@ def cached_attention(
         logits = logits + bias.astype(jnp.float32).reshape(bias.shape[0], kv_heads, groups, *bias.shape[2:])
     if mask is not None:
         logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
-    if sinks is None:
-        probs = jax.nn.softmax(logits, axis=-1)
-    else:
-        sink = sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1)
-        sink = jnp.broadcast_to(sink, (*logits.shape[:-1], 1))
-        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    probs = explicit.probabilities(logits, None if sinks is None else sinks.reshape(1, kv_heads, groups, 1, 1))
     out = jnp.einsum("BKGTS,BKSH->BTKGH", probs.astype(value.dtype), value)
     return out.reshape(batch, length, heads, size)
 

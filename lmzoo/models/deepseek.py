@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from lmzoo import sharding
-from lmzoo.layers import blocks, embeddings, mlp, norms
+from lmzoo.layers import blocks, mlp, norms
 from lmzoo.layers.latent_attention import LatentAttention, LatentAttentionConfig, Yarn
 from lmzoo.models import kinds
 
@@ -303,13 +303,9 @@ class Deepseek(kinds.DecoderOutputs, nn.Module):
         """
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        if positions is None:
-            embeddings.check_length(tokens.shape[1], cfg.max_len, what="DeepSeek input")
-        init = nn.initializers.normal(cfg.init_std)
-        embed = embeddings.Embed(
-            cfg.vocab_size, cfg.emb_dim, embedding_init=init, dtype=dtype, param_dtype=param_dtype, name="embed"
+        x, embed = kinds.embed_tokens(
+            cfg, tokens, positions=positions, deterministic=deterministic, what="DeepSeek input"
         )
-        x = nn.Dropout(cfg.dropout_rate)(embed(tokens), deterministic=deterministic)
         if self.has_experts:
             cfg.check_expert_axis()
         block = functools.partial(
@@ -328,11 +324,4 @@ class Deepseek(kinds.DecoderOutputs, nn.Module):
                 x = blocks.BlockStack(
                     block(moe=moe), num_layers, scan=cfg.scan_layers, remat_policy=cfg.remat_policy, name=name
                 )(x, segment_ids, positions, deterministic=deterministic, decode=decode)
-        x = norms.LayerNorm(
-            epsilon=cfg.norm_epsilon, use_bias=False, use_mean=False, dtype=dtype, param_dtype=param_dtype, name="norm"
-        )(x)
-        x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
-        logits = embeddings.output_logits(
-            x, embed, tied=cfg.tie_embeddings, kernel_init=init, dtype=dtype, param_dtype=param_dtype
-        )
-        return (logits, x) if return_hidden else logits
+        return kinds.decoder_logits(cfg, x, embed, return_hidden=return_hidden)

@@ -17,6 +17,10 @@ from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
+
+from lmzoo import sharding
+from lmzoo.layers import embeddings, norms
 
 DECODER = "decoder"
 ENCODER = "encoder"
@@ -105,3 +109,48 @@ class DecoderOutputs:
             tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True
         )
         return hidden, None
+
+
+def embed_tokens(
+    cfg: Any, tokens: jax.Array, *, positions: jax.Array | None, deterministic: bool, what: str, scale: bool = False
+) -> tuple[jax.Array, embeddings.Embed]:
+    """The rotary decoders' input (Llama, DeepSeek, Qwen3.5; called inside the family's compact call, so the table
+    is its "embed"): tokens [B, T] -> (embeddings [B, T, D] after dropout, the table for a tied head). Without
+    `positions` (they count 0..T-1 from constant tables) T is checked against cfg.max_len, naming `what`. `scale`:
+    times sqrt(D), rounded to the activation dtype first as HF's Gemma does."""
+    dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    if positions is None:
+        embeddings.check_length(tokens.shape[1], cfg.max_len, what=what)
+    embed = embeddings.Embed(
+        cfg.vocab_size,
+        cfg.emb_dim,
+        embedding_init=nn.initializers.normal(cfg.init_std),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        name="embed",
+    )
+    x = embed(tokens)
+    if scale:
+        x = x * jnp.asarray(cfg.emb_dim**0.5, x.dtype)
+    return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic), embed
+
+
+def decoder_logits(
+    cfg: Any, x: jax.Array, embed: embeddings.Embed, *, return_hidden: bool
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The rotary decoders' output: the last layer's x [B, T, D] through the final RMSNorm ("norm") -> logits
+    [B, T, V] from the token table (tied) or "lm_head", and the normed x when `return_hidden`."""
+    dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    x = norms.LayerNorm(
+        epsilon=cfg.norm_epsilon, use_bias=False, use_mean=False, dtype=dtype, param_dtype=param_dtype, name="norm"
+    )(x)
+    x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
+    logits = embeddings.output_logits(
+        x,
+        embed,
+        tied=cfg.tie_embeddings,
+        kernel_init=nn.initializers.normal(cfg.init_std),
+        dtype=dtype,
+        param_dtype=param_dtype,
+    )
+    return (logits, x) if return_hidden else logits

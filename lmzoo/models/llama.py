@@ -32,8 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lmzoo import sharding
-from lmzoo.layers import attention, blocks, embeddings, mlp, norms
+from lmzoo.layers import attention, blocks, embeddings, mlp
 from lmzoo.models import kinds
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -290,16 +289,9 @@ class Llama(kinds.DecoderOutputs, nn.Module):
         """
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        if positions is None:  # the layers rotate by 0..T-1 from constant tables
-            embeddings.check_length(tokens.shape[1], cfg.max_len, what="Llama input")
-        init = nn.initializers.normal(cfg.init_std)
-        embed = embeddings.Embed(
-            cfg.vocab_size, cfg.emb_dim, embedding_init=init, dtype=dtype, param_dtype=param_dtype, name="embed"
+        x, embed = kinds.embed_tokens(
+            cfg, tokens, positions=positions, deterministic=deterministic, what="Llama input", scale=cfg.embed_scale
         )
-        x = embed(tokens)
-        if cfg.embed_scale:  # HF's Gemma rounds sqrt(D) to the activation dtype before multiplying
-            x = x * jnp.asarray(cfg.emb_dim**0.5, x.dtype)
-        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         if self.has_experts:
             cfg.check_expert_axis()
         block = blocks.TransformerBlock(
@@ -340,11 +332,4 @@ class Llama(kinds.DecoderOutputs, nn.Module):
             per_layer=cfg.per_layer(),
             name="blocks",
         )(x, segment_ids, None, None, None, positions, deterministic=deterministic, decode=decode)
-        x = norms.LayerNorm(
-            epsilon=cfg.norm_epsilon, use_bias=False, use_mean=False, dtype=dtype, param_dtype=param_dtype, name="norm"
-        )(x)
-        x = sharding.constrain(x, ("act_batch", "act_len", "act_embed"))
-        logits = embeddings.output_logits(
-            x, embed, tied=cfg.tie_embeddings, kernel_init=init, dtype=dtype, param_dtype=param_dtype
-        )
-        return (logits, x) if return_hidden else logits
+        return kinds.decoder_logits(cfg, x, embed, return_hidden=return_hidden)

@@ -9,7 +9,8 @@ The default variant is configs/llama.py's Shakespeare recipe with DeepSeek-V3's 
 4 query heads of 16 + 8 rotated dimensions over a key/value latent of 32 (the decode cache holds 32 + 8 numbers a
 position and layer, where multi-head attention would hold 4 x (24 + 16) = 160) and a query latent of 48; the first
 layer a SwiGLU of 352, the others 8 experts of F 48 in 4 groups, each token routed to its top 2 within its 2 best
-groups, plus one shared expert of F 48, with no auxiliary loss. `:tiny` shrinks it to 2 layers (1 dense, 1 of experts)
+groups, plus one shared expert of F 48, with no auxiliary loss: the routing biases balance the load, moved 0.001 a step
+against each expert's excess (`optim.expert_bias_rate`, DeepSeek-V3's gamma). `:tiny` shrinks it to 2 layers (1 dense, 1 of experts)
 for tests; both export to HF DeepseekV3ForCausalLM.
 
 `deepseek_v3_671b` is DeepSeek-V3's shape as its HF config.json gives it (`init_from=hf:deepseek-ai/DeepSeek-V3` reads
@@ -60,6 +61,7 @@ def get_config(arg: str | None = None):
         routed_scaling=1.0,  # DeepSeek-V3's 2.5 balances its 8 of 256 experts against the shared one
         norm_epsilon=1e-6,
     )
+    c.optim.expert_bias_rate = 0.001  # auxiliary-loss-free balancing (DeepSeek-V3: 0.001, then 0 for its last tokens)
     if "deepseek_v3_671b" in variants:
         c.model = model_section(
             "deepseek",

@@ -94,6 +94,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.1
     c.optim.decay_embeddings = False
     c.optim.grad_clip = 1.0
+    c.optim.expert_bias_rate = 0.0  # routing biases' step a step (DeepSeek-V3: 0.001; 0 keeps them as loaded)
     c.optim.groups = ()  # ((path, {field: value}), ...): other settings for param subtrees (lmzoo/trainers/optim.py)
 
     c.train = ml_collections.ConfigDict()
@@ -453,6 +454,7 @@ def check_values(
     require(optim.eps > 0, "optim.eps", "must be > 0, e.g. 1e-8")
     require(optim.weight_decay >= 0, "optim.weight_decay", "must be >= 0 (0 turns weight decay off)")
     require(optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 turns clipping off)")
+    require(optim.expert_bias_rate >= 0, "optim.expert_bias_rate", "must be >= 0 (0 keeps the routing biases fixed)")
     mesh = tuple(config.sharding.mesh_shape)
     require(
         len(mesh) in (3, 4) and all(n >= 1 or n == -1 for n in mesh) and mesh.count(-1) <= 1,

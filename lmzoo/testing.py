@@ -38,6 +38,11 @@ def accepted_xla_flags(flags: Sequence[str]) -> list[str]:
     return list(flags) if accepted(flags) else [flag for flag in flags if accepted([flag])]
 
 
+def default_pipeline_xla_flags() -> list[str]:
+    """This process's XLA_FLAGS without FAST_COMPILE_XLA_FLAGS: for a child process that compiles as users do."""
+    return [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag not in FAST_COMPILE_XLA_FLAGS]
+
+
 TINY_GPT2 = dict(
     vocab_size=32,
     max_len=16,

@@ -33,8 +33,7 @@ def test_the_default_xla_pipeline_trains_to_the_losses_the_suite_sees(tmp_path):
     config.train.log_every, config.train.sample_tokens = 1, 0
     loop.train_and_evaluate(config, str(tmp_path / "suite"))
 
-    default_flags = [flag for flag in os.environ["XLA_FLAGS"].split() if flag not in fast_flags]
-    env = {**os.environ, "XLA_FLAGS": " ".join(default_flags), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "XLA_FLAGS": " ".join(testing.default_pipeline_xla_flags()), "PYTHONPATH": str(ROOT)}
     command = [
         sys.executable,
         "train.py",

@@ -76,6 +76,7 @@ class MlpBlock(nn.Module):
         return proj((self.mlp_dim, d), ("mlp", "embed"), kernel_init=self.out_init, name="wo")("BTF,FD->BTD", h)
 
 
+CORRECTION_BIAS = "correction_bias"  # the routing bias that load balancing sets (`balancing_signal`)
 MOE_COLLECTION = "moe"  # the Flax collection `MoeBlock` sows its auxiliary losses and statistics into
 MOE_FORMS = ("dropless", "capacity")
 
@@ -149,7 +150,7 @@ class MoeConfig(MoeFields):
             (DeepSeek-V3).
         score_correction: a per-expert bias [E] ("correction_bias", float32, never trained by gradient) added to the
             scores when choosing the experts, not when weighting them (DeepSeek-V3's e_score_correction_bias: the
-            auxiliary-loss-free load balancing sets it).
+            auxiliary-loss-free load balancing sets it, `balancing_signal`).
         expert_groups: G; the experts form G groups of E / G and a token chooses among the experts of its
             `groups_per_token` best groups, a group scored by the sum of its two best scores (DeepSeek-V3's n_group,
             topk_group). 1: no groups.
@@ -323,6 +324,16 @@ def capacity_experts(
     return out.reshape(experts.shape + (d,)), kept
 
 
+def balancing_signal(correction_bias: jax.Array, expert_load: jax.Array) -> jax.Array:
+    """0 in value, with the gradient (expert_load [E] - its mean) with respect to correction_bias [E]: positive for
+    an overloaded expert. Added to a layer's aux_loss, it carries each expert's imbalance through the loss's gradient
+    to the optimizer, which moves the bias by a fixed step against its sign (`trainers.optim`'s
+    `optim.expert_bias_rate`: DeepSeek-V3's auxiliary-loss-free balancing) and never by the gradient itself."""
+    imbalance = jax.lax.stop_gradient(expert_load - jnp.mean(expert_load))
+    signal = jnp.sum(imbalance * correction_bias)
+    return signal - jax.lax.stop_gradient(signal)
+
+
 class MoeBlock(nn.Module):
     """Mixture-of-experts feed-forward with `MlpBlock`'s call: [B, T, D] -> [B, T, D].
 
@@ -346,8 +357,8 @@ class MoeBlock(nn.Module):
 
     Sown into the `MOE_COLLECTION` collection as "stats" when it is mutable (`objectives.tasks` makes it so for
     models with experts; under `nn.scan` each value gains a leading layers axis), over every token of the batch:
-    aux_loss (load_balance_coef * load_balance + router_z_loss_coef * router_z, what the objective adds to its
-    loss), load_balance (E * sum_e f_e P_e, f_e the fraction of tokens routed to expert e, P_e its mean router
+    aux_loss (load_balance_coef * load_balance + router_z_loss_coef * router_z, plus `balancing_signal` with a
+    correction bias: what the objective adds to its loss), load_balance (E * sum_e f_e P_e, f_e the fraction of tokens routed to expert e, P_e its mean router
     probability: R at perfect balance, as HF's Mixtral computes it per layer), router_z (mean logsumexp(logits)^2),
     dropped (the fraction of assignments dropped; 0 in the dropless form) and expert_load [E] (the fraction of
     assignments each expert received, summing to 1).
@@ -382,7 +393,7 @@ class MoeBlock(nn.Module):
             name="router",
         )("BTD,DE->BTE", x)
         logits = sharding.constrain(logits, ("act_batch", "act_len", None))
-        probs, weights, experts = self._route(logits)
+        probs, weights, experts, correction_bias = self._route(logits)
 
         def kernel(name, init, shape, axes):
             boxed_init = nn.with_logical_partitioning(init, axes)
@@ -433,22 +444,26 @@ class MoeBlock(nn.Module):
         assigned = jnp.mean(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=(0, 1))  # [R, E]: f_e per choice
         load_balance = e * jnp.sum(jnp.sum(assigned, axis=0) * jnp.mean(probs, axis=(0, 1)))
         router_z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+        expert_load = jnp.mean(assigned, axis=0)  # [E]
+        aux_loss = cfg.load_balance_coef * load_balance + cfg.router_z_loss_coef * router_z
+        if correction_bias is not None:
+            aux_loss = aux_loss + balancing_signal(correction_bias, expert_load)
         self.sow(
             MOE_COLLECTION,
             "stats",
             {
-                "aux_loss": cfg.load_balance_coef * load_balance + cfg.router_z_loss_coef * router_z,
+                "aux_loss": aux_loss,
                 "load_balance": load_balance,
                 "router_z": router_z,
                 "dropped": dropped,
-                "expert_load": jnp.mean(assigned, axis=0),
+                "expert_load": expert_load,
             },
         )
         return sharding.constrain(y, ("act_batch", "act_len", "act_embed"))
 
-    def _route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
         """Router logits [B, T, E] float32 -> (probabilities [B, T, E] for the load statistics, weights [B, T, R],
-        experts [B, T, R]).
+        experts [B, T, R], the correction bias [E] or None).
 
         Softmax scores are probabilities; sigmoid scores are normalised to sum to 1 for the statistics only. The
         experts are the top R of the scores, plus the correction bias when there is one, among the experts of the
@@ -456,18 +471,19 @@ class MoeBlock(nn.Module):
         """
         cfg = self.config
         scores = jax.nn.softmax(logits) if cfg.router_score == "softmax" else jax.nn.sigmoid(logits)
+        bias = None
         if not cfg.score_correction and cfg.expert_groups == 1:
             weights, experts = jax.lax.top_k(scores, cfg.experts_per_token)  # [B, T, R]
         else:
             choice = scores
             if cfg.score_correction:
                 bias = self.param(
-                    "correction_bias",
+                    CORRECTION_BIAS,
                     nn.with_logical_partitioning(nn.initializers.zeros, ("exp",)),
                     (cfg.num_experts,),
                     jnp.float32,  # small differences between scores decide the choice: kept in float32, as HF does
                 )
-                choice = choice + jax.lax.stop_gradient(bias)  # set by load balancing, never by the loss
+                choice = choice + jax.lax.stop_gradient(bias)  # set by load balancing (`balancing_signal`)
             if cfg.expert_groups > 1:
                 grouped = choice.reshape(*choice.shape[:-1], cfg.expert_groups, -1)  # [B, T, G, E / G]
                 group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [B, T, G]
@@ -481,4 +497,4 @@ class MoeBlock(nn.Module):
         if cfg.routed_scaling != 1.0:
             weights = weights * cfg.routed_scaling
         probs = scores if cfg.router_score == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
-        return probs, weights, experts
+        return probs, weights, experts, bias

@@ -6,11 +6,21 @@ and optionally other settings for parameter subtrees (a value head at its own le
 learning_rate, min_learning_rate, warmup_steps, decay_steps, b1, b2, eps, weight_decay); the first
 matching group wins, the rest of the params use the section's own settings. Gradients are clipped by
 their global norm over all params before the per-group updates.
+
+The routing biases that balance the experts' load (`layers.mlp.CORRECTION_BIAS`, DeepSeek-V3) are not trained by
+AdamW: their gradient is each expert's imbalance (`layers.mlp.balancing_signal`), and each step moves them by
+`optim.expert_bias_rate` against its sign (auxiliary-loss-free balancing: an overloaded expert's bias goes down);
+0 keeps them as loaded. They take no part in clipping, moments or weight decay, and the optimizer's state is the
+same with or without them.
 """
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import traverse_util
+
+from lmzoo.layers import mlp
 
 NO_DECAY_NAMES = ("bias", "scale")
 GROUP_FIELDS = ("learning_rate", "min_learning_rate", "warmup_steps", "decay_steps", "b1", "b2", "eps", "weight_decay")
@@ -77,6 +87,27 @@ def group_labels(params, paths: list[str]):
     return traverse_util.unflatten_dict(labels)
 
 
+def _is_correction_bias(path) -> bool:
+    return getattr(path[-1], "key", None) == mlp.CORRECTION_BIAS
+
+
+def expert_bias_balancing(tx: optax.GradientTransformation, rate: float) -> optax.GradientTransformation:
+    """`tx` for every param but the routing correction biases, whose updates are -rate * sign(gradient) (the
+    gradient being the expert's load minus the mean load); `tx` sees zeros in their place, so they add nothing to
+    its clipping norm or moments. The state is `tx`'s own."""
+
+    def update(grads, state, params=None):
+        balanced = jax.tree_util.tree_map_with_path(lambda path, g: _is_correction_bias(path), grads)
+        others = jax.tree.map(lambda g, b: jnp.zeros_like(g) if b else g, grads, balanced)
+        updates, state = tx.update(others, state, params)
+        updates = jax.tree.map(
+            lambda u, g, b: -rate * jnp.sign(g).astype(u.dtype) if b else u, updates, grads, balanced
+        )
+        return updates, state
+
+    return optax.GradientTransformation(tx.init, update)
+
+
 def make_optimizer(optim: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """(transformation, the default group's schedule). Gradient accumulation lives in the trainer, not here."""
     if optim.name != "adamw":
@@ -95,4 +126,4 @@ def make_optimizer(optim: ml_collections.ConfigDict) -> tuple[optax.GradientTran
         paths = [path for path, _ in groups]
         tx = optax.multi_transform(transforms, lambda params: group_labels(params, paths))
     clip = optax.clip_by_global_norm(optim.grad_clip) if optim.grad_clip > 0 else optax.identity()
-    return optax.chain(clip, tx), schedule
+    return expert_bias_balancing(optax.chain(clip, tx), optim.get("expert_bias_rate", 0.0)), schedule

@@ -205,3 +205,77 @@ def test_a_mesh_shape_of_three_sizes_has_expert_one():
         assert sharding.logical_axis_size("exp") == sharding.logical_axis_size("act_batch") == 1
     with pytest.raises(ValueError, match="must have one size per axis"):
         sharding.mesh_shape((1, 1))
+
+
+def deepseek_routed_block() -> mlp.MoeBlock:
+    return moe_block(
+        router_score="sigmoid",
+        score_correction=True,
+        expert_groups=2,
+        groups_per_token=1,
+        load_balance_coef=0.0,  # DeepSeek-V3 balances without an auxiliary loss
+        router_z_loss_coef=0.0,
+    )
+
+
+def test_the_correction_bias_gets_each_experts_imbalance_as_its_gradient_and_nothing_in_value():
+    """The sown aux_loss is unchanged in value by the balancing signal, and its gradient with respect to the
+    correction bias is expert_load - mean(expert_load), whatever the bias is."""
+    x = jax.random.normal(jax.random.key(2), (2, 8, D))
+    block = deepseek_routed_block()
+    params = init(block, x)
+    params = {**params, mlp.CORRECTION_BIAS: jnp.array([0.3, -0.1, 0.0, 0.2])}
+
+    def aux(p):
+        _, sown = block.apply({"params": p}, x, deterministic=True, mutable=[mlp.MOE_COLLECTION])
+        return sown[mlp.MOE_COLLECTION]["stats"][0]["aux_loss"], sown[mlp.MOE_COLLECTION]["stats"][0]
+
+    (value, stats), grads = jax.value_and_grad(aux, has_aux=True)(params)
+    assert float(value) == 0.0
+    load = np.asarray(stats["expert_load"])
+    assert np.ptp(load) > 0  # the check below needs an uneven load
+    np.testing.assert_allclose(grads[mlp.CORRECTION_BIAS], load - load.mean(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(grads["router"]["kernel"], 0.0)  # the signal reaches the bias alone
+
+
+def test_expert_bias_rate_balances_a_skewed_router_without_touching_the_other_updates():
+    """With optim.expert_bias_rate, each step moves every correction bias by -rate * sign(its imbalance); AdamW's
+    updates of the other params and its state are what they are without any correction bias; a router that sends
+    most tokens to one group is brought near balance by the bias alone."""
+    from ml_collections import ConfigDict
+
+    from lmzoo import config as config_lib
+    from lmzoo.trainers import optim
+
+    x = jax.random.normal(jax.random.key(3), (4, 32, D)) + 1.0
+    block = deepseek_routed_block()
+    params = init(block, x)
+    skew = jnp.zeros((D, E)).at[:, 0].set(0.5)  # expert 0 (and so its group) wins everywhere
+    params = {**params, "router": {"kernel": params["router"]["kernel"] + skew}}
+
+    def loss(p):
+        y, sown = block.apply({"params": p}, x, deterministic=True, mutable=[mlp.MOE_COLLECTION])
+        stats = sown[mlp.MOE_COLLECTION]["stats"][0]
+        return jnp.mean(jnp.square(y)) + stats["aux_loss"], stats["expert_load"]
+
+    settings = ConfigDict(config_lib.base_config().optim.to_dict())
+    settings.expert_bias_rate = 0.01
+    tx, _ = optim.make_optimizer(settings)
+    plain, _ = optim.make_optimizer(config_lib.base_config().optim)
+    (_, load), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    updates, state = tx.update(grads, tx.init(params), params)
+    imbalance = load - jnp.mean(load)
+    np.testing.assert_array_equal(updates[mlp.CORRECTION_BIAS], -0.01 * jnp.sign(imbalance))
+    others = {k: v for k, v in params.items() if k != mlp.CORRECTION_BIAS}
+    expected, _ = plain.update({k: v for k, v in grads.items() if k != mlp.CORRECTION_BIAS}, plain.init(others), others)
+    for name in others:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates[name], expected[name])
+    assert jax.tree.structure(state) == jax.tree.structure(plain.init(params))
+
+    first = float(jnp.max(load))
+    step = jax.jit(lambda p, s: tx.update(jax.grad(lambda q: loss(q)[0])(p), s, p))
+    for _ in range(80):  # the bias alone moves: the router stays skewed
+        updates, state = step(params, state)
+        params = {**params, mlp.CORRECTION_BIAS: params[mlp.CORRECTION_BIAS] + updates[mlp.CORRECTION_BIAS]}
+    last = float(jnp.max(loss(params)[1]))
+    assert first > 0.45 and last < 0.35, (first, last)  # balanced: 1 / E = 0.25

@@ -12,7 +12,8 @@ attention layer (4 query heads of 32 over 2 key/value heads, a quarter of each h
 the length. `:tiny` shrinks it for tests; both export to HF Qwen3_5ForCausalLM.
 
 `:moe` makes every layer's SwiGLU a mixture of 8 experts (top-2, renormalised) with a sigmoid-gated shared expert, as
-Qwen3.5-MoE's; it exports to Qwen3_5MoeForCausalLM.
+Qwen3.5-MoE's; it exports to Qwen3_5MoeForCausalLM. Qwen3-Next folders (Qwen3NextForCausalLM, model_type
+qwen3_next) load into this family too (`lmzoo.convert.qwen3_5`, docs/convert.md).
 
 `qwen3_5_9b` is the text model of Qwen3.5-9B as transformers' Qwen3_5TextConfig defaults give it (`init_from=hf:`
 reads a Qwen3_5ForCausalLM folder; the released checkpoint is the vision-language Qwen3_5ForConditionalGeneration,

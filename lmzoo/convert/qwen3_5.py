@@ -21,6 +21,17 @@ Read from config.json as HF reads it: layer_types (or full_attention_interval), 
 with partial_rotary_factor (0.25 where absent); its mrope_section does not apply to text, whose three position rows are
 equal. Refused, naming the key: another rope_type or activation, attention_bias. The multi-token-prediction weights
 (mtp.*) of released checkpoints are not read, as HF does not.
+
+Qwen3-Next (Qwen3NextForCausalLM, model_type qwen3_next), Qwen3.5's predecessor, has the same layers, norms (1 + w),
+partial rotary and gated attention; it differs in the Gated DeltaNet's input projections, which are fused and
+interleaved per key head g (r = N / G value heads each): in_proj_qkvz [G (2 H + 2 r P), D] holds, group by group, q_g
+(H), k_g (H), the group's values (r P) and gates (r P) -> query, key (D, G, H), value, gate (D, N, P), and in_proj_ba
+[G 2r, D] the group's betas then decays (r each) -> beta, decay (D, N) (`_split`, `_fuse`; conv1d is laid out as
+Qwen3.5's). Its feed-forward is a mixture of experts (Qwen3.5-MoE's tensors) in layer i unless i is in mlp_only_layers,
+where num_experts > 0 and (i + 1) % decoder_sparse_step == 0, else a SwiGLU of intermediate_size: all sparse or all
+dense is read, a mix refused (naming both keys), as a sparse layer without a shared expert
+(shared_expert_intermediate_size 0); norm_topk_prob is renormalize_expert_weights. Export writes qwen3_next when asked
+(`hf_model_type`), or on its own for experts whose top-k weights are not renormalised, which only Qwen3-Next expresses.
 """
 
 import re
@@ -35,7 +46,8 @@ from lmzoo.models.qwen3_5 import FULL, FULL_ATTENTION_INTERVAL, LAYER_TYPES, LIN
 
 MODEL_TYPE, ARCHITECTURE = "qwen3_5_text", "Qwen3_5ForCausalLM"
 MOE_MODEL_TYPE, MOE_ARCHITECTURE = "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"
-ARCHITECTURES = {MODEL_TYPE: ARCHITECTURE, MOE_MODEL_TYPE: MOE_ARCHITECTURE}
+NEXT_MODEL_TYPE, NEXT_ARCHITECTURE = "qwen3_next", "Qwen3NextForCausalLM"  # dense or with experts
+ARCHITECTURES = {MODEL_TYPE: ARCHITECTURE, MOE_MODEL_TYPE: MOE_ARCHITECTURE, NEXT_MODEL_TYPE: NEXT_ARCHITECTURE}
 # The released checkpoints: the vision-language models, whose text model HF's *ForCausalLM also reads.
 VL_MODEL_TYPE, VL_ARCHITECTURE = "qwen3_5", "Qwen3_5ForConditionalGeneration"
 VL_MODEL_TYPES = {VL_MODEL_TYPE: MODEL_TYPE, "qwen3_5_moe": MOE_MODEL_TYPE}  # -> the text model's
@@ -70,6 +82,21 @@ _MOE_DEFAULTS = {
     "num_experts": 256,
     "router_aux_loss_coef": 0.001,
 }
+# Qwen3NextConfig's defaults (Qwen3-Next-80B-A3B's shape: experts in every layer).
+_NEXT_DEFAULTS = _DEFAULTS | {
+    "vocab_size": 151_936,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 2,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts_per_tok": 10,
+    "num_experts": 512,
+    "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001,
+}
 # The multi-token-prediction module of released checkpoints, which HF does not load, and the vision encoder.
 _SKIP = re.compile(r"mtp\..*|model\.visual\..*")
 
@@ -79,7 +106,8 @@ def _rope(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise tables.ConfigError(
-            f"HF {MODEL_TYPE} config has rope_parameters rope_type {rope_type!r}; lmzoo's qwen3_5 implements 'default'"
+            f"HF {hf_config.get('model_type', MODEL_TYPE)} config has rope_parameters rope_type {rope_type!r}; lmzoo's "
+            "qwen3_5 implements 'default'"
         )
     theta = rope.get("rope_theta", hf_config.get("rope_theta", 10_000.0))
     fraction = rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 0.25))
@@ -114,24 +142,24 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         raise tables.ConfigError(
             f"HF architecture {unsupported} is not supported; a {model_type} config is {ARCHITECTURES[model_type]}'s"
         )
-    moe = model_type == MOE_MODEL_TYPE
-    defaults = _DEFAULTS | (_MOE_DEFAULTS if moe else {})
-    get = lambda key: hf_config.get(key, defaults.get(key))  # noqa: E731
+    defaults = {MODEL_TYPE: _DEFAULTS, MOE_MODEL_TYPE: _DEFAULTS | _MOE_DEFAULTS, NEXT_MODEL_TYPE: _NEXT_DEFAULTS}
+    get = lambda key: hf_config.get(key, defaults[model_type].get(key))  # noqa: E731
     if get("hidden_act") not in (None, "silu"):
         raise tables.ConfigError(
-            f"HF {MODEL_TYPE} config has hidden_act={get('hidden_act')!r}; lmzoo's qwen3_5 implements 'silu'"
+            f"HF {model_type} config has hidden_act={get('hidden_act')!r}; lmzoo's qwen3_5 implements 'silu'"
         )
     if hf_config.get("attention_bias"):
         raise tables.ConfigError(
-            f"HF {MODEL_TYPE} config has attention_bias=True; lmzoo's qwen3_5 has no attention biases"
+            f"HF {model_type} config has attention_bias=True; lmzoo's qwen3_5 has no attention biases"
         )
     num_layers = int(get("num_hidden_layers"))
+    moe = _next_sparse(get, num_layers) if model_type == NEXT_MODEL_TYPE else model_type == MOE_MODEL_TYPE
     interval = int(hf_config.get("full_attention_interval") or FULL_ATTENTION_INTERVAL)
     kinds = list(hf_config.get("layer_types") or [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)])
     unknown = sorted({kind for kind in kinds if kind not in LAYER_TYPES})
     if unknown:
         raise tables.ConfigError(
-            f"HF {MODEL_TYPE} config has layer_types {unknown[0]!r}; lmzoo's qwen3_5 implements {list(LAYER_TYPES)}"
+            f"HF {model_type} config has layer_types {unknown[0]!r}; lmzoo's qwen3_5 implements {list(LAYER_TYPES)}"
         )
     experts = {}
     if moe:
@@ -140,7 +168,8 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
             "experts_per_token": int(get("num_experts_per_tok")),
             "expert_mlp_dim": int(get("moe_intermediate_size")),
             "shared_expert_mlp_dim": int(get("shared_expert_intermediate_size")),
-            "renormalize_expert_weights": True,  # HF's router always renormalises the top-k
+            # Qwen3.5-MoE's router always renormalises the top-k; Qwen3-Next's where norm_topk_prob
+            "renormalize_expert_weights": bool(get("norm_topk_prob")) if model_type == NEXT_MODEL_TYPE else True,
             "load_balance_coef": float(get("router_aux_loss_coef")),
         }
     return {
@@ -169,21 +198,56 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def hf_model_type(cfg: Qwen3_5Config) -> str:
-    """qwen3_5_text, or qwen3_5_moe_text with experts."""
-    return MODEL_TYPE if cfg.moe is None else MOE_MODEL_TYPE
+def _next_sparse(get: Any, num_layers: int) -> bool:
+    """Whether every feed-forward of a Qwen3-Next config is a mixture of experts (False: every one a SwiGLU). HF's
+    Qwen3NextDecoderLayer: layer i has experts unless i is in mlp_only_layers, where num_experts > 0 and
+    (i + 1) % decoder_sparse_step == 0. A mix of both is refused, as a mixture without a shared expert."""
+    only, step, experts = list(get("mlp_only_layers") or []), int(get("decoder_sparse_step")), int(get("num_experts"))
+    if step < 1:
+        raise tables.ConfigError(f"HF {NEXT_MODEL_TYPE} config has decoder_sparse_step={step}; HF needs >= 1")
+    sparse = [i not in only and experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+    if any(sparse) and not all(sparse):
+        dense = [i for i, s in enumerate(sparse) if not s]
+        raise tables.ConfigError(
+            f"HF {NEXT_MODEL_TYPE} config has decoder_sparse_step={step}, mlp_only_layers={only}: layers {dense} are "
+            "dense and the others mixtures of experts; lmzoo's qwen3_5 has experts in every layer or in none"
+        )
+    if all(sparse) and sparse and int(get("shared_expert_intermediate_size")) < 1:
+        raise tables.ConfigError(
+            f"HF {NEXT_MODEL_TYPE} config has shared_expert_intermediate_size="
+            f"{get('shared_expert_intermediate_size')}; lmzoo's qwen3_5 reads a shared expert of width >= 1"
+        )
+    return bool(sparse) and all(sparse)
 
 
-def config_to_hf(cfg: Qwen3_5Config) -> dict[str, Any]:
-    """An HF Qwen3_5TextConfig (Qwen3_5MoeTextConfig with experts) config.json dict for a "qwen3_5" config."""
-    moe = cfg.moe
-    if moe is not None and (not moe.shared_expert_mlp_dim or not moe.renormalize_expert_weights):
+def hf_model_type(cfg: Qwen3_5Config, model_type: str | None = None) -> str:
+    """qwen3_5_text, or qwen3_5_moe_text with experts; qwen3_next where `model_type` asks for it (the same function:
+    Qwen3-Next reads any of these configs), or on its own for experts whose top-k weights are not renormalised, which
+    only Qwen3-Next's norm_topk_prob expresses."""
+    if model_type is None:
+        if cfg.moe is not None and not cfg.moe.renormalize_expert_weights:
+            return NEXT_MODEL_TYPE
+        return MODEL_TYPE if cfg.moe is None else MOE_MODEL_TYPE
+    if model_type not in ARCHITECTURES or model_type == (MOE_MODEL_TYPE if cfg.moe is None else MODEL_TYPE):
+        raise ValueError(
+            f"a qwen3_5 {'without' if cfg.moe is None else 'with'} experts exports to HF model_type "
+            f"{hf_model_type(cfg)!r} or {NEXT_MODEL_TYPE!r}, not {model_type!r}"
+        )
+    return model_type
+
+
+def config_to_hf(cfg: Qwen3_5Config, model_type: str | None = None) -> dict[str, Any]:
+    """An HF Qwen3_5TextConfig (Qwen3_5MoeTextConfig with experts; Qwen3NextConfig for qwen3_next, `hf_model_type`)
+    config.json dict for a "qwen3_5" config."""
+    moe, model_type = cfg.moe, hf_model_type(cfg, model_type)
+    renormalizes = moe is None or moe.renormalize_expert_weights or model_type == NEXT_MODEL_TYPE
+    if moe is not None and (not moe.shared_expert_mlp_dim or not renormalizes):
         raise ValueError(
             f"a qwen3_5 with experts, shared_expert_mlp_dim={moe.shared_expert_mlp_dim} and "
             f"renormalize_expert_weights={moe.renormalize_expert_weights} has no HF counterpart: "
-            f"{MOE_ARCHITECTURE} has a shared expert and renormalises the top-k weights"
+            f"{MOE_ARCHITECTURE} has a shared expert and renormalises the top-k weights, {NEXT_ARCHITECTURE} has a "
+            "shared expert"
         )
-    model_type = hf_model_type(cfg)
     experts = {}
     if moe is not None:
         experts = {
@@ -193,6 +257,9 @@ def config_to_hf(cfg: Qwen3_5Config) -> dict[str, Any]:
             "shared_expert_intermediate_size": moe.shared_expert_mlp_dim,
             "router_aux_loss_coef": moe.load_balance_coef,
         }
+    if model_type == NEXT_MODEL_TYPE:  # experts in every layer, or none (Qwen3NextConfig's default is 512)
+        experts = {"num_experts": 0} | experts | {"decoder_sparse_step": 1, "mlp_only_layers": []}
+        experts["norm_topk_prob"] = moe is None or moe.renormalize_expert_weights
     return experts | {
         "model_type": model_type,
         "architectures": [ARCHITECTURES[model_type]],
@@ -231,9 +298,11 @@ def _layer_path(cfg: Qwen3_5Config, i: int) -> tuple[str, ...]:
     return ("blocks", f"layer_{i // period}", f"block_{i % period}")
 
 
-def entries(cfg: Qwen3_5Config) -> list[Entry]:
-    """Every tensor of HF Qwen3_5ForCausalLM for `cfg` (without "model."), tied copy excluded. The fused tensors are
-    whole leaves here ("qkv", "conv", "query_gate"), which `_split` cuts into lmzoo's and `_fuse` joins back."""
+def entries(cfg: Qwen3_5Config, model_type: str | None = None) -> list[Entry]:
+    """Every tensor of the HF model of `cfg` (`hf_model_type`) without "model.", tied copy excluded. The fused tensors
+    are whole leaves here ("qkv", "conv", "query_gate"; Qwen3-Next's "qkvz" (D, G, 2 H + 2 r P) and "ba" (D, G, 2 r),
+    one row of columns per key head), which `_split` cuts into lmzoo's and `_fuse` joins back."""
+    next_ = hf_model_type(cfg, model_type) == NEXT_MODEL_TYPE
     d, v, h = cfg.emb_dim, cfg.vocab_size, cfg.head_dim
     n, k = cfg.num_heads, cfg.num_kv_heads
     g_heads, n_heads, kh, vp = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
@@ -244,8 +313,30 @@ def entries(cfg: Qwen3_5Config) -> list[Entry]:
         prefix, path = f"layers.{i}.", _layer_path(cfg, i)
         if kind == LINEAR:
             mixer, lin = prefix + "linear_attn.", (*path, "linear_attn")
+            if next_:
+                group = channels // g_heads + n_heads // g_heads * vp  # q_g, k_g, the group's values and gates
+                table += [
+                    Entry(
+                        mixer + "in_proj_qkvz.weight", (*lin, "qkvz"), (g_heads * group, d), (d, g_heads, group), True
+                    ),
+                    Entry(
+                        mixer + "in_proj_ba.weight",
+                        (*lin, "ba"),
+                        (2 * n_heads, d),
+                        (d, g_heads, 2 * n_heads // g_heads),
+                        True,
+                    ),
+                ]
+            else:
+                table += [
+                    Entry(mixer + "in_proj_qkv.weight", (*lin, "qkv"), (channels, d), (d, channels), transpose=True),
+                ]
+                table += tables.linear(
+                    mixer + "in_proj_z", (*lin, "gate"), d, n_heads * vp, out_shape=(n_heads, vp), bias=False
+                )
+                table += tables.linear(mixer + "in_proj_b", (*lin, "beta"), d, n_heads, bias=False)
+                table += tables.linear(mixer + "in_proj_a", (*lin, "decay"), d, n_heads, bias=False)
             table += [
-                Entry(mixer + "in_proj_qkv.weight", (*lin, "qkv"), (channels, d), (d, channels), transpose=True),
                 Entry(
                     mixer + "conv1d.weight",
                     (*lin, "conv"),
@@ -257,11 +348,6 @@ def entries(cfg: Qwen3_5Config) -> list[Entry]:
                 Entry(mixer + "A_log", (*lin, "decay_rate"), (n_heads,), (n_heads,)),
                 Entry(mixer + "norm.weight", (*lin, "norm"), (vp,), (vp,)),
             ]
-            table += tables.linear(
-                mixer + "in_proj_z", (*lin, "gate"), d, n_heads * vp, out_shape=(n_heads, vp), bias=False
-            )
-            table += tables.linear(mixer + "in_proj_b", (*lin, "beta"), d, n_heads, bias=False)
-            table += tables.linear(mixer + "in_proj_a", (*lin, "decay"), d, n_heads, bias=False)
             table += tables.linear(
                 mixer + "out_proj", (*lin, "out"), n_heads * vp, d, in_shape=(n_heads, vp), bias=False
             )
@@ -312,10 +398,10 @@ def _feed_forward(module: str, path: tuple[str, ...], cfg: Qwen3_5Config) -> lis
     return table
 
 
-def layout(cfg: Qwen3_5Config, prefix: str = PREFIX) -> tables.Layout:
+def layout(cfg: Qwen3_5Config, prefix: str = PREFIX, model_type: str | None = None) -> tables.Layout:
     """HF's names around the entries: the body under `prefix` ("model.", or the VL_PREFIX of a released checkpoint)."""
     return tables.Layout(
-        name=f"HF {ARCHITECTURES[hf_model_type(cfg)]}",
+        name=f"HF {ARCHITECTURES[hf_model_type(cfg, model_type)]}",
         family="qwen3_5",
         prefix=prefix,
         heads=frozenset({"lm_head.weight"}),
@@ -344,6 +430,32 @@ class Columns(mapping.LazyLeaf):
         return block[(slice(None),) * self.lead + tuple(slice(*bounds) for bounds in box[self.lead :])]
 
 
+class GroupColumns(mapping.LazyLeaf):
+    """Columns [start, stop) of the last axis of a leaf [D, G, W] (lazy or an array) that holds the same parts key head
+    by key head (Qwen3-Next's fused projections), the group and column axes merged into the trailing axes of `shape`
+    ([D, N, P] or [D, N], N = G r: value head g r + j is group g's j-th; [D, G, H] for a query or key). A box reads
+    the leaf's rows over the box's range and the part's columns of every group whole. Not a `Columns`: the part is not
+    one run of the HF tensor's output features (`fused_parts`)."""
+
+    def __init__(self, leaf: Any, start: int, stop: int, shape: tuple[int, ...]):
+        self.leaf, self.start, self.stop = leaf, start, stop
+        self.shape, self.dtype = tuple(shape), np.dtype(leaf.dtype)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        box = mapping.box_of(index, self.shape)
+        block = np.asarray(self.leaf[(slice(*box[0]), slice(None), slice(self.start, self.stop))])
+        block = block.reshape(block.shape[:1] + self.shape[1:])  # [D', G, r P] -> [D', N, P]
+        return block[(slice(None),) + tuple(slice(*bounds) for bounds in box[1:])]
+
+
+def _next_widths(cfg: Qwen3_5Config) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+    """(kernel name, start, stop) of each part of a key head's columns in Qwen3-Next's in_proj_qkvz and in_proj_ba."""
+    h, r = cfg.linear_key_dim, cfg.linear_value_heads // cfg.linear_key_heads
+    r_p = r * cfg.linear_value_dim
+    qkvz = [("query", 0, h), ("key", h, 2 * h), ("value", 2 * h, 2 * h + r_p), ("gate", 2 * h + r_p, 2 * h + 2 * r_p)]
+    return qkvz, [("beta", 0, r), ("decay", r, 2 * r)]
+
+
 def _mixer_widths(cfg: Qwen3_5Config) -> list[tuple[str, str, tuple[int, ...]]]:
     """(kernel name, conv name, per-tap shape) of the fused query/key/value channels, in HF's order."""
     g_heads, n_heads = cfg.linear_key_heads, cfg.linear_value_heads
@@ -363,17 +475,28 @@ def _layers(params: Params, cfg: Qwen3_5Config):
         yield kind, node
 
 
-def _split(params: Params, cfg: Qwen3_5Config) -> Params:
+def _split(params: Params, cfg: Qwen3_5Config, model_type: str | None = None) -> Params:
     """`params` as `entries` names them -> lmzoo's leaves: the fused leaves cut into their parts (lazily)."""
+    next_ = hf_model_type(cfg, model_type) == NEXT_MODEL_TYPE
+    d, g_heads, n_heads = cfg.emb_dim, cfg.linear_key_heads, cfg.linear_value_heads
     for kind, layer in _layers(params, cfg):
         if kind == LINEAR:
             mixer, start = layer["linear_attn"], 0
-            qkv, conv = mixer.pop("qkv"), mixer.pop("conv")
+            qkv, conv = None if next_ else mixer.pop("qkv"), mixer.pop("conv")
             for name, conv_name, shape in _mixer_widths(cfg):
                 stop = start + int(np.prod(shape))
-                mixer[name] = {"kernel": Columns(qkv, start, stop, (cfg.emb_dim, *shape))}
+                if not next_:
+                    mixer[name] = {"kernel": Columns(qkv, start, stop, (d, *shape))}
                 mixer[conv_name] = Columns(conv, start, stop, (cfg.conv_width, *shape))
                 start = stop
+            if next_:  # qkvz (D, G, 2 H + 2 r P), ba (D, G, 2 r): each key head's parts
+                qkvz, ba = mixer.pop("qkvz"), mixer.pop("ba")
+                for name, start, stop in _next_widths(cfg)[0]:
+                    per_group = name in ("query", "key")
+                    shape = (d, g_heads, stop - start) if per_group else (d, n_heads, cfg.linear_value_dim)
+                    mixer[name] = {"kernel": GroupColumns(qkvz, start, stop, shape)}
+                for name, start, stop in _next_widths(cfg)[1]:
+                    mixer[name] = {"kernel": GroupColumns(ba, start, stop, (d, n_heads))}
         else:
             attn, h = layer["attn"], cfg.head_dim
             fused = attn.pop("query_gate")  # (D, N, 2H): each head's query, then its gate
@@ -386,14 +509,42 @@ def _split(params: Params, cfg: Qwen3_5Config) -> Params:
     return params
 
 
-def _fuse(params: Params, cfg: Qwen3_5Config) -> Params:
+def fused_parts(cfg: Qwen3_5Config) -> dict[tuple[str, ...], list[tuple[tuple[str, ...], int, int, tuple[int, ...]]]]:
+    """{path of a fused leaf of `entries` ("qkv", "query_gate"): [(lmzoo kernel path, start, stop, kernel shape)]}:
+    the columns [start, stop) of the leaf's last axis that `_split` cuts into each kernel, i.e. the lmzoo kernels of
+    one HF nn.Linear (`lmzoo.lora.peft` reads and writes their adapters)."""
+    leaves = {entry.path: np.broadcast_to(np.float32(0), entry.shape) for entry in entries(cfg)}  # shapes, no memory
+    tree: Params = {}
+    for path, leaf in leaves.items():
+        node = tree
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = leaf
+    fused = {id(leaf): path for path, leaf in leaves.items()}
+    parts: dict[tuple[str, ...], list[tuple[tuple[str, ...], int, int, tuple[int, ...]]]] = {}
+    for name, leaf in mapping.flatten(_split(tree, cfg)).items():
+        if isinstance(leaf, Columns) and name.endswith("/kernel"):
+            parts.setdefault(fused[id(leaf.leaf)], []).append(
+                (tuple(name.split("/")), leaf.start, leaf.stop, leaf.shape)
+            )
+    return parts
+
+
+def _fuse(params: Params, cfg: Qwen3_5Config, model_type: str | None = None) -> Params:
     """The reverse of `_split` for lmzoo params in any layer layout (per-layer afterwards)."""
+    next_ = hf_model_type(cfg, model_type) == NEXT_MODEL_TYPE
     params = mapping.unstack_layers(params)
+    d, g_heads = cfg.emb_dim, cfg.linear_key_heads
     for kind, layer in _layers(params, cfg):
         if kind == LINEAR:
             mixer = layer["linear_attn"]
-            parts = [(mixer.pop(name)["kernel"], mixer.pop(conv)) for name, conv, _ in _mixer_widths(cfg)]
-            mixer["qkv"] = np.concatenate([np.asarray(k).reshape(cfg.emb_dim, -1) for k, _ in parts], axis=-1)
+            if next_:  # each key head's parts side by side: [D, N, ...] -> [D, G, r ...]
+                for fused, parts in zip(("qkvz", "ba"), _next_widths(cfg), strict=True):
+                    kernels = [np.asarray(mixer.pop(name)["kernel"]).reshape(d, g_heads, -1) for name, _, _ in parts]
+                    mixer[fused] = np.concatenate(kernels, axis=-1)
+            parts = [(mixer.pop(name, None), mixer.pop(conv)) for name, conv, _ in _mixer_widths(cfg)]
+            if not next_:
+                mixer["qkv"] = np.concatenate([np.asarray(k["kernel"]).reshape(d, -1) for k, _ in parts], axis=-1)
             mixer["conv"] = np.concatenate([np.asarray(c).reshape(cfg.conv_width, -1) for _, c in parts], axis=-1)
         else:
             attn = layer["attn"]
@@ -407,27 +558,35 @@ def _fuse(params: Params, cfg: Qwen3_5Config) -> Params:
     return params
 
 
-def _sources(state_dict: Mapping[str, Any], cfg: Qwen3_5Config, prefix: str = PREFIX) -> Params:
-    return _split(tables.to_sources(*tables.read_hf(state_dict, layout(cfg, prefix), entries(cfg))), cfg)
+def _sources(
+    state_dict: Mapping[str, Any], cfg: Qwen3_5Config, prefix: str = PREFIX, model_type: str | None = None
+) -> Params:
+    table = entries(cfg, model_type)
+    return _split(
+        tables.to_sources(*tables.read_hf(state_dict, layout(cfg, prefix, model_type), table)), cfg, model_type
+    )
 
 
-def from_hf(state_dict: Mapping[str, Any], cfg: Qwen3_5Config) -> Params:
-    """HF Qwen3_5ForCausalLM state dict -> lmzoo "qwen3_5" params (per-layer, float32 numpy). With tied embeddings an
-    `lm_head.weight` is accepted only if it equals `embed_tokens.weight`."""
-    return mapping.materialize(_sources(state_dict, cfg))
+def from_hf(state_dict: Mapping[str, Any], cfg: Qwen3_5Config, model_type: str | None = None) -> Params:
+    """HF Qwen3_5ForCausalLM state dict (that of `model_type`, `hf_model_type`: qwen3_next for Qwen3NextForCausalLM's)
+    -> lmzoo "qwen3_5" params (per-layer, float32 numpy). With tied embeddings an `lm_head.weight` is accepted only if
+    it equals `embed_tokens.weight`."""
+    return mapping.materialize(_sources(state_dict, cfg, model_type=model_type))
 
 
-def to_hf(params: Params, cfg: Qwen3_5Config) -> dict[str, np.ndarray]:
-    """lmzoo "qwen3_5" params (per-layer or scanned) -> HF Qwen3_5ForCausalLM state dict of float32 numpy arrays."""
-    return tables.to_hf(_fuse(params, cfg), layout(cfg), entries(cfg))
+def to_hf(params: Params, cfg: Qwen3_5Config, model_type: str | None = None) -> dict[str, np.ndarray]:
+    """lmzoo "qwen3_5" params (per-layer or scanned) -> the state dict of float32 numpy arrays of HF
+    Qwen3_5ForCausalLM, or of the model `hf_model_type(cfg, model_type)` names."""
+    return tables.to_hf(_fuse(params, cfg, model_type), layout(cfg, model_type=model_type), entries(cfg, model_type))
 
 
 def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
     """(config.model fields, params as lazy leaves, read only when placed) of an HF Qwen3.5 checkpoint: a text model,
-    or the text model of a vision-language one (its vision encoder left out)."""
-    fields = config_from_hf(hf_config)
-    prefix = VL_PREFIX if hf_config.get("model_type") in VL_MODEL_TYPES else PREFIX
-    return fields, _sources(state_dict, tables.checkpoint_config("qwen3_5", fields), prefix)
+    or the text model of a vision-language one (its vision encoder left out); or of a Qwen3-Next one."""
+    fields, model_type = config_from_hf(hf_config), hf_config.get("model_type")
+    prefix = VL_PREFIX if model_type in VL_MODEL_TYPES else PREFIX
+    model_type = NEXT_MODEL_TYPE if model_type == NEXT_MODEL_TYPE else None
+    return fields, _sources(state_dict, tables.checkpoint_config("qwen3_5", fields), prefix, model_type)
 
 
 def read_checkpoint(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:

@@ -321,7 +321,7 @@ def test_released_shapes_have_hf_parameter_counts(hf_class, config_class, count)
         ({"attention_bias": True}, "attention_bias"),
         ({"layer_types": ["linear_attention", "sliding_attention"] * 4}, "'sliding_attention'"),
         ({"model_type": "qwen3_5"}, "no text_config"),
-        ({"model_type": "qwen3_next"}, "model_type='qwen3_next'"),
+        ({"model_type": "qwen3_vl"}, "model_type='qwen3_vl'"),
     ],
 )
 def test_refuses_what_it_does_not_implement(change, message):

@@ -180,7 +180,9 @@ def test_unsupported_adapters_and_families_are_refused(tmp_path):
     (tmp_path / peft.CONFIG_FILE).write_text(json.dumps({**written, "use_dora": True, "bias": "all"}))
     with pytest.raises(ValueError, match="use_dora=True, bias='all'; lmzoo reads plain LoRA"):
         peft.load_peft(str(tmp_path), nn.unbox(abstract), "llama", cfg)
-    with pytest.raises(ValueError, match=r"PEFT adapters are read and written for \['llama'\].*'gpt2'"):
+    with pytest.raises(
+        ValueError, match=r"PEFT adapters are read and written for \['deepseek', 'llama', 'qwen3_5'\].*'gpt2'"
+    ):
         peft.save_peft(str(tmp_path), adapters, config, "gpt2", {"vocab_size": 32})
     # Only some layers adapted: PEFT's target_modules names each module in full.
     some = {"blocks": {"layer_1": adapters["blocks"]["layer_1"]}}

@@ -4,6 +4,7 @@
     python -m lmzoo.cli.export --workdir=runs/sst2 --out=exported/sst2 --labels=negative,positive
     python -m lmzoo.cli.export --workdir=gs://BUCKET/runs/llama --out=gs://BUCKET/exported/llama
     python -m lmzoo.cli.export --workdir=runs/llama_lora --out=exported/adapter --adapters_only   # PEFT's format
+    python -m lmzoo.cli.export --workdir=runs/qwen3_next --out=exported/qwen3_next --model_type=qwen3_next
 
 What is exported, and how, is `lmzoo.convert.export`'s; this reads the run. --out must be a new or empty folder;
 `--overwrite` replaces a folder's whole contents. A user error exits with status 2 and one `error:` line.
@@ -21,7 +22,7 @@ from lmzoo import lora, storage, tokenizers
 from lmzoo.convert import export
 from lmzoo.data import chat
 from lmzoo.lora import peft
-from lmzoo.models import heads
+from lmzoo.models import heads, make_config
 from lmzoo.train import run as run_lib
 
 
@@ -32,14 +33,19 @@ def export_workdir(
     labels: Sequence[str] | None = None,
     *,
     overwrite: bool = False,
+    model_type: str | None = None,
 ) -> dict[str, Any]:
     """Exports a train.py run's latest (or `step`'s) checkpoint with its tokenizer (an HF tokenizer with its special
     tokens, generation settings and the run's chat template: `export.save_tokenizer`); adds "step" to the summary.
+    model_type: the HF model_type to write where the family writes more than one (`export.hf_model_type`).
     A run whose model is a SequenceClassifier exports as one (labels: its class names). `out_dir` is checked
     (`export.check_out_dir`) before the checkpoint is read. Either may be local or in a bucket (gs://, s3://)."""
     export.check_out_dir(
         out_dir, overwrite=overwrite, keep=os.fspath(storage.path(workdir)) if storage.is_remote(workdir) else workdir
     )
+    if model_type is not None:  # a model_type the run cannot be written as: said before its params are read
+        saved = run_lib.load_saved(workdir)
+        export.hf_model_type(saved.model_name, make_config(saved.model_name, saved.model.to_dict()), model_type)
     loaded = run_lib.load(workdir, step)
     params, classifier = export.exported_part(loaded.model, loaded.params)
     template = None  # an HF tokenizer's own template is written with it; a run's own template replaces it
@@ -55,6 +61,7 @@ def export_workdir(
         labels=labels,
         overwrite=overwrite,
         chat_template=template,
+        model_type=model_type,
     )
     if isinstance(loaded.model, heads.LMWithValueHead | heads.LMWithValueModel):
         summary["left_out"] = "the value head or value network (PPO's value estimate)"
@@ -91,6 +98,11 @@ def main() -> None:
     parser.add_argument("--labels", default=None, help="A classifier's class names, comma-separated (id2label).")
     parser.add_argument("--overwrite", action="store_true", help="Replace the contents of a non-empty --out folder.")
     parser.add_argument(
+        "--model_type",
+        default=None,
+        help="The HF model_type to write where the run's family writes more than one (qwen3_next for a Qwen3.5).",
+    )
+    parser.add_argument(
         "--adapters_only",
         action="store_true",
         help="A LoRA run's adapters alone, in PEFT's format (adapter_config.json).",
@@ -107,6 +119,7 @@ def main() -> None:
             args.step,
             args.labels.split(",") if args.labels else None,
             overwrite=args.overwrite,
+            model_type=args.model_type,
         )
     print(json.dumps(summary))
     if not summary["tokenizer"]:

@@ -43,9 +43,20 @@ from lmzoo.models import heads, make_config
 EXPORTABLE = ("gpt2", "bert", "seq2seq", "llama", "deepseek", "qwen3_5")
 
 
-def hf_model_type(model_name: str, cfg: Any) -> str:
+def hf_model_type(model_name: str, cfg: Any, model_type: str | None = None) -> str:
     """The HF model_type of a family config: gpt2; bert, roberta, albert or distilbert; t5 or bart; llama,
-    mistral, qwen2, mixtral or qwen2_moe; deepseek_v3; qwen3_5_text or qwen3_5_moe_text."""
+    mistral, qwen2, mixtral or qwen2_moe; deepseek_v3; qwen3_5_text or qwen3_5_moe_text (qwen3_next: `model_type`,
+    or experts whose weights are not renormalised). `model_type`: the one asked for, where the family writes more
+    than one for this config (a Qwen3.5 as Qwen3-Next); any other than the config's own is refused."""
+    if model_type is not None and model_name == "qwen3_5":
+        return qwen3_5.hf_model_type(cfg, model_type)
+    own = _own_model_type(model_name, cfg)
+    if model_type not in (None, own):
+        raise ValueError(f"a {model_name} of this config exports to HF model_type {own!r}, not {model_type!r}")
+    return own
+
+
+def _own_model_type(model_name: str, cfg: Any) -> str:
     if model_name == "gpt2":
         return "gpt2"
     if model_name == "llama":
@@ -85,11 +96,15 @@ def classifier_to_hf(
 
 
 def to_hf(
-    model_name: str, cfg: Any, params: Any, classifier: heads.SequenceClassifier | None = None
+    model_name: str,
+    cfg: Any,
+    params: Any,
+    classifier: heads.SequenceClassifier | None = None,
+    model_type: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(config.json dict, state dict) of lmzoo params, of a language model or, given the SequenceClassifier they
-    belong to, of that classifier; raises if the config has no HF equivalent."""
-    model_type = hf_model_type(model_name, cfg)
+    belong to, of that classifier; raises if the config has no HF equivalent. model_type: `hf_model_type`'s."""
+    model_type = hf_model_type(model_name, cfg, model_type)
     if classifier is not None:
         return classifier_to_hf(model_type, cfg, params, classifier)
     if "backbone" in params:
@@ -101,7 +116,7 @@ def to_hf(
     if model_type == deepseek.MODEL_TYPE:
         return deepseek.config_to_hf(cfg), deepseek.to_hf(params, cfg)
     if model_type in qwen3_5.ARCHITECTURES:
-        return qwen3_5.config_to_hf(cfg), qwen3_5.to_hf(params, cfg)
+        return qwen3_5.config_to_hf(cfg, model_type), qwen3_5.to_hf(params, cfg, model_type)
     if model_type == "t5":
         return seq2seq.t5_config_to_hf(cfg), seq2seq.t5_to_hf(params, cfg)
     if model_type == "bart":
@@ -234,13 +249,15 @@ def export_hf(
     labels: Sequence[str] | None = None,
     overwrite: bool = False,
     chat_template: str | None = None,
+    model_type: str | None = None,
 ) -> dict[str, Any]:
     """Writes an HF folder for `params` of family `model_name` (config.model fields or dataclass) to `out_dir`,
     a new or empty folder (with `overwrite`, any folder: its contents are replaced; see `check_out_dir`).
 
     classifier: the SequenceClassifier `params` belong to (a *ForSequenceClassification export); labels: its
     class names (default LABEL_0, LABEL_1, ...). chat_template: the run's (written with an HF tokenizer; default the
-    one the tokenizer came with, `save_tokenizer`). Returns {"path", "model_type", "architecture", "tensors",
+    one the tokenizer came with, `save_tokenizer`). model_type: the HF model_type to write where the family writes
+    more than one for this config (`hf_model_type`: a Qwen3.5 as qwen3_next). Returns {"path", "model_type", "architecture", "tensors",
     "tokenizer"} (tokenizer: whether tokenizer files were written), plus "labels" for a classifier."""
     from safetensors.numpy import save_file
 
@@ -250,8 +267,9 @@ def export_hf(
             f"--labels gives {len(labels)} names; the run's classifier has "
             f"{'no' if classifier is None else classifier.num_classes} classes"
         )
+    hf_model_type(model_name, cfg, model_type)  # a model_type the config cannot be written as: before the folder
     out = check_out_dir(out_dir, overwrite=overwrite)
-    hf_config, state_dict = to_hf(model_name, cfg, params, classifier)
+    hf_config, state_dict = to_hf(model_name, cfg, params, classifier, model_type)
     hf_config = {**hf_config, "torch_dtype": "float32"}
     if classifier is not None:
         labels = list(labels or (f"LABEL_{i}" for i in range(classifier.num_classes)))

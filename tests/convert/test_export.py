@@ -241,3 +241,11 @@ def test_unexportable_models_are_refused_by_name(tmp_path):
         export.export_hf("bert", encoder, {"backbone": {}, "classifier": {}}, str(tmp_path))
     with pytest.raises(ValueError, match="--labels gives 3 names; the run's classifier has 1 classes"):
         export.export_hf("bert", encoder, {}, str(tmp_path), classifier=last_token, labels=["a", "b", "c"])
+
+
+def test_a_model_type_a_family_does_not_write_is_refused():
+    """`export.hf_model_type(..., model_type)`: a family that writes one model_type for a config refuses any other."""
+    cfg = make_config("gpt2", testing.TINY_GPT2)
+    assert export.hf_model_type("gpt2", cfg, "gpt2") == "gpt2"
+    with pytest.raises(ValueError, match="a gpt2 of this config exports to HF model_type 'gpt2', not 'qwen3_next'"):
+        export.hf_model_type("gpt2", cfg, "qwen3_next")

@@ -9,14 +9,11 @@ into scanned groups; "dense_tied": num_experts 0, a tied head, exported to qwen3
 left-padded rows, the tensors back, the export HF loads, lmzoo's cached decode against its own forward and HF's greedy
 generation, the released shape's parameter count, the refusals. (Qwen3.5: test_qwen3_5_hf.py.)"""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
-from safetensors.numpy import save_file
 
 from lmzoo import decoding
 from lmzoo.convert import export, hf, qwen3_5, safetensors_reader, tables
@@ -155,13 +152,12 @@ def test_logits_tensors_and_export_match_hf(tmp_path, case):
     out = tmp_path / "export"
     if case == "moe":  # top-k weights not renormalised: only Qwen3-Next has them, so export picks it
         assert export.export_hf("qwen3_5", cfg, params, str(out))["model_type"] == "qwen3_next"
-    else:  # a dense model is Qwen3.5's by default; Qwen3-Next's when asked
-        assert qwen3_5.hf_model_type(cfg) == "qwen3_5_text"
-        out.mkdir()
-        (out / "config.json").write_text(json.dumps(qwen3_5.config_to_hf(cfg, model_type="qwen3_next")))
-        save_file(
-            {k: np.ascontiguousarray(v) for k, v in back.items()}, str(out / "model.safetensors"), {"format": "pt"}
-        )
+    else:  # a dense model is Qwen3.5's by default; Qwen3-Next's when asked (`python -m lmzoo.cli.export --model_type`)
+        assert export.hf_model_type("qwen3_5", cfg) == "qwen3_5_text"
+        assert export.export_hf("qwen3_5", cfg, params, str(out), model_type="qwen3_next")["model_type"] == "qwen3_next"
+        with pytest.raises(ValueError, match="exports to HF model_type 'qwen3_5_text' or 'qwen3_next', not 'llama'"):
+            export.export_hf("qwen3_5", cfg, params, str(tmp_path / "refused"), model_type="llama")
+        assert not (tmp_path / "refused").exists()
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(out), experts_implementation="eager").eval()
     assert type(exported) is type(model)
     assert max_diff(hf_logits(exported, tokens, mask, positions), ref, mask) <= 1e-5

@@ -124,9 +124,14 @@ def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> j
     operands, E times the work: 21x a dense matmul of the same rows at M = 4,096, D = 256, F = 512, E = 8). Here each
     group's rows are padded to whole blocks of GROUP_BLOCK rows, so that a block belongs to one group, and the blocks
     are multiplied by their group's kernel in one batched matmul ([G, GROUP_BLOCK, D] x [G, D, F], G = M // block + E
-    blocks, a static bound): at most E * (block - 1) padding rows, and one copy of a kernel per block."""
+    blocks, a static bound): at most E * (block - 1) padding rows, and one copy of a kernel per block. With no more
+    rows than groups (decoding a few tokens) each row is multiplied by its own group's kernel, gathered: E blocks of
+    padding would be most of the work."""
     m, d = x.shape
     e, _, f = kernel.shape
+    if m <= e:
+        row_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m), side="right"), e - 1)
+        return jnp.einsum("MD,MDF->MF", x, jnp.take(kernel, row_group, axis=0))
     blocks = m // GROUP_BLOCK + e
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes

@@ -117,9 +117,9 @@ def test_capacity_drops_later_choices_first_and_counts_them():
     np.testing.assert_allclose(y, reference - jnp.einsum("BTEF,EFD,BTE->BTD", h, params["wo"], lost), atol=1e-5)
 
 
-@pytest.mark.parametrize("sizes", [[0, 130, 1, 125], [256, 0, 0, 0], [3, 5, 0, 0]])
+@pytest.mark.parametrize("sizes", [[0, 130, 1, 125], [256, 0, 0, 0], [3, 5, 0, 0], [1, 0, 1, 0], [0, 2, 1, 1]])
 def test_cpu_grouped_matmul_equals_ragged_dot(sizes):
-    """Empty groups, a group longer than a block, groups that end mid-block."""
+    """Empty groups, a group longer than a block, groups that end mid-block; no more rows than groups (decoding)."""
     m = sum(sizes)
     x = jax.random.normal(jax.random.key(0), (m, 8))
     kernel = jax.random.normal(jax.random.key(1), (len(sizes), 8, 6))

@@ -31,7 +31,7 @@
      the lines after the nearest heading or table above it, through its own last line. In its window every table has
      a command: a code line (indented 4 spaces outside a table, or inside a ``` fence) or an inline code span that
      runs `python`, `python3`, `pytest` or `bash` (the word, e.g. `python bench/x.py`, `venv-trl/bin/python ...`,
-     `PYTHONPATH=... python3 ...`); a date (YYYY-MM-DD); and a machine: "AMD EPYC" (the 2-core CPU machine RESULTS'
+     `PYTHONPATH=... python3 ...`); a date (YYYY-MM-DD); and a machine: "AMD EPYC" or "Intel Xeon" (the 2-core CPU machines RESULTS'
      header describes) or "H100" / "H200" (a device row);
    - every relative link or image in RESULTS.md and in docs/notes/*.md resolves: its file or folder exists, and its
      `#anchor` is a heading of that markdown file under GitHub's rule (lower-cased, punctuation but `-` and `_` dropped,
@@ -502,7 +502,7 @@ RESULTS_MAX_LINES = 400
 TABLE_DELIMITER = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$")
 COMMAND = re.compile(r"(?<![\w.-])(?:python3?|pytest|bash)(?![\w.-])")
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
-MACHINE = re.compile(r"AMD\s+EPYC|\bH100\b|\bH200\b")
+MACHINE = re.compile(r"AMD\s+EPYC|Intel\s+Xeon|\bH100\b|\bH200\b")
 
 
 def _code_lines(lines: list[str]) -> set[int]:
@@ -567,7 +567,7 @@ def test_each_results_table_has_its_command_machine_and_date():
             for what, ok in (
                 ("a command (python/pytest/bash in a code line or span)", _has_command(lines, code, start, end)),
                 ("a date (YYYY-MM-DD)", DATE.search(window)),
-                ("a machine (AMD EPYC, H100 or H200)", MACHINE.search(window)),
+                ("a machine (AMD EPYC, Intel Xeon, H100 or H200)", MACHINE.search(window)),
             )
             if not ok
         ]

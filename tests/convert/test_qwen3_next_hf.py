@@ -25,7 +25,9 @@ transformers = pytest.importorskip(
     "transformers", reason="parity tests need transformers (pip install -r requirements-test.txt)"
 )
 
-TOL, VOCAB = 1e-4, 61
+# The parity helpers of Qwen3.5's test (the same family, vocabulary and left-padded batch; tests/convert is on the path).
+from test_qwen3_5_hf import TOL, VOCAB, hf_logits, lmzoo_logits, max_diff, padded_batch, target_params  # noqa: E402
+
 SHAPE = dict(
     vocab_size=VOCAB,
     hidden_size=24,
@@ -78,31 +80,6 @@ def random_hf_model(case: str, seed: int = 0):
     return model
 
 
-def padded_batch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """tokens [3, 12], left-padding mask (row 1: 3 pads, row 2: 7) and positions counted from the first real token."""
-    tokens = np.random.default_rng(0).integers(0, VOCAB, (3, 12), dtype=np.int64)
-    mask = np.ones_like(tokens)
-    mask[1, :3] = mask[2, :7] = 0
-    return tokens, mask, np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-
-
-def hf_logits(model, tokens, mask, positions) -> np.ndarray:
-    with torch.no_grad():
-        return model(
-            torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(positions)
-        ).logits.numpy()
-
-
-def max_diff(ours, theirs, mask) -> float:
-    """Max |ours - theirs| over the real (unpadded) positions."""
-    return float(np.max(np.abs(ours - theirs)[mask.astype(bool)]))
-
-
-def target_params(cfg):
-    model = build_model("qwen3_5", cfg)
-    return nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]))
-
-
 def converted(tmp_path, case: str):
     """(HF model, its state dict as saved, lmzoo config, lmzoo params read from hf:FOLDER); the MoE case into scanned
     groups, chunks of 4 positions (several per row of 12)."""
@@ -114,13 +91,6 @@ def converted(tmp_path, case: str):
     params, report = hf.convert_pretrained(f"hf:{tmp_path / 'hf'}", "qwen3_5", cfg, target_params(cfg))
     assert not report.initialised and not report.dropped and not report.config_differences
     return model, state_dict, cfg, params
-
-
-def lmzoo_logits(cfg, params, tokens, mask, positions) -> np.ndarray:
-    model = build_model("qwen3_5", cfg)
-    return np.asarray(
-        model.apply({"params": params}, jnp.asarray(tokens), positions=jnp.asarray(positions), segment_ids=mask)
-    )
 
 
 @pytest.mark.parity

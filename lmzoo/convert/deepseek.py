@@ -11,11 +11,16 @@ moe_blocks/layer_(i - first_k_dense_replace): mlp.gate [E, D] -> router (D, E), 
 tensor per expert, as save_pretrained writes them), mlp.shared_experts -> shared.
 
 Read from config.json as HF reads it: rope_parameters (or rope_theta + rope_scaling) of type default or yarn, the
-interleaved rotation (rope_interleave, true where absent). Refused, naming the key: quantization_config (the released
-FP8 checkpoints: dequantize to bf16 first), attention_bias, another activation, num_key_value_heads other than
-num_attention_heads, no shared expert, the remote code's other routings (scoring_func, topk_method) or layer
-frequencies (moe_layer_freq). The multi-token-prediction modules (num_nextn_predict_layers: layers past the last) are
-not read, as HF does not; nor are the remote code's training settings (aux_loss_alpha, seq_aux) and ep_size.
+interleaved rotation (rope_interleave, true where absent). Refused, naming the key: attention_bias, another
+activation, num_key_value_heads other than num_attention_heads, no shared expert, the remote code's other routings
+(scoring_func, topk_method) or layer frequencies (moe_layer_freq), a quantization_config other than fine-grained FP8.
+The multi-token-prediction modules (num_nextn_predict_layers: layers past the last) are not read, as HF does not; nor
+are the remote code's training settings (aux_loss_alpha, seq_aux) and ep_size.
+
+The released checkpoints are fine-grained FP8 (quantization_config quant_method "fp8", fmt "e4m3", weight_block_size
+[128, 128]): each quantized linear weight [out, in] float8_e4m3fn has its weight_scale_inv [ceil(out / 128),
+ceil(in / 128)] beside it, which `quantized.Fp8Blocks` applies as the weight is read, a range of rows at a time (the
+router, embeddings, norms and lm_head are stored unquantized). Exports are dense float32 without quantization_config.
 """
 
 import re
@@ -24,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from lmzoo.convert import mapping, tables
+from lmzoo.convert import mapping, quantized, tables
 from lmzoo.convert.tables import Entry, Params
 from lmzoo.models.deepseek import DeepseekConfig
 
@@ -117,12 +122,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     ]
     if missing:
         raise tables.ConfigError(f"HF deepseek_v3 config lacks {missing}")
-    if hf_config.get("quantization_config"):
-        method = dict(hf_config["quantization_config"]).get("quant_method")
-        raise tables.ConfigError(
-            f"HF deepseek_v3 config has quantization_config (quant_method {method!r}); lmzoo reads float weights: "
-            "dequantize the checkpoint to bfloat16 first (DeepSeek's fp8_cast_bf16.py)"
-        )
+    quantized.check_quantization(hf_config, MODEL_TYPE)
     for key, supported in _FIXED.items():
         if hf_config.get(key, supported) != supported:
             raise tables.ConfigError(
@@ -360,7 +360,11 @@ def to_hf(params: Params, cfg: DeepseekConfig) -> dict[str, np.ndarray]:
 
 
 def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
-    """(config.model fields, params as lazy leaves, read only when placed) of an HF DeepSeek-V3 checkpoint."""
+    """(config.model fields, params as lazy leaves, read only when placed) of an HF DeepSeek-V3 checkpoint, its FP8
+    weights (the released files) dequantized as they are read."""
     fields = config_from_hf(hf_config)
     cfg = tables.checkpoint_config("deepseek", fields)
+    fp8_block = quantized.check_quantization(hf_config, MODEL_TYPE)
+    if fp8_block:
+        state_dict = quantized.read_fp8_blocks(state_dict, fp8_block)
     return fields, _sources(state_dict, cfg, int(hf_config.get("num_nextn_predict_layers") or 0))

@@ -14,12 +14,11 @@ the gate and up columns interleaved (gate = [..., 0::2], up = [..., 1::2]), gate
 Released checkpoints (openai/gpt-oss-20b, -120b) store the experts' kernels in MXFP4 (quantization_config quant_method
 "mxfp4"): down_proj_blocks [E, D, F / 32, 16] uint8 (two FP4 E2M1 codes a byte, the low nibble first) with
 down_proj_scales [E, D, F / 32] uint8 (E8M0: the block's power of two plus 127), gate_up_proj likewise [E, 2F, D / 32,
-...]: the transposed kernel, 32 values a block. `Mxfp4` dequantizes them on read (the 16 values of E2M1 times 2 **
-(scale - 127), as transformers' `integrations.mxfp4.convert_moe_packed_tensors` does), a range of experts at a time, so
-the checkpoint is never held whole; exports are written dense (float32, as every lmzoo export).
+...]: the transposed kernel, 32 values a block. `quantized.Mxfp4` dequantizes them on read (the 16 values of E2M1
+times 2 ** (scale - 127), as transformers' `integrations.mxfp4.convert_moe_packed_tensors` does), a range of experts at
+a time, so the checkpoint is never held whole; exports are written dense (float32, as every lmzoo export).
 """
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +26,7 @@ import numpy as np
 
 from lmzoo.convert import tables
 from lmzoo.convert.mapping import LazyLeaf, box_of, slices_of
+from lmzoo.convert.quantized import Mxfp4
 
 MODEL_TYPE = "gpt_oss"
 ARCHITECTURE = "GptOssForCausalLM"
@@ -52,11 +52,6 @@ DEFAULT_ROPE = {
     "original_max_position_embeddings": 4096,
 }
 SLIDING, FULL = "sliding_attention", "full_attention"
-# The value of each FP4 E2M1 code: sign bit, two exponent bits, one mantissa bit.
-FP4_VALUES = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
-)
-MXFP4_BLOCK = 32  # values sharing one scale
 _FUSED = ("gate_up_proj", "gate_up_proj_bias")
 _SPLIT = {"gate_up_proj": ("gate_proj", "up_proj"), "gate_up_proj_bias": ("gate_proj_bias", "up_proj_bias")}
 
@@ -65,17 +60,6 @@ def get(hf_config: Mapping[str, Any], key: str) -> Any:
     """config.json's value of `key`, GptOssConfig's default where it is left out (or null)."""
     value = hf_config.get(key)
     return DEFAULTS[key] if value is None else value
-
-
-def check_quantization(hf_config: Mapping[str, Any]) -> None:
-    """Refuses a quantization lmzoo does not read (it dequantizes MXFP4 on load)."""
-    quantization = hf_config.get("quantization_config") or {}
-    method = quantization.get("quant_method")
-    if method not in (None, "mxfp4"):
-        raise tables.ConfigError(
-            f"HF gpt_oss config has quantization_config.quant_method={method!r}; lmzoo reads gpt-oss unquantized or "
-            "in MXFP4 (quant_method 'mxfp4', dequantized on load)"
-        )
 
 
 def layer_kinds(hf_config: Mapping[str, Any], num_layers: int) -> list[str]:
@@ -111,50 +95,6 @@ class Interleaved(LazyLeaf):
 
     def from_bucket(self) -> bool:
         return isinstance(self.tensor, LazyLeaf) and self.tensor.from_bucket()
-
-
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """MXFP4 blocks [..., G, 16] uint8 and scales [..., G] uint8 -> float32 [..., G * 32]: byte j of a block holds
-    values 2j (low nibble) and 2j + 1 (high nibble), each an E2M1 code times the block's 2 ** (scale - 127)."""
-    blocks = np.asarray(blocks, np.uint8)
-    values = np.empty((*blocks.shape[:-1], 2 * blocks.shape[-1]), np.float32)
-    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
-    values[..., 1::2] = FP4_VALUES[blocks >> 4]
-    exponents = np.asarray(scales, np.int32)[..., None] - 127
-    return np.ldexp(values, exponents).reshape(*blocks.shape[:-2], -1)
-
-
-class Mxfp4(LazyLeaf):
-    """An expert kernel stored in MXFP4, as the dense HF tensor [E, C, R] (gate_up_proj [E, D, 2F], down_proj
-    [E, F, D]): blocks [E, R, C / 32, 16] and scales [E, R, C / 32] of its transpose, dequantized (float32) on read,
-    only the experts, rows and blocks of the box asked for."""
-
-    def __init__(self, blocks: Any, scales: Any, name: str):
-        e, r, g, width = blocks.shape
-        if tuple(scales.shape) != (e, r, g) or width * 2 != MXFP4_BLOCK:
-            raise ValueError(
-                f"MXFP4 tensor {name}_blocks {tuple(blocks.shape)} and {name}_scales {tuple(scales.shape)} do not "
-                f"pair: the blocks are [..., G, {MXFP4_BLOCK // 2}] bytes over scales [..., G]"
-            )
-        for part, tensor in (("blocks", blocks), ("scales", scales)):
-            if np.dtype(tensor.dtype) != np.uint8:
-                raise ValueError(f"MXFP4 tensor {name}_{part} has dtype {np.dtype(tensor.dtype)}; expected uint8")
-        self.blocks, self.scales = blocks, scales
-        self.shape, self.dtype = (e, g * MXFP4_BLOCK, r), np.dtype(np.float32)
-        if getattr(blocks, "row_axis", None) == 0:
-            self.row_axis = 0
-
-    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
-        (e0, e1), (c0, c1), (r0, r1) = box_of(index, self.shape)
-        g0, g1 = c0 // MXFP4_BLOCK, math.ceil(c1 / MXFP4_BLOCK)
-        blocks = self.blocks[slice(e0, e1), slice(r0, r1), slice(g0, g1)]
-        scales = self.scales[slice(e0, e1), slice(r0, r1), slice(g0, g1)]
-        dense = dequantize_mxfp4(blocks, scales)  # [e, r, c] of the transposed kernel
-        start = c0 - g0 * MXFP4_BLOCK
-        return np.swapaxes(dense, 1, 2)[:, start : start + c1 - c0]
-
-    def from_bucket(self) -> bool:
-        return isinstance(self.blocks, LazyLeaf) and self.blocks.from_bucket()
 
 
 def split_experts(state_dict: Mapping[str, Any]) -> dict[str, Any]:

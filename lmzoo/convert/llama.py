@@ -25,6 +25,11 @@ and its sigmoid gate shared_expert_gate [1, D] the kernel [D] of "shared_gate".
 gpt-oss (model_type gpt_oss, GptOssForCausalLM) has o_proj's bias too (`out_bias`), self_attn.sinks [N] -> attn/sinks,
 a biased router (mlp.router) and stacked, biased experts whose fused gate_up_proj and MXFP4 tensors `convert.gpt_oss`
 reads and writes; its rope dict is YaRN's, for every layer.
+
+Fine-grained FP8 checkpoints of the others (quantization_config quant_method "fp8", fmt "e4m3": Qwen3-*-FP8) store
+each quantized linear weight [out, in] as float8_e4m3fn beside its weight_scale_inv [ceil(out / b0), ceil(in / b1)]
+(weight_block_size [b0, b1]), dequantized as they are read (`quantized.Fp8Blocks`); any other quant_method is refused.
+Exports are dense float32 without quantization_config.
 """
 
 import functools
@@ -34,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from lmzoo.convert import gpt_oss, mapping, tables
+from lmzoo.convert import gpt_oss, mapping, quantized, tables
 from lmzoo.convert.tables import Entry, Params
 from lmzoo.models.llama import LlamaConfig
 
@@ -268,7 +273,6 @@ def _gpt_oss_fields(hf_config: Mapping[str, Any], num_layers: int) -> dict[str, 
     """The fields of a gpt_oss config.json beyond the mixture of experts: the layer kinds (HF's layer_types, else
     sliding and full in turn), which all rotate with the one rope dict (YaRN's by default), the four attention biases,
     the sinks and the experts' biases and clamped SwiGLU. Kinds all alike are no layer_types."""
-    gpt_oss.check_quantization(hf_config)
     kinds = gpt_oss.layer_kinds(hf_config, num_layers)
     window = int(gpt_oss.get(hf_config, "sliding_window") or 0)
     if SLIDING in kinds and window < 1:
@@ -386,6 +390,14 @@ def _moe_fields(hf_config: Mapping[str, Any], model_type: str, num_layers: int) 
     return fields
 
 
+def _fp8_block(hf_config: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The [rows, columns] of a fine-grained FP8 checkpoint's weight blocks, None for an unquantized one or gpt-oss's
+    MXFP4 (gpt-oss is read in MXFP4, the others in FP8); any other quantization refused, naming the key."""
+    model_type = str(hf_config.get("model_type"))
+    methods = ("mxfp4",) if model_type == gpt_oss.MODEL_TYPE else ("fp8",)
+    return quantized.check_quantization(hf_config, model_type, methods)
+
+
 def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """config.model fields of the "llama" family from an HF Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text),
     Mixtral, Qwen2-MoE or Qwen3-MoE config.json dict."""
@@ -417,6 +429,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     missing = [key for key in keys if key not in hf_config]
     if missing:
         raise tables.ConfigError(f"HF {model_type} config lacks {missing}")
+    _fp8_block(hf_config)  # refuses a quantization lmzoo does not dequantize on load
     for key, supported in _FIXED_HF_OPTIONS.items():
         if key == "attention_bias" and model_type == gpt_oss.MODEL_TYPE:  # its four biases: `out_bias`
             continue
@@ -869,8 +882,12 @@ def to_hf(params: Params, cfg: LlamaConfig) -> dict[str, np.ndarray]:
 
 def checkpoint_sources(hf_config: Mapping[str, Any], state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], Params]:
     """(config.model fields, params as lazy leaves, read only when placed) of an HF Llama, Mistral, Qwen2, Qwen3,
-    Gemma 3, Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss checkpoint."""
+    Gemma 3, Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss checkpoint; fine-grained FP8 weights and gpt-oss's MXFP4
+    experts dequantized as they are read."""
     fields = config_from_hf(hf_config)
+    fp8_block = _fp8_block(hf_config)
+    if fp8_block:
+        state_dict = quantized.read_fp8_blocks(state_dict, fp8_block)
     return fields, _sources(state_dict, tables.checkpoint_config("llama", fields))
 
 

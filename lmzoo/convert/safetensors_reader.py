@@ -2,8 +2,9 @@
 byte ranges when sliced; opening a folder reads the files' headers alone (`read_safetensors_dir`), on a bucket all in
 one round of requests.
 
-Weights are read only from safetensors files (float32, float16 or bfloat16): pickled `pytorch_model.bin`
-checkpoints are refused, because unpickling can run arbitrary code.
+Weights are read only from safetensors files (float32, float16 or bfloat16; FP8 E4M3 with its block scales, which
+`convert.quantized.Fp8Blocks` dequantizes): pickled `pytorch_model.bin` checkpoints are refused, because unpickling
+can run arbitrary code.
 """
 
 import fnmatch
@@ -19,10 +20,11 @@ import numpy as np
 from lmzoo import storage
 from lmzoo.convert.mapping import LazyLeaf, ReadBuffer, box_of, fresh_empty, slices_of
 
-# safetensors dtype -> numpy; bfloat16 (most released Llama, Mistral and Qwen2 weights), which numpy lacks, through
-# ml_dtypes.
+# safetensors dtype -> numpy; bfloat16 (most released Llama, Mistral and Qwen2 weights) and float8 E4M3 (fine-grained
+# FP8 weights: DeepSeek-V3, Qwen3-*-FP8), which numpy lacks, through ml_dtypes.
 _DTYPES = {
     "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
     "F16": np.float16,
     "F32": np.float32,
     "F64": np.float64,

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from lmzoo import config as config_lib
 from lmzoo import decoding
-from lmzoo.convert import export, gpt_oss, hf, llama, mapping, safetensors_reader, tables
+from lmzoo.convert import export, hf, llama, mapping, quantized, safetensors_reader, tables
 from lmzoo.models import build_model, make_config
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install -r requirements-test.txt)")
@@ -202,7 +202,7 @@ def random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[np.ndarray, np.ndar
 
 
 def test_mxfp4_dequantization_equals_transformers():
-    """`gpt_oss.Mxfp4` (the HF kernel [E, C, R] of blocks [E, R, C / 32, 16] and scales [E, R, C / 32]), whole and a
+    """`quantized.Mxfp4` (the HF kernel [E, C, R] of blocks [E, R, C / 32, 16] and scales [E, R, C / 32]), whole and a
     box of it, equals transformers' `convert_moe_packed_tensors` on random blocks with every code and scales from
     2 ** -127 to 2 ** 8."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -211,15 +211,15 @@ def test_mxfp4_dequantization_equals_transformers():
     blocks = rng.integers(0, 256, (3, 10, 2, 16), dtype=np.uint8)
     scales = rng.integers(0, 136, (3, 10, 2), dtype=np.uint8)
     theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
-    leaf = gpt_oss.Mxfp4(blocks, scales, "experts.down_proj")
+    leaf = quantized.Mxfp4(blocks, scales, "experts.down_proj")
     assert leaf.shape == tuple(theirs.shape) == (3, 64, 10)
     np.testing.assert_array_equal(np.asarray(leaf), theirs.numpy())
     np.testing.assert_array_equal(leaf[(slice(1, 3), slice(37, 50), slice(2, 9))], theirs.numpy()[1:3, 37:50, 2:9])
     low, high = blocks[0, 0, 0, 0] & 15, blocks[0, 0, 0, 0] >> 4  # byte 0: values 0 (low nibble) and 1
-    expected = gpt_oss.FP4_VALUES[[low, high]] * np.float32(2.0 ** (int(scales[0, 0, 0]) - 127))
-    np.testing.assert_array_equal(gpt_oss.dequantize_mxfp4(blocks, scales)[0, 0, :2], expected)
+    expected = quantized.FP4_VALUES[[low, high]] * np.float32(2.0 ** (int(scales[0, 0, 0]) - 127))
+    np.testing.assert_array_equal(quantized.dequantize_mxfp4(blocks, scales)[0, 0, :2], expected)
     with pytest.raises(ValueError, match=r"do not pair"):
-        gpt_oss.Mxfp4(blocks, scales[:, :, :1], "experts.down_proj")
+        quantized.Mxfp4(blocks, scales[:, :, :1], "experts.down_proj")
 
 
 def packed_folder(folder: pathlib.Path):

@@ -107,8 +107,9 @@ def test_causal_split_attention_equals_jax_attention(monkeypatch, length):
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_cached_attention_over_the_head_major_cache_equals_the_explicit_form(kv_heads):
-    """Decoding's form over a head-major cache [B, K, S, H] (`attention.cached_attention`) equals the explicit form over
-    the same keys laid out [B, S, K, H], with grouped heads, a mask of each row's valid keys, a bias and sinks."""
+    """Decoding's form over a head-major cache (keys [B, K, H, S], values [B, K, S, H]: `attention.cached_attention`)
+    equals the explicit form over the same keys laid out [B, S, K, H], with grouped heads, several queries a row, a
+    mask of each row's valid keys, a bias and sinks."""
     rng = np.random.default_rng(5)
     query = rng.normal(size=(2, 3, 4, 8)).astype(np.float32)
     key, value = (rng.normal(size=(2, 6, kv_heads, 8)).astype(np.float32) for _ in range(2))
@@ -117,7 +118,7 @@ def test_cached_attention_over_the_head_major_cache_equals_the_explicit_form(kv_
     sinks = rng.normal(size=(4,)).astype(np.float32)
     for kwargs in (dict(bias=None, sinks=None), dict(bias=bias, sinks=sinks)):
         ours = attention.cached_attention(
-            query, np.swapaxes(key, 1, 2), np.swapaxes(value, 1, 2), mask=mask, scale=0.5, **kwargs
+            query, key.transpose(0, 2, 3, 1), np.swapaxes(value, 1, 2), mask=mask, scale=0.5, **kwargs
         )
         reference = explicit.dot_product_attention(
             query, key, value, mask=mask, is_causal=False, scale=0.5, dropout_rate=0.0, dropout_rng=None, **kwargs

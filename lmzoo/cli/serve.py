@@ -100,7 +100,7 @@ def _decoder(model, params, where: str):
     model, params = kinds.generative(model, params)  # a PPO policy: its decoder
     if kinds.kind_of(model) != kinds.DECODER:
         raise ValueError(f"{where} is a {type(model).__name__}; the server generates with decoders (gpt2, llama)")
-    return model, params
+    return kinds.decoding_form(model, params)
 
 
 def _template(path: str | None, default) -> tuple[chat.ChatTemplate | None, str]:

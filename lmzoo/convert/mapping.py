@@ -145,22 +145,27 @@ def _stack(*subtrees: Any) -> Any:
     return Stacked(subtrees)
 
 
-def unstack_layers(tree: Any) -> Any:
-    """`tree` with every scanned {"layers": [L, ...] leaves} subtree split into {"layer_0": ..., ...}."""
+def unstack_layers(tree: Any, take: Callable[[Any, int], Any] | None = None) -> Any:
+    """`tree` with every scanned {"layers": [L, ...] leaves} subtree split into {"layer_0": ..., ...}: layer i of a
+    leaf is `take(leaf, i)`, by default leaf[i] read into a numpy array."""
     if not isinstance(tree, Mapping):
         return tree
     if set(tree) == {"layers"}:
         stacked = tree["layers"]
         num_layers = len(next(iter(flatten(stacked).values())))
-        return {f"layer_{i}": _layer(stacked, i) for i in range(num_layers)}
-    return {key: unstack_layers(value) for key, value in tree.items()}
+        return {f"layer_{i}": _layer(stacked, i, take or _host_layer) for i in range(num_layers)}
+    return {key: unstack_layers(value, take) for key, value in tree.items()}
 
 
-def _layer(stacked: Any, i: int) -> Any:
+def _host_layer(leaf: Any, i: int) -> np.ndarray:
+    return np.asarray(leaf[i])
+
+
+def _layer(stacked: Any, i: int, take: Callable[[Any, int], Any]) -> Any:
     """Layer `i` of a tree whose leaves have a leading [L] axis."""
     if isinstance(stacked, Mapping):
-        return {key: _layer(value, i) for key, value in stacked.items()}
-    return np.asarray(stacked[i])
+        return {key: _layer(value, i, take) for key, value in stacked.items()}
+    return take(stacked, i)
 
 
 def to_layout(tree: Any, target: Any) -> Any:

@@ -58,8 +58,7 @@ def sample_text(
             )
         stop_sequences = tuple((i,) for i in stop_ids) + tuple(tuple(tokenizer.encode(s)) for s in stops if s)
         new = decoding.generate(
-            model,
-            params,
+            *kinds.decoding_form(model, params),
             np.asarray([ids]),
             rng=jax.random.key(seed),
             max_new_tokens=max_new_tokens,

@@ -139,6 +139,7 @@ def evaluate(
     model, params = kinds.generative(model, params)
     if kinds.kind_of(model) != kinds.DECODER:
         raise ValueError(f"GSM8K evaluation needs a decoder (gpt2, llama); this run is {type(model).__name__}")
+    model, params = kinds.decoding_form(model, params)
     k_values = sorted({1, *(int(k) for k in k_values)})
     if k_values[0] < 1:
         raise ValueError(f"pass@k asks for k={k_values[0]}: each k must be >= 1")

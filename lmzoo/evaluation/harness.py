@@ -112,8 +112,7 @@ class LmzooLM(LM):
             batch.append(engine.Request(prompt, max_new, temperature, seed=seed, stop=tuple(s for s in until if s)))
         length = min(self.model.config.max_len, max(len(r.prompt) + r.max_tokens for r in batch))
         generator = engine.Engine(
-            self.model,
-            self.params,
+            *kinds.decoding_form(self.model, self.params),
             slots=self.batch_size,
             length=length,
             eos_ids=(eos,),

@@ -177,27 +177,33 @@ def cached_attention(
     scale: float | None,
     sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Decoding's queries against the KV cache: q [B, T, N, H], head-major cached k/v [B, K, S, H] (K divides N) ->
-    [B, T, N, H]; mask [B | 1, 1, T, S] bool, bias [B | 1, N, T, S], sinks [N] as `dot_product_attention` takes them.
+    """Decoding's queries against the KV cache: q [B, T, N, H], cached keys [B, K, H, S] and values [B, K, S, H]
+    (K divides N) -> [B, T, N, H]; mask [B | 1, 1, T, S] bool, bias [B | 1, N, T, S], sinks [N] as
+    `dot_product_attention` takes them.
 
-    The cache is head-major so that each (row, kv head) reads its keys where they lie: with [B, S, K, H] every step
-    copied the whole cache (grouped heads repeated, heads moved before positions) before its few queries' dots, which
-    made a decoding step memory-bound on those copies. One einsum form on every platform (a step's few queries are not
-    what the fused kernels are for); query head n reads kv head n // (N / K), as in `dot_product_attention`. No
-    attention dropout: decoding is deterministic."""
+    The cache is head-major so that each (row, kv head) reads its keys and values where they lie (with [B, S, K, H]
+    every step copied the whole cache before its few queries' dots), and its keys are stored transposed, [H, S], so
+    that queries @ keys is a plain matmul: over [S, H] keys XLA's CPU dot transposed the whole cache every step. A kv
+    head's G query heads and T queries are one [G * T, H] matrix, one batched matmul over (B, K) (a separate G axis
+    ran ~4x slower). One einsum form on every platform (a step's few queries are not what the fused kernels are for);
+    query head n reads kv head n // (N / K), as in `dot_product_attention`. No attention dropout: decoding is
+    deterministic."""
     batch, length, heads, size = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     scale = size**-0.5 if scale is None else scale
-    grouped = query.reshape(batch, length, kv_heads, groups, size)
-    logits = jnp.einsum("BTKGH,BKSH->BKGTS", grouped, key).astype(jnp.float32) * scale
+    grouped = query.reshape(batch, length, kv_heads, groups, size).transpose(0, 2, 3, 1, 4)
+    grouped = grouped.reshape(batch, kv_heads, groups * length, size)  # [B, K, G * T, H]
+    logits = jnp.einsum("BKQH,BKHS->BKQS", grouped, key).astype(jnp.float32) * scale
+    logits = logits.reshape(batch, kv_heads, groups, length, key.shape[3])
     if bias is not None:
         logits = logits + bias.astype(jnp.float32).reshape(bias.shape[0], kv_heads, groups, *bias.shape[2:])
     if mask is not None:
         logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
     probs = explicit.probabilities(logits, None if sinks is None else sinks.reshape(1, kv_heads, groups, 1, 1))
-    out = jnp.einsum("BKGTS,BKSH->BTKGH", probs.astype(value.dtype), value)
-    return out.reshape(batch, length, heads, size)
+    probs = probs.reshape(batch, kv_heads, groups * length, probs.shape[-1]).astype(value.dtype)
+    out = jnp.einsum("BKQS,BKSH->BKQH", probs, value).reshape(batch, kv_heads, groups, length, size)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, size)
 
 
 class Attention(nn.Module):
@@ -378,7 +384,7 @@ class Attention(nn.Module):
         self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, window: jax.Array | None = None
     ):
         """Writes a [B, T] chunk (keys, values [B, T, K, H]) at each row's cache index; returns the whole head-major
-        cache's keys, values [B, K, S, H] (`cached_attention`) and the mask [B, 1, T, S].
+        cache's keys [B, K, H, S] and values [B, K, S, H] (`cached_attention`) and the mask [B, 1, T, S].
 
         The first call (at init) sizes the cache from the chunk it sees: call `init` with a
         [B, max_decode_len] batch. Each row keeps its own index (cache_index [B]), so rows filled at different
@@ -388,7 +394,7 @@ class Attention(nn.Module):
         index differences are the position differences HF's window counts.
         """
         batch, chunk = key.shape[:2]
-        key, value = jnp.swapaxes(key, 1, 2), jnp.swapaxes(value, 1, 2)  # [B, K, T, H]
+        key, value = key.transpose(0, 2, 3, 1), jnp.swapaxes(value, 1, 2)  # [B, K, H, T], [B, K, T, H]
         initialized = self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
@@ -398,14 +404,14 @@ class Attention(nn.Module):
         if not initialized:
             return key, value, attention_mask(None, None, causal=False)
         index = cache_index.value
-        length = cached_key.value.shape[2]
+        length = cached_value.value.shape[2]
 
         def write(cached, chunk_values, axis):  # each row's chunk at that row's index
             return jax.vmap(functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=axis))(
                 cached, chunk_values, index
             )
 
-        cached_key.value = write(cached_key.value, key, 1)
+        cached_key.value = write(cached_key.value, key, 2)
         cached_value.value = write(cached_value.value, value, 1)
         cached_valid.value = write(cached_valid.value, valid, 0)
         cache_index.value = index + chunk
@@ -419,28 +425,29 @@ class Attention(nn.Module):
     def _update_rolling_cache(
         self, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, positions: jax.Array, window: int
     ):
-        """Sliding-window decoding: the cache holds only the last W = `window` keys/values, head-major [B, K, W, H]
-        (with their positions and validity [B, W]), W positions of memory rather than max_decode_len. A [B, T] chunk
-        attends to the cached keys and itself, by positions: causal and within the window; the newest W then stay
-        cached. Returns keys, values [B, K, W + T, H] and the mask [B, 1, T, W + T]."""
+        """Sliding-window decoding: the cache holds only the last W = `window` keys and values, head-major as
+        `_update_cache`'s (keys [B, K, H, W], values [B, K, W, H], with their positions and validity [B, W]), W positions
+        of memory rather than max_decode_len. A [B, T] chunk attends to the cached keys and itself, by positions: causal
+        and within the window; the newest W then stay cached. Returns keys [B, K, H, W + T], values [B, K, W + T, H]
+        and the mask [B, 1, T, W + T]."""
         batch, chunk = key.shape[:2]
-        key, value = jnp.swapaxes(key, 1, 2), jnp.swapaxes(value, 1, 2)  # [B, K, T, H]
+        key, value = key.transpose(0, 2, 3, 1), jnp.swapaxes(value, 1, 2)  # [B, K, H, T], [B, K, T, H]
         initialized = self.has_variable("cache", "cached_key")
         size = min(window, chunk)  # at init the chunk is [B, max_decode_len]
-        shape = (batch, key.shape[1], size, key.shape[3])
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
+        kv_heads, head_dim = value.shape[1], value.shape[3]
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, (batch, kv_heads, head_dim, size), key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, (batch, kv_heads, size, head_dim), value.dtype)
         cached_valid = self.variable("cache", "cached_valid", jnp.zeros, (batch, size), jnp.bool_)
         cached_positions = self.variable("cache", "cached_positions", jnp.zeros, (batch, size), jnp.int32)
         valid = jnp.ones((batch, chunk), jnp.bool_) if segment_ids is None else segment_ids != 0
         if not initialized:
             return key, value, attention_mask(None, None, causal=False)
-        keys = jnp.concatenate([cached_key.value, key], axis=2)
+        keys = jnp.concatenate([cached_key.value, key], axis=3)
         values = jnp.concatenate([cached_value.value, value], axis=2)
         key_valid = jnp.concatenate([cached_valid.value, valid], axis=1)
         key_positions = jnp.concatenate([cached_positions.value, positions.astype(jnp.int32)], axis=1)
         kept = cached_valid.value.shape[1]
-        cached_key.value, cached_value.value = keys[:, :, -kept:], values[:, :, -kept:]
+        cached_key.value, cached_value.value = keys[..., -kept:], values[:, :, -kept:]
         cached_valid.value, cached_positions.value = key_valid[:, -kept:], key_positions[:, -kept:]
         causal = (key_positions[:, None, :] <= positions[:, :, None])[:, None]
         in_window = sliding_window_mask(positions, key_positions, window)

@@ -12,6 +12,7 @@
 Each family's config dataclass also checks its own fields on construction (`check_fields`).
 """
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -20,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from lmzoo import sharding
-from lmzoo.layers import embeddings, norms
+from lmzoo.convert import mapping
+from lmzoo.layers import adapters, embeddings, norms
 
 DECODER = "decoder"
 ENCODER = "encoder"
@@ -42,6 +44,22 @@ def generative(model, params) -> tuple:
     if kind_of(model) is None and kind_of(inner) == DECODER and "decoder" in params:
         return inner, params["decoder"]
     return model, params
+
+
+def decoding_form(model, params) -> tuple:
+    """(model, params) to generate with: a model whose stack is scanned (`scan_layers`) as the same model looped, its
+    params split per layer (`convert.mapping.unstack_layers`, slices of the same arrays: traceable inside `jax.jit`)
+    with any attached LoRA adapters merged (`layers.adapters.merge_attached`); any other model as it is.
+
+    Decoding through a scanned stack slices every layer's KV cache out of the stacked cache and stacks the updated
+    ones back at every step, each step copying the whole cache several times; looped, each layer writes its new
+    keys and values into its own cache in place. The looped program compiles each layer on its own: a decode step is
+    small, and generation compiles it once."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "scan_layers", False):
+        return model, params
+    looped = model.clone(config=dataclasses.replace(config, scan_layers=False))
+    return looped, mapping.unstack_layers(adapters.merge_attached(nn.unbox(params)), take=lambda leaf, i: leaf[i])
 
 
 def check_fields(

@@ -23,7 +23,7 @@ from flax import struct
 from jax.experimental import io_callback
 
 from lmzoo import decoding, lora
-from lmzoo.models import experts, heads
+from lmzoo.models import experts, heads, kinds
 from lmzoo.rl import policy_gradient, reward
 from lmzoo.trainers import base
 from lmzoo.trainers.state import LossFn, Metrics
@@ -264,8 +264,7 @@ class PPOTrainer:
         if self.environment is not None:
             return {**samples, **self._episodes(params, prompts, prompt_mask, problems, rng)}
         sampled = decoding.sample(  # each prompt prefilled once for its samples
-            self.decoder,
-            params["decoder"],
+            *kinds.decoding_form(self.decoder, params["decoder"]),
             batch["prompts"],
             batch["prompt_mask"],
             rng,
@@ -296,14 +295,15 @@ class PPOTrainer:
         observation = self._observe(jnp.full((batch, 1), self.pad_id), jnp.zeros((batch, 1), jnp.int32), -1, *ids)
         episode = episode.append(observation[0], observation[1], policy=False)
         active, rewards, turns = jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,))
+        decoder, decoder_params = kinds.decoding_form(self.decoder, params["decoder"])
         for turn in range(s.max_turns):
             context, context_mask = left_aligned(
                 jnp.concatenate([prompts, episode.tokens], axis=1),
                 jnp.concatenate([prompt_mask, episode.context_mask.astype(prompt_mask.dtype)], axis=1),
             )
             sampled = decoding.sample(
-                self.decoder,
-                params["decoder"],
+                decoder,
+                decoder_params,
                 context,
                 context_mask,
                 jax.random.fold_in(rng, turn),

@@ -96,7 +96,7 @@ def test_kv_cache_decoding_equals_full_forward_with_sliding_window():
     assert np.abs(np.asarray(full[:, 4:] - no_window[:, 4:])).max() > 1e-4  # the window changes later positions
     np.testing.assert_allclose(full[:, :3], no_window[:, :3], atol=1e-5)  # and not those within it
     cache = model.init(jax.random.key(0), jnp.zeros((2, 10), jnp.int32), decode=True)["cache"]
-    assert cache["blocks"]["layer_0"]["attn"]["cached_key"].shape == (2, 2, 3, 8)  # K heads, the last 3 positions
+    assert cache["blocks"]["layer_0"]["attn"]["cached_key"].shape == (2, 2, 8, 3)  # K heads, the last 3 positions
     out, variables = model.apply({"params": params, "cache": cache}, tokens[:, :4], decode=True, mutable=["cache"])
     pieces = [out]
     for t in range(4, 10):

@@ -110,7 +110,7 @@ def test_kv_cache_decoding_equals_the_full_forward(scan_layers):
     full = model.apply({"params": params}, tokens)
     cache = model.init(jax.random.key(0), jnp.zeros((2, 10), jnp.int32), decode=True)["cache"]
     keys = cache["blocks"]["layers" if scan_layers else "layer_0"]["attn"]["cached_key"]
-    assert keys.shape == ((6, 2, 2, 10, 8) if scan_layers else (2, 2, 3, 8))  # head-major: [B, K, S, H]
+    assert keys.shape == ((6, 2, 2, 8, 10) if scan_layers else (2, 2, 8, 3))  # head-major, transposed: [B, K, H, S]
     out, variables = model.apply({"params": params, "cache": cache}, tokens[:, :4], decode=True, mutable=["cache"])
     pieces = [out]
     for t in range(4, 10):

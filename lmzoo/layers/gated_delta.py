@@ -104,6 +104,23 @@ def causal_conv(
     return out.astype(x.dtype)
 
 
+def unit_lower_solve(system: jax.Array, rhs: jax.Array) -> jax.Array:
+    """u with system u = rhs for unit-lower-triangular system [..., C, C] (what lies above its diagonal is ignored)
+    and rhs [..., C, P], by matmuls alone: with X = -(system's strictly lower part), nilpotent (X^C = 0),
+    system^-1 = sum_k X^k = (1 + X)(1 + X^2)(1 + X^4)..., ceil(log2 C) factors.
+
+    Not `lax.linalg.triangular_solve`: XLA:CPU runs it as a LAPACK call, and the backward pass of this rule with it
+    deadlocked on the default CPU pipeline (every thread idle, the step never finishing: a 16 x 64 Qwen3.5 train
+    step's second call, a 1 x 256 one's first)."""
+    x, u = -jnp.tril(system, -1), rhs
+    factors = (system.shape[-1] - 1).bit_length()  # X^(2^i) for i < factors: every power below C
+    for i in range(factors):
+        u = u + x @ u
+        if i + 1 < factors:
+            x = x @ x
+    return u
+
+
 def gated_delta_rule(
     query: jax.Array,
     key: jax.Array,
@@ -151,9 +168,8 @@ def gated_delta_rule(
     # The corrections of a chunk solve (1 + A) u = beta v, A[i, j] = beta_i (k_i . k_j) decay(j -> i) for j < i.
     eye = jnp.eye(size, dtype=dtype)
     system = b[..., None] * jnp.einsum("BNMIH,BNMJH->BNMIJ", k, k) * pairwise * (1.0 - eye) + eye
-    solve = functools.partial(jax.lax.linalg.triangular_solve, left_side=True, lower=True, unit_diagonal=True)
-    corrections = solve(system, v * b[..., None])  # [B, N, M, C, P]
-    state_reads = solve(system, k * (b * jnp.exp(cum) * from_start)[..., None])  # [B, N, M, C, H]
+    corrections = unit_lower_solve(system, v * b[..., None])  # [B, N, M, C, P]
+    state_reads = unit_lower_solve(system, k * (b * jnp.exp(cum) * from_start)[..., None])  # [B, N, M, C, H]
     attend = jnp.einsum("BNMIH,BNMJH->BNMIJ", q, k) * pairwise
     read_query = q * (jnp.exp(cum) * from_start)[..., None]
     write_key = k * (jnp.exp(cum[..., -1:] - cum) * to_end)[..., None]

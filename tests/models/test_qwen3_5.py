@@ -3,7 +3,10 @@ step-by-step decode equals the forward (looped and scanned groups), packed docum
 gradients are finite, the layer pattern is found, the config refuses what it cannot build. (HF parity:
 tests/convert/test_qwen3_5_hf.py.)"""
 
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,12 +14,13 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from lmzoo import decoding
+from lmzoo import decoding, testing
 from lmzoo.config import load_config_file
 from lmzoo.models import build_model, make_config, qwen3_5
 from lmzoo.serving import slots
 
-CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "qwen3_5.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "qwen3_5.py"
 SMALL = dict(
     vocab_size=37,
     max_len=32,
@@ -146,3 +150,32 @@ def test_config_file_variants_build():
         released = build_model("qwen3_5", load_config_file(CONFIG, variant).model)
         shapes = jax.eval_shape(released.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
         assert sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(nn.unbox(shapes))) == count, variant
+
+
+BACKWARD = """
+import sys
+import jax, numpy as np
+from flax import linen as nn
+from lmzoo.models import build_model
+model = build_model("qwen3_5", dict(vocab_size=512, max_len=256, emb_dim=256, num_heads=4, num_kv_heads=2,
+    head_dim=64, num_layers=4, mlp_dim=704, linear_key_heads=2, linear_value_heads=4, linear_key_dim=64,
+    linear_value_dim=64))
+tokens = np.random.default_rng(0).integers(0, 512, (1, 256)).astype(np.int32)
+params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens[:, :8])["params"])
+grad = jax.jit(jax.grad(lambda p: model.apply({"params": p}, tokens).astype(np.float32).sum()))
+for _ in range(2):
+    jax.block_until_ready(grad(params))
+print("done")
+"""
+
+
+def test_a_train_shaped_backward_pass_finishes_in_the_default_pipeline():
+    """The backward pass of a Qwen3.5 of 4 layers at D 256 on 256 positions (4 chunks), compiled as users compile it
+    (XLA's default pipeline, in a process of its own), finishes twice: with `lax.linalg.triangular_solve` in the
+    chunks (a LAPACK call on XLA:CPU) its first call deadlocked, every thread idle (`gated_delta.unit_lower_solve`)."""
+    env = {**os.environ, "XLA_FLAGS": " ".join(testing.default_pipeline_xla_flags()), "PYTHONPATH": str(ROOT)}
+    try:
+        done = subprocess.run([sys.executable, "-c", BACKWARD], env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the backward pass did not finish in 240 s (its compile takes ~10 s): a deadlock")
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]

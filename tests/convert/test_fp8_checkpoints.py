@@ -117,6 +117,25 @@ def test_fp8_pairs_are_read_dense_and_bad_pairs_refused_naming_the_tensor():
         quantized.read_fp8_blocks(state | {"mlp.up_proj.weight": weight.astype(np.float32)}, (128, 128))
 
 
+def loads_as_its_dense_twin(tests, family, model_name, cfg, reference, fp8_folder, dense_folder):
+    """Reads `fp8_folder` into `cfg`'s `model_name` model (`family`: its convert module; `tests`: the family's parity
+    test module, whose batch, logits and tolerance these are): all its tensors, the logits of `reference` (HF's model
+    of the dense twin), and exactly the dense twin's tensors back. Returns the params."""
+    params, report = hf.convert_pretrained(f"hf:{fp8_folder}", model_name, cfg, tests.target_params(cfg))
+    assert not report.initialised and not report.dropped and not report.config_differences
+    tokens, mask, positions = tests.padded_batch()
+    ref = tests.hf_logits(reference, tokens, mask, positions)
+    diff = tests.max_diff(tests.lmzoo_logits(cfg, params, tokens, mask, positions), ref, mask)
+    print(f"fp8 {model_name}: max |lmzoo - HF| logits {diff:.2e} (logit std {ref.std():.2f})")
+    assert diff <= tests.TOL, f"fp8 {model_name}: max |lmzoo - HF| logits = {diff:.3e}"
+    _, dense_state = safetensors_reader.read_safetensors_dir(dense_folder)
+    back = family.to_hf(params, cfg)
+    assert sorted(back) == sorted(dense_state)
+    for key, value in dense_state.items():
+        np.testing.assert_array_equal(back[key], np.asarray(value), err_msg=key)
+    return params
+
+
 @pytest.mark.parity
 def test_an_fp8_deepseek_v3_folder_loads_to_the_logits_of_its_dequantized_weights(tmp_path):
     """DeepSeek-V3 (query latent, YaRN, grouped experts) in FP8 blocks of 16 x 8, read into scanned layers: the logits
@@ -130,19 +149,7 @@ def test_an_fp8_deepseek_v3_folder_loads_to_the_logits_of_its_dequantized_weight
     assert len(scales) > 30 and state_dict[scales[0]].dtype == np.float32
     assert state_dict[scales[0].removesuffix("_scale_inv")].dtype == ml_dtypes.float8_e4m3fn
     cfg = make_config("deepseek", deepseek.config_from_hf(config_json) | {"scan_layers": True})
-    params, report = hf.convert_pretrained(f"hf:{fp8_folder}", "deepseek", cfg, deepseek_tests.target_params(cfg))
-    assert not report.initialised and not report.dropped and not report.config_differences
-    tokens, mask, positions = deepseek_tests.padded_batch()
-    ref = deepseek_tests.hf_logits(reference, tokens, mask, positions)
-    ours = deepseek_tests.lmzoo_logits(cfg, params, tokens, mask, positions)
-    diff = deepseek_tests.max_diff(ours, ref, mask)
-    print(f"fp8 deepseek_v3: max |lmzoo - HF| logits {diff:.2e} (logit std {ref.std():.2f})")
-    assert diff <= deepseek_tests.TOL, f"fp8 deepseek_v3: max |lmzoo - HF| logits = {diff:.3e}"
-    _, dense_state = safetensors_reader.read_safetensors_dir(dense_folder)
-    back = deepseek.to_hf(params, cfg)
-    assert sorted(back) == sorted(dense_state)
-    for key, value in dense_state.items():
-        np.testing.assert_array_equal(back[key], np.asarray(value), err_msg=key)
+    loads_as_its_dense_twin(deepseek_tests, deepseek, "deepseek", cfg, reference, fp8_folder, dense_folder)
 
 
 @pytest.mark.parity
@@ -159,19 +166,8 @@ def test_an_fp8_qwen3_moe_folder_loads_to_the_logits_of_its_dequantized_weights(
     leaf = quantized.read_fp8_blocks(state_dict, BLOCK)["model.layers.0.self_attn.q_proj.weight"]
     assert isinstance(leaf, quantized.Fp8Blocks) and leaf.row_axis == 0  # read by ranges of its rows
     cfg = make_config("llama", llama.config_from_hf(config_json))
+    params = loads_as_its_dense_twin(dense, llama, "llama", cfg, reference, fp8_folder, dense_folder)
     shapes = dense.target_params(cfg)
-    params, report = hf.convert_pretrained(f"hf:{fp8_folder}", "llama", cfg, shapes)
-    assert not report.initialised and not report.dropped and not report.config_differences
-    tokens, mask, positions = dense.padded_batch()
-    ref = dense.hf_logits(reference, tokens, mask, positions)
-    diff = dense.max_diff(dense.lmzoo_logits(cfg, params, tokens, mask, positions), ref, mask)
-    print(f"fp8 qwen3_moe: max |lmzoo - HF| logits {diff:.2e} (logit std {ref.std():.2f})")
-    assert diff <= dense.TOL, f"fp8 qwen3_moe: max |lmzoo - HF| logits = {diff:.3e}"
-    _, dense_state = safetensors_reader.read_safetensors_dir(dense_folder)
-    back = llama.to_hf(params, cfg)
-    assert sorted(back) == sorted(dense_state)
-    for key, value in dense_state.items():
-        np.testing.assert_array_equal(back[key], np.asarray(value), err_msg=key)
 
     loaded, _ = streamed.load_as_an_accelerator(monkeypatch, f"hf:{fp8_folder}", "llama", cfg, shapes)
     flat_host = mapping.flatten(params)

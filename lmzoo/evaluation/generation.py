@@ -32,6 +32,8 @@ def sample_text(
     while its positions last, and which are cut from the text returned."""
     tokenizer = run.tokenizer
     model, params = kinds.generative(run.model, params)
+    if kinds.kind_of(model) == kinds.DECODER:
+        model, params = kinds.decoding_form(model, params)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: ask for at least one new token")
     sampling = dict(
@@ -58,7 +60,8 @@ def sample_text(
             )
         stop_sequences = tuple((i,) for i in stop_ids) + tuple(tuple(tokenizer.encode(s)) for s in stops if s)
         new = decoding.generate(
-            *kinds.decoding_form(model, params),
+            model,
+            params,
             np.asarray([ids]),
             rng=jax.random.key(seed),
             max_new_tokens=max_new_tokens,

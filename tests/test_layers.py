@@ -86,17 +86,27 @@ def test_explicit_attention_equals_jax_attention_with_masks_and_bias(query_witho
     chex.assert_trees_all_close(ours, reference, atol=1e-5)
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("length", [512, 6])
-def test_causal_split_attention_equals_jax_attention(monkeypatch, length):
+def test_causal_split_attention_equals_jax_attention(monkeypatch, length, padded):
     """Causal self-attention split into query halves (recursively: 512 -> 256 + 256 -> ...) matches
-    `jax.nn.dot_product_attention` in value and gradients, as does an odd-halved length (6 -> 3 + 3, then unsplit)."""
+    `jax.nn.dot_product_attention` in value and gradients, as does an odd-halved length (6 -> 3 + 3, then unsplit);
+    `padded`: with a padding mask [B, 1, T, S] as a policy's rollouts have (left-padded prompts, right-padded replies),
+    on every query that has a key (a left pad's row has none: what it reads is no one's, and differs between forms)."""
     monkeypatch.setattr(explicit, "CAUSAL_SPLIT_MIN_LEN", min(length, 128))
     rng = np.random.default_rng(3)
     query, key, value = (rng.normal(size=(2, length, 2, 8)).astype(np.float32) for _ in range(3))
+    mask, has_keys = None, np.ones((2, length, 1, 1), np.float32)
+    if padded:
+        valid = np.ones((2, length), bool)
+        valid[0, : length // 3] = False
+        valid[1, length - length // 4 :] = False
+        mask = np.broadcast_to(valid[:, None, None, :], (2, 1, length, length))
+        has_keys[0, : length // 3] = 0.0
 
     def loss(attend):
         def fn(q, k, v):
-            return jnp.sum(jnp.sin(attend(q, k, v, mask=None, bias=None, is_causal=True, scale=None)))
+            return jnp.sum(jnp.sin(attend(q, k, v, mask=mask, bias=None, is_causal=True, scale=None)) * has_keys)
 
         return jax.value_and_grad(fn, argnums=(0, 1, 2))(query, key, value)
 

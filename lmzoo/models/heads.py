@@ -115,10 +115,14 @@ class LMWithValueHead(nn.Module):
     decoder: nn.Module
 
     @nn.compact
-    def __call__(self, tokens, *, segment_ids=None, positions=None, deterministic: bool = True):
-        logits, hidden = self.decoder(
-            tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True
-        )
+    def __call__(self, tokens, *, segment_ids=None, positions=None, deterministic: bool = True, logits_window=None):
+        """logits_window (start, end): the logits of those positions alone, [B, end - start, V]
+        (`models.kinds.DecoderOutputs.window_logits`)."""
+        forward = dict(positions=positions, segment_ids=segment_ids, deterministic=deterministic)
+        if logits_window is None:
+            logits, hidden = self.decoder(tokens, **forward, return_hidden=True)
+        else:
+            logits, hidden = self.decoder.window_logits(tokens, logits_window, **forward)
         d = hidden.shape[-1]
         head = linears.Einsum(
             (d, 1), ("embed", "classes"), use_bias=True, kernel_init=nn.initializers.zeros, name="value_head"
@@ -138,7 +142,12 @@ class LMWithValueModel(nn.Module):
     value_model: nn.Module
 
     @nn.compact
-    def __call__(self, tokens, *, segment_ids=None, positions=None, deterministic: bool = True):
-        logits = self.decoder(tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic)
+    def __call__(self, tokens, *, segment_ids=None, positions=None, deterministic: bool = True, logits_window=None):
+        """logits_window: as `LMWithValueHead`'s."""
+        forward = dict(positions=positions, segment_ids=segment_ids, deterministic=deterministic)
+        if logits_window is None:
+            logits = self.decoder(tokens, **forward)
+        else:
+            logits, _ = self.decoder.window_logits(tokens, logits_window, **forward)
         values = self.value_model(tokens, segment_ids=segment_ids, positions=positions, deterministic=deterministic)
         return logits, values[..., 0]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from lmzoo import sharding
 from lmzoo.convert import mapping
-from lmzoo.layers import adapters, embeddings, norms
+from lmzoo.layers import adapters, embeddings, linears, norms
 
 DECODER = "decoder"
 ENCODER = "encoder"
@@ -92,8 +92,8 @@ def check_fields(
 
 
 class DecoderOutputs:
-    """What a decoder family exposes besides its call (GPT-2, Llama): `output_embedding` for the fused LM head and
-    `encode` for the heads built on it. Mixed into the family's module, whose token table is the param collection
+    """What a decoder family exposes besides its call (GPT-2, Llama): `output_embedding` for the fused LM head,
+    `window_logits` for a few positions' logits and `encode` for the heads built on it. Mixed into the family's module, whose token table is the param collection
     `token_table` and whose untied head is "lm_head" (`layers.embeddings.output_logits`)."""
 
     token_table: ClassVar[str]
@@ -105,6 +105,27 @@ class DecoderOutputs:
         (`lmzoo.objectives.losses.fused_head_loss`)."""
         params = nn.unbox(self.variables["params"])
         return params[self.token_table]["embedding"] if self.config.tie_embeddings else params["lm_head"]["kernel"].T
+
+    def window_logits(
+        self,
+        tokens: jax.Array,
+        window: tuple[int, int],
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        deterministic: bool = True,
+    ) -> tuple[jax.Array, jax.Array]:
+        """tokens [B, T] -> (logits [B, end - start, V] of positions start..end-1 alone, final hidden states
+        [B, T, D]) for window (start, end): the head reads only those positions (a policy's log-probs of its replies
+        need no logits over the prompts), and under jit the call's full [B, T, V] logits, unused, are never computed."""
+        start, end = window
+        _, hidden = self(
+            tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True
+        )
+        dtype = jnp.dtype(self.config.dtype)
+        embedding = self.output_embedding().astype(dtype)  # [V, D]
+        logits = linears.project("BTD,VD->BTV", hidden[:, start:end].astype(dtype), embedding)
+        return sharding.constrain(logits, ("act_batch", "act_len", "act_vocab")), hidden
 
     def encode(
         self,

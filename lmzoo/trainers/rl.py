@@ -244,12 +244,14 @@ class PPOTrainer:
         """The policy's params (evaluation, generation, export): `policy_params` of the state."""
         return self.policy_params(state.params, state.frozen)
 
+    def _response_window(self, responses: jax.Array) -> tuple[int, int]:
+        """The positions of prompt ⊕ responses [B, T] whose logits predict the response tokens: (P - 1, P - 1 + T)."""
+        start = self.settings.prompt_len - 1
+        return start, start + responses.shape[1]
+
     def _logprobs(self, logits: jax.Array, responses: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return policy_gradient.response_logprobs(
-            policy_gradient.align_to_responses(logits, self.settings.prompt_len),
-            responses,
-            temperature=self.settings.temperature,
-        )
+        """logits [B, T, V] of the response window -> (log π(y_t), entropy) [B, T]."""
+        return policy_gradient.response_logprobs(logits, responses, temperature=self.settings.temperature)
 
     def generate(self, params, batch, rng, *, samples_per_prompt: int) -> dict[str, jax.Array]:
         """`samples_per_prompt` responses to each of batch "prompts"/"prompt_mask" [B, P] from the KV-cache sampler
@@ -390,7 +392,13 @@ class PPOTrainer:
         forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
         ref_logprobs = None
         if s.algorithm != "grpo" or s.kl_loss != "off":  # GRPO without a KL term never runs the reference
-            ref_logits = self.decoder.apply({"params": frozen["reference"]}, inputs["sequences"], **forward)
+            ref_logits, _ = self.decoder.apply(
+                {"params": frozen["reference"]},
+                inputs["sequences"],
+                self._response_window(responses),
+                method="window_logits",
+                **forward,
+            )
             ref_logprobs, _ = self._logprobs(ref_logits, responses)
         if "scores" in samples:  # scored while drawn (`_refilled_rollout`)
             scores, raw_scores, reward_metrics = samples["scores"], samples["raw_scores"], {}
@@ -400,7 +408,9 @@ class PPOTrainer:
         metrics = {**reward_metrics, "objective/raw_scores": (jnp.sum(raw_scores), rows)}
         rollout = {**inputs, "responses": responses, "scores": scores}
         if policy_forward:
-            logits, values = self.policy.apply({"params": params}, inputs["sequences"], **forward)
+            logits, values = self.policy.apply(
+                {"params": params}, inputs["sequences"], logits_window=self._response_window(responses), **forward
+            )
             logprobs, entropy = self._logprobs(logits, responses)
             if ref_logprobs is None:  # KL 0 in every metric
                 ref_logprobs = jax.lax.stop_gradient(logprobs)
@@ -581,6 +591,7 @@ class PPOTrainer:
             minibatch["sequences"],
             segment_ids=minibatch["segment_ids"],
             positions=minibatch["positions"],
+            logits_window=self._response_window(minibatch["responses"]),
         )
         loss, metrics = self._algorithm_loss(logits, values, minibatch)
         if applied is not self.policy:

@@ -99,3 +99,50 @@ def test_decoding_form_merges_attached_lora_adapters_and_leaves_a_looped_model_a
     unscanned = models.build_model("llama", dict(TINY_LLAMA, scan_layers=False))
     same_model, same_params = kinds.decoding_form(unscanned, base)
     assert same_model is unscanned and same_params is base
+
+
+WINDOW_DECODERS = [
+    ("gpt2", None),
+    ("llama", None),
+    ("llama", "gemma3.py"),
+    ("deepseek", "deepseek_v3.py"),
+    ("qwen3_5", "qwen3_5.py"),
+]
+
+
+@pytest.mark.parametrize(("family", "config_file"), WINDOW_DECODERS, ids=[f"{f}-{c}" for f, c in WINDOW_DECODERS])
+def test_window_logits_are_the_full_logits_of_those_positions_and_compile_no_others(family, config_file):
+    """`window_logits` gives the logits of positions start..end-1 (tied and untied heads) and the final hidden
+    states the full call gives; compiled, no [B·T, V] logits are computed (vocabularies unlike any other width)."""
+    if config_file is None:
+        model = models.build_model(family, dict(testing.TINY_GPT2, vocab_size=37) if family == "gpt2" else TINY_LLAMA)
+    else:
+        config = config_lib.load_config_file(ROOT / "configs" / config_file, "tiny")
+        model = models.build_model(family, dict(config.model.to_dict(), max_len=32))
+    batch, length, window = 3, 10, (4, 9)
+    tokens = testing.random_tokens((batch, length), vocab_size=model.config.vocab_size)
+    params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+    full_logits, full_hidden = model.apply({"params": params}, tokens, return_hidden=True)
+    windowed = jax.jit(lambda p, t: model.apply({"params": p}, t, window, method="window_logits"))
+    logits, hidden = windowed(params, tokens)
+    assert logits.shape == (batch, window[1] - window[0], model.config.vocab_size)
+    np.testing.assert_allclose(logits, full_logits[:, window[0] : window[1]], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(hidden, full_hidden, atol=1e-5)
+    program = windowed.lower(params, tokens).compile().as_text()
+    vocab = model.config.vocab_size
+    assert f"[{batch * length},{vocab}]" not in program and f"[{batch},{length},{vocab}]" not in program
+
+
+def test_window_logits_read_a_lora_adapted_head():
+    """Under LoRA's training form (`lora.attach`) with the LM head among the targets, the window's logits are those
+    of the merged params."""
+    config = lora.LoraConfig("query|value|lm_head", rank=2, alpha=4.0)
+    model = models.build_model("llama", TINY_LLAMA)
+    tokens = testing.random_tokens((2, 8), vocab_size=model.config.vocab_size)
+    boxed = model.init(jax.random.key(0), tokens)["params"]
+    base = nn.unbox(boxed)
+    adapters = jax.tree.map(lambda x: x + 0.1, nn.unbox(lora.init_adapters(jax.random.key(1), boxed, config)))
+    with lora.training_form(config, train=False):
+        logits, _ = model.apply({"params": lora.attach(base, adapters, config)}, tokens, (2, 7), method="window_logits")
+    merged = model.apply({"params": lora.merge(base, adapters, config)}, tokens)
+    np.testing.assert_allclose(logits, merged[:, 2:7], atol=1e-5)

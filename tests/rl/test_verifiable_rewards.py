@@ -115,7 +115,7 @@ def test_the_successors_flags_reach_the_loss():
     rng = np.random.default_rng(0)
     o = built.fields
     b, t, vocab = 4, o.response_len, built.config.model.vocab_size
-    logits = jnp.asarray(rng.normal(size=(b, o.prompt_len + t, vocab)), jnp.float32)
+    logits = jnp.asarray(rng.normal(size=(b, t, vocab)), jnp.float32)  # the response window's (`_response_window`)
     responses = jnp.asarray(rng.integers(0, 256, size=(b, t)), jnp.int32)
     logprobs, _ = trainer._logprobs(logits, responses)
     minibatch = {

@@ -281,9 +281,17 @@ def generate(
 def _next_from_window(model, params, window, mask, rng, *, temperature, top_k, top_p, vocab_size):
     """The next token [B] after a window [B, W <= max_len] (mask [B, W]: 1 for real tokens), its positions from 0."""
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    logits = model.apply({"params": params}, window, positions=positions, segment_ids=mask.astype(jnp.int32))
+    last = window.shape[1] - 1
+    logits, _ = model.apply(
+        {"params": params},
+        window,
+        (last, last + 1),  # the head reads the last position alone
+        positions=positions,
+        segment_ids=mask.astype(jnp.int32),
+        method="window_logits",
+    )
     return sample_logits(
-        rng, logits[:, -1].astype(jnp.float32), temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=vocab_size
+        rng, logits[:, 0].astype(jnp.float32), temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=vocab_size
     )
 
 

@@ -114,13 +114,20 @@ class DecoderOutputs:
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         deterministic: bool = True,
+        decode: bool = False,
     ) -> tuple[jax.Array, jax.Array]:
         """tokens [B, T] -> (logits [B, end - start, V] of positions start..end-1 alone, final hidden states
         [B, T, D]) for window (start, end): the head reads only those positions (a policy's log-probs of its replies
-        need no logits over the prompts), and under jit the call's full [B, T, V] logits, unused, are never computed."""
+        need no logits over the prompts, a prefill only its last position's), and under jit the call's full
+        [B, T, V] logits, unused, are never computed. decode: as the call's (the KV cache filled)."""
         start, end = window
         _, hidden = self(
-            tokens, positions=positions, segment_ids=segment_ids, deterministic=deterministic, return_hidden=True
+            tokens,
+            positions=positions,
+            segment_ids=segment_ids,
+            deterministic=deterministic,
+            decode=decode,
+            return_hidden=True,
         )
         dtype = jnp.dtype(self.config.dtype)
         embedding = self.output_embedding().astype(dtype)  # [V, D]

@@ -155,15 +155,18 @@ def prefill(model: nn.Module, params, prompts: jax.Array, prompt_mask: jax.Array
     """prompts [n, P] left-padded (prompt_mask [n, P]: 1 on real tokens) -> (a cache of n rows of `length` positions
     holding the prompts, logits [n, V] float32 of each first new token, position [n] of that token)."""
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
-    logits, variables = model.apply(
+    last = prompts.shape[1] - 1
+    (logits, _), variables = model.apply(
         {"params": params, "cache": init_cache(model, prompts.shape[0], length)},
         prompts,
+        (last, last + 1),  # the head reads the last position alone
         positions=positions,
         segment_ids=prompt_mask.astype(jnp.int32),
         decode=True,
         mutable=["cache"],
+        method="window_logits",
     )
-    return variables["cache"], logits[:, -1].astype(jnp.float32), positions[:, -1] + 1
+    return variables["cache"], logits[:, 0].astype(jnp.float32), positions[:, -1] + 1
 
 
 @functools.partial(jax.jit, static_argnames=("axis",), donate_argnames=("cache", "state"))

@@ -3,6 +3,7 @@ sliding-window, mixture of experts, LoRA merged), continuous batching (a finishe
 the next chunk boundary), prefix sharing (one prefill for n samples), per-request settings, stops, cancellation, a
 thread of its own, and the checks on bad requests."""
 
+import functools
 import json
 import pathlib
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 
 from lmzoo import decoding, models, testing
 from lmzoo.lora import transform as lora_transform
-from lmzoo.serving import engine
+from lmzoo.serving import engine, slots
 from tests.serving import engine_devices
 from tests.test_decoding import randomized
 
@@ -318,3 +319,19 @@ def test_sharded_on_a_mesh_replies_as_on_one_device():
     single = engine.Engine(model, params, slots=4, chunk=4).generate(requests)
     assert sharded == [t.outputs[0].tokens for t in single]
     assert len({tuple(s) for s in sharded}) == len(sharded)
+
+
+def test_prefill_reads_the_head_at_the_last_position_alone():
+    """`slots.prefill`'s first-token logits equal the full forward's at each prompt's last position, and its compiled
+    program computes no [n·P, V] logits (a released vocabulary's would be most of a long prompt's prefill)."""
+    model, params = build("llama", **dict(TINY_LLAMA, vocab_size=67))
+    tokens = np.array([[0, 0, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7]], np.int32)
+    mask = np.array([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], np.int32)
+    prefill = jax.jit(functools.partial(slots.prefill, model, length=LENGTH))
+    _, logits, position = prefill(params, tokens, mask)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    full = model.apply({"params": params}, tokens, positions=positions, segment_ids=mask)
+    np.testing.assert_allclose(logits, full[:, -1], atol=1e-5)
+    np.testing.assert_array_equal(position, [5, 7])
+    program = prefill.lower(params, tokens, mask).compile().as_text()
+    assert f"[{tokens.size},67]" not in program and "[2,7,67]" not in program

@@ -189,19 +189,19 @@ def cached_attention(
     query head n reads kv head n // (N / K), as in `dot_product_attention`. No attention dropout: decoding is
     deterministic."""
     batch, length, heads, size = query.shape
-    kv_heads, cached = key.shape[1], key.shape[3]
+    kv_heads = key.shape[1]
     groups = heads // kv_heads
     scale = size**-0.5 if scale is None else scale
     grouped = query.reshape(batch, length, kv_heads, groups, size).transpose(0, 2, 3, 1, 4)
     grouped = grouped.reshape(batch, kv_heads, groups * length, size)  # [B, K, G * T, H]
     logits = jnp.einsum("BKQH,BKHS->BKQS", grouped, key).astype(jnp.float32) * scale
-    logits = logits.reshape(batch, kv_heads, groups, length, cached)
+    logits = logits.reshape(batch, kv_heads, groups, length, key.shape[3])
     if bias is not None:
         logits = logits + bias.astype(jnp.float32).reshape(bias.shape[0], kv_heads, groups, *bias.shape[2:])
     if mask is not None:
         logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
     probs = explicit.probabilities(logits, None if sinks is None else sinks.reshape(1, kv_heads, groups, 1, 1))
-    probs = probs.reshape(batch, kv_heads, groups * length, cached).astype(value.dtype)
+    probs = probs.reshape(batch, kv_heads, groups * length, probs.shape[-1]).astype(value.dtype)
     out = jnp.einsum("BKQS,BKSH->BKQH", probs, value).reshape(batch, kv_heads, groups, length, size)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, size)
 

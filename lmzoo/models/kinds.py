@@ -93,8 +93,9 @@ def check_fields(
 
 class DecoderOutputs:
     """What a decoder family exposes besides its call (GPT-2, Llama): `output_embedding` for the fused LM head,
-    `window_logits` for a few positions' logits and `encode` for the heads built on it. Mixed into the family's module, whose token table is the param collection
-    `token_table` and whose untied head is "lm_head" (`layers.embeddings.output_logits`)."""
+    `window_logits` for a few positions' logits and `encode` for the heads built on it. Mixed into the family's
+    module, whose token table is the param collection `token_table` and whose untied head is "lm_head"
+    (`layers.embeddings.output_logits`)."""
 
     token_table: ClassVar[str]
 

@@ -181,13 +181,23 @@ def read_saved(path: str | os.PathLike) -> dict:
     return saved
 
 
-def check_resume(
-    saved: dict, config: ml_collections.ConfigDict, step: int, workdir, command_line: Collection[str] = ()
-) -> None:
-    """Refuses to resume checkpoints of step `step` written with config `saved` (the workdir's config.json)
-    under a config that changes training (any field outside RESUMABLE_FIELDS, or train.steps below
-    `step`), listing each change and suggesting a new --workdir, or how to resume: dropping the overrides among
-    `command_line` (the keys given as --config.KEY=...) that make a change, setting back the others."""
+def check_resume(config: ml_collections.ConfigDict, step: int, workdir, command_line: Collection[str] = ()) -> None:
+    """Refuses to resume checkpoints of step `step` written with the config `workdir` saved (its config.json) under a
+    config that changes training (any field outside RESUMABLE_FIELDS, or train.steps below `step`), listing each
+    change and suggesting a new --workdir, or how to resume: dropping the overrides among `command_line` (the keys
+    given as --config.KEY=...) that make a change, setting back the others.
+
+    A run extended with --config.train.steps=N and then rerun without it (the config file's steps now below the
+    checkpoint's) continues to the N it was last given, as the command that extended it would: config.train.steps
+    is set to it."""
+    saved = read_saved(f"{workdir}/config.json")
+    last = saved.get("train", {}).get("steps", 0)
+    if config.train.steps < step <= last:
+        print(
+            f"train.steps={config.train.steps} is below the checkpoint's step {step}: continuing the run as last "
+            f"configured, to train.steps={last} (pass --config.train.steps=N, N > {last}, to extend it further)"
+        )
+        config.train.steps = last
     before, after = _flatten(saved), _flatten(json.loads(config.to_json_best_effort()))
     changed = [
         key

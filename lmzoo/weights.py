@@ -6,8 +6,10 @@ fresh one's sharding. An HF folder is streamed tensor by tensor straight into th
 a checkpoint's params are read from its own metadata (no config, model or trainer is built), on the host.
 """
 
+import dataclasses
 import json
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,6 +20,49 @@ from lmzoo import checkpoint, lora, storage, tokenizers
 from lmzoo import config as config_lib
 from lmzoo.convert import hf, mapping
 from lmzoo.kernels import host_memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """A frozen model a run needs (a reference policy, a reward model, a teacher, the base LoRA adapts), declared by
+    its objective (`lmzoo.objectives.base.Objective.roles`) and read by the run layer at every start (`read_role`)
+    into the state's frozen entry of the same name: never checkpointed, so a resumed run reads it again from `source`.
+
+    Attributes:
+        source: "ckpt:WORKDIR" or "hf:PATH" (a folder, a bucket prefix or a cached Hub id).
+        model_name, model_fields: the model the weights are read for (`read_params`).
+        read: "merged": every parameter the source provides replaces the fresh one (`merge_pretrained`); "params":
+            the source's params as they are, which `check` compares with the fresh tree; "run": a train.py run's
+            whole params, its head included (a reward model), checked by `check`.
+        allow_partial: an HF checkpoint that fits only in part gives what fits (config.init_from_partial).
+        check: (fresh, read) -> None, raising a ValueError that names the source when what was read does not fit.
+        adapters: the LoRA config of adapters trained over this model: it is held as their frozen base
+            (`lora.freeze`: its matrices in the adapters' base_dtype); None: as read.
+    """
+
+    source: str
+    model_name: str
+    model_fields: Any
+    read: str = "merged"
+    allow_partial: bool = False
+    check: Callable[[Any, Any], None] | None = None
+    adapters: lora.LoraConfig | None = None
+
+
+def read_role(role: Role, fresh: Any) -> Any:
+    """The frozen entry `role` declares, read from its source into the layout of `fresh` (its fresh params: host
+    arrays), checked by the role's `check`, held as LoRA's frozen base where adapters adapt it."""
+    if role.read == "run":
+        loaded = run_params(role.source.removeprefix("ckpt:"), fresh)
+    else:
+        target = fresh.get("backbone", fresh)
+        loaded = read_params(role.source, role.model_name, role.model_fields, target, allow_partial=role.allow_partial)
+    if role.check is not None:
+        role.check(fresh, loaded)
+    if role.read == "merged":
+        loaded = merge_pretrained(fresh, loaded, role.model_name, role.model_fields, name=role.source)
+    loaded = jax.tree.map(np.asarray, loaded)
+    return loaded if role.adapters is None else lora.freeze(loaded, role.adapters)
 
 
 def checkpoint_params(workdir: str, placed: Any = None) -> Any:

@@ -3,7 +3,6 @@ that works, exit status 2, no traceback, and a refused resume prints no "resumed
 
 One 2-step run on a token store serves the train.py and eval.py cases; the prepare cases need no run."""
 
-import json
 import os
 import pathlib
 import shutil
@@ -77,19 +76,19 @@ def test_a_resume_refused_for_a_changed_config_prints_no_resumed_from(store_run)
     assert snapshot(workdir) == before
 
 
-def test_a_refused_resume_advises_dropping_only_the_overrides_it_was_given():
+def test_a_refused_resume_advises_dropping_only_the_overrides_it_was_given(tmp_path):
     """Issue 55: a change that comes from the config file, not from an override, is not "dropped"."""
-    saved = json.loads(config_lib.base_config().to_json_best_effort())
+    (tmp_path / "config.json").write_text(config_lib.base_config().to_json_best_effort())
     config = config_lib.base_config()
     config.optim.learning_rate, config.optim.warmup_steps = 0.5, 7
 
     def refusal(command_line) -> str:
         with pytest.raises(ValueError) as raised:
-            config_lib.check_resume(saved, config, 10, "runs/x", command_line)
+            config_lib.check_resume(config, 10, tmp_path, command_line)
         return str(raised.value).splitlines()[-1]
 
     assert refusal(()) == (
-        "To train with these settings, pass a new --workdir (e.g. --workdir=runs/x_2); to resume, set "
+        f"To train with these settings, pass a new --workdir (e.g. --workdir={tmp_path}_2); to resume, set "
         "optim.learning_rate, optim.warmup_steps back to the run's value(s) (config.json in the workdir holds the "
         "run's config)."
     )

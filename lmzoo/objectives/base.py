@@ -24,6 +24,7 @@ from lmzoo.data import chat, comparisons, pipeline, problems, readers
 from lmzoo.data.loaders import Shard
 from lmzoo.trainers import optim, supervised
 from lmzoo.trainers.state import Task
+from lmzoo.weights import Role
 
 Batch = dict[str, np.ndarray]
 
@@ -46,30 +47,6 @@ class ComparisonSplitConfig:
     def __post_init__(self):
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"config.objective.heldout_fraction={self.heldout_fraction} must lie in (0, 1), e.g. 0.1")
-
-
-@dataclasses.dataclass(frozen=True)
-class Role:
-    """A frozen model a run needs (a reference policy, a reward model, a teacher, the base LoRA adapts), declared by
-    its objective (`Objective.roles`) and read by the run layer at every start into the state's frozen entry of the
-    same name: never checkpointed, so a resumed run reads it again from `source`.
-
-    Attributes:
-        source: "ckpt:WORKDIR" or "hf:PATH" (a folder, a bucket prefix or a cached Hub id).
-        model_name, model_fields: the model the weights are read for (`lmzoo.weights.read_params`).
-        read: "merged": every parameter the source provides replaces the fresh one (`weights.merge_pretrained`);
-            "params": the source's params as they are, which `check` compares with the fresh tree; "run": a train.py
-            run's whole params, its head included (a reward model), checked by `check`.
-        allow_partial: an HF checkpoint that fits only in part gives what fits (config.init_from_partial).
-        check: (fresh, read) -> None, raising a ValueError that names the source when what was read does not fit.
-    """
-
-    source: str
-    model_name: str
-    model_fields: Any
-    read: str = "merged"
-    allow_partial: bool = False
-    check: Callable[[Any, Any], None] | None = None
 
 
 def int_inputs(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
@@ -239,6 +216,8 @@ class Objective:
             roles[lora.BASE] = Role(
                 cfg.init_from, cfg.model_name, cfg.model.to_dict(), allow_partial=cfg.init_from_partial, check=check
             )
+        if adapted is not None and self.lora_base in roles:  # the base its adapters adapt, held in its dtype
+            roles[self.lora_base] = dataclasses.replace(roles[self.lora_base], adapters=adapted)
         return roles
 
     def setup_batch(self) -> Batch | None:

@@ -249,10 +249,8 @@ def _start(objective: Objective, workdir: str, stage: workdir_lib.StagedRunState
         state, data_state = restore_or_init(run)
         fingerprint = run.objective.reader.fingerprint(run.config)
         if resumable and data_state["step"] > 0:
-            saved = config_lib.read_saved(saved_config)
-            _continue_as_last_configured(run.config, saved, int(data_state["step"]))
-            config_lib.check_resume(saved, run.config, int(data_state["step"]), run.workdir, command_line)
             _warn_if_data_changed(run.workdir / "data.json", fingerprint, int(data_state["step"]))
+            config_lib.check_resume(run.config, int(data_state["step"]), run.workdir, command_line)
         loader = run.train_loader()
         if next(iter(run.eval_batches("validation")), None) is None:
             raise ValueError("the validation split has no examples; use more data or a larger validation split")
@@ -265,18 +263,6 @@ def _start(objective: Objective, workdir: str, stage: workdir_lib.StagedRunState
         stage.write_text("config.json", run.config.to_json_best_effort(indent=2))
         stage.write_text("data.json", json.dumps({"fingerprint": fingerprint}))
     return run, state, data_state, loader
-
-
-def _continue_as_last_configured(config: ml_collections.ConfigDict, saved: dict, step: int) -> None:
-    """A run extended with --config.train.steps=N and then rerun without it (the config file's steps now below the
-    checkpoint's) continues to the N it was last given, as the command that extended it would."""
-    last = saved.get("train", {}).get("steps", 0)
-    if config.train.steps < step <= last:
-        print(
-            f"train.steps={config.train.steps} is below the checkpoint's step {step}: continuing the run as last "
-            f"configured, to train.steps={last} (pass --config.train.steps=N, N > {last}, to extend it further)"
-        )
-        config.train.steps = last
 
 
 def _warn_if_data_changed(saved: epath.Path, fingerprint: str, step: int) -> None:

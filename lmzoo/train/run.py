@@ -296,30 +296,22 @@ def data_parallel_size(sizes: Sequence[int]) -> int:
     return sizes[0] * sizes[1] * sizes[2]
 
 
-def traced_state(trainer: Any, config: ml_collections.ConfigDict, sizes: Sequence[int] | None = None) -> Any:
-    """The trainer's state from shapes alone, boxed with its logical axes: traced on the abstract mesh of `sizes`
-    (data, fsdp, expert, tensor), where the model makes its own checks of the mesh (an expert axis that does not
-    divide its experts), or outside any mesh (None)."""
-    rules = axis_rules(config)
-    on_mesh = (
-        contextlib.nullcontext() if sizes is None else jax.sharding.use_abstract_mesh(sharding.abstract_mesh(sizes))
-    )
-    with on_mesh, nn.logical_axis_rules(rules):
-        return jax.eval_shape(trainer.init, jax.random.key(config.train.seed))
-
-
-def check_layout(objective: base.Objective, trainer: Any | None, sizes: Sequence[int], *, batches: bool) -> Any:
+def check_layout(
+    objective: base.Objective, trainer: Any | None, sizes: Sequence[int], rules: tuple, *, batches: bool
+) -> Any:
     """Every check a run makes of its layout before anything is placed, from the mesh's sizes (data, fsdp, expert,
     tensor) alone, so that a dry run makes them for devices this machine need not have: the config's values with the
     batch sizes over the data-parallel axes (`config.check_values`; the mesh it suggests instead is one the
     parameters divide), the model traced on the mesh (its own checks: an expert axis that does not divide the
     experts), every parameter axis over the mesh axes it is split over (`sharding.split_problems`), and a trainer
     that runs in phases taking one step a call. trainer None (a dry run whose model is not known yet): the values
-    alone. ValueError naming the fix. Returns the state traced on the mesh (`traced_state`; None without a
-    trainer), which `trainers.base.compile_trainer` takes instead of tracing the model again."""
+    alone; rules: the run's logical-axis rules (`axis_rules`). ValueError naming the fix. Returns the state traced on
+    the mesh (`trainers.base.traced_state`; None without a trainer), which `trainers.base.compile_trainer` takes
+    instead of tracing the model again."""
     config, dp = objective.config, data_parallel_size(sizes)
-    rules = axis_rules(config)
-    unplaced = functools.cache(lambda: traced_state(trainer, config))  # the same shapes and axes on any mesh
+    seed = config.train.seed
+    # the same shapes and axes on any mesh
+    unplaced = functools.cache(lambda: trainers_base.traced_state(trainer, rules=rules, seed=seed))
 
     def mesh_fits(shape: tuple[int, ...]) -> bool:
         return not sharding.split_problems(unplaced(), rules, sharding.mesh_shape(shape))
@@ -335,7 +327,7 @@ def check_layout(objective: base.Objective, trainer: Any | None, sizes: Sequence
     )
     if trainer is None:
         return None
-    traced = traced_state(trainer, config, sizes)
+    traced = trainers_base.traced_state(trainer, rules=rules, seed=seed, sizes=sizes)
     problems = sharding.split_problems(traced, rules, sizes)
     if problems:
         mesh = config_lib.working_mesh(config, math.prod(sizes), mesh_fits) if batches else None
@@ -364,7 +356,8 @@ def dry_check(objective: base.Objective, *, pretrained_here: bool = True) -> str
     config = objective.config
     sizes, devices = dry_mesh_sizes(config)
     trainer = objective.trainer(objective.model()) if pretrained_here else None
-    check_layout(objective, trainer, sizes, batches=True)
+    rules = axis_rules(config)
+    check_layout(objective, trainer, sizes, rules, batches=True)
     if trainer is None:
         said = "layout, memory and tokenizer not checked (config.model is the checkpoint's only once it is read)"
         return f"{said}; {check_inputs(objective, tokenizer=False)}"
@@ -372,7 +365,6 @@ def dry_check(objective: base.Objective, *, pretrained_here: bool = True) -> str
     if len(jax.devices()) != math.prod(sizes):
         said += f"; memory not estimated (this machine has {len(jax.devices())} devices)"
     else:
-        rules = axis_rules(config)
         compiled = trainers_base.compile_trainer(trainer, mesh=run_mesh(config), rules=rules, seed=config.train.seed)
         said += f"; {check_memory(compiled, config)}"
     return f"{said}; {check_inputs(objective)}"
@@ -461,11 +453,10 @@ def assemble(
     devices: the mesh's devices (default: all).
     """
     config = objective.config
-    mesh = run_mesh(config, devices)
+    mesh, rules = run_mesh(config, devices), axis_rules(config)
     model = objective.model()
     trainer = objective.trainer(model)
-    traced = check_layout(objective, trainer, tuple(mesh.shape.values()), batches=batches)
-    rules = axis_rules(config)
+    traced = check_layout(objective, trainer, tuple(mesh.shape.values()), rules, batches=batches)
     compiled = trainers_base.compile_trainer(trainer, mesh=mesh, rules=rules, seed=config.train.seed, traced=traced)
     check_memory(compiled, config)  # from the state's shapes: refused here, before restore_or_init allocates it
     workdir_path = storage.path(workdir)
@@ -489,23 +480,6 @@ def assemble(
     )
 
 
-def read_role(role: base.Role, fresh: Any) -> Any:
-    """A frozen entry read as `role` declares (`base.Role`), in the placement of `fresh` (host arrays), checked by the
-    role's `check`."""
-    if role.read == "run":
-        loaded = weights.run_params(role.source.removeprefix("ckpt:"), fresh)
-    else:
-        target = fresh.get("backbone", fresh)
-        loaded = weights.read_params(
-            role.source, role.model_name, role.model_fields, target, allow_partial=role.allow_partial
-        )
-    if role.check is not None:
-        role.check(fresh, loaded)
-    if role.read == "merged":
-        return weights.merge_pretrained(fresh, loaded, role.model_name, role.model_fields, name=role.source)
-    return jax.tree.map(np.asarray, loaded)
-
-
 def load_frozen(run: Run) -> Any:
     """The frozen models the objective declares (`Objective.roles`), each read once from its source, held as LoRA's
     frozen base where adapters adapt it, completed by the trainer's `setup` (PPO's reward normalisation) and
@@ -516,10 +490,7 @@ def load_frozen(run: Run) -> Any:
         fresh = jax.device_get(run.compiled.init(jax.random.key(run.config.train.seed)).frozen)
     frozen = dict(fresh)
     for name, role in run.objective.roles().items():
-        frozen[name] = read_role(role, fresh[name])
-    adapted = run.objective.lora_config()
-    if adapted is not None:
-        frozen[run.objective.lora_base] = lora.freeze(frozen[run.objective.lora_base], adapted)
+        frozen[name] = weights.read_role(role, fresh[name])
     setup, batch = getattr(run.compiled.trainer, "setup", None), run.objective.setup_batch()
     if setup is not None and batch is not None:
         frozen = setup(frozen, batch)
@@ -529,14 +500,14 @@ def load_frozen(run: Run) -> Any:
 def restore_or_init(run: Run) -> tuple[Any, dict]:
     """The latest good checkpoint (with frozen parameters read again), or a fresh state whose frozen
     parameters are read, whose params the objective may adjust, and which takes config.init_from's weights."""
+    frozen = load_frozen(run)
     restored = run.checkpointer.restore_latest(run.abstract_state)
     if restored is not None:
         _, state, data_state = restored
-        return state.replace(frozen=load_frozen(run)), data_state
+        return state.replace(frozen=frozen), data_state
     cfg = run.config
     with run.context():
         state = run.compiled.init(jax.random.key(cfg.train.seed))
-    frozen = load_frozen(run)
     # The params stay on the mesh: `init_from` weights are read tensor by tensor into each parameter's sharding
     # (`weights.merge_pretrained`), so no host holds the whole model.
     fresh = state.params

@@ -19,7 +19,7 @@ which `compile_trainer` derives every sharding.
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import flax.linen as nn
@@ -173,15 +173,29 @@ def _init_compiler_options(mesh: jax.sharding.Mesh) -> dict | None:
     return {"xla_backend_optimization_level": 1} if mesh.devices.flat[0].platform == "cpu" else None
 
 
+def traced_state(trainer: Any, *, rules: tuple, seed: int, sizes: Sequence[int] | None = None) -> Any:
+    """The trainer's state from shapes alone, boxed with its logical axes under `rules`: traced on the abstract mesh
+    of `sizes` (data, fsdp, expert, tensor), where the model makes its own checks of the mesh (an expert axis that does
+    not divide its experts), or outside any mesh (None). Nothing is allocated."""
+    on_mesh = (
+        contextlib.nullcontext() if sizes is None else jax.sharding.use_abstract_mesh(sharding.abstract_mesh(sizes))
+    )
+    with on_mesh, nn.logical_axis_rules(rules):
+        return jax.eval_shape(trainer.init, jax.random.key(seed))
+
+
 def compile_trainer(
     trainer: Any, *, mesh: jax.sharding.Mesh, rules: tuple, seed: int, traced: Any = None
 ) -> CompiledTrainer:
     """Shardings of the state (from the logical axes of its boxed leaves; optimizer state follows its
     params) and of batches (batch axis over data and fsdp), and the jitted trainer functions. traced: the state
     `jax.eval_shape(trainer.init, ...)` gives under these rules on this mesh's shape (boxed: its logical axes), where
-    the caller has it already (the run traced it to check the layout), so the model is not traced once more."""
+    the caller has it already (the run traced it to check the layout: `traced_state`), so the model is not traced
+    once more."""
+    boxed = (
+        traced_state(trainer, rules=rules, seed=seed, sizes=tuple(mesh.shape.values())) if traced is None else traced
+    )
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        boxed = jax.eval_shape(trainer.init, jax.random.key(seed)) if traced is None else traced
         state_shardings = sharding.logical_to_sharding(boxed, mesh, rules)
     abstract_state = _with_shardings(boxed, state_shardings)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):

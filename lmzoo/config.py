@@ -514,6 +514,8 @@ def _batch_split_problems(
     where `mesh_fits` is given, the `working_mesh` that keeps the batch sizes."""
     train, evals = config.train, config.eval
     accum, multiple = train.grad_accum_steps, train.grad_accum_steps * data_parallel_size
+    if not train.batch_size % multiple and not evals.batch_size % data_parallel_size:
+        return []  # asked before any mesh is sought: `mesh_fits` traces the model
     mesh = working_mesh(config, devices, mesh_fits) if mesh_fits is not None else None
     keep = (
         ""

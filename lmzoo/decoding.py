@@ -57,7 +57,7 @@ def sample_logits(
         cutoff_index = jnp.sum(cumulative < top_p, axis=-1, keepdims=True)
         cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(rng, logits, axis=-1)
+    return slots.categorical(jax.random.uniform(rng, logits.shape[:1], jnp.float32), logits)
 
 
 def _ends_with(tokens: jax.Array, last: jax.Array, sequence: tuple[int, ...]) -> jax.Array:

@@ -198,6 +198,20 @@ def insert(cache, state: Slots, rows, logits, position, targets, sources, settin
     return cache, state
 
 
+def categorical(uniform: jax.Array, logits: jax.Array) -> jax.Array:
+    """One draw per row from softmax(logits), given a uniform a row: uniform [S] in [0, 1), logits [S, V] float32
+    (-inf: never drawn; a row keeps at least one finite logit) -> ids [S] int32.
+
+    By the inverse CDF: the first id whose running sum of the probabilities passes the uniform times their total (held
+    below the total), so an id of zero probability, whose running sum does not grow, is never drawn. Gumbel-max
+    (`jax.random.categorical`) draws V uniforms a row instead of one, which on CPU costs 4-5x more at V = 2,048 and is
+    most of the sampling of a decode step."""
+    running = jnp.cumsum(jax.nn.softmax(logits, axis=-1), axis=-1)
+    total = running[:, -1]
+    target = jnp.minimum(uniform * total, jnp.nextafter(total, jnp.zeros_like(total)))
+    return jnp.sum(running <= target[:, None], axis=-1, dtype=jnp.int32)
+
+
 def sample_rows(
     keys: jax.Array,
     logits: jax.Array,
@@ -228,8 +242,8 @@ def sample_rows(
 
     needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
     scaled = jax.lax.cond(needs_filter, filtered, lambda x: x, scaled)
-    sampled = jax.vmap(jax.random.categorical)(keys, scaled)
-    return jnp.where(temperature > 0, sampled, greedy)
+    uniform = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+    return jnp.where(temperature > 0, categorical(uniform, scaled), greedy)
 
 
 def _key_data(keys: jax.Array) -> jax.Array:

@@ -170,6 +170,29 @@ def test_n_samples_share_one_prefill_and_a_seed_fixes_them(gpt2):
         assert len(output.log_probs) == len(output.tokens) and all(p <= 0 for p in output.log_probs)
 
 
+def test_categorical_draws_each_id_at_its_probability_and_never_a_masked_one():
+    """`slots.categorical` (the inverse CDF): over 40,000 draws a row, each id's frequency is within 5 standard errors of
+    its softmax probability, and an id of -inf logit (masked ones first, last and between) is never drawn."""
+    draws = 40_000
+    logits = np.array(
+        [
+            [-np.inf, 0.0, 1.0, -np.inf, 2.0, -0.5, -np.inf],  # masked ids around and between the drawn ones
+            [3.0, -np.inf, -np.inf, -np.inf, -np.inf, -np.inf, -np.inf],  # one id holds all the mass
+            [-np.inf, -np.inf, -np.inf, -np.inf, -np.inf, -np.inf, 0.0],  # the last id holds all the mass
+            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -4.0],
+        ],
+        np.float32,
+    )
+    rows = np.repeat(logits, draws, axis=0)
+    uniform = jax.random.uniform(jax.random.key(7), (len(rows),))
+    ids = np.asarray(jax.jit(slots.categorical)(uniform, rows)).reshape(len(logits), draws)
+    probabilities = np.asarray(jax.nn.softmax(logits, axis=-1))
+    for row, p in enumerate(probabilities):
+        counts = np.bincount(ids[row], minlength=len(p)) / draws
+        assert not counts[p == 0].any(), (row, counts)
+        np.testing.assert_array_less(np.abs(counts - p), 5 * np.sqrt(p * (1 - p) / draws) + 1e-9)
+
+
 def test_greedy_and_sampled_requests_share_a_chunk(gpt2):
     model, params = gpt2
     greedy_prompt, sampled_prompt = prompts(53, (6, 6), seed=4)

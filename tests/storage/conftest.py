@@ -27,7 +27,7 @@ import pytest
 BACKENDS = ("local", "gs", "s3")
 
 # Variables that steer the GCS and S3 clients: cleared for the session, so that the tests see what lmzoo itself sets
-# (storage.py points tensorstore and gcsfs at the emulator) and no endpoint or profile of the developer's.
+# (lmzoo.storage points tensorstore and gcsfs at the emulator) and no endpoint or profile of the developer's.
 _CLIENT_VARIABLES = (
     "STORAGE_EMULATOR_HOST",
     "TENSORSTORE_GCS_HTTP_URL",

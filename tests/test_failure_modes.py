@@ -178,6 +178,24 @@ def test_batch_not_divisible_by_the_devices_is_refused_naming_the_field(tmp_path
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_whose_batches_split_traces_its_model_once(tmp_path, monkeypatch):
+    """Issue 54: the state is traced once to check the layout, and that trace is what the trainer is compiled from;
+    the trace with no mesh that finds a mesh to suggest is made only for a batch size that does not split."""
+    from lmzoo.trainers import base as trainers_base
+
+    traced = []
+    original = trainers_base.traced_state
+    monkeypatch.setattr(
+        trainers_base, "traced_state", lambda *a, **k: traced.append(k.get("sizes")) or original(*a, **k)
+    )
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    config = testing.tiny_config(sample_tokens=0)
+    config.data.source, config.data.path, config.data.tokenizer = "local", str(corpus), {"kind": "char"}
+    run_lib.build(config, str(tmp_path / "run")).close()
+    assert traced == [(1, 1, 1, 1)]
+
+
 def test_unknown_variant_is_refused():
     with pytest.raises(ValueError, match="unknown config variant 'tinyy' in 'tinyy'; known variants: tiny"):
         config_lib.check_overrides(["--config=configs/default.py:tinyy"], default=str(ROOT / "configs" / "default.py"))

@@ -104,7 +104,22 @@ class TokenClassifier(nn.Module):
         )
 
 
-class LMWithValueHead(nn.Module):
+class _PolicyDecoder:
+    """What a policy (a decoder with values) offers the forwards that read no values: its decoder's config and
+    `window_logits` (with the KV cache in decode mode), run under the policy's own module paths ("decoder/..."), so
+    LoRA adapters attached to the policy's params apply as in its call (`serving.slots.shared_prompt_logits`)."""
+
+    decoder: nn.Module
+
+    @property
+    def config(self):
+        return self.decoder.config
+
+    def window_logits(self, tokens, window, **forward):
+        return self.decoder.window_logits(tokens, window, **forward)
+
+
+class LMWithValueHead(_PolicyDecoder, nn.Module):
     """tokens [B, T] -> (logits [B, T, V], values [B, T]): a decoder LM and a value head on its final hidden states.
 
     The head starts at zero (V ≡ 0, Ziegler et al. 2019), so the value loss cannot disturb the
@@ -130,7 +145,7 @@ class LMWithValueHead(nn.Module):
         return logits, head("BTD,DC->BTC", hidden)[..., 0]
 
 
-class LMWithValueModel(nn.Module):
+class LMWithValueModel(_PolicyDecoder, nn.Module):
     """tokens [B, T] -> (logits [B, T, V], values [B, T]): a decoder LM and a separate value network.
 
     The two share no parameters ("decoder" and "value_model"), so the policy loss never reaches the

@@ -44,6 +44,8 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
     prompt_len, response_len: prompt tokens (left-padded, the end kept) and sampled tokens per response.
     temperature: sampling temperature, applied to every log-prob (policy, old policy, reference).
     samples_per_prompt: responses sampled per prompt (reinforce/rloo/grpo need >= 2: GRPO's group size G).
+    shared_prompts: reinforce/rloo/grpo run each prompt through the policy and the reference once for its G
+        responses (docs/rl.md); False runs every prompt ⊕ response row whole.
     epochs, minibatches: PPO passes over each rollout and updates per pass.
     clip_eps, value_clip_eps, value_coef, entropy_coef: PPO losses (ε, ε_v, c_v, c_H).
     gamma, lam: GAE.

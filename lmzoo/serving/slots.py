@@ -13,6 +13,9 @@ cache. Three pure functions move it, each jitted once per shape:
   its stop ids or at its token budget, and feeds the token back through the model. The chunk ends early when every
   slot is idle, or as soon as as many slots freed as the next waiting request needs (so the host admits it at once).
 
+`shared_prompt_logits` is the same prefix sharing for training: a group of replies to one prompt read the prompt's
+cache rows, differentiably, so GRPO's updates run each prompt once for its G samples.
+
 The host side (`engine.Engine`) admits requests and frees slots between chunks; `sample_groups` runs the three in one
 jitted program for the callers that sample a fixed batch inside a compiled step (RL rollouts).
 
@@ -167,6 +170,57 @@ def prefill(model: nn.Module, params, prompts: jax.Array, prompt_mask: jax.Array
         method="window_logits",
     )
     return variables["cache"], logits[:, 0].astype(jnp.float32), positions[:, -1] + 1
+
+
+def shared_prompt_logits(
+    model: nn.Module,
+    params,
+    prompts: jax.Array,
+    prompt_mask: jax.Array,
+    continuations: jax.Array,
+    continuation_mask: jax.Array,
+    *,
+    deterministic: bool = True,
+) -> jax.Array:
+    """The logits predicting each continuation's tokens, each prompt run through the model once for its G
+    continuations: prompts [n, P] left-padded (prompt_mask [n, P]: 1 on real tokens), continuations [n·G, T]
+    (continuation_mask [n·G, T]: 1 on a prefix of real tokens; prompt b's in rows b·G .. b·G+G-1) -> logits
+    [n·G, T, V] of positions P - 1 .. P + T - 2 of each prompt ⊕ continuation, what `window_logits` of the
+    concatenated rows (segment ids their masks, positions counting real tokens) gives.
+
+    The prompts fill a cache of n rows (`prefill`'s), repeated G times, which the continuations read as one chunk
+    of T tokens. Pure and differentiable: a loss's gradient reaches each prompt's keys and values through the G rows
+    that read them. What training on groups of replies to one prompt uses (GRPO's groups, the reference's log-probs of
+    them): the prompt's tokens go through the model once rather than G times, at the price of the einsum
+    attention over the cache (`attention.cached_attention`) in place of a fused kernel.
+
+    model: a decoder, or a policy that runs one (`models.heads.LMWithValueHead`: its decoder's logits).
+    """
+    rows, prompt_len = prompts.shape
+    group, length = continuations.shape[0] // rows, continuations.shape[1]
+    if group * rows != continuations.shape[0]:
+        raise ValueError(f"{continuations.shape[0]} continuations are not G of each of {rows} prompts")
+    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
+    forward = dict(decode=True, deterministic=deterministic, mutable=["cache"], method="window_logits")
+    (last_logits, _), variables = model.apply(
+        {"params": params, "cache": init_cache(model, rows, prompt_len + length, (0, 1), method="window_logits")},
+        prompts,
+        (prompt_len - 1, prompt_len),
+        positions=positions,
+        segment_ids=prompt_mask.astype(jnp.int32),
+        **forward,
+    )
+    cache = jax.tree.map(lambda leaf: jnp.repeat(leaf, group, axis=batch_axis(model)), variables["cache"])
+    continuation_positions = jnp.repeat(positions[:, -1:], group, axis=0) + jnp.cumsum(continuation_mask, axis=1)
+    (logits, _), _ = model.apply(
+        {"params": params, "cache": cache},
+        continuations,
+        (0, length - 1),
+        positions=continuation_positions.astype(jnp.int32),
+        segment_ids=continuation_mask.astype(jnp.int32),
+        **forward,
+    )
+    return jnp.concatenate([jnp.repeat(last_logits, group, axis=0), logits], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("axis",), donate_argnames=("cache", "state"))

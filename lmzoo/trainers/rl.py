@@ -13,6 +13,7 @@ The maths is `lmzoo.rl`; the recipe around it (data, frozen models, settings) is
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -25,6 +26,7 @@ from jax.experimental import io_callback
 from lmzoo import decoding, lora
 from lmzoo.models import experts, heads, kinds
 from lmzoo.rl import policy_gradient, reward
+from lmzoo.serving import slots
 from lmzoo.trainers import base
 from lmzoo.trainers.state import LossFn, Metrics
 
@@ -41,6 +43,9 @@ class RLSettings:
     response_len: int = 32
     temperature: float = 1.0
     samples_per_prompt: int = 1
+    # Each prompt run through the policy and the reference once for its samples_per_prompt replies (`shares_prompts`);
+    # False: every row's prompt ⊕ reply whole (fused attention kernels' form, for long sequences on accelerators).
+    shared_prompts: bool = True
     epochs: int = 4
     minibatches: int = 1
     clip_eps: float = 0.2
@@ -253,6 +258,33 @@ class PPOTrainer:
         """logits [B, T, V] of the response window -> (log π(y_t), entropy) [B, T]."""
         return policy_gradient.response_logprobs(logits, responses, temperature=self.settings.temperature)
 
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether the forwards over a rollout run each prompt once for its G samples (`_response_logits`): with
+        shared_prompts, G > 1, an algorithm that reads no values (PPO's value loss reads the prompts' hidden states)
+        and no experts (their auxiliary losses count every token the router sees)."""
+        s = self.settings
+        return (
+            s.shared_prompts
+            and s.samples_per_prompt > 1
+            and s.algorithm != "ppo"
+            and not experts.has_experts(self.policy)
+        )
+
+    def _response_logits(self, model, params, inputs: dict[str, jax.Array], group: int) -> jax.Array:
+        """The logits [B·G, T, V] of `model` (the policy or the reference decoder) predicting the responses of
+        `rollout_inputs` rows [B·G, P + T] whose runs of `group` rows share their prompt, each prompt run once
+        (`slots.shared_prompt_logits`); what `window_logits` over the rows at `_response_window` gives."""
+        prompt_len = self.settings.prompt_len
+        return slots.shared_prompt_logits(
+            model,
+            params,
+            inputs["sequences"][::group, :prompt_len],
+            inputs["segment_ids"][::group, :prompt_len],
+            inputs["sequences"][:, prompt_len:],
+            inputs["segment_ids"][:, prompt_len:],
+        )
+
     def generate(self, params, batch, rng, *, samples_per_prompt: int) -> dict[str, jax.Array]:
         """`samples_per_prompt` responses to each of batch "prompts"/"prompt_mask" [B, P] from the KV-cache sampler
         (each prompt prefilled once) -> "prompts", "prompt_mask" [B·K, P], "responses" [B·K, T] (pad after the EOS)
@@ -378,13 +410,22 @@ class PPOTrainer:
         return s.algorithm == "grpo" and s.epochs * s.minibatches == 1 and not s.whiten_rewards
 
     def score(
-        self, params, frozen, kl_coef, samples: dict[str, jax.Array], *, policy_forward: bool = True
+        self,
+        params,
+        frozen,
+        kl_coef,
+        samples: dict[str, jax.Array],
+        *,
+        policy_forward: bool = True,
+        samples_per_prompt: int = 1,
     ) -> tuple[dict[str, jax.Array], Metrics]:
         """Scores `generate`'s samples (`_scores`: the frozen reward model, the reward functions), reads the policy's and
         the reference's log-probs and the values, shapes the rewards and runs GAE -> the fixed targets of the updates
         (every array [B·K, ...]) with the rollout metrics. policy_forward False (`update_reads_old_logprobs`): GRPO's
-        targets without the policy's log-probs, which its one update reads itself."""
+        targets without the policy's log-probs, which its one update reads itself. samples_per_prompt: the K of the
+        samples' groups, whose prompt the forwards run once (`shares_prompts`)."""
         s = self.settings
+        group = samples_per_prompt if self.shares_prompts else 1
         prompts, prompt_mask, responses, mask = (samples[k] for k in ("prompts", "prompt_mask", "responses", "mask"))
         has_eos = jnp.any((responses == self.eos_id) & (mask > 0), axis=1)
         # An episode's environment tokens are in the context the policy reads, never in its loss (`mask`).
@@ -392,13 +433,16 @@ class PPOTrainer:
         forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
         ref_logprobs = None
         if s.algorithm != "grpo" or s.kl_loss != "off":  # GRPO without a KL term never runs the reference
-            ref_logits, _ = self.decoder.apply(
-                {"params": frozen["reference"]},
-                inputs["sequences"],
-                self._response_window(responses),
-                method="window_logits",
-                **forward,
-            )
+            if group > 1:
+                ref_logits = self._response_logits(self.decoder, frozen["reference"], inputs, group)
+            else:
+                ref_logits, _ = self.decoder.apply(
+                    {"params": frozen["reference"]},
+                    inputs["sequences"],
+                    self._response_window(responses),
+                    method="window_logits",
+                    **forward,
+                )
             ref_logprobs, _ = self._logprobs(ref_logits, responses)
         if "scores" in samples:  # scored while drawn (`_refilled_rollout`)
             scores, raw_scores, reward_metrics = samples["scores"], samples["raw_scores"], {}
@@ -408,9 +452,13 @@ class PPOTrainer:
         metrics = {**reward_metrics, "objective/raw_scores": (jnp.sum(raw_scores), rows)}
         rollout = {**inputs, "responses": responses, "scores": scores}
         if policy_forward:
-            logits, values = self.policy.apply(
-                {"params": params}, inputs["sequences"], logits_window=self._response_window(responses), **forward
-            )
+            if group > 1:  # an algorithm without values: GAE's, unused, over values of 0
+                logits = self._response_logits(self.policy, params, inputs, group)
+                values = jnp.zeros(inputs["sequences"].shape, jnp.float32)
+            else:
+                logits, values = self.policy.apply(
+                    {"params": params}, inputs["sequences"], logits_window=self._response_window(responses), **forward
+                )
             logprobs, entropy = self._logprobs(logits, responses)
             if ref_logprobs is None:  # KL 0 in every metric
                 ref_logprobs = jax.lax.stop_gradient(logprobs)
@@ -559,7 +607,7 @@ class PPOTrainer:
     ) -> tuple[dict[str, jax.Array], Metrics]:
         """`generate` then `score`."""
         samples = self.generate(params, batch, rng, samples_per_prompt=samples_per_prompt)
-        return self.score(params, frozen, kl_coef, samples)
+        return self.score(params, frozen, kl_coef, samples, samples_per_prompt=samples_per_prompt)
 
     def minibatch_loss(
         self,
@@ -567,14 +615,17 @@ class PPOTrainer:
         minibatch: dict[str, jax.Array],
         demonstrations: dict[str, jax.Array] | None = None,
         frozen: Any = None,
+        *,
+        prompt_group: int = 1,
     ) -> tuple[jax.Array, Metrics]:
         """The PPO (or REINFORCE) loss of a rollout minibatch, plus ptx_coef x the SFT loss of the policy's decoder on
         `demonstrations` (packed "inputs", "targets", "weights", "segment_ids", "positions" [R, L]) when given;
-        `params` are the trained ones (`frozen`: the state's, which LoRA's policy params are merged into)."""
+        `params` are the trained ones (`frozen`: the state's, which LoRA's policy params are merged into).
+        prompt_group > 1: the minibatch's rows share their prompt in runs of that many, run once (`shares_prompts`)."""
         adapted = lora.training_form(self.lora_config, train=False) if self.lora_config else contextlib.nullcontext()
         with adapted:
             params = self.policy_params(params, frozen, train=True)
-            loss, metrics = self._policy_loss(params, minibatch)
+            loss, metrics = self._policy_loss(params, minibatch, prompt_group)
             if demonstrations is None:
                 return loss, metrics
             ptx_loss, (ptx_metrics, _) = self.ptx_loss(
@@ -583,8 +634,12 @@ class PPOTrainer:
         ptx_metrics = {"ptx/loss": ptx_metrics["loss"], "ptx/accuracy": ptx_metrics["accuracy"]}
         return loss + self.settings.ptx_coef * ptx_loss, {**metrics, **jax.tree.map(jax.lax.stop_gradient, ptx_metrics)}
 
-    def _policy_loss(self, params, minibatch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
+    def _policy_loss(self, params, minibatch: dict[str, jax.Array], prompt_group: int) -> tuple[jax.Array, Metrics]:
         """The algorithm's loss of a rollout minibatch; a policy with experts adds its layers' auxiliary losses."""
+        if prompt_group > 1:
+            return self._algorithm_loss(
+                self._response_logits(self.policy, params, minibatch, prompt_group), None, minibatch
+            )
         applied = experts.AuxCollector(self.policy) if experts.has_experts(self.policy) else self.policy
         logits, values = applied.apply(
             {"params": params},
@@ -668,10 +723,15 @@ class PPOTrainer:
                 baseline = "mean" if s.algorithm == "reinforce" else "leave_one_out"
                 advantages = policy_gradient.reinforce_advantages(grouped, baseline=baseline)
             rollout = {**rollout, "sequence_advantages": advantages.reshape(-1)}
-        order = jnp.stack([jax.random.permutation(jax.random.fold_in(rng, e), rows) for e in range(s.epochs)])
+        # Minibatches of whole groups when their prompts are run once: the groups are shuffled, not the rows.
+        group = (
+            s.samples_per_prompt if self.shares_prompts and (rows // s.samples_per_prompt) % s.minibatches == 0 else 1
+        )
+        order = jnp.stack([jax.random.permutation(jax.random.fold_in(rng, e), rows // group) for e in range(s.epochs)])
+        order = (order[..., None] * group + jnp.arange(group)).reshape(s.epochs, rows)
         indices = order.reshape(s.epochs * s.minibatches, rows // s.minibatches)
         parts = None if demonstrations is None else base.split_microbatches(demonstrations, s.minibatches)
-        grad_fn = jax.value_and_grad(self.minibatch_loss, has_aux=True)
+        grad_fn = jax.value_and_grad(functools.partial(self.minibatch_loss, prompt_group=group), has_aux=True)
 
         def one_update(carry, xs):
             params, opt_state = carry
@@ -729,7 +789,14 @@ class PPOTrainer:
                 samples, draw_metrics = carry
             policy = self.policy_params(state.params, state.frozen)
             forward = not self.update_reads_old_logprobs
-            rollout, metrics = self.score(policy, state.frozen, state.kl_coef, samples, policy_forward=forward)
+            rollout, metrics = self.score(
+                policy,
+                state.frozen,
+                state.kl_coef,
+                samples,
+                policy_forward=forward,
+                samples_per_prompt=s.samples_per_prompt,
+            )
             scored = rollout, {**metrics, **draw_metrics}
             return (scored, carry["drawn"], samples["version"]) if s.max_staleness else scored
         if s.max_staleness:

@@ -5,6 +5,7 @@ run, with PASS/MISS against the target lmzoo >= 1.0x trl (trl's time over lmzoo'
     PYTHONPATH=$PWD venv-trl/bin/python bench/preference_bench.py --trl     # + trl (its venv: see bench/ppo_bench.py)
 
 DPO: configs/hh_dpo.py's step, 16 pairs x 2 replies of 256 tokens (a 128-byte prompt, a 127-byte reply and EOS),
+as it runs by default (both rows whole) and with objective.max_prompt_len=128 (each prompt run once for its replies),
 the policy's forward and backward and the frozen reference's forward, AdamW, on the GPT-2 of 4 layers x 128 of the
 alignment configs. trl's DPOTrainer gets the same model config, batch and strings (it appends the EOS itself), the
 reference's log-probs computed in each step as lmzoo does (`precompute_ref_log_probs=False`).
@@ -147,26 +148,31 @@ def main():
         f"{grpo_config.train.batch_size} prompts x {s.samples_per_prompt} samples x ({s.prompt_len} + {s.response_len}) "
         f"tokens, {s.epochs} epoch x {s.minibatches} minibatch"
     )
-    lmzoo = {"dpo step": lmzoo_dpo_ms(dpo_config, args.repeats)[1]}
+    budget_config = hh_dpo_config(args.tiny)
+    budget_config.objective.max_prompt_len = min(PROMPT_LEN, dpo_config.data.seq_len // 2)  # the texts' prompts
+    lmzoo = {
+        "dpo step": lmzoo_dpo_ms(dpo_config, args.repeats)[1],
+        "dpo step, prompt once": lmzoo_dpo_ms(budget_config, args.repeats)[1],
+    }
     lmzoo |= {f"grpo {part}": ms[1] for part, ms in ppo_bench.lmzoo_parts(grpo_config, args.repeats).items()}
     columns = {"lmzoo": lmzoo}
     if args.trl:
         import trl
 
         trl_ms = {"dpo step": 1e3 * statistics.median(trl_dpo_seconds(dpo_config, args.repeats))}
+        trl_ms["dpo step, prompt once"] = trl_ms["dpo step"]  # the same strings: trl runs both rows whole
         seconds = ppo_bench.trl_iterations(grpo_config, args.repeats)
         trl_ms |= {f"grpo {part}": 1e3 * statistics.median(v) for part, v in seconds.items()}
         columns[f"trl {trl.__version__}"] = trl_ms
     print(f"median ms; load average now {os.getloadavg()[0]:.2f}")
     print(f"{'part':22s}" + "".join(f"{name:>14s}" for name in columns) + ("   trl / lmzoo" if args.trl else ""))
-    for part in ("dpo step", "grpo rollout", "grpo scoring", "grpo update", "grpo step"):
+    for part in ("dpo step", "dpo step, prompt once", "grpo rollout", "grpo scoring", "grpo update", "grpo step"):
         label = "grpo whole iteration" if part == "grpo step" else part
         line = f"{label:22s}" + "".join(f"{column[part]:14.1f}" for column in columns.values())
         if args.trl:
             ours, theirs = (column[part] for column in columns.values())
-            line += (
-                f"   {speedup_verdict(ours, theirs) if part in ('dpo step', 'grpo step') else f'{theirs / ours:.2f}x'}"
-            )
+            judged = part.startswith("dpo step") or part == "grpo step"
+            line += f"   {speedup_verdict(ours, theirs) if judged else f'{theirs / ours:.2f}x'}"
         print(line)
     if args.trl:
         print("target: lmzoo >= 1.0x trl (trl's median time over lmzoo's) on the DPO step and the GRPO iteration")

@@ -114,12 +114,20 @@ def as_ranked(comparison: Comparison) -> RankedResponses:
     return RankedResponses(comparison.prompt, (comparison.chosen, comparison.rejected), (0, 1))
 
 
-def _fit(prompt: list[int], responses: list[list[int]], max_len: int, eos_id: int) -> tuple[int, list[list[int]]]:
-    """(prompt ids kept, prompt ⊕ response ⊕ EOS of at most max_len ids for each response); one prompt cut for all."""
-    longest = max(len(r) for r in responses) + 1
-    prompt_len = min(len(prompt), max(max_len - longest, max_len // 2))
+def _fit(
+    prompt: list[int], responses: list[list[int]], max_len: int, eos_id: int, prompt_budget: int = 0
+) -> tuple[int, list[list[int]]]:
+    """(prompt ids kept, prompt ⊕ response ⊕ EOS of at most max_len ids for each response); one prompt cut for all,
+    its end kept: as much of it as leaves room for the longest response (at least max_len // 2 ids), or with a
+    prompt_budget P > 0 at most P ids, each response ⊕ EOS then at most max_len - P."""
+    if prompt_budget:
+        prompt_len, reply_room = min(len(prompt), prompt_budget), max_len - prompt_budget
+    else:
+        longest = max(len(r) for r in responses) + 1
+        prompt_len = min(len(prompt), max(max_len - longest, max_len // 2))
+        reply_room = max_len - prompt_len
     kept = prompt[len(prompt) - prompt_len :]
-    return prompt_len, [kept + r[: max_len - prompt_len - 1] + [eos_id] for r in responses]
+    return prompt_len, [kept + r[: reply_room - 1] + [eos_id] for r in responses]
 
 
 def reward_model_arrays(
@@ -130,9 +138,11 @@ def reward_model_arrays(
     max_responses: int,
     pad_id: int,
     eos_id: int,
+    prompt_budget: int = 0,
 ) -> dict[str, np.ndarray]:
     """Ranked groups -> "tokens" [N, K, max_len] int32 (prompt ⊕ response ⊕ EOS, right-padded with pad_id),
-    "ranks" [N, K] int32 and "valid" [N, K] bool, K = max_responses (groups with fewer responses are padded)."""
+    "ranks" [N, K] int32 and "valid" [N, K] bool, K = max_responses (groups with fewer responses are padded).
+    prompt_budget P > 0: every prompt cut to its last P ids and every response ⊕ EOS to max_len - P (`_fit`)."""
     if pad_id == eos_id:
         raise ValueError("pad_id must differ from eos_id: the score is read at the EOS, the last non-pad token")
     tokens = np.full((len(groups), max_responses, max_len), pad_id, np.int32)
@@ -144,7 +154,7 @@ def reward_model_arrays(
             raise ValueError(
                 f"group {i} has {k} responses and {len(group.ranks)} ranks; need 1..{max_responses} of each, equal"
             )
-        _, sequences = _fit(encode(group.prompt), [encode(r) for r in group.responses], max_len, eos_id)
+        _, sequences = _fit(encode(group.prompt), [encode(r) for r in group.responses], max_len, eos_id, prompt_budget)
         for j, ids in enumerate(sequences):
             tokens[i, j, : len(ids)] = ids
         ranks[i, :k], valid[i, :k] = group.ranks, True

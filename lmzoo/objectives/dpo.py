@@ -20,6 +20,7 @@ the comparisons are.
 """
 
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -46,6 +47,9 @@ class DPOConfig(base.ComparisonSplitConfig):
     chat_template: the template chat pairs are rendered with: a tokenizer_config.json, a chat_template.jinja or the
       folder holding one; "" reads the one beside the run's tokenizer.json (data.tokenizer.path of kind hf_json, or
       init_from's hf: folder with kind init_from). HH-RLHF files use none.
+    max_prompt_len: P > 0 cuts every prompt to its last P tokens and every reply ⊕ EOS to data.seq_len - P, and runs
+      each prompt through the policy and the reference once for both replies (`preference.shared_reply_logprobs`);
+      0: each prompt cut to leave room for its longer reply, both rows run whole.
     """
 
     sft: str = ""
@@ -53,10 +57,13 @@ class DPOConfig(base.ComparisonSplitConfig):
     label_smoothing: float = 0.0
     loss_type: str = "sigmoid"
     chat_template: str = ""
+    max_prompt_len: int = 0
 
     def __post_init__(self):
         super().__post_init__()
         problems = []
+        if self.max_prompt_len < 0:
+            problems.append(f"max_prompt_len={self.max_prompt_len}: must be >= 0 (0: no prompt budget)")
         if self.beta <= 0:
             problems.append(f"beta={self.beta}: must be > 0, e.g. 0.1")
         if not 0 <= self.label_smoothing < 0.5:
@@ -81,8 +88,12 @@ def dpo_task(model, fields: DPOConfig, *, pad_id: int) -> Task:
     def loss(params, frozen, carry, batch, rng, *, step, train):
         tokens, prompt_lengths = batch["tokens"], batch["prompt_lengths"]
         applied = experts.AuxCollector(model) if experts.has_experts(model) else model
-        policy, replies = preference.reply_logprobs(applied, params, tokens, prompt_lengths, pad_id=pad_id)
-        reference, _ = preference.reply_logprobs(model, frozen["reference"], tokens, prompt_lengths, pad_id=pad_id)
+        if fields.max_prompt_len and applied is model:  # experts' auxiliary losses count every token routed
+            logprobs = functools.partial(preference.shared_reply_logprobs, prompt_budget=fields.max_prompt_len)
+        else:
+            logprobs = preference.reply_logprobs
+        policy, replies = logprobs(applied, params, tokens, prompt_lengths, pad_id=pad_id)
+        reference, _ = logprobs(model, frozen["reference"], tokens, prompt_lengths, pad_id=pad_id)
         reference = jax.lax.stop_gradient(reference)
         example_weights = batch.get("example_weights", jnp.ones(prompt_lengths.shape, jnp.float32))
         scale = jnp.maximum(replies, 1.0) if fields.loss_type == "ipo" else 1.0  # IPO compares per-token means
@@ -118,7 +129,13 @@ def dpo_examples(raw: list[comparisons.Comparison], tokenizer, config, where: st
     # its row, prompt ⊕ EOS, measures the prompt as kept.
     groups = [comparisons.RankedResponses(c.prompt, (c.chosen, c.rejected, ""), (0, 1, 2)) for c in raw]
     arrays = comparisons.reward_model_arrays(
-        groups, tokenizer.encode, max_len=config.data.seq_len, max_responses=3, pad_id=tokenizer.pad_id, eos_id=end
+        groups,
+        tokenizer.encode,
+        max_len=config.data.seq_len,
+        max_responses=3,
+        pad_id=tokenizer.pad_id,
+        eos_id=end,
+        prompt_budget=config.objective.max_prompt_len,
     )
     lengths = np.sum(arrays["tokens"] != tokenizer.pad_id, axis=-1).astype(np.int32)
     tokens = arrays["tokens"][:, :2]
@@ -149,6 +166,12 @@ class DPO(base.ExampleObjective):
 
     def check(self):
         super().check()
+        seq_len = self.config.data.seq_len
+        if self.fields.max_prompt_len > seq_len - 2:
+            raise ValueError(
+                f"config.objective.max_prompt_len={self.fields.max_prompt_len} leaves no room for a reply and its EOS "
+                f"in data.seq_len={seq_len}: set it below {seq_len - 1} (0: no prompt budget)"
+            )
         sft_spec = self.fields.sft
         if not sft_spec.startswith("ckpt:"):
             raise ValueError(f"config.objective.sft={sft_spec!r}: set it to 'ckpt:WORKDIR' of the SFT run")

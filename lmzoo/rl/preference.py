@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from lmzoo.rl import policy_gradient, reward
 from lmzoo.rl.policy_gradient import Metrics
+from lmzoo.serving import slots
 
 LOSS_TYPES = ("sigmoid", "ipo")
 
@@ -23,6 +24,32 @@ def reply_logprobs(model, params, tokens: jax.Array, prompt_lengths: jax.Array, 
     mask = mask.astype(jnp.float32)
     summed, counts = jnp.sum(token_logprobs * mask, axis=1), jnp.sum(mask, axis=1)
     return summed.reshape(tokens.shape[:2]), counts.reshape(tokens.shape[:2])
+
+
+def shared_reply_logprobs(
+    model, params, tokens: jax.Array, prompt_lengths: jax.Array, *, prompt_budget: int, pad_id: int
+):
+    """`reply_logprobs` with each comparison's prompt run once for its K replies (`slots.shared_prompt_logits`):
+    tokens [B, K, L] as there, cut with a prompt budget P (`comparisons.reward_model_arrays`: prompts of at most P
+    tokens, replies ⊕ EOS of at most L - P), prompt_lengths [B] -> (summed log-probs [B, K], token counts [B, K]).
+    The model reads B·P + B·K·(L - P) tokens rather than B·K·L."""
+    batch, replies_per_prompt, length = tokens.shape
+    reply_len = length - prompt_budget
+    columns = prompt_lengths[:, None] - prompt_budget + jnp.arange(prompt_budget)  # [B, P]: the prompt, right-aligned
+    prompt_mask = columns >= 0
+    prompts = jnp.where(prompt_mask, jnp.take_along_axis(tokens[:, 0], jnp.maximum(columns, 0), axis=1), pad_id)
+    columns = jnp.broadcast_to(
+        (prompt_lengths[:, None] + jnp.arange(reply_len))[:, None], (batch, replies_per_prompt, reply_len)
+    )
+    replies = jnp.take_along_axis(tokens, columns, axis=2).reshape(batch * replies_per_prompt, reply_len)
+    reply_mask = replies != pad_id
+    logits = slots.shared_prompt_logits(model, params, prompts, prompt_mask, replies, reply_mask)
+    token_logprobs, _ = policy_gradient.response_logprobs(logits, replies)  # [B·K, T]
+    # A reply's first token is read after the prompt's last: with no prompt, there is none to predict it from.
+    first_read = jnp.repeat(prompt_lengths > 0, replies_per_prompt)[:, None] | (jnp.arange(reply_len) > 0)
+    mask = (reply_mask & first_read).astype(jnp.float32)
+    summed, counts = jnp.sum(token_logprobs * mask, axis=1), jnp.sum(mask, axis=1)
+    return summed.reshape(batch, replies_per_prompt), counts.reshape(batch, replies_per_prompt)
 
 
 def dpo_loss(

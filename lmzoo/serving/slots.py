@@ -211,7 +211,8 @@ def shared_prompt_logits(
         **forward,
     )
     cache = jax.tree.map(lambda leaf: jnp.repeat(leaf, group, axis=batch_axis(model)), variables["cache"])
-    continuation_positions = jnp.repeat(positions[:, -1:], group, axis=0) + jnp.cumsum(continuation_mask, axis=1)
+    prompt_tokens = jnp.repeat(jnp.sum(prompt_mask, axis=1, keepdims=True), group, axis=0)  # an empty prompt: 0
+    continuation_positions = jnp.maximum(prompt_tokens + jnp.cumsum(continuation_mask, axis=1) - 1, 0)
     (logits, _), _ = model.apply(
         {"params": params, "cache": cache},
         continuations,

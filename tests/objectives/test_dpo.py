@@ -18,7 +18,7 @@ import pytest
 
 from lmzoo import config as config_lib
 from lmzoo import metrics as metrics_lib
-from lmzoo import sharding, testing, tokenizers
+from lmzoo import models, sharding, testing, tokenizers
 from lmzoo.data import comparisons
 from lmzoo.objectives import dpo
 from lmzoo.rl import preference
@@ -99,6 +99,83 @@ def test_reply_logprobs_sum_reply_tokens_only_and_ignore_padding():
         expected = sum(float(log_probs[t - 1, row[t]]) for t in range(p, len(row)))  # the row alone, no padding
         np.testing.assert_allclose(summed[b, k], expected, rtol=1e-5)
         assert counts[b, k] == len(row) - p
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_shared_reply_logprobs_and_gradients_are_those_of_the_rows_run_whole(family):
+    """Each prompt run once for its two replies: the log-probs, token counts and gradients of `reply_logprobs` over
+    rows cut with a prompt budget of 5 (prompts of 5, 2, 1 and no tokens; replies of 1-7 tokens with their EOS)."""
+    if family == "gpt2":
+        model, params = testing.tiny_gpt2()
+    else:
+        fields = dict(vocab_size=32, max_len=16, emb_dim=24, num_heads=3, num_kv_heads=1, num_layers=2, mlp_dim=40)
+        model = models.build_model("llama", fields)
+        params = model.init(jax.random.key(0), np.zeros((1, 12), np.int32))["params"]
+    budget, length = 5, 12
+    rng = np.random.default_rng(4)
+    prompt_lengths = np.array([5, 2, 1, 0], np.int32)
+    reply_lengths = [(7, 3), (1, 7), (4, 4), (6, 2)]
+    tokens = np.full((4, 2, length), PAD, np.int32)
+    for b, p in enumerate(prompt_lengths):
+        prompt = rng.integers(0, 30, p)
+        for k, n in enumerate(reply_lengths[b]):
+            tokens[b, k, : p + n] = np.concatenate([prompt, rng.integers(0, 30, n)])
+
+    def summed(logprobs, params):
+        values, counts = logprobs(model, params, jnp.asarray(tokens), jnp.asarray(prompt_lengths), pad_id=PAD)
+        return jnp.sum(values * jnp.array([1.0, -0.5])), (values, counts)
+
+    shared = functools.partial(preference.shared_reply_logprobs, prompt_budget=budget)
+    (_, (values, counts)), grads = jax.value_and_grad(functools.partial(summed, shared), argnums=0, has_aux=True)(
+        params
+    )
+    (_, (whole_values, whole_counts)), whole_grads = jax.value_and_grad(
+        functools.partial(summed, preference.reply_logprobs), argnums=0, has_aux=True
+    )(params)
+    np.testing.assert_array_equal(counts, whole_counts)
+    np.testing.assert_array_equal(counts[3], np.array(reply_lengths[3]) - 1)  # no prompt: the first token is unread
+    np.testing.assert_allclose(values, whole_values, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(grads, whole_grads, rtol=1e-4, atol=1e-6)
+
+
+def test_the_dpo_loss_with_a_prompt_budget_runs_each_prompt_once():
+    """dpo_task with max_prompt_len: the loss of the rows run whole, at fewer flops (prompts of 8 tokens read once
+    for their 2 replies of at most 4)."""
+    model, params = testing.tiny_gpt2()
+    rng = np.random.default_rng(5)
+    tokens = np.full((4, 2, 12), PAD, np.int32)
+    tokens[:, :, :8] = rng.integers(0, 30, (4, 1, 8))
+    tokens[:, :, 8:11] = rng.integers(0, 30, (4, 2, 3))
+    batch = {"tokens": jnp.asarray(tokens), "prompt_lengths": jnp.full((4,), 8, jnp.int32)}
+    frozen = {"reference": jax.tree.map(lambda x: x * 0.9, params)}
+
+    def loss_and_flops(budget):
+        task = dpo.dpo_task(model, dpo.DPOConfig(max_prompt_len=budget), pad_id=PAD)
+        loss = jax.jit(jax.grad(lambda p: task.loss(p, frozen, {}, batch, jax.random.key(0), step=0, train=True)[0]))
+        value = task.loss(params, frozen, {}, batch, jax.random.key(0), step=0, train=True)[0]
+        return float(value), loss.lower(params).compile().cost_analysis()["flops"]
+
+    (shared, shared_flops), (whole, whole_flops) = loss_and_flops(8), loss_and_flops(0)
+    np.testing.assert_allclose(shared, whole, rtol=1e-5)
+    assert shared_flops < 0.75 * whole_flops, f"{shared_flops / whole_flops:.2f}x the rows' flops"
+
+
+def test_a_prompt_budget_cuts_prompts_to_their_end_and_replies_to_the_rest():
+    tokenizer = tokenizers.build_tokenizer("byte")
+    config = config_lib.load_config_file(ROOT / "configs" / "hh_dpo.py", "tiny")
+    config.objective.max_prompt_len = 10
+    seq_len = config.data.seq_len
+    raw = [comparisons.Comparison("a long prompt of many bytes", "x" * (2 * seq_len), "short")]
+    arrays = dpo.dpo_examples(raw, tokenizer, config, "train split")
+    assert arrays["prompt_lengths"][0] == 10
+    np.testing.assert_array_equal(arrays["tokens"][0, 0, :10], tokenizer.encode("a long prompt of many bytes")[-10:])
+    np.testing.assert_array_equal(arrays["lengths"][0], [seq_len, 10 + len("short") + 1])  # reply ⊕ EOS <= seq_len - 10
+    assert arrays["tokens"][0, 0, seq_len - 1] == tokenizer.eos_id
+    config.objective.max_prompt_len = seq_len - 1
+    with pytest.raises(ValueError, match=f"max_prompt_len={seq_len - 1} leaves no room for a reply and its EOS"):
+        dpo.DPO(config).check()
+    with pytest.raises(ValueError, match="max_prompt_len=-1: must be >= 0"):
+        dpo.DPOConfig(max_prompt_len=-1)
 
 
 def test_dpo_examples_measure_the_prompt_and_skip_identical_replies(caplog):

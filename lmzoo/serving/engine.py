@@ -101,6 +101,10 @@ class Engine:
         slots: S, the rows decoded together.
         length: positions per slot: a request's prompt plus max_tokens must fit (default: the model's max_len).
         chunk: decode steps per device call; the host admits and frees slots between chunks.
+        short_chunk: the decode steps of a call while serving (the engine steps on its own thread: `start`) with a
+            slot free or a request yet to sample its first token: a request arriving mid-chunk waits at most that
+            many steps for its slot, and its first token comes back after that many more (default chunk // 4; one
+            compiled program serves both lengths).
         eos_ids: ids that end every sample (a checkpoint may have several).
         pad_id: the id recorded after a sample ended.
         vocab_size: the tokenizer's vocabulary (ids at or above it are never drawn); None: the model's.
@@ -120,6 +124,7 @@ class Engine:
         slots: int = 16,
         length: int | None = None,
         chunk: int = 16,
+        short_chunk: int | None = None,
         eos_ids: Sequence[int] = (),
         pad_id: int = 0,
         vocab_size: int | None = None,
@@ -137,6 +142,9 @@ class Engine:
             raise ValueError(f"length {self.length} exceeds the model's max_len {model_len}")
         self.model, self.params = model, params
         self.slots, self.chunk, self.pad_id = int(slots), int(chunk), int(pad_id)
+        self.short_chunk = max(1, self.chunk // 4) if short_chunk is None else short_chunk
+        if not 1 <= self.short_chunk <= self.chunk:
+            raise ValueError(f"short_chunk={short_chunk} must lie in [1, chunk={self.chunk}]")
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.model_vocab = int(model.config.vocab_size)
         self.vocab_size = vocab_size
@@ -241,12 +249,17 @@ class Engine:
             return
         with self._lock:  # the chunk ends early once the next waiting request's samples have slots
             wanted = self._waiting[0].request.n - self._owners.count(None) if self._waiting else 0
+        # Served (a thread of its own): short chunks while a request may arrive for a free slot, or one waits for
+        # its first token.
+        fresh = any(owner is not None and not owner[0].outputs[owner[1]].tokens for owner in self._owners)
+        short = self._thread is not None and (None in self._owners or fresh)
         self._cache, self._state, chunk = device.decode_chunk(
             self.model,
             self.params,
             self._cache,
             self._state,
             jnp.int32(max(wanted, 0)),
+            jnp.int32(self.short_chunk if short else self.chunk),
             steps=self.chunk,
             vocab_size=self.vocab_size,
             pad_id=self.pad_id,

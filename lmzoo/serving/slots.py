@@ -320,13 +320,15 @@ def _decode_chunk(
     cache,
     state: Slots,
     slots_wanted: jax.Array,
+    step_limit: jax.Array,
     *,
     steps: int,
     vocab_size: int | None = None,
     pad_id: int = 0,
     stop_sequences: tuple[tuple[int, ...], ...] = (),
 ):
-    """Up to `steps` decode steps of every active slot -> (cache, state, `Chunk`). A slot samples from its logits,
+    """Up to `steps` decode steps of every active slot (fewer when `step_limit`, an int scalar, is smaller: one
+    compiled program for every chunk length up to `steps`) -> (cache, state, `Chunk`). A slot samples from its logits,
     records the token and its log-prob, stops after one of its stop ids, one of `stop_sequences` (token-id tuples of
     at most R = state.recent's width tokens) or its max_tokens, and feeds the token through the model. Ends early
     when no slot is active, or once `slots_wanted` (an int scalar: the free slots the next waiting request lacks; 0
@@ -338,7 +340,7 @@ def _decode_chunk(
     def cond(carry):
         i, _, state, out = carry
         freed = (slots_wanted > 0) & (jnp.sum(out.finished) >= slots_wanted)
-        return (i < steps) & jnp.any(state.active) & ~freed
+        return (i < jnp.minimum(steps, step_limit)) & jnp.any(state.active) & ~freed
 
     def body(carry):
         i, cache, state, out = carry
@@ -439,6 +441,7 @@ def sample_groups(
         cache,
         state,
         jnp.int32(0),
+        jnp.int32(max_new_tokens),
         steps=max_new_tokens,
         vocab_size=vocab_size,
         pad_id=pad_id,

@@ -306,6 +306,33 @@ def test_a_thread_of_its_own_serves_concurrent_submitters(gpt2):
     assert [results[i] for i in range(len(batch))] == greedy_references(model, params, batch, [5] * len(batch))
 
 
+def test_served_a_request_arriving_mid_chunk_gets_its_first_token_after_short_chunks(gpt2):
+    """On its own thread, with a slot free or a request yet to sample, the engine decodes chunks of short_chunk
+    steps: a request arriving while another decodes has its first token back after a step or two of the other, not
+    after a chunk of 16 (which alone would advance the running request 16 tokens first)."""
+    model, params = gpt2
+    running_prompt, late_prompt = prompts(53, (3, 4), seed=11)
+    eng = engine.Engine(model, params, slots=2, chunk=16, short_chunk=1)
+    started, when_late_began = threading.Event(), {}
+    eng.start()
+    try:
+        running = eng.submit(engine.Request(running_prompt, 36, 0.0), on_update=lambda ticket: started.set())
+        assert started.wait(timeout=120)
+        before = len(running.outputs[0].tokens)
+        late = eng.submit(
+            engine.Request(late_prompt, 3, 0.0),
+            on_update=lambda ticket: when_late_began.setdefault("running", len(running.outputs[0].tokens)),
+        )
+        assert late.wait(timeout=120) and running.wait(timeout=120)
+    finally:
+        eng.stop()
+    assert before < 36 and when_late_began["running"] - before <= 6
+    assert late.outputs[0].tokens == greedy_reference(model, params, late_prompt, 3)
+    assert running.outputs[0].tokens == greedy_reference(model, params, running_prompt, 36)
+    with pytest.raises(ValueError, match=r"short_chunk=0 must lie in \[1, chunk=16\]"):
+        engine.Engine(model, params, slots=2, chunk=16, short_chunk=0)
+
+
 @pytest.mark.parametrize(
     "request_fields, message",
     [

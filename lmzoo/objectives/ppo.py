@@ -29,6 +29,7 @@ from lmzoo.trainers.rl import PROBLEM_KEYS, PTX_PREFIX, PPOTrainer, RLSettings
 
 ALGORITHMS = ("ppo", "reinforce", "rloo", "grpo")
 VALUE_MODELS = ("head", "reward", "sft")
+SHARED_PROMPTS = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +45,8 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
     prompt_len, response_len: prompt tokens (left-padded, the end kept) and sampled tokens per response.
     temperature: sampling temperature, applied to every log-prob (policy, old policy, reference).
     samples_per_prompt: responses sampled per prompt (reinforce/rloo/grpo need >= 2: GRPO's group size G).
-    shared_prompts: reinforce/rloo/grpo run each prompt through the policy and the reference once for its G
-        responses (docs/rl.md); False runs every prompt ⊕ response row whole.
+    shared_prompts: "on": reinforce/rloo/grpo run each prompt through the policy and the reference once for its G
+        responses (docs/rl.md); "off": every prompt ⊕ response row whole; "auto": on on the CPU, off on accelerators.
     epochs, minibatches: PPO passes over each rollout and updates per pass.
     clip_eps, value_clip_eps, value_coef, entropy_coef: PPO losses (ε, ε_v, c_v, c_H).
     gamma, lam: GAE.
@@ -115,6 +116,8 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
             problems.append(f"epochs={self.epochs}: {self.algorithm} is on-policy, set epochs=1")
         if self.algorithm == "grpo" and self.kl_target != 0:
             problems.append(f"kl_target={self.kl_target}: grpo keeps β = kl_coef fixed, set kl_target=0")
+        if self.shared_prompts not in SHARED_PROMPTS:
+            problems.append(f"shared_prompts={self.shared_prompts!r}: choose one of {SHARED_PROMPTS}")
         if self.value_model not in VALUE_MODELS:
             problems.append(f"value_model={self.value_model!r}: choose one of {VALUE_MODELS}")
         if self.ptx_coef < 0:

@@ -23,7 +23,7 @@ import optax
 from flax import struct
 from jax.experimental import io_callback
 
-from lmzoo import decoding, lora
+from lmzoo import decoding, kernels, lora
 from lmzoo.models import experts, heads, kinds
 from lmzoo.rl import policy_gradient, reward
 from lmzoo.serving import slots
@@ -43,9 +43,11 @@ class RLSettings:
     response_len: int = 32
     temperature: float = 1.0
     samples_per_prompt: int = 1
-    # Each prompt run through the policy and the reference once for its samples_per_prompt replies (`shares_prompts`);
-    # False: every row's prompt ⊕ reply whole (fused attention kernels' form, for long sequences on accelerators).
-    shared_prompts: bool = True
+    # Each prompt run through the policy and the reference once for its samples_per_prompt replies (`shares_prompts`):
+    # "on"; "off" (every row's prompt ⊕ reply whole: the fused attention kernels' form); "auto": on the CPU, where
+    # attention is an einsum either way, and off on accelerators, whose fused kernels never hold the attention matrix
+    # the shared form's einsum over the cache does (long contexts).
+    shared_prompts: str = "auto"
     epochs: int = 4
     minibatches: int = 1
     clip_eps: float = 0.2
@@ -261,11 +263,11 @@ class PPOTrainer:
     @property
     def shares_prompts(self) -> bool:
         """Whether the forwards over a rollout run each prompt once for its G samples (`_response_logits`): with
-        shared_prompts, G > 1, an algorithm that reads no values (PPO's value loss reads the prompts' hidden states)
-        and no experts (their auxiliary losses count every token the router sees)."""
+        shared_prompts "on" (or "auto" on the CPU), G > 1, an algorithm that reads no values (PPO's value loss reads
+        the prompts' hidden states) and no experts (their auxiliary losses count every token the router sees)."""
         s = self.settings
         return (
-            s.shared_prompts
+            (s.shared_prompts == "on" or (s.shared_prompts == "auto" and kernels.on_cpu()))
             and s.samples_per_prompt > 1
             and s.algorithm != "ppo"
             and not experts.has_experts(self.policy)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lmzoo import kernels
 from lmzoo.config import load_config_file
 from lmzoo.data.loaders import Shard
 from lmzoo.objectives import base
@@ -81,7 +82,7 @@ def test_continuations_not_in_groups_of_the_prompts_are_refused():
         slots.shared_prompt_logits(model, params, prompts, prompt_mask, replies[:5], reply_mask[:5])
 
 
-def grpo_run(request, shared_prompts: bool):
+def grpo_run(request, shared_prompts: str):
     config = load_config_file(REPO / "configs" / "gsm8k.py", "tiny")
     config.objective.update(shared_prompts=shared_prompts, kl_loss="k3", kl_coef=0.1, prompt_len=16, response_len=4)
     built = run_lib.validated_objective(config)
@@ -92,7 +93,7 @@ def grpo_run(request, shared_prompts: bool):
 
 
 def test_a_grpo_step_runs_each_prompt_once_and_moves_the_params_as_whole_rows_do(request):
-    (shared, batch), (whole, _) = grpo_run(request, True), grpo_run(request, False)
+    (shared, batch), (whole, _) = grpo_run(request, "on"), grpo_run(request, "off")
     assert shared.shares_prompts and not whole.shares_prompts
     state = shared.init(jax.random.key(0))
     samples = jax.jit(lambda b: shared.run_phase("rollout", state, b, None))(batch)
@@ -119,3 +120,12 @@ def test_a_grpo_step_runs_each_prompt_once_and_moves_the_params_as_whole_rows_do
     # The prompts (16 tokens) go through the model once for their 4 replies (4 tokens each): the update reads
     # 4·16 + 16·4 tokens where the whole rows are 16·20.
     assert shared_flops < 0.6 * whole_flops, f"the shared update does {shared_flops / whole_flops:.2f}x the flops"
+
+
+def test_shared_prompts_auto_is_on_on_the_cpu_and_off_on_accelerators(request):
+    trainer, _ = grpo_run(request, "auto")
+    assert trainer.shares_prompts
+    with kernels.use_platform("gpu"):
+        assert not trainer.shares_prompts
+    with pytest.raises(ValueError, match="shared_prompts='yes': choose one of"):
+        grpo_run(request, "yes")

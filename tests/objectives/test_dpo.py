@@ -126,11 +126,9 @@ def test_shared_reply_logprobs_and_gradients_are_those_of_the_rows_run_whole(fam
         return jnp.sum(values * jnp.array([1.0, -0.5])), (values, counts)
 
     shared = functools.partial(preference.shared_reply_logprobs, prompt_budget=budget)
-    (_, (values, counts)), grads = jax.value_and_grad(functools.partial(summed, shared), argnums=0, has_aux=True)(
-        params
-    )
-    (_, (whole_values, whole_counts)), whole_grads = jax.value_and_grad(
-        functools.partial(summed, preference.reply_logprobs), argnums=0, has_aux=True
+    (_, (values, counts)), grads = jax.jit(jax.value_and_grad(functools.partial(summed, shared), has_aux=True))(params)
+    (_, (whole_values, whole_counts)), whole_grads = jax.jit(
+        jax.value_and_grad(functools.partial(summed, preference.reply_logprobs), has_aux=True)
     )(params)
     np.testing.assert_array_equal(counts, whole_counts)
     np.testing.assert_array_equal(counts[3], np.array(reply_lengths[3]) - 1)  # no prompt: the first token is unread
@@ -152,7 +150,7 @@ def test_the_dpo_loss_with_a_prompt_budget_runs_each_prompt_once():
     def loss_and_flops(budget):
         task = dpo.dpo_task(model, dpo.DPOConfig(max_prompt_len=budget), pad_id=PAD)
         loss = jax.jit(jax.grad(lambda p: task.loss(p, frozen, {}, batch, jax.random.key(0), step=0, train=True)[0]))
-        value = task.loss(params, frozen, {}, batch, jax.random.key(0), step=0, train=True)[0]
+        value = jax.jit(lambda p: task.loss(p, frozen, {}, batch, jax.random.key(0), step=0, train=True)[0])(params)
         return float(value), loss.lower(params).compile().cost_analysis()["flops"]
 
     (shared, shared_flops), (whole, whole_flops) = loss_and_flops(8), loss_and_flops(0)

@@ -18,7 +18,7 @@ ROLLOUT_KEYS = ("sequences", "segment_ids", "responses", "mask", "scores", "sequ
 
 
 class PolicyJudge:
-    """Scores decoders of `run`'s model (a `ppo` run; `state` carries its frozen reference and reward model).
+    """Scores decoders of `run`'s model (a `ppo` run; `state` carries its frozen reference and reward model, and the reward normalisation).
 
     batches: held-out prompt batches ("prompts", "prompt_mask" [B, P], "example_weights" [B]); rows of weight 0 pad
     the last batch and are dropped. Each prompt gets `samples_per_prompt` responses; every decoder is sampled with
@@ -37,6 +37,7 @@ class PolicyJudge:
             return {k: full[k] for k in ROLLOUT_KEYS}
 
         self._rollout = rollout
+        self._scoring_models = trainer.scoring_models(state)
         self.reference = self.rollouts(state.frozen["reference"])
 
     def rollouts(self, decoder: Any) -> dict[str, np.ndarray]:
@@ -52,7 +53,7 @@ class PolicyJudge:
                 device_batch = sharding.put_batch(
                     {k: batch[k] for k in ("prompts", "prompt_mask")}, self.run.compiled.batch_sharding
                 )
-                rollout = jax.device_get(self._rollout(params, self.state.frozen, device_batch, rng))
+                rollout = jax.device_get(self._rollout(params, self._scoring_models, device_batch, rng))
             keep = np.repeat(batch["example_weights"] > 0, self.samples_per_prompt)
             parts.append({k: np.asarray(v)[keep] for k, v in rollout.items()})
         return {k: np.concatenate([p[k] for p in parts]) for k in ROLLOUT_KEYS}

@@ -220,9 +220,9 @@ class Objective:
             roles[self.lora_base] = dataclasses.replace(roles[self.lora_base], adapters=adapted)
         return roles
 
-    def setup_batch(self) -> Batch | None:
-        """What the trainer's `setup` reads once the frozen models are in (PPO: the prompts its reward normalisation
-        samples); None when its trainer has no setup."""
+    def prepare_batch(self) -> Batch | None:
+        """What the trainer's `prepare` reads before a fresh run's first step (PPO: the prompts its reward normalisation
+        samples); None when there is nothing to prepare."""
         return None
 
     def init_params(self, params: Any, frozen: Any) -> Any:

@@ -93,7 +93,6 @@ class PPOConfig(base.ComparisonSplitConfig, RLSettings):
     sft: str = ""
     reward_model: str = ""
     normalize_samples: int = 64
-    value_model: str = "head"
     ptx_batch_size: int = 8
     chat_template: str = ""
     rewards: str = ""
@@ -531,9 +530,9 @@ class PPO(base.Objective):
             )
         return roles
 
-    def setup_batch(self):
+    def prepare_batch(self):
         """The first `normalize_samples` distinct training prompts, whose SFT samples fix the reward normalisation
-        (`PPOTrainer.setup`); None without a reward model."""
+        (`PPOTrainer.prepare`); None without a reward model."""
         if not self.fields.reward_model:
             return None
         prompts = self._prompts(self.read()["train"], "train split")
@@ -541,19 +540,12 @@ class PPO(base.Objective):
 
     def init_params(self, params, frozen):
         """The policy's decoder starts as the SFT reference. The value head stays at zero; a separate value network
-        starts as the reward model with its head rescaled by the reward normalisation (gain·head + bias, so its
-        value at a sequence's last token is the normalised score), or as the SFT trunk under a zero head."""
+        starts as the reward model (whose head the trainer's `prepare` rescales by the reward normalisation it fits)
+        or as the SFT trunk under a zero head."""
         params = {**params, "decoder": jax.tree.map(np.array, frozen["reference"])}
         value_model = self.fields.value_model
         if value_model == "reward":
-            head, gain, bias = frozen["reward"]["classifier"], frozen["reward_gain"], frozen["reward_bias"]
-            params["value_model"] = {
-                "backbone": jax.tree.map(np.array, frozen["reward"]["backbone"]),
-                "classifier": {
-                    "kernel": np.asarray(head["kernel"]) * gain,
-                    "bias": np.asarray(head["bias"]) * gain + bias,
-                },
-            }
+            params["value_model"] = jax.tree.map(np.array, frozen["reward"])
         elif value_model == "sft":
             fresh = params["value_model"]
             params["value_model"] = {

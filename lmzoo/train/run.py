@@ -482,8 +482,7 @@ def assemble(
 
 def load_frozen(run: Run) -> Any:
     """The frozen models the objective declares (`Objective.roles`), each read once from its source, held as LoRA's
-    frozen base where adapters adapt it, completed by the trainer's `setup` (PPO's reward normalisation) and
-    sharded like the state's."""
+    frozen base where adapters adapt it, sharded like the state's."""
     if not jax.tree.leaves(run.compiled.abstract_state.frozen):
         return run.compiled.abstract_state.frozen
     with run.context():
@@ -491,15 +490,13 @@ def load_frozen(run: Run) -> Any:
     frozen = dict(fresh)
     for name, role in run.objective.roles().items():
         frozen[name] = weights.read_role(role, fresh[name])
-    setup, batch = getattr(run.compiled.trainer, "setup", None), run.objective.setup_batch()
-    if setup is not None and batch is not None:
-        frozen = setup(frozen, batch)
     return jax.device_put(frozen, run.compiled.state_shardings.frozen)
 
 
 def restore_or_init(run: Run) -> tuple[Any, dict]:
     """The latest good checkpoint (with frozen parameters read again), or a fresh state whose frozen
-    parameters are read, whose params the objective may adjust, and which takes config.init_from's weights."""
+    parameters are read, whose params the objective may adjust, which takes config.init_from's weights and which the
+    trainer prepares (`prepare`: its first phase, e.g. PPO's reward normalisation; checkpointed with the state)."""
     frozen = load_frozen(run)
     restored = run.checkpointer.restore_latest(run.abstract_state)
     if restored is not None:
@@ -521,6 +518,12 @@ def restore_or_init(run: Run) -> tuple[Any, dict]:
     if params is not fresh:
         with run.context():
             state = run.compiled.with_params(state, jax.device_put(params, run.compiled.state_shardings.params))
+    batch = run.objective.prepare_batch()
+    if run.compiled.prepare is not None and batch is not None:
+        with run.context():
+            state, fitted = run.compiled.prepare(state, batch)
+        if jax.process_index() == 0:
+            print("prepared before the first step: " + ", ".join(f"{k} {float(v):.4g}" for k, v in fitted.items()))
     return state, {"step": 0}
 
 

@@ -10,6 +10,9 @@ A trainer whose step has parts worth timing names them in `phases` and runs one 
 `run_phase(name, state, batch, carry) -> carry` (the first gets carry None, the last returns
 (state, metrics)); its `step` is `run_phases`, and the loop runs the jitted phases one after another,
 logging each one's wall time as `time/<phase>_ms`.
+A trainer with work to do once, on a fresh state before its first step, has `prepare(state, batch) -> (state,
+scalars)` (PPO: the reward normalisation from the SFT policy's samples); the state it returns is checkpointed, so a
+resumed run does not prepare again.
 The state is a pytree with a `params` field (what evaluation and generation use: weights, or the
 counts of a count-based model) and a `frozen` field (parameters read from elsewhere, never
 checkpointed); its leaves may be boxed with logical axes (`nn.LogicallyPartitioned`), from
@@ -80,7 +83,8 @@ class CompiledTrainer:
     [k, batch, ...] in one call, adding each metric to `total` in order and skipping the batches whose valid [k] is
     False (those padding a last group to k);
     phases: {name: phase(state, batch, carry) -> carry} of a trainer with phases (the last donates the state),
-    else empty. Call them inside `context()`.
+    else empty; prepare(state, batch) -> (state, scalars) of a trainer with a `prepare`, else None (donates the
+    state). Call them inside `context()`.
     """
 
     trainer: Any
@@ -97,6 +101,7 @@ class CompiledTrainer:
     eval_steps: Callable
     with_params: Callable
     phases: dict[str, Callable] = dataclasses.field(default_factory=dict)
+    prepare: Callable | None = None
 
     @contextlib.contextmanager
     def context(self):
@@ -122,6 +127,18 @@ class CompiledTrainer:
 def _with_shardings(boxed: Any, shardings: Any) -> Any:
     # Unboxed outside the mesh context: inside it, unboxing would attach sharding constraints.
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings)
+
+
+def _jit_prepare(trainer: Any, state_shardings: Any, replicated: Any) -> Callable | None:
+    if not hasattr(trainer, "prepare"):
+        return None
+    # The batch is the objective's own (not the training batch): its rows need not split over the data axes.
+    return jax.jit(
+        trainer.prepare,
+        in_shardings=(state_shardings, replicated),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
 
 
 def _jit_phases(trainer: Any, state_shardings: Any, batch_sharding: Any, replicated: Any) -> dict[str, Callable]:
@@ -243,4 +260,5 @@ def compile_trainer(
                 lambda state, params: trainer.with_params(state, params), out_shardings=state_shardings
             ),
             phases=_jit_phases(trainer, state_shardings, batch_sharding, replicated),
+            prepare=_jit_prepare(trainer, state_shardings, replicated),
         )

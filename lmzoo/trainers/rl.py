@@ -8,6 +8,8 @@ clipped PPO updates (or one REINFORCE/RLOO update on the same rollout), each opt
 LM loss on packed demonstrations (PPO-ptx). β follows the adaptive controller, whose value lives in the state.
 GRPO scores without the KL in the reward, normalises the scores within each prompt's group of samples, and
 adds β times the k3 KL to the reference to its clipped loss; the value head gets no loss.
+Before the first step of a run, `prepare` fits the reward model's normalisation on the SFT policy's samples; the
+state keeps it, so a resumed run or an evaluation reads it from the checkpoint instead of sampling again.
 The maths is `lmzoo.rl`; the recipe around it (data, frozen models, settings) is `lmzoo.objectives.ppo`.
 """
 
@@ -18,7 +20,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import struct
 from jax.experimental import io_callback
@@ -82,6 +83,9 @@ class RLSettings:
     # the response_len tokens of a response.
     max_turns: int = 1
     turn_len: int = 0
+    # The value network: "head" (a value head on the policy's trunk) or a separate one started as "reward" (the reward
+    # model, whose head `prepare` rescales by the reward normalisation) or "sft" (the SFT trunk under a zero head).
+    value_model: str = "head"
     # Asynchronous GRPO: the update of step s uses the rollout drawn at step s - max_staleness by that step's policy
     # (its log-probs kept), corrected by truncated importance sampling capped at tis_cap; 0 = synchronous.
     max_staleness: int = 0
@@ -96,8 +100,10 @@ class PPOState:
     params: Any
     opt_state: Any
     rng: jax.Array
-    frozen: Any  # {"reference", "reward", "reward_gain", "reward_bias"}: never checkpointed
+    frozen: Any  # {"reference", "reward"}: never checkpointed
     kl_coef: jax.Array
+    # With a reward model: {"reward_gain", "reward_bias"} [] that `prepare` fits before the first step; checkpointed.
+    reward_normalization: Any = struct.field(default_factory=dict)
     # max_staleness > 0: the rollouts drawn but not yet learnt from, [max_staleness, rows, ...], slot step % k, each
     # row's "version" the step that drew it (-1: none yet); checkpointed, so a resumed run learns from them exactly.
     pending: Any = struct.field(default_factory=dict)
@@ -198,10 +204,10 @@ class PPOTrainer:
         if self.lora_config is not None:
             params = lora.init_adapters(jax.random.fold_in(policy_rng, 1), params, self.lora_config)
         frozen = {"reference": self.decoder.init(reference_rng, tokens)["params"]}
+        normalization = {}
         if self.reward_model is not None:
             frozen["reward"] = self.reward_model.init(reward_rng, tokens, segment_ids=jnp.ones_like(tokens))["params"]
-            frozen["reward_gain"] = jnp.ones((), jnp.float32)
-            frozen["reward_bias"] = jnp.zeros((), jnp.float32)
+            normalization = {"reward_gain": jnp.ones((), jnp.float32), "reward_bias": jnp.zeros((), jnp.float32)}
         return PPOState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -209,6 +215,7 @@ class PPOTrainer:
             rng=jax.random.key_data(state_rng),
             frozen=frozen,
             kl_coef=jnp.asarray(s.kl_coef, jnp.float32),
+            reward_normalization=normalization,
             pending=self._no_pending(),
         )
 
@@ -246,6 +253,10 @@ class PPOTrainer:
             return params
         combine = lora.attach if train else lora.merge
         return combine({"decoder": frozen["reference"]}, params, self.lora_config)
+
+    def scoring_models(self, state: PPOState) -> dict[str, Any]:
+        """The frozen models as scoring reads them: the reference, the reward model and its normalisation (`prepare`)."""
+        return {**state.frozen, **state.reward_normalization}
 
     def model_params(self, state: PPOState) -> Any:
         """The policy's params (evaluation, generation, export): `policy_params` of the state."""
@@ -381,26 +392,36 @@ class PPOTrainer:
             self.environment, shapes, tokens, mask, jnp.int32(turn), problem_split, problem_ids, ordered=True
         )
 
-    def setup(self, frozen: Any, prompts: dict[str, Any]) -> Any:
-        """The frozen tree with the reward normalisation filled in: (gain, bias) that give the reward model's raw scores
-        of one reference sample per prompt ("prompts", "prompt_mask" [N, P]) mean 0 and std 1. The key is fixed, so
-        every start of a run computes the same values."""
-
-        @jax.jit
-        def raw_scores(reference, reward_params, prompts):
-            samples = self.generate({"decoder": reference}, prompts, jax.random.key(1), samples_per_prompt=1)
-            context = samples.get("context_mask", samples["mask"])
-            inputs = rollout_inputs(samples["prompts"], samples["prompt_mask"], samples["responses"], context)
-            forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
-            return self.reward_model.apply({"params": reward_params}, inputs["sequences"], **forward)[:, 0]
-
-        scores = raw_scores(frozen["reference"], frozen["reward"], prompts)
-        gain, bias = reward.fit_normalization(scores)
-        print(
-            f"reward normalisation from {len(scores)} SFT samples: raw mean {float(jnp.mean(scores)):.4f} "
-            f"std {float(jnp.std(scores)):.4f} -> gain {float(gain):.4f} bias {float(bias):.4f}"
+    def prepare(self, state: PPOState, prompts: dict[str, Any]) -> tuple[PPOState, dict[str, jax.Array]]:
+        """The run's first phase, before its first step: with a reward model, the normalisation (gain, bias) that gives
+        its raw scores of one reference sample per prompt ("prompts", "prompt_mask" [N, P]) mean 0 and std 1, kept in
+        the state; a value network started as the reward model (value_model "reward") takes it into its head
+        (gain·head + bias: its value of a whole sequence is the normalised score). The key is fixed. -> (state, what
+        was fitted, as scalars)."""
+        if self.reward_model is None:
+            return state, {}
+        samples = self.generate(
+            {"decoder": state.frozen["reference"]}, prompts, jax.random.key(1), samples_per_prompt=1
         )
-        return {**frozen, "reward_gain": np.float32(gain), "reward_bias": np.float32(bias)}
+        context = samples.get("context_mask", samples["mask"])
+        inputs = rollout_inputs(samples["prompts"], samples["prompt_mask"], samples["responses"], context)
+        forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
+        scores = self.reward_model.apply({"params": state.frozen["reward"]}, inputs["sequences"], **forward)[:, 0]
+        gain, bias = reward.fit_normalization(scores)
+        params = state.params
+        if self.settings.value_model == "reward":
+            head = params["value_model"]["classifier"]
+            scaled = {"kernel": head["kernel"] * gain, "bias": head["bias"] * gain + bias}
+            params = {**params, "value_model": {**params["value_model"], "classifier": scaled}}
+        normalization = {"reward_gain": gain.astype(jnp.float32), "reward_bias": bias.astype(jnp.float32)}
+        fitted = {
+            "reward_normalization/samples": jnp.asarray(scores.shape[0], jnp.float32),
+            "reward_normalization/raw_mean": jnp.mean(scores),
+            "reward_normalization/raw_std": jnp.std(scores),
+            "reward_normalization/gain": gain,
+            "reward_normalization/bias": bias,
+        }
+        return state.replace(params=params, reward_normalization=normalization), fitted
 
     @property
     def update_reads_old_logprobs(self) -> bool:
@@ -562,7 +583,7 @@ class PPOTrainer:
         return kept_samples, metrics
 
     def _scores(self, frozen, inputs, forward, samples, has_eos) -> tuple[jax.Array, jax.Array, Metrics]:
-        """(scores [B], raw scores [B], metrics): the reward model's score normalised (`setup`), plus each reward
+        """(scores [B], raw scores [B], metrics): the reward model's score normalised (`prepare`), plus each reward
         function's weighted reward (on the host, through a callback), the missing-EOS penalty and DAPO's overlong
         shaping."""
         s = self.settings
@@ -776,7 +797,7 @@ class PPOTrainer:
         if name == "rollout":
             policy = self.policy_params(state.params, state.frozen)
             if s.sampling_rounds > 1:
-                return self._refilled_rollout(policy, state.frozen, batch, sample_rng)
+                return self._refilled_rollout(policy, self.scoring_models(state), batch, sample_rng)
             drawn = self.generate(policy, batch, sample_rng, samples_per_prompt=s.samples_per_prompt)
             if not s.max_staleness:
                 return drawn
@@ -793,7 +814,7 @@ class PPOTrainer:
             forward = not self.update_reads_old_logprobs
             rollout, metrics = self.score(
                 policy,
-                state.frozen,
+                self.scoring_models(state),
                 state.kl_coef,
                 samples,
                 policy_forward=forward,
@@ -844,7 +865,9 @@ class PPOTrainer:
         """One response per held-out prompt (fixed key): "loss" = −(score − β·KL) per response, "score", "kl", "response_len";
         rows with example_weights 0 (padding the last batch) do not count."""
         policy = self.policy_params(state.params, state.frozen)
-        rollout, _ = self.rollout(policy, state.frozen, state.kl_coef, batch, jax.random.key(0), samples_per_prompt=1)
+        rollout, _ = self.rollout(
+            policy, self.scoring_models(state), state.kl_coef, batch, jax.random.key(0), samples_per_prompt=1
+        )
         weights = batch.get("example_weights", jnp.ones(rollout["scores"].shape, jnp.float32))
         count = jnp.sum(weights)
         objective = rollout["scores"] - state.kl_coef * rollout["sequence_kl"]

@@ -52,7 +52,9 @@ def _rollout(trainer):
     state = nn.unbox(trainer.init(jax.random.key(0)))
     prompts = jnp.asarray(testing.random_tokens((2, 6), vocab_size=30, seed=1))
     batch = {"prompts": prompts, "prompt_mask": jnp.ones_like(prompts)}
-    rollout, _ = trainer.rollout(state.params, state.frozen, 0.1, batch, jax.random.key(2), samples_per_prompt=1)
+    rollout, _ = trainer.rollout(
+        state.params, trainer.scoring_models(state), 0.1, batch, jax.random.key(2), samples_per_prompt=1
+    )
     return state.params, rollout
 
 
@@ -119,15 +121,29 @@ def test_separate_value_network_starts_from_the_reward_model_or_the_sft_trunk(va
     objective = run_lib.validated_objective(config)
     trainer = objective.trainer(objective.model())
     state = jax.device_get(nn.unbox(jax.jit(trainer.init)(jax.random.key(0))))
-    frozen = {**state.frozen, "reward_gain": np.float32(1.7), "reward_bias": np.float32(-0.3)}
-    params = objective.init_params(state.params, frozen)
+    state = state.replace(params=objective.init_params(state.params, state.frozen))
+    prompt_len = config.objective.prompt_len
+    prompts = {
+        "prompts": testing.random_tokens((5, prompt_len), vocab_size=256, seed=3),
+        "prompt_mask": np.ones((5, prompt_len), np.int32),
+    }
+    state, fitted = jax.jit(trainer.prepare)(state, prompts)
+    gain, bias = (float(state.reward_normalization[k]) for k in ("reward_gain", "reward_bias"))
+    assert (gain, bias) == (
+        pytest.approx(float(fitted["reward_normalization/gain"])),
+        pytest.approx(float(fitted["reward_normalization/bias"])),
+    )
+    assert float(fitted["reward_normalization/raw_std"]) > 0 and gain == pytest.approx(
+        1 / float(fitted["reward_normalization/raw_std"]), rel=1e-5
+    )
+    assert bias == pytest.approx(-gain * float(fitted["reward_normalization/raw_mean"]), rel=1e-5, abs=1e-6)
     tokens = jnp.asarray(testing.random_tokens((3, 12), vocab_size=256, seed=5))
-    _, values = trainer.policy.apply({"params": params}, tokens)
-    jax.tree.map(np.testing.assert_array_equal, params["decoder"], frozen["reference"])
-    if value_model == "reward":
-        raw = trainer.reward_model.apply({"params": frozen["reward"]}, tokens)[:, 0]
-        np.testing.assert_allclose(values[:, -1], 1.7 * raw - 0.3, rtol=1e-5, atol=1e-5)
+    _, values = trainer.policy.apply({"params": state.params}, tokens)
+    jax.tree.map(np.testing.assert_array_equal, state.params["decoder"], state.frozen["reference"])
+    if value_model == "reward":  # its value of a whole sequence is the normalised score
+        raw = trainer.reward_model.apply({"params": state.frozen["reward"]}, tokens)[:, 0]
+        np.testing.assert_allclose(values[:, -1], gain * raw + bias, rtol=1e-5, atol=1e-5)
     else:
-        for name, subtree in params["value_model"]["backbone"].items():
-            jax.tree.map(np.testing.assert_array_equal, subtree, frozen["reference"][name])
+        for name, subtree in state.params["value_model"]["backbone"].items():
+            jax.tree.map(np.testing.assert_array_equal, subtree, state.frozen["reference"][name])
         np.testing.assert_array_equal(values, 0.0)

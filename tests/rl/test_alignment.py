@@ -102,7 +102,7 @@ def ppo_config(data: str, sft: str, rm: str, objective: dict | None = None, vari
 def state_arrays(state) -> dict[str, np.ndarray]:
     """Everything a PPO state carries besides the frozen models, flattened by path."""
     leaves = jax.tree_util.tree_flatten_with_path(
-        (state.params, state.opt_state, state.kl_coef, state.rng, state.step)
+        (state.params, state.opt_state, state.kl_coef, state.rng, state.step, state.reward_normalization)
     )[0]
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
 
@@ -160,20 +160,24 @@ def straight_ppo(stages, request):
     return {"workdir": workdir, "arrays": state_arrays(state), "objective": objective, "variant": variant}
 
 
-def test_resumed_ppo_continues_exactly(stages, straight_ppo):
+def test_resumed_ppo_continues_exactly(stages, straight_ppo, capsys):
     objective, variant = straight_ppo["objective"], straight_ppo["variant"]
     workdir = straight_ppo["workdir"].replace("_straight_", "_resumed_")
     loop.train_and_evaluate(
         ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=2), workdir
     )
+    assert "reward_normalization/samples 8" in capsys.readouterr().out
     loop.train_and_evaluate(
         ppo_config(stages["data"], stages["sft"], stages["rm"], objective, variant, steps=3), workdir
     )
+    assert "prepared before" not in capsys.readouterr().out  # the normalisation comes back with the checkpoint
     run = run_lib.open_run(workdir)
     _, state = run_lib.restore_step(run, frozen=False)
     run.close()
     resumed = state_arrays(state)
     assert resumed.keys() == straight_ppo["arrays"].keys()
+    gain = [value for key, value in resumed.items() if "reward_gain" in key]
+    assert len(gain) == 1 and np.isfinite(gain[0]) and gain[0] != 1.0  # fitted, not the init's 1
     if "value_model" in variant:
         assert any("value_model" in key for key in resumed)  # the value network is checkpointed with the policy
     for key, value in straight_ppo["arrays"].items():

@@ -47,7 +47,7 @@ def test_refill_keeps_the_first_informative_groups_in_the_order_drawn(tmp_path, 
         state = trainer.init(jax.random.key(0))
         policy = trainer.policy_params(state.params, state.frozen)
         rng = jax.random.key(3)
-        kept, metrics = jax.jit(trainer._refilled_rollout)(policy, state.frozen, batch, rng)
+        kept, metrics = jax.jit(trainer._refilled_rollout)(policy, trainer.scoring_models(state), batch, rng)
 
         # The same rounds drawn and scored one by one, outside the loop.
         expected, rounds = [], 0
@@ -61,7 +61,7 @@ def test_refill_keeps_the_first_informative_groups_in_the_order_drawn(tmp_path, 
             )
             forward = dict(segment_ids=inputs["segment_ids"], positions=inputs["positions"])
             has_eos = jnp.any((samples["responses"] == trainer.eos_id) & (samples["mask"] > 0), axis=1)
-            scores, _, _ = trainer._scores(state.frozen, inputs, forward, samples, has_eos)
+            scores, _, _ = trainer._scores(trainer.scoring_models(state), inputs, forward, samples, has_eos)
             informative = np.asarray(policy_gradient.informative_groups(scores.reshape(groups, size)))
             expected += [
                 (r, g, np.asarray(samples["responses"][g * size : (g + 1) * size])) for g in np.flatnonzero(informative)

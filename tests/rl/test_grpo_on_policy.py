@@ -40,7 +40,9 @@ def test_one_update_reads_its_own_old_logprobs(tmp_path, monkeypatch, request, k
 
     @functools.partial(jax.jit, static_argnums=1)
     def scored_and_updated(samples, policy_forward):
-        scored = trainer.score(policy, state.frozen, state.kl_coef, samples, policy_forward=policy_forward)
+        scored = trainer.score(
+            policy, trainer.scoring_models(state), state.kl_coef, samples, policy_forward=policy_forward
+        )
         return scored, trainer.run_phase("update", state, batch, scored)
 
     (read, _), (read_state, read_metrics) = scored_and_updated(samples, True)

@@ -104,7 +104,9 @@ def test_a_grpo_step_runs_each_prompt_once_and_moves_the_params_as_whole_rows_do
 
     def step(trainer):
         targets = jax.jit(
-            lambda s: trainer.score(state.params, state.frozen, state.kl_coef, s, samples_per_prompt=group)
+            lambda s: trainer.score(
+                state.params, trainer.scoring_models(state), state.kl_coef, s, samples_per_prompt=group
+            )
         )(scored)
         update = jax.jit(lambda t: trainer.run_phase("update", state, batch, t))
         return targets, update(targets), update.lower(targets).compile().cost_analysis()["flops"]

@@ -89,7 +89,7 @@ def test_turns_alternate_with_the_environment_which_the_loss_leaves_out(echo_env
         assert samples["turns"][i] == 3 and samples["environment_rewards"][i] == 1.0
 
     # Out of the loss: the rollout's old and reference log-probs at the environment's tokens do not matter.
-    rollout, metrics = jax.jit(trainer.score)(state.params, state.frozen, state.kl_coef, samples)
+    rollout, metrics = jax.jit(trainer.score)(state.params, trainer.scoring_models(state), state.kl_coef, samples)
     assert float(metrics["episode/turn_limit"][0]) == float(len(samples["turns"]))
     rollout = {**jax.device_get(rollout), "sequence_advantages": np.linspace(-1, 1, len(samples["mask"]))}
     environment = (samples["context_mask"] - samples["mask"]) > 0

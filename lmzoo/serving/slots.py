@@ -153,19 +153,22 @@ def batch_axis(model: nn.Module) -> int:
     return 1 if getattr(model.config, "scan_layers", False) else 0
 
 
-@functools.partial(jax.jit, static_argnames=("model", "length"))
-def prefill(model: nn.Module, params, prompts: jax.Array, prompt_mask: jax.Array, *, length: int):
+@functools.partial(jax.jit, static_argnames=("model", "length", "deterministic"))
+def prefill(
+    model: nn.Module, params, prompts: jax.Array, prompt_mask: jax.Array, *, length: int, deterministic: bool = True
+):
     """prompts [n, P] left-padded (prompt_mask [n, P]: 1 on real tokens) -> (a cache of n rows of `length` positions
     holding the prompts, logits [n, V] float32 of each first new token, position [n] of that token)."""
     positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
     last = prompts.shape[1] - 1
     (logits, _), variables = model.apply(
-        {"params": params, "cache": init_cache(model, prompts.shape[0], length)},
+        {"params": params, "cache": init_cache(model, prompts.shape[0], length, (0, 1), method="window_logits")},
         prompts,
         (last, last + 1),  # the head reads the last position alone
         positions=positions,
         segment_ids=prompt_mask.astype(jnp.int32),
         decode=True,
+        deterministic=deterministic,
         mutable=["cache"],
         method="window_logits",
     )
@@ -200,17 +203,10 @@ def shared_prompt_logits(
     group, length = continuations.shape[0] // rows, continuations.shape[1]
     if group * rows != continuations.shape[0]:
         raise ValueError(f"{continuations.shape[0]} continuations are not G of each of {rows} prompts")
-    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
-    forward = dict(decode=True, deterministic=deterministic, mutable=["cache"], method="window_logits")
-    (last_logits, _), variables = model.apply(
-        {"params": params, "cache": init_cache(model, rows, prompt_len + length, (0, 1), method="window_logits")},
-        prompts,
-        (prompt_len - 1, prompt_len),
-        positions=positions,
-        segment_ids=prompt_mask.astype(jnp.int32),
-        **forward,
+    cache, last_logits, _ = prefill(
+        model, params, prompts, prompt_mask, length=prompt_len + length, deterministic=deterministic
     )
-    cache = jax.tree.map(lambda leaf: jnp.repeat(leaf, group, axis=batch_axis(model)), variables["cache"])
+    cache = jax.tree.map(lambda leaf: jnp.repeat(leaf, group, axis=batch_axis(model)), cache)
     prompt_tokens = jnp.repeat(jnp.sum(prompt_mask, axis=1, keepdims=True), group, axis=0)  # an empty prompt: 0
     continuation_positions = jnp.maximum(prompt_tokens + jnp.cumsum(continuation_mask, axis=1) - 1, 0)
     (logits, _), _ = model.apply(
@@ -219,9 +215,13 @@ def shared_prompt_logits(
         (0, length - 1),
         positions=continuation_positions.astype(jnp.int32),
         segment_ids=continuation_mask.astype(jnp.int32),
-        **forward,
+        decode=True,
+        deterministic=deterministic,
+        mutable=["cache"],
+        method="window_logits",
     )
-    return jnp.concatenate([jnp.repeat(last_logits, group, axis=0), logits], axis=1)
+    first = jnp.repeat(last_logits[:, None].astype(logits.dtype), group, axis=0)  # prefill's are float32
+    return jnp.concatenate([first, logits], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("axis",), donate_argnames=("cache", "state"))

@@ -7,6 +7,7 @@ then samples and summarises. A run restarted with the same workdir continues exa
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -60,9 +61,8 @@ class NonFiniteLossError(FloatingPointError):
 class StepPrograms:
     """The loop's training calls as programs compiled ahead of time (`jit(...).lower(...).compile()`), one for each
     jitted function and batch shapes, called directly. So the first call's program can be traced and compiled on a
-    thread while the state is restored or initialised (`compiling_meanwhile`), overlapping the checkpoint's reading or
-    the init's run instead of following them, and no later call traces it again. (Tracing holds Python's interpreter
-    lock: it overlaps work that releases it, not other tracing.)"""
+    thread while the state is restored or initialised (`_prepared_meanwhile`), overlapping the checkpoint's reading or
+    the init's run instead of following them, and no later call traces it again."""
 
     def __init__(self, run: Run):
         self._run = run
@@ -81,35 +81,6 @@ class StepPrograms:
         key = self._key(fn, batch)
         self._programs[key], self._ahead[key] = program, _signature((state, batch))
         return program
-
-    @contextlib.contextmanager
-    def compiling_meanwhile(self, fn: Any, state: Any, batch: dict):
-        """A context that gives `start()`, which compiles `fn`'s program for `state` and `batch` on a thread (at its
-        first call; at the block's end if never called). The block's end waits for the compilation (a compiler left
-        running while the process exits aborts it), then raises the block's error, or else the compilation's."""
-        outcome: dict[str, BaseException] = {}
-
-        def compile_program() -> None:
-            try:
-                self.compile(fn, state, batch)
-            except BaseException as error:  # raised in the caller's thread, after the block
-                outcome["error"] = error
-
-        thread = threading.Thread(target=compile_program, name="lmzoo-compile")
-
-        def start() -> None:
-            if thread.ident is None:
-                thread.start()
-
-        try:
-            yield start
-        finally:
-            if thread.ident is not None:
-                thread.join()
-        start()
-        thread.join()
-        if "error" in outcome:
-            raise outcome["error"]
 
     def __call__(self, fn: Any, state: Any, batch: dict) -> tuple[Any, Any]:
         """(`fn(state, batch)`'s outputs, the program that ran them). A program compiled ahead for ShapeDtypeStructs
@@ -328,8 +299,8 @@ def _start(objective: Objective, workdir: str, stage: workdir_lib.StagedRunState
     try:
         loader = run.train_loader()
         first_step = max(run.checkpointer.steps(), default=0) if resumable else 0
-        with _first_call_compiled_meanwhile(run, programs, loader, first_step) as start_compiling:
-            state, data_state = restore_or_init(run, start_compiling)
+        with _prepared_meanwhile(run, programs, loader, first_step) as start_preparing:
+            state, data_state = restore_or_init(run, start_preparing)
         fingerprint = run.objective.reader.fingerprint(run.config)
         if resumable and data_state["step"] > 0:
             _warn_if_data_changed(run.workdir / "data.json", fingerprint, int(data_state["step"]))
@@ -347,17 +318,49 @@ def _start(objective: Objective, workdir: str, stage: workdir_lib.StagedRunState
     return run, state, data_state, loader, programs
 
 
-def _first_call_compiled_meanwhile(run: Run, programs: StepPrograms, loader: Any, step: int):
-    """A context giving `start()`, which compiles the program of the training loop's first call (from `step`) on a
-    thread, from the state's shapes: while the state is made (`restore_or_init` calls it as the work begins that
-    leaves Python's interpreter lock free). Nothing for a trainer with phases, which the loop runs as jitted
-    functions."""
+def _prepared_meanwhile(run: Run, programs: StepPrograms, loader: Any, step: int):
+    """A context giving `start()`, which prepares the first step on a thread while the state is made
+    (`restore_or_init` calls it as the work begins that leaves Python's interpreter lock free, which tracing and
+    importing hold): the program of the loop's first call (from `step`), compiled from the state's shapes (not for a
+    trainer with phases, which the loop runs as jitted functions), and the metric writer's event files module."""
+    work = [metrics_lib.event_writer_class] if jax.process_index() == 0 else []
     size = call_size(step, run.config.train, run.config.train.steps_per_call)
-    if run.compiled.phases or size <= 0:  # (a finished run: no call)
-        return contextlib.nullcontext(lambda: None)
-    with run.context():
-        fn, device_batch = _device_calls(run.compiled, [loader.batch(s) for s in range(step, step + size)])[0]
-    return programs.compiling_meanwhile(fn, run.compiled.abstract_state, device_batch)
+    if not run.compiled.phases and size > 0:  # (size 0: a finished run)
+        with run.context():
+            fn, device_batch = _device_calls(run.compiled, [loader.batch(s) for s in range(step, step + size)])[0]
+        work.insert(0, functools.partial(programs.compile, fn, run.compiled.abstract_state, device_batch))
+    return _on_a_thread(work)
+
+
+@contextlib.contextmanager
+def _on_a_thread(work: list[Callable[[], Any]]):
+    """A context that gives `start()`, which runs each of `work` in order on a thread (at its first call; at the
+    block's end if never called). The block's end waits for the thread (a compiler left running while the process
+    exits aborts it), then raises the block's error, or else the work's."""
+    outcome: dict[str, BaseException] = {}
+
+    def run_work() -> None:
+        try:
+            for part in work:
+                part()
+        except BaseException as error:  # raised in the caller's thread, after the block
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run_work, name="lmzoo-start")
+
+    def start() -> None:
+        if thread.ident is None:
+            thread.start()
+
+    try:
+        yield start
+    finally:
+        if thread.ident is not None:
+            thread.join()
+    start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
 
 
 def _warn_if_data_changed(saved: epath.Path, fingerprint: str, step: int) -> None:

@@ -274,9 +274,9 @@ def test_the_first_call_compiles_while_the_state_is_made_and_no_call_compiles_ag
     monkeypatch.setattr(loop.StepPrograms, "compile", recording)
     loop.train_and_evaluate(_tiny_config(), str(tmp_path / "run"))
     # One program for the 4 steps (one shape), compiled on its thread from the state's shapes, not its arrays.
-    assert compiled == [("lmzoo-compile", {"ShapeDtypeStruct"})]
+    assert compiled == [("lmzoo-start", {"ShapeDtypeStruct"})]
     loop.train_and_evaluate(_tiny_config(steps=6), str(tmp_path / "run"))  # a resume: the same, while it restores
-    assert compiled[1:] == [("lmzoo-compile", {"ShapeDtypeStruct"})]
+    assert compiled[1:] == [("lmzoo-start", {"ShapeDtypeStruct"})]
 
 
 def test_a_program_compiled_ahead_is_compiled_again_for_arrays_it_does_not_fit(tmp_path):

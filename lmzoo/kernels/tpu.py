@@ -11,8 +11,6 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec
 
 BLOCK = 128  # the smallest block: splash's key blocks are computed in multiples of the TPU's 128 lanes
@@ -54,6 +52,10 @@ def _splash_attention(
     query: jax.Array, key: jax.Array, value: jax.Array, segment_ids: jax.Array | None, *, causal: bool, scale: float
 ) -> jax.Array:
     """One device's `dot_product_attention`: q [B, T, N, H], k/v [B, T, K, H] -> [B, T, N, H]."""
+    # Imported where used: Pallas' TPU kernels take ~0.09 s to import, which every process would pay at start.
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
     length, heads = query.shape[1], query.shape[2]
     block = next(b for b in BLOCKS if length % b == 0)
     blocks = splash.BlockSizes(

@@ -18,7 +18,8 @@ ROLLOUT_KEYS = ("sequences", "segment_ids", "responses", "mask", "scores", "sequ
 
 
 class PolicyJudge:
-    """Scores decoders of `run`'s model (a `ppo` run; `state` carries its frozen reference and reward model, and the reward normalisation).
+    """Scores decoders of `run`'s model (a `ppo` run; `state` carries its frozen reference and reward model, and the
+    reward normalisation).
 
     batches: held-out prompt batches ("prompts", "prompt_mask" [B, P], "example_weights" [B]); rows of weight 0 pad
     the last batch and are dropped. Each prompt gets `samples_per_prompt` responses; every decoder is sampled with

@@ -354,9 +354,10 @@ def _on_a_thread(work: list[Callable[[], Any]]):
 
     try:
         yield start
-    finally:
+    except BaseException:
         if thread.ident is not None:
             thread.join()
+        raise
     start()
     thread.join()
     if "error" in outcome:

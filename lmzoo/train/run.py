@@ -526,8 +526,8 @@ def restore_or_init(run: Run, meanwhile: Callable[[], None] = lambda: None) -> t
     if params is not fresh:
         with run.context():
             state = run.compiled.with_params(state, jax.device_put(params, run.compiled.state_shardings.params))
-    batch = run.objective.prepare_batch()
-    if run.compiled.prepare is not None and batch is not None:
+    batch = None if run.compiled.prepare is None else run.objective.prepare_batch()
+    if batch is not None:
         with run.context():
             state, fitted = run.compiled.prepare(state, batch)
         if jax.process_index() == 0:

@@ -27,7 +27,6 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -498,13 +497,10 @@ class Checkpointer:
         return saved.keys() != target_shapes.keys()
 
     @_abandoning_futures_on_error()
-    def restore(self, step: int, target: Any, reading: Callable[[], None] = lambda: None) -> tuple[Any, dict]:
+    def restore(self, step: int, target: Any) -> tuple[Any, dict]:
         """target: a pytree of jax.ShapeDtypeStruct with shardings. A checkpoint whose layer stacks are laid out
-        otherwise (the other scan_layers) is read in its own layout and relaid (`_restore_relaid`). reading: called
-        once the checkpoint is found to fit `target`, as its arrays begin to be read."""
-        relaid = self.check_compatible(step, target)
-        reading()
-        if relaid:
+        otherwise (the other scan_layers) is read in its own layout and relaid (`_restore_relaid`)."""
+        if self.check_compatible(step, target):
             data = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
             return self._restore_relaid(step, target), dict(data)
         restored = self.manager.restore(
@@ -572,14 +568,13 @@ class Checkpointer:
         restored = self._newest_readable(lambda step: (self.restore_params(step, placed), None))
         return None if restored is None else restored[:2]
 
-    def restore_latest(self, target: Any, reading: Callable[[], None] = lambda: None) -> tuple[int, Any, dict] | None:
+    def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
         """The newest checkpoint that restores, falling back past damaged ones; None if there is no step.
-        reading: as `restore`'s (called for each step tried).
 
         Raises IncompatibleCheckpointError (shapes differ from `target`), CheckpointReadError (an I/O
         error, or every step damaged): the steps are left as they are.
         """
-        return self._newest_readable(lambda step: self.restore(step, target, reading))
+        return self._newest_readable(lambda step: self.restore(step, target))
 
     def _newest_readable(self, read) -> tuple[int, Any, Any] | None:
         """(step, *read(step)) of the newest step `read` can read, falling back past damaged ones."""

@@ -155,4 +155,9 @@ if __name__ == "__main__":
     with user_errors():
         check_overrides(sys.argv[1:], default=str(REPO / "configs" / "default.py"))
     define_flags()
-    app.run(main, flags_parser=parse_flags)
+    try:
+        app.run(main, flags_parser=parse_flags)
+    except SystemExit as exiting:
+        if "lmzoo.checkpoint" in sys.modules:  # only a run that saved can have abandoned a save
+            sys.modules["lmzoo.checkpoint"].exit_past_abandoned_saves(exiting.code)
+        raise

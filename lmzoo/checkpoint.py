@@ -27,6 +27,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -275,12 +276,17 @@ def _orbax_bucket_retries() -> None:
 PROBE_SECONDS = 2.0
 
 
+_saves_abandoned = False
+
+
 def _exit_without_waiting_for_saves() -> None:
     """Lets the process exit without waiting for an abandoned save. Its threads are daemon threads (started under the
     daemon thread of `Checkpointer._within_deadline`), which an exiting Python does not wait for; but it does join
     every thread of a concurrent.futures pool, daemon or not (`concurrent.futures.thread._python_exit`), and orbax's
     pools would hold the exit until their requests to the bucket end (minutes of retries). The pools' daemon threads
     are taken off that list."""
+    global _saves_abandoned
+    _saves_abandoned = True
     from concurrent.futures import thread as pool_threads
 
     joined_at_exit = getattr(pool_threads, "_threads_queues", None)
@@ -288,6 +294,19 @@ def _exit_without_waiting_for_saves() -> None:
         for pool_thread in list(joined_at_exit):
             if pool_thread.daemon:
                 joined_at_exit.pop(pool_thread, None)
+
+
+def exit_past_abandoned_saves(exit_code: int | None) -> None:
+    """Ends the process with `exit_code` at once (stdout and stderr flushed, the interpreter not finalized) if a save
+    was abandoned in it; returns otherwise. An abandoned save's threads are still blocked in the bucket clients' C++
+    code: a finalizing interpreter ends each one that comes back for the interpreter lock by unwinding it, and a
+    `catch (...)` on that stack turns the unwinding into an abort (exit status -6 in place of the run's own). Call it
+    where the process would exit, after every `with` block of the run has closed."""
+    if not _saves_abandoned:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code or 0)
 
 
 class Checkpointer:
@@ -497,10 +516,13 @@ class Checkpointer:
         return saved.keys() != target_shapes.keys()
 
     @_abandoning_futures_on_error()
-    def restore(self, step: int, target: Any) -> tuple[Any, dict]:
+    def restore(self, step: int, target: Any, reading: Callable[[], None] = lambda: None) -> tuple[Any, dict]:
         """target: a pytree of jax.ShapeDtypeStruct with shardings. A checkpoint whose layer stacks are laid out
-        otherwise (the other scan_layers) is read in its own layout and relaid (`_restore_relaid`)."""
-        if self.check_compatible(step, target):
+        otherwise (the other scan_layers) is read in its own layout and relaid (`_restore_relaid`). reading: called
+        once the checkpoint is found to fit `target`, as its arrays begin to be read."""
+        relaid = self.check_compatible(step, target)
+        reading()
+        if relaid:
             data = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
             return self._restore_relaid(step, target), dict(data)
         restored = self.manager.restore(
@@ -568,13 +590,14 @@ class Checkpointer:
         restored = self._newest_readable(lambda step: (self.restore_params(step, placed), None))
         return None if restored is None else restored[:2]
 
-    def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
+    def restore_latest(self, target: Any, reading: Callable[[], None] = lambda: None) -> tuple[int, Any, dict] | None:
         """The newest checkpoint that restores, falling back past damaged ones; None if there is no step.
+        reading: as `restore`'s (called for each step tried).
 
         Raises IncompatibleCheckpointError (shapes differ from `target`), CheckpointReadError (an I/O
         error, or every step damaged): the steps are left as they are.
         """
-        return self._newest_readable(lambda step: self.restore(step, target))
+        return self._newest_readable(lambda step: self.restore(step, target, reading))
 
     def _newest_readable(self, read) -> tuple[int, Any, Any] | None:
         """(step, *read(step)) of the newest step `read` can read, falling back past damaged ones."""

@@ -59,8 +59,9 @@ def tensorboardx_without_torch():
         del sys.modules["torch"]
 
 
-def _summary_writer_class():
-    """tensorboardX's SummaryWriter, imported without torch."""
+def event_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch (~0.2 s the first time: the loop imports it on a thread
+    while a run's state is made)."""
     with tensorboardx_without_torch():
         from tensorboardX import SummaryWriter
     return SummaryWriter
@@ -89,7 +90,7 @@ class _EventFiles:
         the second it began, so a run resumed within that second would write into the first run's file; TensorBoard
         reads files in name order, so files of one second keep theirs."""
         self.files_begun += 1
-        return _summary_writer_class()(self.local, purge_step=purge_step, filename_suffix=f".{self.files_begun:06d}")
+        return event_writer_class()(self.local, purge_step=purge_step, filename_suffix=f".{self.files_begun:06d}")
 
     def flush(self) -> None:
         self.writer.flush()

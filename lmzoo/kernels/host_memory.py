@@ -59,14 +59,15 @@ def keep_freed_buffers_mapped(step_bytes: int = 0) -> bool:
 
 
 def keep_step_buffers_mapped(step: Any, *args: Any) -> bool:
-    """`keep_freed_buffers_mapped` for jitted `step`'s temporaries on `args` (already compiled for them: this looks
-    the executable up, ~20 ms, so call it once) when it runs on XLA:CPU and glibc can keep them: they fit a worker
-    thread's heap, or `step` runs on the calling thread (`run_on_calling_thread`, one device). Whether it was set;
-    a step on accelerator devices keeps nothing and is not looked up."""
+    """`keep_freed_buffers_mapped` for the temporaries of `step` on `args` (its compiled program, or a jitted function
+    already compiled for them: this looks the executable up, ~20 ms, so call it once) when it runs on XLA:CPU and
+    glibc can keep them: they fit a worker thread's heap, or `step` runs on the calling thread
+    (`run_on_calling_thread`, one device). Whether it was set; a step on accelerator devices keeps nothing and is not
+    looked up."""
     devices = {device for leaf in jax.tree.leaves(args) if isinstance(leaf, jax.Array) for device in leaf.devices()}
     if not devices or any(device.platform != "cpu" for device in devices):
         return False
-    executable = step.lower(*args).compile()
+    executable = step if isinstance(step, jax.stages.Compiled) else step.lower(*args).compile()
     temp_bytes = executable.memory_analysis().temp_size_in_bytes
     on_calling_thread = not jax.config.read("jax_cpu_enable_async_dispatch") and len(devices) == 1
     return (on_calling_thread or temp_bytes <= THREAD_HEAP_BYTES) and keep_freed_buffers_mapped(temp_bytes)
@@ -116,7 +117,7 @@ class StepBuffers:
         self._kept: set[Any] = set()
 
     def after_call(self, step: Any, *args: Any) -> None:
-        """Called after each call of jitted `step` on `args`; acts on its first."""
+        """Called after each call of `step` (a compiled program or a jitted function) on `args`; acts on its first."""
         if self.active and step not in self._kept:
             keep_step_buffers_mapped(step, *args)
             self._kept.add(step)

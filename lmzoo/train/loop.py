@@ -7,6 +7,7 @@ then samples and summarises. A run restarted with the same workdir continues exa
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -55,6 +56,55 @@ PROGRESS_METRICS = {
 
 class NonFiniteLossError(FloatingPointError):
     pass
+
+
+class StepPrograms:
+    """The loop's training calls as programs compiled ahead of time (`jit(...).lower(...).compile()`), one for each
+    jitted function and batch shapes, called directly. So the first call's program can be traced and compiled on a
+    thread while the state is restored or initialised (`_prepared_meanwhile`), overlapping the checkpoint's reading or
+    the init's run instead of following them, and no later call traces it again."""
+
+    def __init__(self, run: Run):
+        self._run = run
+        self._programs: dict[Any, Any] = {}
+        self._ahead: dict[Any, list] = {}  # the `_signature` of the arguments each program was compiled for
+        self._checked: set[Any] = set()
+
+    @staticmethod
+    def _key(fn: Any, batch: dict) -> tuple:
+        return fn, tuple((name, value.shape, value.dtype) for name, value in sorted(batch.items()))
+
+    def compile(self, fn: Any, state: Any, batch: dict) -> Any:
+        """`fn`'s program for `state` and `batch` (arrays or ShapeDtypeStructs with their shardings), kept."""
+        with self._run.context():
+            program = fn.lower(state, batch).compile()
+        key = self._key(fn, batch)
+        self._programs[key], self._ahead[key] = program, _signature((state, batch))
+        return program
+
+    def __call__(self, fn: Any, state: Any, batch: dict) -> tuple[Any, Any]:
+        """(`fn(state, batch)`'s outputs, the program that ran them). A program compiled ahead for ShapeDtypeStructs
+        is checked against the first arrays it gets and compiled again for them where they differ (a weakly typed
+        leaf, another sharding)."""
+        key = self._key(fn, batch)
+        program = self._programs.get(key)
+        if program is None or (key not in self._checked and not _same_signature(self._ahead[key], (state, batch))):
+            program = self.compile(fn, state, batch)
+        self._checked.add(key)
+        return program(state, batch), program
+
+
+def _signature(tree: Any) -> list[tuple]:
+    """(shape, dtype, weak type, sharding) of each leaf of a tree of arrays or ShapeDtypeStructs."""
+    return [(x.shape, x.dtype, x.weak_type, x.sharding) for x in jax.tree.leaves(tree)]
+
+
+def _same_signature(expected: list[tuple], given: Any) -> bool:
+    """Whether the leaves of `given` match `expected` (a `_signature`): shapes, dtypes, weak types, shardings."""
+    leaves = _signature(given)
+    return len(leaves) == len(expected) and all(
+        a[:3] == b[:3] and a[3].is_equivalent_to(b[3], len(a[0])) for a, b in zip(expected, leaves, strict=True)
+    )
 
 
 def evaluate(run: Run, state: Any, split: str = "validation") -> dict[str, float]:
@@ -245,13 +295,16 @@ def _start(objective: Objective, workdir: str, stage: workdir_lib.StagedRunState
     run = assemble(objective, workdir, stage)
     saved_config = run.workdir / "config.json"
     resumable = has_checkpoints(run.workdir) and storage.exists(saved_config)
+    programs = StepPrograms(run)
     try:
-        state, data_state = restore_or_init(run)
+        loader = run.train_loader()
+        first_step = max(run.checkpointer.steps(), default=0) if resumable else 0
+        with _prepared_meanwhile(run, programs, loader, first_step) as start_preparing:
+            state, data_state = restore_or_init(run, start_preparing)
         fingerprint = run.objective.reader.fingerprint(run.config)
         if resumable and data_state["step"] > 0:
             _warn_if_data_changed(run.workdir / "data.json", fingerprint, int(data_state["step"]))
             config_lib.check_resume(run.config, int(data_state["step"]), run.workdir, command_line)
-        loader = run.train_loader()
         if next(iter(run.eval_batches("validation")), None) is None:
             raise ValueError("the validation split has no examples; use more data or a larger validation split")
     except BaseException:
@@ -262,7 +315,53 @@ def _start(objective: Objective, workdir: str, stage: workdir_lib.StagedRunState
     if stage is not None:
         stage.write_text("config.json", run.config.to_json_best_effort(indent=2))
         stage.write_text("data.json", json.dumps({"fingerprint": fingerprint}))
-    return run, state, data_state, loader
+    return run, state, data_state, loader, programs
+
+
+def _prepared_meanwhile(run: Run, programs: StepPrograms, loader: Any, step: int):
+    """A context giving `start()`, which prepares the first step on a thread while the state is made
+    (`restore_or_init` calls it as the work begins that leaves Python's interpreter lock free, which tracing and
+    importing hold): the program of the loop's first call (from `step`), compiled from the state's shapes (not for a
+    trainer with phases, which the loop runs as jitted functions), and the metric writer's event files module."""
+    work = [metrics_lib.event_writer_class] if jax.process_index() == 0 else []
+    size = call_size(step, run.config.train, run.config.train.steps_per_call)
+    if not run.compiled.phases and size > 0:  # (size 0: a finished run)
+        with run.context():
+            fn, device_batch = _device_calls(run.compiled, [loader.batch(s) for s in range(step, step + size)])[0]
+        work.insert(0, functools.partial(programs.compile, fn, run.compiled.abstract_state, device_batch))
+    return _on_a_thread(work)
+
+
+@contextlib.contextmanager
+def _on_a_thread(work: list[Callable[[], Any]]):
+    """A context that gives `start()`, which runs each of `work` in order on a thread (at its first call; at the
+    block's end if never called). The block's end waits for the thread (a compiler left running while the process
+    exits aborts it), then raises the block's error, or else the work's."""
+    outcome: dict[str, BaseException] = {}
+
+    def run_work() -> None:
+        try:
+            for part in work:
+                part()
+        except BaseException as error:  # raised in the caller's thread, after the block
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run_work, name="lmzoo-start")
+
+    def start() -> None:
+        if thread.ident is None:
+            thread.start()
+
+    try:
+        yield start
+    except BaseException:
+        if thread.ident is not None:
+            thread.join()
+        raise
+    start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
 
 
 def _warn_if_data_changed(saved: epath.Path, fingerprint: str, step: int) -> None:
@@ -301,13 +400,13 @@ def train_and_evaluate(
                 for name in workdir_lib.remove_leftovers(workdir):
                     log.warning("removed %s, left in %s by a run that was killed while writing it", name, workdir)
                 with workdir_lib.StagedRunState(workdir) as stage:
-                    run, state, data_state, loader = _start(objective, workdir, stage, command_line)
+                    run, state, data_state, loader, programs = _start(objective, workdir, stage, command_line)
                     raise_if_stopped()
                     stage.commit()
             else:
-                run, state, data_state, loader = _start(objective, workdir, None, command_line)
+                run, state, data_state, loader, programs = _start(objective, workdir, None, command_line)
         started = True
-        return _train(run, state, data_state, loader, began, lock)
+        return _train(run, state, data_state, loader, programs, began, lock)
     except storage.BucketUnreachableError as error:
         saved = run.checkpointer.committed_note() if started else "what the run saved before is kept"
         raise storage.BucketUnreachableError(
@@ -363,6 +462,7 @@ def _train(
     state: Any,
     data_state: dict,
     loader: Any,
+    programs: StepPrograms,
     began: float,
     lock: workdir_lib.WorkdirLock | workdir_lib.LeaseLock | None,
 ) -> dict[str, float]:
@@ -400,8 +500,8 @@ def _train(
                     if compiled.phases:
                         state, step_metrics = run_timed_phases(compiled.phases, state, device_batch)
                     else:
-                        state, step_metrics = fn(state, device_batch)
-                        step_buffers.after_call(fn, state, device_batch)
+                        (state, step_metrics), program = programs(fn, state, device_batch)
+                        step_buffers.after_call(program, state, device_batch)
                     total = metrics_lib.accumulate(total, step_metrics)
             run.checkpointer.check_for_errors()
             if lock is not None:

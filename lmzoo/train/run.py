@@ -16,7 +16,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -486,25 +486,33 @@ def load_frozen(run: Run) -> Any:
     if not jax.tree.leaves(run.compiled.abstract_state.frozen):
         return run.compiled.abstract_state.frozen
     with run.context():
-        fresh = jax.device_get(run.compiled.init(jax.random.key(run.config.train.seed)).frozen)
+        key = jax.random.key(run.config.train.seed)
+        fresh = jax.device_get(run.compiled.init_program(key)(key).frozen)
     frozen = dict(fresh)
     for name, role in run.objective.roles().items():
         frozen[name] = weights.read_role(role, fresh[name])
     return jax.device_put(frozen, run.compiled.state_shardings.frozen)
 
 
-def restore_or_init(run: Run) -> tuple[Any, dict]:
+def restore_or_init(run: Run, meanwhile: Callable[[], None] = lambda: None) -> tuple[Any, dict]:
     """The latest good checkpoint (with frozen parameters read again), or a fresh state whose frozen
     parameters are read, whose params the objective may adjust, which takes config.init_from's weights and which the
-    trainer prepares (`prepare`: its first phase, e.g. PPO's reward normalisation; checkpointed with the state)."""
+    trainer prepares (`prepare`: its first phase, e.g. PPO's reward normalisation; checkpointed with the state).
+
+    meanwhile: called (once or more) as the work begins that leaves Python's interpreter lock free: the reading of a
+    checkpoint found to fit, or the init program's run once it is traced and compiled; what it starts on a thread runs
+    beside it (the loop compiles its first call)."""
     frozen = load_frozen(run)
-    restored = run.checkpointer.restore_latest(run.abstract_state)
+    restored = run.checkpointer.restore_latest(run.abstract_state, reading=meanwhile)
     if restored is not None:
         _, state, data_state = restored
         return state.replace(frozen=frozen), data_state
     cfg = run.config
+    key = jax.random.key(cfg.train.seed)
     with run.context():
-        state = run.compiled.init(jax.random.key(cfg.train.seed))
+        init = run.compiled.init_program(key)
+        meanwhile()
+        state = init(key)
     # The params stay on the mesh: `init_from` weights are read tensor by tensor into each parameter's sharding
     # (`weights.merge_pretrained`), so no host holds the whole model.
     fresh = state.params

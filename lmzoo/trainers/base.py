@@ -102,11 +102,18 @@ class CompiledTrainer:
     with_params: Callable
     phases: dict[str, Callable] = dataclasses.field(default_factory=dict)
     prepare: Callable | None = None
+    _init_program: Any = dataclasses.field(default=None, repr=False)
 
     @contextlib.contextmanager
     def context(self):
         with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
             yield
+
+    def init_program(self, rng: jax.Array) -> Any:
+        """`init` compiled for keys like `rng` (kept): its program, to run apart from its tracing and compiling."""
+        if self._init_program is None:
+            self._init_program = self.init.lower(rng).compile()
+        return self._init_program
 
     def initial_carry(self, batch_size: int) -> Any:
         """The trainer's zero carry for `batch_size` rows, sharded with its logical axes."""

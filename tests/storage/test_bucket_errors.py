@@ -123,3 +123,28 @@ def test_reports_of_orbax_coroutines_left_by_a_failed_read_are_dropped(monkeypat
         "/elsewhere/mine.py",
         "/elsewhere/mine.py",
     ]
+
+
+@pytest.mark.parametrize("abandoned", [False, True])
+def test_a_process_that_abandoned_a_save_exits_with_its_status_and_without_finalizing(abandoned):
+    """`checkpoint.exit_past_abandoned_saves`: once a save was abandoned, the process ends with the given status, its
+    output flushed and no exit handler run (a finalizing interpreter aborts on the abandoned save's threads, still in
+    the bucket clients' C++ code: tests/storage/test_bucket_outage.py met it as exit status -6); otherwise it returns
+    and the process exits as usual."""
+    program = (
+        "import atexit, sys\n"
+        "from lmzoo import checkpoint\n"
+        "atexit.register(lambda: print('finalized', flush=True))\n"
+        f"if {abandoned}:\n"
+        "    checkpoint._exit_without_waiting_for_saves()\n"
+        "print('error: the line a stopped run prints', file=sys.stderr)\n"
+        "print('kept', end='')\n"
+        "checkpoint.exit_past_abandoned_saves(2)\n"
+        "sys.exit(3)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=ROOT)
+    assert result.stderr.endswith("error: the line a stopped run prints\n"), result.stderr
+    if abandoned:
+        assert (result.returncode, result.stdout) == (2, "kept")
+    else:
+        assert (result.returncode, result.stdout) == (3, "keptfinalized\n")

@@ -6,12 +6,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
 import pytest
 
-from lmzoo import checkpoint, testing
+from lmzoo import checkpoint, sharding, testing
 from lmzoo.train import loop
 from lmzoo.train import run as run_lib
 
@@ -259,3 +260,41 @@ def test_sigterm_in_a_garbage_collector_callback_still_stops_the_start(capfd):
                 gc.callbacks.remove(sigterm_during_collection)
     assert stopped.value.exit_code == 143
     assert "Exception ignored" not in capfd.readouterr().err
+
+
+def test_the_first_call_compiles_while_the_state_is_made_and_no_call_compiles_again(tmp_path, monkeypatch):
+    compiled = []
+    original = loop.StepPrograms.compile
+
+    def recording(self, fn, state, batch):
+        kinds = {type(leaf).__name__ for leaf in jax.tree.leaves(state)}
+        compiled.append((threading.current_thread().name, kinds))
+        return original(self, fn, state, batch)
+
+    monkeypatch.setattr(loop.StepPrograms, "compile", recording)
+    loop.train_and_evaluate(_tiny_config(), str(tmp_path / "run"))
+    # One program for the 4 steps (one shape), compiled on its thread from the state's shapes, not its arrays.
+    assert compiled == [("lmzoo-start", {"ShapeDtypeStruct"})]
+    loop.train_and_evaluate(_tiny_config(steps=6), str(tmp_path / "run"))  # a resume: the same, while it restores
+    assert compiled[1:] == [("lmzoo-start", {"ShapeDtypeStruct"})]
+
+
+def test_a_program_compiled_ahead_is_compiled_again_for_arrays_it_does_not_fit(tmp_path):
+    run = run_lib.build(_tiny_config(), str(tmp_path))
+    try:
+        state, _ = run_lib.restore_or_init(run)
+        batch = sharding.put_batch(run.train_loader().batch(0), run.compiled.batch_sharding)
+        programs = loop.StepPrograms(run)
+        weak = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding), run.abstract_state)
+        weak = weak.replace(
+            step=jax.ShapeDtypeStruct((), jax.numpy.int32, sharding=state.step.sharding, weak_type=True)
+        )
+        ahead = programs.compile(run.compiled.step, weak, batch)
+        with run.context():
+            (state, metrics), program = programs(run.compiled.step, state, batch)
+            assert program is not ahead  # the state's step is not weakly typed: compiled again, then run
+            assert np.isfinite(float(jax.device_get(metrics["loss"][0])))
+            (_, _), again = programs(run.compiled.step, state, batch)
+        assert again is program
+    finally:
+        run.close()

@@ -285,11 +285,6 @@ def check_memory(compiled: trainers_base.CompiledTrainer, config: ml_collections
     return line + ("" if have is None else f", of {_size(have)} available")
 
 
-def axis_rules(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
-    """The logical-axis rules of the run: `sharding.LOGICAL_AXIS_RULES` with config.sharding.rules' overrides."""
-    return sharding.axis_rules(tuple(tuple(r) for r in config.sharding.rules))
-
-
 def data_parallel_size(sizes: Sequence[int]) -> int:
     """Devices a batch is split over: the data x fsdp x expert sizes of a (data, fsdp, expert, tensor) mesh (the
     "act_batch" rule of `sharding.LOGICAL_AXIS_RULES`)."""
@@ -305,9 +300,9 @@ def check_layout(
     parameters divide), the model traced on the mesh (its own checks: an expert axis that does not divide the
     experts), every parameter axis over the mesh axes it is split over (`sharding.split_problems`), and a trainer
     that runs in phases taking one step a call. trainer None (a dry run whose model is not known yet): the values
-    alone; rules: the run's logical-axis rules (`axis_rules`). ValueError naming the fix. Returns the state traced on
-    the mesh (`trainers.base.traced_state`; None without a trainer), which `trainers.base.compile_trainer` takes
-    instead of tracing the model again."""
+    alone; rules: the run's logical-axis rules (`sharding.axis_rules(config.sharding.rules)`). ValueError naming the
+    fix. Returns the state traced on the mesh (`trainers.base.traced_state`; None without a trainer), which
+    `trainers.base.compile_trainer` takes instead of tracing the model again."""
     config, dp = objective.config, data_parallel_size(sizes)
     seed = config.train.seed
     # the same shapes and axes on any mesh
@@ -356,7 +351,7 @@ def dry_check(objective: base.Objective, *, pretrained_here: bool = True) -> str
     config = objective.config
     sizes, devices = dry_mesh_sizes(config)
     trainer = objective.trainer(objective.model()) if pretrained_here else None
-    rules = axis_rules(config)
+    rules = sharding.axis_rules(config.sharding.rules)
     check_layout(objective, trainer, sizes, rules, batches=True)
     if trainer is None:
         said = "layout, memory and tokenizer not checked (config.model is the checkpoint's only once it is read)"
@@ -453,7 +448,7 @@ def assemble(
     devices: the mesh's devices (default: all).
     """
     config = objective.config
-    mesh, rules = run_mesh(config, devices), axis_rules(config)
+    mesh, rules = run_mesh(config, devices), sharding.axis_rules(config.sharding.rules)
     model = objective.model()
     trainer = objective.trainer(model)
     traced = check_layout(objective, trainer, tuple(mesh.shape.values()), rules, batches=batches)

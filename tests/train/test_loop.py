@@ -298,3 +298,20 @@ def test_a_program_compiled_ahead_is_compiled_again_for_arrays_it_does_not_fit(t
         assert again is program
     finally:
         run.close()
+
+
+def test_the_configs_sharding_rules_replace_the_tables_entries_also_as_a_saved_config_gives_them(tmp_path):
+    """config.sharding.rules as the command line gives them (tuples) and as a saved config.json gives them back
+    (lists) replace those entries of `sharding.LOGICAL_AXIS_RULES` in the run's rules; an unknown logical axis is
+    refused, named."""
+    config = _tiny_config()
+    default = dict(sharding.LOGICAL_AXIS_RULES)
+    for given in ((("vocab", None), ("mlp", None)), [["vocab", None], ["mlp", None]]):
+        config.sharding.rules = given
+        run = run_lib.build(config, str(tmp_path / "run"))
+        run.close()
+        rules = dict(run.compiled.rules)
+        assert rules == {**default, "vocab": None, "mlp": None} and default["vocab"] == "tensor"
+    config.sharding.rules = (("vocabulary", None),)
+    with pytest.raises(ValueError, match="unknown logical axis 'vocabulary'"):
+        run_lib.build(config, str(tmp_path / "run"))

@@ -4,7 +4,8 @@
 
 4 layers, 4 heads, 128 dims, context 64, batch 12, 2000 iterations, AdamW lr 1e-3 (warmup 100,
 cosine to 1e-4 at 2000), beta2 0.99, weight decay 0.1 on all matrices (embeddings too, as in
-nanoGPT), clip 1.0, no dropout, no biases, exact GELU, 90/10 split by characters. `:tiny` shrinks it for tests.
+nanoGPT), clip 1.0, no dropout, no biases, exact GELU, 90/10 split by characters; ten steps a compiled call.
+`:tiny` shrinks it for tests.
 """
 
 import pathlib
@@ -46,12 +47,14 @@ def get_config(arg: str | None = None):
     c.train.steps = 2000
     c.train.batch_size = 12
     c.train.log_every = 100
+    c.train.steps_per_call = 10  # ten steps a compiled call: the host's per-step dispatch paid once per ten
     c.train.eval_every = 500
     c.train.checkpoint_every = 500
     c.train.sample_prompt = "ROMEO:"
     c.train.sample_tokens = 300
     if "tiny" in check_variants(arg, known=("tiny",)):
         c.train.steps, c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 4, 2, 2, 2
+        c.train.steps_per_call = 1
         c.optim.decay_steps = c.train.steps  # the schedule ends with the run: no decay_steps note
         c.model.num_layers, c.eval.max_batches, c.train.sample_tokens = 1, 2, 8
     return c

@@ -1,11 +1,11 @@
 """The platform seam: which form of a building block runs, chosen in one place from the mesh's platform.
 
 `lmzoo.layers` holds the plain forms (what runs on GPUs and TPUs); `kernels.cpu` the forms XLA:CPU runs
-faster (and JAX's random hash lowered unrolled on the CPU, set on import: the same bits); `kernels.explicit` the attention form with materialised probabilities and `kernels.tpu` Pallas' splash
-attention (`attention_form` says where each runs); `kernels.host_memory` the glibc settings of a process running
-XLA:CPU programs or reading a checkpoint. The platform is that of the mesh a program is traced under (`jax.set_mesh`, as every compiled
-trainer is), else JAX's default backend; `use_platform` overrides it (tests run the accelerator forms on the CPU
-with it).
+faster (and JAX's random hash lowered unrolled on the CPU, set on import: the same bits); `kernels.explicit` the
+attention form with materialised probabilities and `kernels.tpu` Pallas' splash attention (`attention_form` says where
+each runs); `kernels.host_memory` the glibc settings of a process running XLA:CPU programs or reading a checkpoint. The
+platform is that of the mesh a program is traced under (`jax.set_mesh`, as every compiled trainer is), else JAX's
+default backend; `use_platform` overrides it (tests run the accelerator forms on the CPU with it).
 """
 
 import contextlib

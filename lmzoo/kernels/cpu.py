@@ -20,10 +20,9 @@ def lower_threefry_unrolled() -> None:
     """Lowers JAX's threefry2x32 hash (every `jax.random` draw: parameter init, dropout, sampling) of
     UNROLLED_THREEFRY_MIN_SIZE numbers or more on the CPU as it is lowered on GPUs and TPUs: its 20 rounds unrolled
     into one elementwise program. JAX's CPU lowering rolls them into a loop of 5 iterations (for compile time), which
-    writes and reads both 32-bit words of every draw at each iteration: gpt2_124m's parameter init took 1.44 s against
-    0.84 s unrolled, a [480, 1024, 768] dropout mask 4.89 s against 1.06 s, with the same bits. Smaller draws keep
-    the loop: unrolled, each call site compiles longer (T5's tiny init 2.3 -> 3.6 s) for a run time that was short
-    (docs/notes/cpu-speed.md). A JAX without these internals keeps its own lowering."""
+    writes and reads both 32-bit words of every draw at each iteration: several times slower for a large draw, with
+    the same bits. Smaller draws keep the loop, where unrolling each call site would cost more compile time than it
+    saves (docs/notes/cpu-speed.md). A JAX without these internals keeps its own lowering."""
     try:
         from jax._src.interpreters import mlir
         from jax._src.random import threefry2x32

@@ -76,7 +76,7 @@ def _sample_loop(
     The loop carries the logits in float32 whatever the model's dtype (a bfloat16 model's step returns bfloat16
     logits): the sampling filters, the softmax and the log-probs all read them in float32."""
     batch = logits.shape[0]
-    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=vocab_size)
+    draw = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=vocab_size)
     stop_sequences = tuple(s for s in stop_sequences if len(s) <= max_new_tokens)  # longer ones can never match
 
     def cond(carry):
@@ -86,7 +86,7 @@ def _sample_loop(
     def body(carry):
         i, tokens, log_probs, mask, logits, state, done, rng = carry
         rng, step_rng = jax.random.split(rng)
-        token = jnp.where(done, pad_id, sample(step_rng, logits)).astype(jnp.int32)
+        token = jnp.where(done, pad_id, draw(step_rng, logits)).astype(jnp.int32)
         scaled = logits if temperature == 0.0 else logits / temperature
         log_prob = jnp.take_along_axis(jax.nn.log_softmax(scaled), token[:, None], axis=1)[:, 0]
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))

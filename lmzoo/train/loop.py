@@ -399,12 +399,12 @@ def train_and_evaluate(
             if is_main:
                 for name in workdir_lib.remove_leftovers(workdir):
                     log.warning("removed %s, left in %s by a run that was killed while writing it", name, workdir)
-                with workdir_lib.StagedRunState(workdir) as stage:
-                    run, state, data_state, loader, programs = _start(objective, workdir, stage, command_line)
+            # Only process 0 writes the workdir: the others start with nothing staged.
+            with workdir_lib.StagedRunState(workdir) if is_main else contextlib.nullcontext() as stage:
+                run, state, data_state, loader, programs = _start(objective, workdir, stage, command_line)
+                if stage is not None:
                     raise_if_stopped()
                     stage.commit()
-            else:
-                run, state, data_state, loader, programs = _start(objective, workdir, None, command_line)
         started = True
         return _train(run, state, data_state, loader, programs, began, lock)
     except storage.BucketUnreachableError as error:

@@ -362,10 +362,12 @@ def check_flags() -> None:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from lmzoo.kernels import host_memory
     from lmzoo.train import compilation_cache
     from lmzoo.train import run as run_lib
 
     logging.set_verbosity(logging.WARNING)
+    host_memory.one_heap_per_core()  # what each compile frees, the next reuses
     compilation_cache.enable()  # programs train.py (or an earlier eval.py) compiled are read, not compiled again
     with run_lib.user_errors():
         evaluate()

@@ -238,7 +238,7 @@ def trl_policy(prefix: str, gpt2_config, tokenizer) -> tuple[str, str]:
 
 class Isolated:
     """A trainer built and run in a process of its own, as users run each framework: its own malloc settings,
-    threads and JAX client, configured as train.py configures its process (`host_memory.run_on_calling_thread`;
+    threads and JAX client, configured as train.py configures its process (`host_memory.set_up_process`;
     torch ignores it). Without this, the malloc setting lmzoo's train step applies would apply to torch in the same
     process too. `build(*args)` (a module-level function: the process is spawned) returns an object with
     `run(steps)` and `loss`; `run` here blocks until the steps are done and returns what the trainer's returned;
@@ -285,7 +285,7 @@ class Isolated:
 
 def _serve(connection, build: Callable, args: tuple) -> None:
     """The trainer's process: builds it, then runs the steps asked for until the pipe closes."""
-    host_memory.run_on_calling_thread()
+    host_memory.set_up_process()
     try:
         trainer = build(*args)
         connection.send(("ok", None))

@@ -142,7 +142,7 @@ def step_child(model: str, args: argparse.Namespace) -> None:
     from lmzoo.kernels import host_memory
     from lmzoo.train import compilation_cache
 
-    host_memory.run_on_calling_thread()  # as train.py sets its process up, before JAX's CPU client exists
+    host_memory.set_up_process()  # as train.py sets its process up, before JAX's CPU client exists
     cache = compilation_cache.enable()
     import jax
 

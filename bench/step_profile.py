@@ -123,7 +123,7 @@ def main():
     )
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    host_memory.run_on_calling_thread()  # as train.py runs its steps
+    host_memory.set_up_process()  # as train.py runs its steps
     config = config_lib.load_config_file(args.config)
     load = common.announce(
         "step_profile", args.config, f"B={config.train.batch_size} T={config.data.seq_len}", args.steps

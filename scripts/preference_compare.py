@@ -274,5 +274,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    host_memory.run_on_calling_thread()  # as train.py sets its process up, before JAX's CPU client exists
+    host_memory.set_up_process()  # as train.py sets its process up, before JAX's CPU client exists
     main()

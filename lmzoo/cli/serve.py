@@ -43,6 +43,7 @@ from aiohttp import web
 from lmzoo import models, storage, tokenizers, weights
 from lmzoo.convert import hf
 from lmzoo.data import chat
+from lmzoo.kernels import host_memory
 from lmzoo.models import kinds
 from lmzoo.serving import engine as engine_lib
 from lmzoo.serving.slots import mask_padded_vocab
@@ -869,6 +870,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     with run_lib.user_errors():
         args = parse_args(argv)
+        host_memory.one_heap_per_core()  # what each compile frees, the next reuses
         compilation_cache.enable()
         options = dict(chat_template=args.chat_template, name=args.served_model_name)
         if args.workdir:

@@ -12,13 +12,19 @@ around evaluations and before the end-of-run sample, on the CPU only).
 
 Where the buffer comes from matters. By default JAX runs XLA:CPU programs on worker threads, whose glibc heaps
 hold at most 64 MB: a larger block asked for there is mapped afresh whatever the setting. `run_on_calling_thread`
-(train.py calls it first) makes a one-device program run on the thread that calls it, whose heap has no such
-limit, so the setting keeps a buffer of any size.
+makes a one-device program run on the thread that calls it, whose heap has no such limit, so the setting keeps a
+buffer of any size.
+
+How many heaps there are matters too. glibc gives threads heaps of their own, up to eight per core; XLA compiles on a
+pool of threads, and what a compile frees in one heap (most of what it allocated) is reused only by the threads
+of that heap, so each later compile grows another. `one_heap_per_core` caps them (train.py, eval.py and the
+server call it first; train.py through `set_up_process`, which does both).
 """
 
 import contextlib
 import ctypes
 import functools
+import os
 from typing import Any
 
 import jax
@@ -27,6 +33,7 @@ M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
+M_ARENA_MAX = -8
 KEPT_BYTES = 64 << 20  # kept free at a heap's top, and the padding a heap grows by
 THREAD_HEAP_BYTES = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit
 
@@ -34,6 +41,26 @@ THREAD_HEAP_BYTES = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None)
+
+
+def set_up_process() -> None:
+    """How lmzoo's commands set up their process before JAX's CPU client exists: one-device programs run on the
+    calling thread (`run_on_calling_thread`) and malloc keeps one heap per core (`one_heap_per_core`)."""
+    run_on_calling_thread()
+    one_heap_per_core()
+
+
+def one_heap_per_core() -> bool:
+    """Caps glibc's malloc at one heap (arena) per core this process may run on, where it makes up to eight, so
+    the memory a compile frees is reused by the next (docs/notes/cpu-speed.md: the peak RSS it saves). Heaps made
+    before the call stay: call it before threads start. MALLOC_ARENA_MAX, where set, is left to decide. Whether it
+    was set (False where the C library is not glibc, or the variable is set)."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None or "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return bool(mallopt(M_ARENA_MAX, cores or 1))
 
 
 def run_on_calling_thread() -> None:

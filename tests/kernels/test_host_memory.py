@@ -1,5 +1,6 @@
 """`host_memory`: the train step's temporary buffer stops faulting in anew each step."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -144,6 +145,10 @@ FREED_BLOCK_PROGRAM = textwrap.dedent(
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
     libc.free.argtypes = (ctypes.c_void_p,)
+    libc.fdopen.restype, libc.fdopen.argtypes = ctypes.c_void_p, (ctypes.c_int, ctypes.c_char_p)
+    libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.fclose.argtypes = (ctypes.c_void_p,)
+    libc.free.argtypes = (ctypes.c_void_p,)
 
     def rss():
         line = next(l for l in pathlib.Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS"))
@@ -179,3 +184,60 @@ def test_a_freed_large_block_is_returned_only_inside_the_reading_block():
 
     assert returned("default") < 1 << 20, "glibc returned a heap block: the test no longer shows the default"
     assert returned("inside") >= 8 << 20
+
+
+HEAPS_PROGRAM = textwrap.dedent(
+    """
+    import ctypes, os, re, sys, tempfile, threading
+    from lmzoo.kernels import host_memory
+
+    if sys.argv[1] == "capped":
+        assert host_memory.one_heap_per_core()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+    libc.fdopen.restype, libc.fdopen.argtypes = ctypes.c_void_p, (ctypes.c_int, ctypes.c_char_p)
+    libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.fclose.argtypes = (ctypes.c_void_p,)
+    together = threading.Barrier(16)
+
+    def allocate():  # every thread holds a block at once, so none hands its heap on
+        block = libc.malloc(1 << 16)
+        together.wait()
+        libc.free(block)
+
+    threads = [threading.Thread(target=allocate) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    with tempfile.TemporaryFile("w+") as report:  # malloc_info writes one <heap> element per heap
+        libc.fflush(None)
+        stream = libc.fdopen(os.dup(report.fileno()), b"w")
+        libc.malloc_info(0, stream)
+        libc.fclose(stream)
+        report.seek(0)
+        print(len(set(re.findall(r'<heap nr="(\\d+)"', report.read()))), len(os.sched_getaffinity(0)))
+    """
+)
+
+
+def heaps_and_cores(mode: str, **env: str) -> tuple[int, int]:
+    environment = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"} | env
+    out = subprocess.run(
+        [sys.executable, "-c", HEAPS_PROGRAM, mode], capture_output=True, text=True, check=True, cwd=ROOT, env=environment
+    )
+    heaps, cores = out.stdout.split()[-2:]
+    return int(heaps), int(cores)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_one_heap_per_core():
+    """Sixteen threads allocating at once get heaps of their own by default (up to eight a core); capped, the
+    process keeps one a core. A MALLOC_ARENA_MAX of the user's is left as it is (the cap then refuses)."""
+    heaps, cores = heaps_and_cores("default")
+    assert heaps > cores, f"{heaps} heaps for 16 threads by default: the test no longer tells the cap apart"
+    heaps, cores = heaps_and_cores("capped")
+    assert heaps <= cores
+    with pytest.raises(subprocess.CalledProcessError):  # the cap's `assert` fails: the user's setting stands
+        heaps_and_cores("capped", MALLOC_ARENA_MAX="8")

@@ -296,14 +296,19 @@ def _exit_without_waiting_for_saves() -> None:
                 joined_at_exit.pop(pool_thread, None)
 
 
-def exit_past_abandoned_saves(exit_code: int | None) -> None:
-    """Ends the process with `exit_code` at once (stdout and stderr flushed, the interpreter not finalized) if a save
-    was abandoned in it; returns otherwise. An abandoned save's threads are still blocked in the bucket clients' C++
-    code: a finalizing interpreter ends each one that comes back for the interpreter lock by unwinding it, and a
-    `catch (...)` on that stack turns the unwinding into an abort (exit status -6 in place of the run's own). Call it
-    where the process would exit, after every `with` block of the run has closed."""
+def exit_past_abandoned_saves(exit_code: Any) -> None:
+    """Ends the process as `sys.exit(exit_code)` would, but at once (stdout and stderr flushed, the interpreter not
+    finalized), if a save was abandoned in it; returns otherwise. `exit_code`: a SystemExit's code (None: 0; an
+    int; anything else is printed to stderr and the status is 1, as Python does). An abandoned save's threads are
+    still blocked in the bucket clients' C++ code: a finalizing interpreter ends each one that comes back for the
+    interpreter lock by unwinding it, and a `catch (...)` on that stack turns the unwinding into an abort (exit
+    status -6 in place of the run's own). Call it where the process would exit, after every `with` block of the run
+    has closed."""
     if not _saves_abandoned:
         return
+    if exit_code is not None and not isinstance(exit_code, int):
+        print(exit_code, file=sys.stderr)
+        exit_code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code or 0)

@@ -148,3 +148,9 @@ def test_a_process_that_abandoned_a_save_exits_with_its_status_and_without_final
         assert (result.returncode, result.stdout) == (2, "kept")
     else:
         assert (result.returncode, result.stdout) == (3, "keptfinalized\n")
+    # A message for a code (`sys.exit("...")`): printed, status 1, as Python does
+    message = program.replace("exit_past_abandoned_saves(2)", "exit_past_abandoned_saves('stopped: a message')")
+    result = subprocess.run([sys.executable, "-c", message], capture_output=True, text=True, cwd=ROOT)
+    if abandoned:
+        assert (result.returncode, result.stdout) == (1, "kept")
+        assert result.stderr.endswith("error: the line a stopped run prints\nstopped: a message\n"), result.stderr

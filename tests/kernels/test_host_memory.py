@@ -225,7 +225,12 @@ HEAPS_PROGRAM = textwrap.dedent(
 def heaps_and_cores(mode: str, **env: str) -> tuple[int, int]:
     environment = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"} | env
     out = subprocess.run(
-        [sys.executable, "-c", HEAPS_PROGRAM, mode], capture_output=True, text=True, check=True, cwd=ROOT, env=environment
+        [sys.executable, "-c", HEAPS_PROGRAM, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env=environment,
     )
     heaps, cores = out.stdout.split()[-2:]
     return int(heaps), int(cores)

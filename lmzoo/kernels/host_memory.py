@@ -134,17 +134,20 @@ def release_freed_memory() -> None:
 class StepBuffers:
     """The training loop's one hook into the process's malloc, for the platform its mesh runs on.
 
-    On the CPU: after a compiled function's first call its temporaries are kept mapped (`keep_step_buffers_mapped`,
-    once per function) and freed pages go back to the OS around evaluations and at the end. On accelerators, whose
-    step buffers live on the device, every method does nothing: no lowering, no glibc call.
+    On the CPU: from a compiled function's first call its temporaries are kept mapped (`keep_step_buffers_mapped`,
+    once per function), so only that call maps them fresh (set after it, the second call mapped them again: ~350k
+    page faults, 0.2 s, for gpt2_124m's batch-1 step), and freed pages go back to the OS around evaluations and at
+    the end. On accelerators, whose step buffers live on the device, every method does nothing: no lowering, no glibc
+    call.
     """
 
     def __init__(self, platform: str):
         self.active = platform == "cpu"
         self._kept: set[Any] = set()
 
-    def after_call(self, step: Any, *args: Any) -> None:
-        """Called after each call of `step` (a compiled program or a jitted function) on `args`; acts on its first."""
+    def before_call(self, step: Any, *args: Any) -> None:
+        """Called before each call of `step` (a compiled program, or a jitted function, which this compiles if it has
+        not been) on `args`; acts before its first."""
         if self.active and step not in self._kept:
             keep_step_buffers_mapped(step, *args)
             self._kept.add(step)

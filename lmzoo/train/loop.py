@@ -82,16 +82,16 @@ class StepPrograms:
         self._programs[key], self._ahead[key] = program, _signature((state, batch))
         return program
 
-    def __call__(self, fn: Any, state: Any, batch: dict) -> tuple[Any, Any]:
-        """(`fn(state, batch)`'s outputs, the program that ran them). A program compiled ahead for ShapeDtypeStructs
-        is checked against the first arrays it gets and compiled again for them where they differ (a weakly typed
-        leaf, another sharding)."""
+    def program(self, fn: Any, state: Any, batch: dict) -> Any:
+        """The program that runs `fn(state, batch)`. A program compiled ahead for ShapeDtypeStructs is checked
+        against the first arrays it gets and compiled again for them where they differ (a weakly typed leaf, another
+        sharding)."""
         key = self._key(fn, batch)
         program = self._programs.get(key)
         if program is None or (key not in self._checked and not _same_signature(self._ahead[key], (state, batch))):
             program = self.compile(fn, state, batch)
         self._checked.add(key)
-        return program(state, batch), program
+        return program
 
 
 def _signature(tree: Any) -> list[tuple]:
@@ -500,8 +500,9 @@ def _train(
                     if compiled.phases:
                         state, step_metrics = run_timed_phases(compiled.phases, state, device_batch)
                     else:
-                        (state, step_metrics), program = programs(fn, state, device_batch)
-                        step_buffers.after_call(program, state, device_batch)
+                        program = programs.program(fn, state, device_batch)
+                        step_buffers.before_call(program, state, device_batch)
+                        state, step_metrics = program(state, device_batch)
                     total = metrics_lib.accumulate(total, step_metrics)
             run.checkpointer.check_for_errors()
             if lock is not None:

@@ -87,13 +87,19 @@ def test_explicit_attention_equals_jax_attention_with_masks_and_bias(query_witho
 
 
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("length", [512, 6])
-def test_causal_split_attention_equals_jax_attention(monkeypatch, length, padded):
-    """Causal self-attention split into query halves (recursively: 512 -> 256 + 256 -> ...) matches
-    `jax.nn.dot_product_attention` in value and gradients, as does an odd-halved length (6 -> 3 + 3, then unsplit);
-    `padded`: with a padding mask [B, 1, T, S] as a policy's rollouts have (left-padded prompts, right-padded replies),
-    on every query that has a key (a left pad's row has none: what it reads is no one's, and differs between forms)."""
+@pytest.mark.parametrize(
+    ("length", "block_min", "blocks"),
+    [(1024, 64, [128] * 8), (200, 64, [64, 64, 64, 8]), (7, 2, [2, 2, 2, 1])],
+)
+def test_causal_split_attention_equals_jax_attention(monkeypatch, length, block_min, blocks, padded):
+    """Causal self-attention computed in query blocks (`explicit.causal_blocks`: 1024 in 8 of 128, 200 in 64s and a
+    last of 8, 7 in 2s and a last of 1), each against the keys up to its last query, matches
+    `jax.nn.dot_product_attention` in value and gradients; `padded`: with a padding mask [B, 1, T, S] as a policy's
+    rollouts have (left-padded prompts, right-padded replies), on every query that has a key (a left pad's row has
+    none: what it reads is no one's, and differs between forms)."""
     monkeypatch.setattr(explicit, "CAUSAL_SPLIT_MIN_LEN", min(length, 128))
+    monkeypatch.setattr(explicit, "CAUSAL_BLOCK_MIN", block_min)
+    assert [b.stop - b.start for b in explicit.causal_blocks(length)] == blocks
     rng = np.random.default_rng(3)
     query, key, value = (rng.normal(size=(2, length, 2, 8)).astype(np.float32) for _ in range(3))
     mask, has_keys = None, np.ones((2, length, 1, 1), np.float32)

@@ -8,7 +8,9 @@ chooses it: on the CPU, and on every platform when attention dropout is on.
 import jax
 import jax.numpy as jnp
 
-CAUSAL_SPLIT_MIN_LEN = 128  # causal self-attention this long skips its masked upper-right quarter
+CAUSAL_SPLIT_MIN_LEN = 128  # causal self-attention this long is computed in query blocks, skipping masked scores
+CAUSAL_BLOCK_MIN = 64  # positions a query block holds at least ...
+CAUSAL_BLOCKS_MAX = 8  # ... and blocks at most (so a block grows past 64 positions beyond 512)
 
 
 def dot_product_attention(
@@ -30,8 +32,10 @@ def dot_product_attention(
     The form for the CPU, and wherever attention dropout needs the probabilities. XLA:CPU lowers the
     [B, T, N, H] einsums with transposes inside fusions; this form's forward+backward measured ~1.9x faster at
     B 12, T 64, N 4, H 32. Causal self-attention of CAUSAL_SPLIT_MIN_LEN positions or more (with or without a mask
-    [B, 1, T, S], e.g. padding) is computed in two query halves, the first against the first half of the keys only:
-    a quarter of the scores, all masked, are never computed.
+    [B, 1, T, S], e.g. padding) is computed in blocks of consecutive queries (`causal_blocks`), each against the keys
+    up to its last query only: of the scores above the diagonal, all masked, only the blocks' own corners are
+    computed (T 256: 62.5% of the scores in 4 blocks, where halving twice computed 69% in 3; forward+backward of
+    B 32, T 256, N 4, H 32 ~15% faster, of T 512 ~29%).
 
     sinks [N]: a logit per query head joined to each row's softmax as one more column, whose probability is then
     dropped (gpt-oss's attention sinks: a row's probabilities sum to less than 1).
@@ -42,26 +46,32 @@ def dot_product_attention(
     use_dropout = dropout_rng is not None and dropout_rate > 0.0
     length = query.shape[1]
     causal_self = is_causal and bias is None and not use_dropout and length == key.shape[1]
-    if causal_self and length >= CAUSAL_SPLIT_MIN_LEN and length % 2 == 0:
-        half = length // 2  # the first half's queries see only the first half of the keys
-
-        def part(queries: slice, keys: slice) -> jax.Array:
+    if causal_self and length >= CAUSAL_SPLIT_MIN_LEN:
+        parts = []
+        for queries in causal_blocks(length):
+            keys = slice(0, queries.stop)  # a block's queries see no key past its last
             rows = mask if mask is None or mask.shape[-2] == 1 else mask[..., queries, :]
-            return dot_product_attention(
-                query[:, queries],
-                key[:, keys],
-                value[:, keys],
-                mask=None if rows is None else rows[..., keys],
-                bias=None,
-                is_causal=True,
-                scale=scale,
-                dropout_rate=0.0,
-                dropout_rng=None,
-                sinks=sinks,
-            )
+            block_mask = None if rows is None else rows[..., keys]
+            parts.append(_materialised(query[:, queries], key[:, keys], value[:, keys], block_mask, scale, sinks))
+        return jnp.concatenate(parts, axis=1)
+    return _materialised(query, key, value, mask, scale, sinks, bias, is_causal, dropout_rate, dropout_rng)
 
-        first, second = part(slice(None, half), slice(None, half)), part(slice(half, None), slice(None))
-        return jnp.concatenate([first, second], axis=1)
+
+def _materialised(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    mask: jax.Array | None,
+    scale: float | None,
+    sinks: jax.Array | None,
+    bias: jax.Array | None = None,
+    is_causal: bool = True,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array:
+    """`dot_product_attention` in one piece: q [B, T, N, H], k/v [B, S, N, H] (heads already repeated); a causal
+    mask lets query t see keys up to S - T + t (a block of the last T queries)."""
+    use_dropout = dropout_rng is not None and dropout_rate > 0.0
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     query, key, value = (jnp.swapaxes(a, 1, 2) for a in (query, key, value))  # [B, N, T|S, H]
     logits = jnp.einsum("BNTH,BNSH->BNTS", query, key).astype(jnp.float32) * scale
@@ -78,6 +88,14 @@ def dot_product_attention(
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     return jnp.swapaxes(jnp.einsum("BNTS,BNSH->BNTH", probs.astype(value.dtype), value), 1, 2)  # [B, T, N, H]
+
+
+def causal_blocks(length: int) -> list[slice]:
+    """The query blocks of causal self-attention over `length` positions: CAUSAL_BLOCK_MIN positions each, or more
+    where that makes over CAUSAL_BLOCKS_MAX blocks (the last may be shorter). Fewer, larger blocks computed more
+    masked scores; more, smaller ones ran slower on XLA:CPU (each block's softmax and matmuls are ops of their own)."""
+    size = max(CAUSAL_BLOCK_MIN, -(-length // CAUSAL_BLOCKS_MAX))
+    return [slice(start, min(start + size, length)) for start in range(0, length, size)]
 
 
 def probabilities(logits: jax.Array, sinks: jax.Array | None = None) -> jax.Array:

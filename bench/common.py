@@ -326,7 +326,7 @@ class LmzooTrainer:
         with self.compiled.context():
             for _ in range(steps):
                 self.state, metrics = self.compiled.step(self.state, self.batch)
-            if self.buffers_kept is None:  # once, after the first step, as the loop does (the look-up takes ~20 ms)
+            if self.buffers_kept is None:  # once, after the first step, when looking the program up takes ~20 ms
                 self.buffers_kept = host_memory.keep_step_buffers_mapped(self.compiled.step, self.state, self.batch)
         loss_sum, count = jax.device_get(metrics["loss"])
         self.loss = float(loss_sum / count)

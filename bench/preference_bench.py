@@ -12,9 +12,11 @@ reference's log-probs computed in each step as lmzoo does (`precompute_ref_log_p
 GRPO: configs/hh_ppo.py:grpo's iteration, 8 prompts x 4 samples of 64 + 32 tokens, one update, split into the phases
 of `bench/ppo_bench.py` (whose lmzoo and trl timings this reuses), against trl's GRPOTrainer on the same shapes.
 
-Random weights (nothing is read). lmzoo's step is jitted and timed with `block_until_ready` after warm-up
-(`common.interleaved_ms`); trl's per step from its trainer callbacks, the first step (warm-up) dropped. torch uses
-every core, as XLA does.
+Random weights (nothing is read). lmzoo's DPO step runs as train.py runs it (`DpoStep`: compiled ahead, the state
+donated, the step's temporaries kept mapped, in a process set up as train.py's), each step timed with
+`block_until_ready` after two warm-up steps; trl's per step from its trainer callbacks, the first step (warm-up)
+dropped, in this process, with the C library's default malloc as its users run it. torch uses every core, as XLA does.
+The GRPO phases are jitted and timed here (`common.interleaved_ms`), with default malloc settings too.
 """
 
 import argparse
@@ -32,8 +34,10 @@ import common  # noqa: E402
 import ppo_bench  # noqa: E402
 
 from lmzoo import config as config_lib  # noqa: E402
-from lmzoo import objectives  # noqa: E402
+from lmzoo import kernels, objectives, sharding  # noqa: E402
+from lmzoo.kernels import host_memory  # noqa: E402
 from lmzoo.train import run as run_lib  # noqa: E402
+from lmzoo.trainers import base as trainer_lib  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPT_LEN = 128  # bytes; the reply fills the rest of data.seq_len, its last token the EOS
@@ -58,22 +62,61 @@ def dpo_texts(config, count: int, seed: int = 0) -> list[tuple[str, str, str]]:
     return [(text(prompt_len), text(reply_len), text(reply_len)) for _ in range(count)]
 
 
-def lmzoo_dpo_ms(config, repeats: int) -> tuple[float, float]:
-    """(min, median) ms of configs/hh_dpo.py's jitted train step on one batch of `dpo_texts`."""
-    objective = objectives.build(config)
-    trainer = objective.trainer(objective.model())
-    state = jax.jit(trainer.init)(jax.random.key(0))
-    rows = dpo_texts(config, config.train.batch_size)
-    tokens = np.array(
-        [
-            [[ord(c) for c in prompt + reply] + [EOS_ID] for reply in (chosen, rejected)]
-            for prompt, chosen, rejected in rows
-        ],
-        np.int32,
-    )  # [B, 2, seq_len]
-    batch = {"tokens": tokens, "prompt_lengths": np.full(len(rows), len(rows[0][0]), np.int32)}
-    step = jax.jit(lambda st: trainer.step(st, batch)[0])
-    return common.interleaved_ms({"step": (step, state)}, repeats)["step"]
+class DpoStep:
+    """configs/hh_dpo.py's train step as train.py runs it, on one batch of `dpo_texts`: compiled through
+    `compile_trainer` ahead of its first call (the state donated, the batch on the mesh), its temporaries kept mapped
+    from before that call (`host_memory.StepBuffers`), in a process set up as train.py's (`common.Isolated`)."""
+
+    def __init__(self, tiny: bool, prompt_once: bool):
+        config = hh_dpo_config(tiny)
+        if prompt_once:  # each prompt run once for its two replies (the texts' prompts are PROMPT_LEN bytes)
+            config.objective.max_prompt_len = min(PROMPT_LEN, config.data.seq_len // 2)
+        objective = objectives.build(config)
+        self.compiled = trainer_lib.compile_trainer(
+            objective.trainer(objective.model()), mesh=sharding.make_mesh(), rules=sharding.axis_rules(), seed=0
+        )
+        rows = dpo_texts(config, config.train.batch_size)
+        tokens = np.array(
+            [
+                [[ord(c) for c in prompt + reply] + [EOS_ID] for reply in (chosen, rejected)]
+                for prompt, chosen, rejected in rows
+            ],
+            np.int32,
+        )  # [B, 2, seq_len]
+        batch = {"tokens": tokens, "prompt_lengths": np.full(len(rows), len(rows[0][0]), np.int32)}
+        with self.compiled.context():
+            self.state = self.compiled.init(jax.random.key(0))
+            self.batch = sharding.put_batch(batch, self.compiled.batch_sharding)
+            self.program = self.compiled.step.lower(self.state, self.batch).compile()
+        host_memory.StepBuffers(kernels.platform()).before_call(self.program, self.state, self.batch)
+
+    def run(self, steps: int) -> list[float]:
+        """Milliseconds of each of `steps` steps, each waited for."""
+        times = []
+        for _ in range(steps):
+            began = time.perf_counter()
+            self.state, metrics = jax.block_until_ready(self.program(self.state, self.batch))
+            times.append(1e3 * (time.perf_counter() - began))
+        return times
+
+
+def lmzoo_dpo_ms(tiny: bool, repeats: int) -> dict[str, float]:
+    """Median ms of the DPO step, "dpo step" (both rows whole) and "dpo step, prompt once", each in a process of its
+    own (`DpoStep`), after two warm-up steps, the two timed in alternating order so the machine's drift hits both
+    alike."""
+    variants = {"dpo step": False, "dpo step, prompt once": True}
+    steps = {name: common.Isolated(DpoStep, tiny, prompt_once) for name, prompt_once in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    try:
+        for step in steps.values():
+            step.run(2)
+        for r in range(repeats):
+            for name in list(steps) if r % 2 == 0 else list(steps)[::-1]:
+                times[name] += steps[name].run(1)
+    finally:
+        for step in steps.values():
+            step.close()
+    return {name: statistics.median(ms) for name, ms in times.items()}
 
 
 def trl_dpo_seconds(config, steps: int) -> list[float]:
@@ -151,12 +194,7 @@ def main():
         f"{grpo_config.train.batch_size} prompts x {s.samples_per_prompt} samples x ({s.prompt_len} + {s.response_len}) "
         f"tokens, {s.epochs} epoch x {s.minibatches} minibatch"
     )
-    budget_config = hh_dpo_config(args.tiny)
-    budget_config.objective.max_prompt_len = min(PROMPT_LEN, dpo_config.data.seq_len // 2)  # the texts' prompts
-    lmzoo = {
-        "dpo step": lmzoo_dpo_ms(dpo_config, args.repeats)[1],
-        "dpo step, prompt once": lmzoo_dpo_ms(budget_config, args.repeats)[1],
-    }
+    lmzoo = lmzoo_dpo_ms(args.tiny, args.repeats)
     lmzoo |= {f"grpo {part}": ms[1] for part, ms in ppo_bench.lmzoo_parts(grpo_config, args.repeats).items()}
     columns = {"lmzoo": lmzoo}
     if args.trl:

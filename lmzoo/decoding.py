@@ -262,37 +262,64 @@ def generate(
         done = first.mask[:, -1] == 0  # stopped (EOS or a stop sequence) before the cached part's end
         if eos_id is not None:
             done = done | jnp.any(first.tokens == eos_id, axis=1)
-    for _ in range(max_new_tokens - cached):
-        if bool(jnp.all(done)):
-            new.append(jnp.full((prompts.shape[0], 1), pad_id, jnp.int32))
-            continue
-        rng, step_rng = jax.random.split(rng)
-        window, window_mask = prompts[:, -max_len:], prompt_mask[:, -max_len:]
-        token = jnp.where(done, pad_id, _next_from_window(model, params, window, window_mask, step_rng, **sampling))
-        new.append(token[:, None].astype(jnp.int32))
-        prompts = jnp.concatenate([prompts[:, -max_len:], new[-1]], axis=1)
-        prompt_mask = jnp.concatenate([window_mask, (~done)[:, None].astype(jnp.int32)], axis=1)
-        if eos_id is not None:
-            done = done | (token == eos_id)
-    return jnp.concatenate(new, axis=1)
+    windowed = _sample_windows(
+        model,
+        params,
+        prompts[:, -max_len:],
+        prompt_mask[:, -max_len:],
+        done,
+        rng,
+        steps=max_new_tokens - cached,
+        eos_id=eos_id,
+        pad_id=int(pad_id),
+        **sampling,
+    )
+    return jnp.concatenate([*new, windowed], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "temperature", "top_k", "top_p", "vocab_size"))
-def _next_from_window(model, params, window, mask, rng, *, temperature, top_k, top_p, vocab_size):
-    """The next token [B] after a window [B, W <= max_len] (mask [B, W]: 1 for real tokens), its positions from 0."""
-    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    last = window.shape[1] - 1
-    logits, _ = model.apply(
-        {"params": params},
-        window,
-        (last, last + 1),  # the head reads the last position alone
-        positions=positions,
-        segment_ids=mask.astype(jnp.int32),
-        method="window_logits",
-    )
-    return sample_logits(
-        rng, logits[:, 0].astype(jnp.float32), temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=vocab_size
-    )
+@functools.partial(
+    jax.jit, static_argnames=("model", "steps", "temperature", "top_k", "top_p", "vocab_size", "eos_id", "pad_id")
+)
+def _sample_windows(
+    model, params, window, mask, done, rng, *, steps, temperature, top_k, top_p, vocab_size, eos_id, pad_id
+):
+    """`steps` new tokens [B, steps], each predicted from the window [B, max_len] of the tokens before it (mask
+    [B, max_len]: 1 for real tokens; its positions from 0), which then slides one token on: every position shifts, so
+    nothing is cached. One device loop, which stops once every row is `done` (an EOS drawn, or done [B] given):
+    `pad_id` after that."""
+
+    def next_token(window, mask, key):
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        last = window.shape[1] - 1
+        logits, _ = model.apply(
+            {"params": params},
+            window,
+            (last, last + 1),  # the head reads the last position alone
+            positions=positions,
+            segment_ids=mask,
+            method="window_logits",
+        )
+        return sample_logits(
+            key,
+            logits[:, 0].astype(jnp.float32),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            vocab_size=vocab_size,
+        )
+
+    def body(carry):
+        i, rng, window, mask, done, out = carry
+        rng, key = jax.random.split(rng)
+        token = jnp.where(done, pad_id, next_token(window, mask, key)).astype(jnp.int32)
+        window = jnp.concatenate([window[:, 1:], token[:, None]], axis=1)
+        mask = jnp.concatenate([mask[:, 1:], (~done)[:, None].astype(mask.dtype)], axis=1)
+        done = done | (token == eos_id) if eos_id is not None else done
+        return i + 1, rng, window, mask, done, out.at[:, i].set(token)
+
+    out = jnp.full((window.shape[0], steps), pad_id, jnp.int32)
+    carry = (jnp.int32(0), rng, window, mask.astype(jnp.int32), done, out)
+    return jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[4]), body, carry)[-1]
 
 
 def _check_seq2seq_inputs(model: nn.Module, inputs: jax.Array, max_new_tokens: int) -> jax.Array:

@@ -128,6 +128,30 @@ def test_generation_past_max_len_slides_the_window(gpt2):
         )
 
 
+def test_sampling_past_max_len_draws_each_token_from_its_window_and_stops_at_eos(gpt2):
+    """Sampled past the 16 positions (a prompt of 20: every token from a window), token i is drawn with the i-th key
+    split off the seed from the logits of one forward pass over the last 16 tokens; given an EOS, the row stops at
+    its first draw and is padded after it (the device loop ends there)."""
+    model, params = gpt2
+    forward = jax.jit(lambda w: model.apply({"params": params}, w, positions=jnp.arange(w.shape[1])[None]))
+    prompt = np.arange(20).reshape(1, 20) % 32
+    rng, tokens = jax.random.key(7), list(prompt[0])
+    for _ in range(12):
+        rng, key = jax.random.split(rng)
+        logits = forward(np.array([tokens[-16:]]))[:, -1]
+        tokens.append(int(decoding.sample_logits(key, logits, temperature=1.0, top_k=0, top_p=1.0)[0]))
+    drawn = tokens[20:]
+
+    def generate(**kwargs):
+        new = decoding.generate(model, params, prompt, rng=jax.random.key(7), max_new_tokens=12, **kwargs)
+        return np.asarray(new)[0].tolist()
+
+    assert generate() == drawn
+    eos = drawn[5]
+    stop = drawn.index(eos)
+    assert generate(eos_id=eos, pad_id=31) == drawn[: stop + 1] + [31] * (11 - stop)
+
+
 @pytest.mark.parametrize("bad_id", [32, -1])
 def test_out_of_range_prompt_ids_raise(gpt2, bad_id):
     with pytest.raises(ValueError, match=r"prompt contains token ids outside \[0, 32\)"):

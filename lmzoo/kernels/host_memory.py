@@ -135,10 +135,9 @@ class StepBuffers:
     """The training loop's one hook into the process's malloc, for the platform its mesh runs on.
 
     On the CPU: from a compiled function's first call its temporaries are kept mapped (`keep_step_buffers_mapped`,
-    once per function), so only that call maps them fresh (set after it, the second call mapped them again: ~350k
-    page faults, 0.2 s, for gpt2_124m's batch-1 step), and freed pages go back to the OS around evaluations and at
-    the end. On accelerators, whose step buffers live on the device, every method does nothing: no lowering, no glibc
-    call.
+    once per function), so only that call maps them fresh (set after it, the second call would map them again), and
+    freed pages go back to the OS around evaluations and at the end. On accelerators, whose step buffers live on the
+    device, every method does nothing: no lowering, no glibc call.
     """
 
     def __init__(self, platform: str):

@@ -15,10 +15,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROGRAM = textwrap.dedent(
     """
     import resource, sys
+    from lmzoo.kernels import host_memory
+
+    # As train.py sets its process up: one-device steps run on the calling thread, so each call's temporaries come
+    # from its heap (on JAX's worker threads, two calls may run on threads of different heaps).
+    host_memory.set_up_process()
     import jax, jax.numpy as jnp, numpy as np
     from lmzoo import config as config_lib, models, sharding
     from lmzoo.objectives import tasks
-    from lmzoo.kernels import host_memory
     from lmzoo.trainers import optim
     from lmzoo.trainers import base as trainer_lib, supervised
 

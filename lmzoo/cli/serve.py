@@ -331,7 +331,15 @@ class Server:
     """The HTTP application over one engine. `start` binds and starts the engine's thread, `close` stops both;
     `run` does the two around SIGTERM / Ctrl-C (the command line's)."""
 
-    def __init__(self, served: Served, *, slots: int = 16, chunk: int = 16, length: int | None = None):
+    def __init__(
+        self,
+        served: Served,
+        *,
+        slots: int = 16,
+        chunk: int = 16,
+        length: int | None = None,
+        lanes: int | None = None,
+    ):
         self.served, self.tokenizer = served, served.tokenizer
         self.params = jax.device_put(served.params)
         eos_ids = self.tokenizer.eos_ids
@@ -341,6 +349,7 @@ class Server:
             slots=slots,
             length=length,
             chunk=chunk,
+            lanes=lanes,
             eos_ids=eos_ids,
             pad_id=self.tokenizer.pad_id or 0,
             vocab_size=self.tokenizer.vocab_size,
@@ -405,7 +414,10 @@ class Server:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 asyncio.get_running_loop().add_signal_handler(sig, stopping.set)
             bound = await self.start(host, port)
-            print(f"serving {self.served.name!r} on http://{host}:{bound}/v1 ({self.engine.slots} slots)", flush=True)
+            print(
+                f"serving {self.served.name!r} on http://{host}:{bound}/v1 ({self.engine.slots} slots in {len(self.engine.lanes)} lanes)",
+                flush=True,
+            )
             await stopping.wait()
             print("shutting down", file=sys.stderr, flush=True)
             await self.close()
@@ -845,6 +857,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=16, help="Sequences decoded together; more requests wait.")
     parser.add_argument("--chunk", type=int, default=16, help="Decode steps per device call (requests join between).")
     parser.add_argument(
+        "--lanes",
+        type=int,
+        help="Lanes the slots are split into, each stepped on a thread of its own (default: one a core on a CPU, "
+        "each of at least 8 slots; one on an accelerator).",
+    )
+    parser.add_argument(
         "--max_model_len", type=int, help="Positions per slot, prompt and reply (default: the model's)."
     )
     parser.add_argument("--served_model_name", help="The model name requests give (default: --workdir or --init_from).")
@@ -857,9 +875,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError("give --workdir=RUN (a train.py run) or --init_from=hf:FOLDER (a HuggingFace checkpoint)")
     if args.step is not None and not args.workdir:
         raise ValueError("--step picks a checkpoint of --workdir's run; --init_from has none")
-    for name in ("slots", "chunk"):
-        if getattr(args, name) < 1:
+    for name in ("slots", "chunk", "lanes"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name}={getattr(args, name)}: must be at least 1")
+    if args.lanes is not None and args.slots % args.lanes:
+        raise ValueError(f"--lanes={args.lanes}: must divide --slots={args.slots} evenly (each lane gets as many)")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ValueError(f"--max_model_len={args.max_model_len}: must be at least 2")
     if not 0 <= args.port < 65536:
@@ -877,7 +897,7 @@ def main(argv: list[str] | None = None) -> None:
             served = load_run(args.workdir, args.step, **options)
         else:
             served = load_pretrained(args.init_from, **options)
-        server = Server(served, slots=args.slots, chunk=args.chunk, length=args.max_model_len)
+        server = Server(served, slots=args.slots, chunk=args.chunk, length=args.max_model_len, lanes=args.lanes)
         print(f"compiling the engine for {served.source} ...", file=sys.stderr, flush=True)
         server.warm_up()
         server.run(args.host, args.port)

@@ -332,6 +332,72 @@ def test_served_a_request_arriving_mid_chunk_gets_its_first_token_after_short_ch
         engine.Engine(model, params, slots=2, chunk=16, short_chunk=0)
 
 
+def test_lanes_decode_side_by_side_as_one_lane_does(gpt2):
+    """Four slots in two lanes: nine requests (greedy, and sampled n = 2 by seed) run in both lanes at once, each
+    reply what one lane of four slots gives, greedy ones `decoding.generate`'s token for token."""
+    model, params = gpt2
+    greedy_prompts = prompts(53, (5, 3, 9, 1, 7, 12, 4), seed=2)
+    requests = [engine.Request(p, max_tokens=2 + 3 * i, temperature=0.0) for i, p in enumerate(greedy_prompts)]
+    requests += [engine.Request(p, 9, 1.0, top_k=5, seed=s, n=2) for s, p in enumerate(prompts(53, (4, 6), seed=3))]
+    laned = engine.Engine(model, params, slots=4, chunk=3, lanes=2)
+    assert [lane.slots for lane in laned.lanes] == [2, 2]
+    replies = [[o.tokens for o in t.outputs] for t in laned.generate(requests)]
+    one_lane = engine.Engine(model, params, slots=4, chunk=3, lanes=1)
+    assert replies == [[o.tokens for o in t.outputs] for t in one_lane.generate(requests)]
+    expected = greedy_references(model, params, greedy_prompts, [r.max_tokens for r in requests[:7]])
+    assert [r[0] for r in replies[:7]] == expected
+    assert all(np.asarray(lane.state.generated).max() > 0 for lane in laned.lanes)  # both lanes decoded
+    assert laned.stats["slot_fills"] == 11 and laned.stats["prefilled_prompts"] == 9 and not laned.busy
+
+
+def test_lanes_serve_concurrent_submitters_and_a_failing_lane_fails_every_ticket(gpt2, monkeypatch):
+    model, params = gpt2
+    eng = engine.Engine(model, params, slots=4, chunk=4, lanes=2)
+    batch = prompts(53, (3, 4, 5, 6, 7, 8), seed=6)
+    eng.start()
+    try:
+        tickets = [eng.submit(engine.Request(p, 5, 0.0)) for p in batch]
+        assert all(t.wait(timeout=120) for t in tickets)
+    finally:
+        eng.stop()
+    assert [t.outputs[0].tokens for t in tickets] == greedy_references(model, params, batch, [5] * len(batch))
+
+    def lost():
+        raise RuntimeError("the device is gone")
+
+    # Two requests of n = 2 queued, then the threads started: lane 0 (two slots) can take one only, so the failing
+    # lane steps for the other; the request running in the healthy lane ends with the error too.
+    monkeypatch.setattr(eng.lanes[1], "step", lost)
+    tickets = [eng.submit(engine.Request(p, 30, 0.0, n=2)) for p in batch[:2]]
+    eng.start()
+    try:
+        assert all(t.wait(timeout=120) for t in tickets)
+    finally:
+        eng.stop()
+    for ticket in tickets:
+        assert [o.finish_reason for o in ticket.outputs] == ["error", "error"]
+        assert "the device is gone" in str(ticket.error)
+    with pytest.raises(RuntimeError, match="the engine has failed"):
+        eng.submit(engine.Request(batch[0], 3, 0.0))
+    monkeypatch.setattr(engine._Lane, "step", lambda lane: lost())
+    with pytest.raises(RuntimeError, match="the device is gone"):  # generate raises a lane's error
+        engine.Engine(model, params, slots=4, chunk=4, lanes=2).generate([engine.Request(p, 5, 0.0) for p in batch])
+
+
+def test_default_lanes_are_one_a_core_on_a_cpu_each_of_eight_slots_or_more(gpt2, monkeypatch):
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert [engine.default_lanes(s) for s in (64, 24, 20, 9, 4)] == [4, 3, 2, 1, 1]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    assert engine.default_lanes(64, mesh) == 4  # a one-device mesh runs as no mesh
+    if len(jax.devices()) > 1:
+        assert engine.default_lanes(64, jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))) == 1
+    model, params = gpt2
+    with pytest.raises(ValueError, match="lanes=3: must divide the 4 slots evenly"):
+        engine.Engine(model, params, slots=4, lanes=3)
+    with pytest.raises(ValueError, match=r"n=3: must be between 1 and the 2 slots of a lane \(the engine's 4 slots"):
+        engine.Engine(model, params, slots=4, lanes=2).check(engine.Request((1, 2), n=3))
+
+
 @pytest.mark.parametrize(
     "request_fields, message",
     [

@@ -300,7 +300,8 @@ def test_a_failed_engine_answers_500_not_silence(running, monkeypatch):
         def lost():
             raise RuntimeError("the device is gone")
 
-        monkeypatch.setattr(other.server.engine, "step", lost)
+        for lane in other.server.engine.lanes:  # each steps on a thread of its own
+            monkeypatch.setattr(lane, "step", lost)
         status, payload = other.post("/v1/completions", {"prompt": "the", "max_tokens": 4})
         assert status == 500 and "the device is gone" in payload["error"]["message"]
         connection = http.client.HTTPConnection("127.0.0.1", other.port, timeout=10)
@@ -365,6 +366,8 @@ def test_cli_user_errors_are_one_line(capsys):
         (["--workdir=/nonexistent/run"], "/nonexistent/run/config.json not found"),
         (["--init_from=/models/x"], "give hf:FOLDER"),
         (["--workdir=run", "--slots=0"], "--slots=0: must be at least 1"),
+        (["--workdir=run", "--slots=16", "--lanes=3"], "--lanes=3: must divide --slots=16 evenly"),
+        (["--workdir=run", "--lanes=0"], "--lanes=0: must be at least 1"),
         (["--workdir=run", "--port=many"], "argument --port: invalid int value"),
     ):
         with pytest.raises(SystemExit) as exit_:

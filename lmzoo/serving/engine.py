@@ -199,14 +199,12 @@ class Engine:
         )
         lane_slots = self.lanes[0].slots
         if not 1 <= request.n <= lane_slots:
-            where = (
-                f"the engine's {lane_slots} slots"
-                if len(self.lanes) == 1
-                else (
-                    f"the {lane_slots} slots of a lane (the engine's {self.slots} slots are {len(self.lanes)} lanes; a "
-                    "request's samples share one prefill, in one lane)"
+            where = f"the engine's {lane_slots} slots"
+            if len(self.lanes) > 1:
+                where = (
+                    f"the {lane_slots} slots of a lane (the engine's {self.slots} slots are {len(self.lanes)} lanes; "
+                    "a request's samples share one prefill, in one lane)"
                 )
-            )
             raise ValueError(f"n={request.n}: must be between 1 and {where}")
         limit = self.vocab_size or self.model_vocab
         bad = [t for t in request.prompt if not 0 <= t < limit]

@@ -1,5 +1,6 @@
 """Subprocess entry point of the sharded engine test: greedy replies of a tiny Llama (`build`) on 4 simulated CPU
-devices, params sharded over a (data 2, tensor 2) mesh, printed as a JSON list.
+devices, params sharded over a (data 2, tensor 2) mesh, printed as JSON with the lanes a 64-slot engine takes by
+default on that mesh and with no mesh (4 devices listed, one used).
 
     python tests/serving/engine_devices.py '{"prompts": [[...], ...], "max_tokens": N}'
 """
@@ -36,7 +37,8 @@ def main(job: dict) -> None:
     assert any(len(leaf.sharding.device_set) > 1 for leaf in jax.tree.leaves(placed))
     requests = [engine.Request(tuple(p), job["max_tokens"], 0.0) for p in job["prompts"]]
     sharded = engine.Engine(model, placed, slots=4, chunk=4, mesh=mesh, rules=rules).generate(requests)
-    print(json.dumps([t.outputs[0].tokens for t in sharded]))
+    lanes = {"mesh": engine.default_lanes(64, mesh), "no_mesh": engine.default_lanes(64)}
+    print(json.dumps({"replies": [t.outputs[0].tokens for t in sharded], "default_lanes": lanes}))
 
 
 if __name__ == "__main__":
